@@ -1,0 +1,194 @@
+"""Typed errors with stable numeric codes.
+
+Every failure the project reports -- from the C++ core, the store, the daemon or the wire -- is one
+of these classes. The numeric ``code`` travels on the socket and the client re-raises the same class
+(``error_from_code``), so a caller catches ``BlockChecksumError`` whether the controller runs in its
+own process or in the daemon. Codes are part of the wire contract: never renumber, only add.
+"""
+from __future__ import annotations
+
+
+class FlashError(Exception):
+    """Base of every deepseek-flash error. ``code`` is stable across releases."""
+
+    code = 1
+
+    def __init__(self, message: str, **fields):
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+    def to_wire(self) -> dict:
+        return {"code": self.code, "message": self.message, "fields": _plain(self.fields)}
+
+
+def _plain(fields: dict) -> dict:
+    return {k: v if isinstance(v, (str, int, float, bool, type(None), list, tuple)) else str(v)
+            for k, v in fields.items()}
+
+
+# --- store (1xx) -------------------------------------------------------------------------------
+class StoreError(FlashError):
+    code = 100
+
+
+class NotAModelDirectory(StoreError):
+    code = 101
+
+
+class MissingShard(StoreError):
+    code = 102
+
+
+class CorruptSafetensors(StoreError):
+    code = 103
+
+
+class UnsupportedModel(StoreError):
+    """An architecture, dtype or tensor name the packer does not know."""
+
+    code = 104
+
+
+class StoreExists(StoreError):
+    code = 105
+
+
+class MetadataError(StoreError):
+    """flash_metadata.bin missing, truncated, of wrong magic or of a newer format version."""
+
+    code = 106
+
+
+class BlockChecksumError(StoreError):
+    """A block's bytes do not match its crc32c (``block_id`` names it)."""
+
+    code = 107
+
+
+class NotAStore(StoreError):
+    code = 108
+
+
+class StoreInUse(StoreError):
+    code = 109
+
+
+# --- native IO (2xx) ---------------------------------------------------------------------------
+class FlashIOError(FlashError):
+    """An IO failure with ``errno``, ``path``, ``offset`` and ``block_id`` (-1 when none)."""
+
+    code = 200
+
+
+class ArenaError(FlashError):
+    code = 210
+
+
+class ArenaFull(ArenaError):
+    code = 211
+
+
+class DeviceError(FlashError):
+    """A device (GPU, NVMe) missing, failed or not readable."""
+
+    code = 220
+
+
+# --- protocol (3xx) ----------------------------------------------------------------------------
+class ProtocolError(FlashError):
+    code = 300
+
+
+class MalformedFrame(ProtocolError):
+    code = 301
+
+
+class FrameTooLarge(ProtocolError):
+    code = 302
+
+
+class VersionMismatch(ProtocolError):
+    code = 303
+
+
+class UnknownOperation(ProtocolError):
+    code = 304
+
+
+class PermissionDenied(ProtocolError):
+    code = 310
+
+
+class LimitExceeded(ProtocolError):
+    """A per-client limit (outstanding requests, leases) was hit."""
+
+    code = 320
+
+
+# --- controller (4xx) --------------------------------------------------------------------------
+class UnknownModel(FlashError):
+    code = 400
+
+
+class UnknownBlock(FlashError):
+    code = 401
+
+
+class BudgetTooSmall(FlashError):
+    """A memory budget cannot hold what must be resident; the message names the sizes."""
+
+    code = 402
+
+
+class OutOfMemory(FlashError):
+    code = 403
+
+
+class LeaseError(FlashError):
+    code = 404
+
+
+class UnknownClient(FlashError):
+    code = 405
+
+
+# --- configuration (5xx) -----------------------------------------------------------------------
+class ConfigError(FlashError):
+    """An invalid configuration value: ``key``, ``value`` and ``allowed`` name it."""
+
+    code = 500
+
+
+# --- availability (6xx) ------------------------------------------------------------------------
+class DaemonNotRunning(FlashError):
+    code = 600
+
+
+class DaemonAlreadyRunning(FlashError):
+    code = 601
+
+
+class ShuttingDown(FlashError):
+    code = 602
+
+
+def _all_subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _all_subclasses(sub)
+
+
+def error_from_code(code: int, message: str, fields: dict | None = None) -> FlashError:
+    """The typed exception for a wire error (``FlashError`` itself for a code this side lacks)."""
+    cls = _BY_CODE.get(code, FlashError)
+    err = cls(message, **(fields or {}))
+    if cls is FlashError:
+        err.code = code
+    return err
+
+
+_BY_CODE = {cls.code: cls for cls in [FlashError, *_all_subclasses(FlashError)]}
+assert len(_BY_CODE) == 1 + len(list(_all_subclasses(FlashError))), "duplicate error code"

@@ -1,0 +1,1 @@
+"""The on-disk block store: format, pack, read, verify, inspect, repair."""

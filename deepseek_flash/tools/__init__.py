@@ -1,0 +1,1 @@
+"""Operator tools: benchmark, profiler, health checker, defrag, prune."""

@@ -1,0 +1,41 @@
+"""Build and install deepseek-flash.
+
+The repository's top-level folders are the subpackages of one import name, ``deepseek_flash``:
+
+    deepseek_flash/   -> deepseek_flash            public API, CLI, block store format, tools
+    client/           -> deepseek_flash.client     client library (socket + embedded), model loader
+    daemon/           -> deepseek_flash.daemon     the controller: block manager, prefetch, fabric, server
+    sysfs_shim/       -> deepseek_flash.sysfs_shim status tree publisher (/run/deepseek_flash)
+    ext/              -> deepseek_flash._core      C++ data plane (pybind11): IO engine, host arena, crc32c
+    systemd/, etc/    -> package data              unit files and the default config
+"""
+from glob import glob
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+PACKAGE_DIRS = {
+    "deepseek_flash": "deepseek_flash",
+    "deepseek_flash.store": "deepseek_flash/store",
+    "deepseek_flash.tools": "deepseek_flash/tools",
+    "deepseek_flash.client": "client",
+    "deepseek_flash.daemon": "daemon",
+    "deepseek_flash.sysfs_shim": "sysfs_shim",
+}
+
+core = Pybind11Extension(
+    "deepseek_flash._core",
+    sorted(glob("ext/*.cpp")),
+    include_dirs=["ext"],
+    cxx_std=17,
+    extra_compile_args=["-O3", "-Wall", "-Wextra", "-fvisibility=hidden"],
+    libraries=["pthread"],
+)
+
+setup(
+    packages=list(PACKAGE_DIRS),
+    package_dir=PACKAGE_DIRS,
+    package_data={"deepseek_flash": ["_core.pyi", "py.typed", "data/*"]},
+    ext_modules=[core],
+    cmdclass={"build_ext": build_ext},
+)
