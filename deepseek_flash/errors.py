@@ -175,6 +175,19 @@ class ShuttingDown(FlashError):
     code = 602
 
 
+# --- store, appended (1xx) ---------------------------------------------------------------------
+class NoSpace(StoreError):
+    """The file system filled up while writing a store (``path`` names it); nothing was left behind."""
+
+    code = 110
+
+
+class RepairIncomplete(StoreError):
+    """``repair`` could not recover every block; ``bad_blocks`` lists them."""
+
+    code = 111
+
+
 def _all_subclasses(cls):
     for sub in cls.__subclasses__():
         yield sub
