@@ -14,6 +14,10 @@ from .errors import FlashError
 
 COMMANDS: dict[str, str] = {
     # verb: module (relative to deepseek_flash)
+    "pack": ".store.cli_pack",
+    "verify": ".store.cli_verify",
+    "inspect": ".store.cli_inspect",
+    "repair": ".store.cli_repair",
 }
 
 
