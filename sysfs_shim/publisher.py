@@ -51,7 +51,6 @@ STATUS_FIELDS: dict[str, str] = {
 
 # name: (Prometheus type, HELP)
 STATS_FIELDS: dict[str, tuple[str, str]] = {
-    "prefetch_hit_count": ("counter", "Block requests served from an already resident block."),
     "prefetch_miss_count": ("counter", "Block requests that had to wait for a read."),
     "block_eviction_count": ("counter", "Blocks evicted from the host tier."),
     "fabric_stall_cycles": ("counter", "Times a consumer waited on a GPU copy that was not done."),
@@ -59,12 +58,21 @@ STATS_FIELDS: dict[str, tuple[str, str]] = {
     "connected_clients": ("gauge", "Clients connected to the control socket now."),
     "bytes_read_nvme": ("counter", "Bytes read from the block stores."),
     "bytes_h2d": ("counter", "Bytes copied from host memory to GPUs."),
-    "host_arena_bytes": ("gauge", "Size of the host arena."),
-    "host_used_bytes": ("gauge", "Host arena bytes holding blocks."),
-    "checksum_error_count": ("counter", "Blocks whose bytes failed their crc32c."),
-    "io_error_count": ("counter", "Reads that failed with an IO error."),
-    "reload_count": ("counter", "Configuration reloads attempted (SIGHUP)."),
-    "uptime_seconds": ("gauge", "Seconds since the controller started."),
+    "hits": ("counter", "Block requests served from a resident block."),
+    "misses": ("counter", "Block requests that found the block absent."),
+    "evictions": ("counter", "Blocks evicted from the host tier."),
+    "prefetch_issued": ("counter", "Blocks read ahead of use by the prefetcher."),
+    "prefetch_used": ("counter", "Prefetched blocks later requested (the prefetch paid off)."),
+    "prefetch_dropped": ("counter", "Prefetches dropped for lack of room."),
+    "load_errors": ("counter", "Block reads that failed (IO or checksum)."),
+    "checksum_errors": ("counter", "Blocks whose bytes failed their crc32c."),
+    "leases_granted": ("counter", "Leases granted to clients."),
+    "unloads": ("counter", "Models unloaded."),
+    "host_bytes_used": ("gauge", "Host arena bytes holding blocks."),
+    "host_bytes_total": ("gauge", "Size of the host arena."),
+    "resident_blocks": ("gauge", "Blocks resident in the host tier."),
+    "loading_blocks": ("gauge", "Blocks being read now."),
+    "open_models": ("gauge", "Models open in the controller."),
 }
 
 _COUNTER_SUFFIXES = ("_count", "_total", "_cycles")
@@ -124,12 +132,9 @@ class StatusTree:
 def render(snapshot: Mapping) -> dict[str, bytes]:
     """The tree's files for ``snapshot``: relative path -> bytes (pure; publish writes them)."""
     files: dict[str, bytes] = {}
-    for section, content in snapshot.items():
+    for section, content in _sections(snapshot).items():
         if section == "models":
             continue
-        if not isinstance(content, Mapping):
-            raise ValueError(f"status snapshot section {section!r} must be a mapping, "
-                             f"got {type(content).__name__}")
         _check_file_name(section, "section")
         if section == "status":
             content = _status_order(content)
@@ -146,11 +151,15 @@ def render(snapshot: Mapping) -> dict[str, bytes]:
 
 def render_metrics(snapshot: Mapping) -> str:
     """The snapshot's numbers in the Prometheus text exposition format (0.0.4)."""
+    snapshot = _sections(snapshot)
     families: dict[str, tuple[str, str, list[tuple[dict, float]]]] = {}
 
     def add(name: str, kind: str, help_text: str, labels: dict, value) -> None:
         metric = _PREFIX + _NAME_BAD.sub("_", name)
-        families.setdefault(metric, (kind, help_text, []))[2].append((labels, value))
+        samples = families.setdefault(metric, (kind, help_text, []))[2]
+        # A field in both status and stats (prefetch_hit_rate) is one series, not two.
+        if all(existing != labels for existing, _ in samples):
+            samples.append((labels, value))
 
     status = _status_order(snapshot.get("status") or {})
     for key, value in _flatten(status).items():
@@ -202,6 +211,11 @@ def render_metrics(snapshot: Mapping) -> str:
     return "\n".join(out) + "\n" if out else ""
 
 
+def format_fields(fields: Mapping, *, status: bool = False) -> str:
+    """One mapping as the tree writes it (``status=True``: the status file's order and formats)."""
+    return _lines(_flatten(_status_order(fields) if status else fields)).decode()
+
+
 def parse(text: str) -> dict[str, str]:
     """The ``key: value`` lines of a tree file as a dict (values stay strings)."""
     fields = {}
@@ -215,6 +229,18 @@ def parse(text: str) -> dict[str, str]:
 
 
 # --- rendering helpers ----------------------------------------------------------------------------
+
+def _sections(snapshot: Mapping) -> dict:
+    """The snapshot with its top-level plain values moved into ``status``."""
+    if not isinstance(snapshot, Mapping):
+        raise ValueError(f"status snapshot must be a mapping, got {type(snapshot).__name__}")
+    loose = {k: v for k, v in snapshot.items() if not isinstance(v, Mapping)}
+    if not loose:
+        return dict(snapshot)
+    sections = {k: v for k, v in snapshot.items() if isinstance(v, Mapping)}
+    sections["status"] = {**loose, **sections.get("status", {})}
+    return sections
+
 
 def _status_order(status: Mapping) -> dict:
     state = status.get("controller_state")
@@ -231,27 +257,55 @@ def _status_order(status: Mapping) -> dict:
 
 
 def _model_parts(name: str, model: Mapping) -> tuple[dict, dict, dict]:
-    """(info, blocks, residency) lines of one model entry."""
+    """(info, blocks, residency) lines of one model entry.
+
+    The per-block list may come as ``blocks`` or as ``residency`` (a list, or a mapping of block
+    id to fields); a ``residency`` mapping of plain values is a summary and is shown as it is.
+    Without a summary, residency counts the blocks and bytes in each ``state`` (or ``tier``).
+    """
     if not isinstance(model, Mapping):
         raise ValueError(f"status snapshot model {name!r} must be a mapping, got {type(model).__name__}")
-    blocks = model.get("blocks")
+    per_block = None
+    summary = None
     info: dict = {"name": name}
+    for key, value in model.items():
+        if key in ("blocks", "residency") and _is_block_list(value):
+            per_block = value
+        elif key == "residency" and isinstance(value, Mapping):
+            summary = value
+        else:
+            info[key] = value
     block_lines: dict = {}
-    if isinstance(blocks, Mapping):
-        block_lines = {str(k): _block_line(v) for k, v in blocks.items()}
-    elif isinstance(blocks, (list, tuple)):
-        for index, block in enumerate(blocks):
-            block_id = block.get("id", index) if isinstance(block, Mapping) else index
-            block_lines[str(block_id)] = _block_line(block)
-    elif blocks is not None:
-        raise ValueError(f"status snapshot model {name!r}: 'blocks' must be a list or mapping")
-    if blocks is not None:
-        info["block_count"] = len(blocks)
-    info.update(_flatten({k: v for k, v in model.items() if k not in ("blocks", "residency")}))
-    residency = model.get("residency") or {}
-    if not isinstance(residency, Mapping):
-        raise ValueError(f"status snapshot model {name!r}: 'residency' must be a mapping")
-    return info, block_lines, _flatten(residency)
+    if per_block is not None:
+        items = per_block.items() if isinstance(per_block, Mapping) else (
+            (block.get("id", index) if isinstance(block, Mapping) else index, block)
+            for index, block in enumerate(per_block))
+        block_lines = {str(block_id): _block_line(block) for block_id, block in items}
+        info.setdefault("blocks", len(block_lines))
+    if summary is None:
+        summary = _residency_summary(per_block.values() if isinstance(per_block, Mapping) else per_block or ())
+    return _flatten(info), block_lines, _flatten(summary)
+
+
+def _is_block_list(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return True
+    return isinstance(value, Mapping) and bool(value) and all(isinstance(v, Mapping) for v in value.values())
+
+
+def _residency_summary(blocks) -> dict:
+    summary: dict = {}
+    for block in blocks:
+        if not isinstance(block, Mapping):
+            continue
+        where = block.get("state", block.get("tier"))
+        if where is None:
+            continue
+        summary[f"{where}_blocks"] = summary.get(f"{where}_blocks", 0) + 1
+        size = block.get("bytes")
+        if isinstance(size, int):
+            summary[f"{where}_bytes"] = summary.get(f"{where}_bytes", 0) + size
+    return dict(sorted(summary.items()))
 
 
 def _block_line(block) -> str:

@@ -66,14 +66,50 @@ def test_status_file_has_design_fields_in_design_order():
 def test_model_files():
     files = render(snapshot())
     assert files["models/tiny-llama/info"] == (
-        b"name: tiny-llama\nblock_count: 2\npath: /var/lib/deepseek-flash/models/tiny-llama\n"
-        b"total_bytes: 98304\nplan.prefetch_window: 4\nplan.layers: 0,1\n"
+        b"name: tiny-llama\npath: /var/lib/deepseek-flash/models/tiny-llama\n"
+        b"total_bytes: 98304\nplan.prefetch_window: 4\nplan.layers: 0,1\nblocks: 2\n"
     )
     assert files["models/tiny-llama/blocks"] == (
         b"0: role=embed layer=-1 bytes=65536 access_count=4 tier=host\n"
         b"1: role=norms layer=0 bytes=32768 access_count=0 tier=disk\n"
     )
     assert files["models/tiny-llama/residency"] == b"host_blocks: 1\nhost_bytes: 65536\ndisk_blocks: 1\n"
+
+
+def test_block_manager_shape_top_level_status_and_residency_list():
+    # What BlockManager.snapshot() returns: status fields at the top level, a block count in
+    # "blocks" and the per-block list in "residency".
+    snap = {
+        "controller_state": "ACTIVE", "semantic_block_count": 2, "prefetch_hit_rate": 1.0,
+        "stats": {"hits": 5, "misses": 1, "prefetch_hit_rate": 0.8333, "host_bytes_used": 4096},
+        "models": {"m": {"name": "m", "state": "open", "blocks": 2, "resident_blocks": 1, "error": None,
+                         "clients": [1, 3],
+                         "residency": [
+                             {"id": 0, "role": "embed", "layer": -1, "state": "resident", "bytes": 4096,
+                              "refs": 1, "uses": 5, "hot": True},
+                             {"id": 1, "role": "lm_head", "layer": -1, "state": "absent", "bytes": 8192,
+                              "refs": 0, "uses": 0, "hot": False}]}},
+        "tunables": {"prefetch_window": 32},
+        "generation": 7,
+    }
+    files = render(snap)
+    assert files["status"] == (b"controller_state: ACTIVE\nprefetch_hit_rate: 100.0%\n"
+                               b"semantic_block_count: 2\ngeneration: 7\n")
+    assert files["tunables"] == b"prefetch_window: 32\n"
+    assert files["models/m/info"] == (b"name: m\nstate: open\nblocks: 2\nresident_blocks: 1\n"
+                                      b"error: -\nclients: 1,3\n")
+    assert files["models/m/blocks"] == (
+        b"0: role=embed layer=-1 state=resident bytes=4096 refs=1 uses=5 hot=1\n"
+        b"1: role=lm_head layer=-1 state=absent bytes=8192 refs=0 uses=0 hot=0\n")
+    assert files["models/m/residency"] == (b"absent_blocks: 1\nabsent_bytes: 8192\n"
+                                           b"resident_blocks: 1\nresident_bytes: 4096\n")
+    metrics = files["metrics.prom"].decode().splitlines()
+    assert "deepseek_flash_prefetch_hit_rate 1.0" in metrics
+    # The stats copy of prefetch_hit_rate does not make a second series.
+    assert sum(line.startswith("deepseek_flash_prefetch_hit_rate ") for line in metrics) == 1
+    assert "# TYPE deepseek_flash_hits counter" in metrics
+    assert "# TYPE deepseek_flash_host_bytes_used gauge" in metrics
+    assert 'deepseek_flash_model_residency_resident_bytes{model="m"} 4096' in metrics
 
 
 def test_hit_rate_already_formatted_and_error_text_kept_on_one_line():
@@ -117,7 +153,7 @@ def test_metrics_text_format():
     assert "deepseek_flash_bytes_read_nvme 1073741824" in lines
     assert 'deepseek_flash_device_arena_bytes{device="cuda:0"} 1048576' in lines
     assert 'deepseek_flash_model_total_bytes{model="tiny-llama"} 98304' in lines
-    assert 'deepseek_flash_model_block_count{model="tiny-llama"} 2' in lines
+    assert 'deepseek_flash_model_blocks{model="tiny-llama"} 2' in lines
     assert 'deepseek_flash_model_residency_host_bytes{model="tiny-llama"} 65536' in lines
     # Strings (config_state, device name, path) are not numbers and are not exported.
     assert "config_state" not in text and "H200" not in text and "/var/lib" not in text
@@ -170,7 +206,7 @@ def test_removed_model_loses_its_directory(tmp_path):
     snap = snapshot()
     snap["models"]["second"] = {"blocks": [], "residency": {}}
     tree.publish(snap)
-    assert (tmp_path / "models" / "second" / "info").read_text() == "name: second\nblock_count: 0\n"
+    assert (tmp_path / "models" / "second" / "info").read_text() == "name: second\nblocks: 0\n"
     del snap["models"]["second"]
     tree.publish(snap)
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny-llama"]
