@@ -18,6 +18,13 @@ COMMANDS: dict[str, str] = {
     "verify": ".store.cli_verify",
     "inspect": ".store.cli_inspect",
     "repair": ".store.cli_repair",
+    "status": ".ops.status",
+    "stats": ".ops.stats",
+    "models": ".ops.models",
+    "load": ".ops.load",
+    "unload": ".ops.unload",
+    "set": ".ops.set_tunable",
+    "install-units": ".ops.install_units",
 }
 
 

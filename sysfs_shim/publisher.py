@@ -100,7 +100,7 @@ class StatusTree:
                 if self._written.get(path) == data and path.exists():
                     continue
                 path.parent.mkdir(parents=True, exist_ok=True)
-                _atomic_write(path, data)
+                atomic_write(path, data)
                 self._written[path] = data
                 rewritten += 1
             wanted = {self.root / rel for rel in files}
@@ -401,7 +401,8 @@ def _check_file_name(name, what: str) -> None:
 
 # --- files ----------------------------------------------------------------------------------------
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` (mode 0644) so that a reader sees the old or the new bytes."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp makes 0600; the tree is for every local reader, like /sys.

@@ -1,0 +1,142 @@
+"""``deepseek-flash install-units``: install the systemd units and the default config.
+
+The unit files and ``flash.json`` ship once, as package data (``deepseek_flash/data``; the
+repository's ``systemd/`` and ``etc/`` link to them). Installing rewrites two lines: ``ExecStart=``
+runs the ``deepseek-flashd`` of the Python environment doing the install (a venv or pyenv is not
+on systemd's PATH), and ``SocketGroup=`` names the group allowed on the control socket. An
+existing ``flash.json`` is never overwritten: it is the operator's.
+"""
+from __future__ import annotations
+
+import grp
+import os
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+from .. import paths
+from ..errors import ConfigError
+from ..sysfs_shim.publisher import atomic_write
+
+HELP = "install deepseek-flash.service/.socket and /etc/deepseek-flash/flash.json"
+DESCRIPTION = """Write deepseek-flash.service and deepseek-flash.socket to --prefix, with ExecStart= set to
+the deepseek-flashd of this Python environment (or of --python), create the socket group when it
+is missing, install the default flash.json unless one exists, and run `systemctl daemon-reload`.
+Then: systemctl enable --now deepseek-flash.socket deepseek-flash.service"""
+
+UNITS = ("deepseek-flash.service", "deepseek-flash.socket")
+CONFIG_NAME = "flash.json"
+DEFAULT_GROUP = "deepseek-flash"
+
+
+def add_arguments(parser):
+    parser.add_argument("--prefix", type=Path, default=Path("/etc/systemd/system"),
+                        help="unit directory (default: /etc/systemd/system)")
+    parser.add_argument("--python", default=sys.executable,
+                        help="Python of the environment that runs the daemon (default: this one)")
+    parser.add_argument("--socket-group", default=DEFAULT_GROUP,
+                        help=f"group allowed to connect to the control socket (default: {DEFAULT_GROUP}; "
+                             "created as a system group when missing)")
+    parser.add_argument("--config-dir", type=Path, default=paths.SYSTEM_CONFIG.parent,
+                        help=f"where flash.json goes (default: {paths.SYSTEM_CONFIG.parent}; the "
+                             "service reads it through ConfigurationDirectory=)")
+    parser.add_argument("--no-reload", action="store_true",
+                        help="do not run `systemctl daemon-reload`")
+
+
+def run(args) -> int:
+    exec_start = daemon_command(args.python)
+    ensure_group(args.socket_group)
+    args.prefix.mkdir(parents=True, exist_ok=True)
+    for name in UNITS:
+        text = unit_text(name, exec_start=exec_start, socket_group=args.socket_group)
+        target = args.prefix / name
+        atomic_write(target, text.encode())
+        print(f"installed {target}")
+    config = args.config_dir / CONFIG_NAME
+    if config.exists():
+        print(f"kept existing {config}")
+    else:
+        args.config_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(config, default_config(args.socket_group).encode())
+        print(f"installed {config}")
+    if not args.no_reload and Path("/run/systemd/system").is_dir():
+        subprocess.run(["systemctl", "daemon-reload"], check=True)
+        print("ran systemctl daemon-reload")
+    print("start with: systemctl enable --now deepseek-flash.socket deepseek-flash.service")
+    return 0
+
+
+def data_text(name: str) -> str:
+    return resources.files("deepseek_flash").joinpath("data", name).read_text()
+
+
+def daemon_command(python: str) -> str:
+    """The ExecStart= command line: the environment's ``deepseek-flashd`` script, else ``python -m``."""
+    python_path = Path(python)
+    if not python_path.is_absolute():
+        found = shutil.which(python)
+        if found is None:
+            raise ConfigError(f"--python {python}: not found on PATH", key="python", value=python,
+                              allowed="path of a Python interpreter")
+        python_path = Path(found)
+    if not os.access(python_path, os.X_OK):
+        raise ConfigError(f"--python {python}: not an executable", key="python", value=python,
+                          allowed="path of a Python interpreter")
+    # Not resolved: a venv's bin/python is a symlink whose location selects the venv.
+    script = python_path.parent / "deepseek-flashd"
+    if os.access(script, os.X_OK):
+        return _quote(str(script))
+    return " ".join(_quote(part) for part in (str(python_path), "-m", "deepseek_flash.daemon.app"))
+
+
+def unit_text(name: str, *, exec_start: str, socket_group: str) -> str:
+    replacements = {"ExecStart": exec_start} if name.endswith(".service") else {"SocketGroup": socket_group}
+    out = []
+    seen = set()
+    for line in data_text(name).splitlines():
+        key = line.split("=", 1)[0]
+        if key in replacements:
+            line = f"{key}={replacements[key]}"
+            seen.add(key)
+        out.append(line)
+    missing = set(replacements) - seen
+    if missing:
+        raise ConfigError(f"packaged unit {name} has no {', '.join(sorted(missing))}= line to set",
+                          key=sorted(missing)[0], value=name, allowed="the packaged unit file")
+    return "\n".join(out) + "\n"
+
+
+def default_config(socket_group: str) -> str:
+    text = data_text(CONFIG_NAME)
+    return text.replace(f'"socket_group": "{DEFAULT_GROUP}"', f'"socket_group": "{socket_group}"')
+
+
+def ensure_group(name: str) -> None:
+    if _group_exists(name):
+        return
+    groupadd = shutil.which("groupadd")
+    if groupadd is None:
+        raise ConfigError(f"socket group {name!r} does not exist and groupadd is not available; "
+                          f"create it or pass --socket-group with an existing group",
+                          key="socket_group", value=name, allowed="an existing group")
+    subprocess.run([groupadd, "--system", name], check=True)
+    print(f"created system group {name} (add users with: usermod -aG {name} USER)")
+
+
+def _group_exists(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _quote(word: str) -> str:
+    # systemd command lines: '%' starts a specifier, whitespace splits words.
+    word = word.replace("%", "%%")
+    if any(c.isspace() or c in "\"'\\" for c in word):
+        return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return word
