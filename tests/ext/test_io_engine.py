@@ -1,0 +1,261 @@
+"""IOEngine on both backends: bytes equal to os.pread for random extents (aligned and not), queue
+depths and request sizes; short reads and errors through the fault hook and from the kernel (early
+end of file, deleted path, directory); crc verification; cancel/poll; reuse after errors."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+
+from deepseek_flash import _core
+from deepseek_flash.errors import BlockChecksumError, FlashIOError
+from deepseek_flash.io import raise_for, read_all
+
+BACKENDS = ["io_uring", "threads"]
+FILE_SIZE = 6 * (1 << 20) + 12345
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture
+def data_file(any_dir):
+    data = random.Random(7).randbytes(FILE_SIZE)
+    path = any_dir / "blocks.dat"
+    path.write_bytes(data)
+    return str(path), data
+
+
+def _aligned_buffer(n):
+    raw = np.zeros(n + 8192, np.uint8)
+    start = (-raw.ctypes.data) % 4096
+    return raw[start:start + n]
+
+
+def _pread(path, offset, length):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+
+
+def test_auto_picks_io_uring_here():
+    e = _core.IOEngine()
+    assert e.backend == "io_uring", e.fallback_reason
+    e.close()
+
+
+@pytest.mark.parametrize("queue_depth,request_size", [(1, 4096), (4, 65536), (16, 1 << 20), (64, 256 << 10)])
+def test_random_extents_match_pread(data_file, backend, queue_depth, request_size):
+    path, data = data_file
+    rng = random.Random(queue_depth * 31 + request_size)
+    dest = _aligned_buffer(FILE_SIZE + (1 << 20))
+    requests, expect = [], []
+    cursor = 0
+    for i in range(40):
+        aligned = rng.random() < 0.6
+        length = rng.choice([1, 100, 4095, 4096, 4097, 65536, 300001, 1 << 20, (2 << 20) + 4096])
+        offset = rng.randrange(0, FILE_SIZE - length)
+        if aligned:
+            offset -= offset % 4096
+            cursor += (-cursor) % 4096
+        elif rng.random() < 0.5:
+            cursor += rng.randrange(1, 4096)
+        if cursor + length > len(dest):
+            break
+        requests.append(_core.ReadRequest(path, offset, length, dest, cursor, block_id=i))
+        expect.append((cursor, _pread(path, offset, length)))
+        cursor += length
+    with _core.IOEngine(backend, queue_depth, request_size) as e:
+        comps = e.wait(e.submit(requests))
+    assert [c.block_id for c in comps] == list(range(len(requests)))
+    for c, (at, want) in zip(comps, expect):
+        assert c.status == 0 and c.bytes == len(want) and c.ok
+        assert dest[at:at + len(want)].tobytes() == want
+
+
+def test_whole_file_into_arena(data_file, backend):
+    path, data = data_file
+    arena = _core.HostArena(8 << 20)
+    off = arena.alloc(FILE_SIZE)
+    with _core.IOEngine(backend, 8, 1 << 20) as e:
+        e.read(path, 0, FILE_SIZE, arena, off, block_id=1, expected_crc=_core.crc32c(data))
+    assert bytes(arena.view(off, FILE_SIZE)) == data
+
+
+def test_short_reads_are_continued(data_file, backend):
+    path, data = data_file
+    dest = _aligned_buffer(3 << 20)
+    with _core.IOEngine(backend, 4, 1 << 20) as e:
+        for short in (4096, 1000, 1):
+            e.inject_fault(block_id=5, short=short, count=3)
+            dest[:] = 0
+            e.read(path, 8192, 3 << 20, dest, block_id=5)
+            assert dest.tobytes() == data[8192:8192 + (3 << 20)]
+        assert e.stats()["short_reads"] >= 9
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOMEM, errno.EBADMSG])
+def test_injected_error_then_engine_still_works(data_file, backend, err):
+    path, data = data_file
+    dest = _aligned_buffer(1 << 20)
+    with _core.IOEngine(backend, 4, 256 << 10) as e:
+        e.inject_fault(block_id=9, errno=err)
+        with pytest.raises(FlashIOError) as ei:
+            e.read(path, 4096, 1 << 20, dest, block_id=9)
+        assert (ei.value.errno, ei.value.path, ei.value.block_id, ei.value.code) == (err, path, 9, 200)
+        assert 4096 <= ei.value.offset < 4096 + (1 << 20)
+        e.read(path, 4096, 1 << 20, dest, block_id=9)
+        assert dest.tobytes() == data[4096:4096 + (1 << 20)]
+
+
+def test_batch_with_one_failure_reports_per_extent(data_file, backend):
+    path, data = data_file
+    dest = _aligned_buffer(4 << 20)
+    reqs = [_core.ReadRequest(path, i << 20, 1 << 20, dest, i << 20, block_id=i) for i in range(4)]
+    with _core.IOEngine(backend, 8, 256 << 10) as e:
+        e.inject_fault(block_id=2, errno=errno.EIO)
+        comps = e.wait(e.submit(reqs))
+        assert [c.status for c in comps] == [0, 0, -errno.EIO, 0]
+        with pytest.raises(FlashIOError):
+            raise_for(comps[2])
+        raise_for(comps[0])
+        for i in (0, 1, 3):
+            assert dest[i << 20:(i + 1) << 20].tobytes() == data[i << 20:(i + 1) << 20]
+
+
+def test_real_early_eof_is_an_error_with_offset(any_dir, backend):
+    path = any_dir / "trunc.dat"
+    path.write_bytes(os.urandom(1 << 20))
+    dest = _aligned_buffer(2 << 20)
+    with _core.IOEngine(backend, 4, 256 << 10) as e:
+        os.truncate(path, 300000)  # the store says 2 MiB, the file now holds less
+        with pytest.raises(FlashIOError) as ei:
+            e.read(str(path), 0, 2 << 20, dest, block_id=3)
+        assert ei.value.errno == errno.EIO and ei.value.block_id == 3
+        assert ei.value.offset >= 262144 and "end of file" in str(ei.value)
+        comps = e.wait(e.submit([_core.ReadRequest(str(path), 4096, 4096 * 80, dest, block_id=4)]))
+        assert comps[0].eof and comps[0].status == -errno.EIO and comps[0].bytes < 4096 * 80
+
+
+def test_deleted_path_and_directory(any_dir, backend):
+    path = any_dir / "gone.dat"
+    path.write_bytes(bytes(8192))
+    dest = _aligned_buffer(8192)
+    with _core.IOEngine(backend) as e:
+        e.read(str(path), 0, 8192, dest)
+        os.unlink(path)
+        e.forget_files()
+        with pytest.raises(FlashIOError) as ei:
+            e.read(str(path), 4096, 4096, dest, block_id=11)
+        assert (ei.value.errno, ei.value.path, ei.value.offset, ei.value.block_id) == (errno.ENOENT, str(path), 4096, 11)
+        with pytest.raises(FlashIOError) as ei:
+            e.read(str(any_dir), 0, 4096, dest, block_id=12)
+        assert ei.value.errno == errno.EISDIR and ei.value.block_id == 12
+
+
+def test_replaced_file_is_reopened(any_dir, backend):
+    path = any_dir / "store.dat"
+    path.write_bytes(b"A" * 8192)
+    dest = _aligned_buffer(8192)
+    with _core.IOEngine(backend) as e:
+        e.read(str(path), 0, 8192, dest)
+        tmp = any_dir / "store.tmp"
+        tmp.write_bytes(b"B" * 8192)
+        os.rename(tmp, path)  # how repair/defrag publish a rewritten store
+        e.read(str(path), 0, 8192, dest)
+        assert dest.tobytes() == b"B" * 8192
+
+
+def test_crc_verified_as_blocks_land(data_file, backend):
+    path, data = data_file
+    dest = _aligned_buffer(1 << 20)
+    good = _core.crc32c(data[:1 << 20])
+    with _core.IOEngine(backend) as e:
+        comps = e.wait(e.submit([_core.ReadRequest(path, 0, 1 << 20, dest, block_id=1, expected_crc=good),
+                                 _core.ReadRequest(path, 0, 1000, dest, block_id=2, expected_crc=good)]))
+        assert comps[0].crc_checked and comps[0].crc_ok and comps[0].crc == good
+        assert comps[1].crc_checked and not comps[1].crc_ok and not comps[1].ok
+        with pytest.raises(BlockChecksumError) as ei:
+            raise_for(comps[1])
+        assert (ei.value.block_id, ei.value.path, ei.value.expected) == (2, path, good)
+        assert ei.value.actual == _core.crc32c(data[:1000]) and ei.value.code == 107
+        with pytest.raises(BlockChecksumError):
+            e.read(path, 0, 4096, dest, block_id=3, expected_crc=good)
+
+
+def test_poll_cancel_and_close(data_file, backend):
+    path, _ = data_file
+    dest = _aligned_buffer(FILE_SIZE)
+    with _core.IOEngine(backend, 1, 4096) as e:
+        reqs = [_core.ReadRequest(path, i * 4096, 4096, dest, i * 4096, block_id=i) for i in range(1000)]
+        b = e.submit(reqs)
+        cancelled = e.cancel(b)
+        assert 0 < cancelled <= 1000
+        comps = e.wait(b, timeout=30)
+        assert len(comps) == 1000
+        assert sum(c.status == -errno.ECANCELED for c in comps) == cancelled
+        assert all(c.status in (0, -errno.ECANCELED) for c in comps)
+        with pytest.raises(FlashIOError) as ei:
+            raise_for(next(c for c in comps if c.status))
+        assert ei.value.errno == errno.ECANCELED
+        e.submit(reqs[:10])
+        got, deadline = [], time.monotonic() + 30
+        while len(got) < 10 and time.monotonic() < deadline:
+            got += e.poll()
+            time.sleep(0.001)
+        assert sorted(c.block_id for c in got) == list(range(10)) and all(c.ok for c in got)
+        assert e.poll() == []
+    assert e.closed
+    with pytest.raises(RuntimeError):
+        e.submit(reqs[:1])
+
+
+def test_wait_timeout_and_unknown_batch(data_file, backend):
+    path, _ = data_file
+    dest = _aligned_buffer(4096)
+    with _core.IOEngine(backend, 1, 4096) as e:
+        b = e.submit([_core.ReadRequest(path, 0, 4096, dest, block_id=i) for i in range(20000)])
+        with pytest.raises(TimeoutError):
+            e.wait(b, timeout=0)
+        assert len(e.wait(b)) == 20000  # still pending after the timeout, then complete
+        with pytest.raises(ValueError):
+            e.wait(b)
+
+
+def test_arguments_are_checked(data_file):
+    path, _ = data_file
+    with pytest.raises(ValueError):
+        _core.IOEngine("spdk")
+    with pytest.raises(ValueError):
+        _core.IOEngine("threads", 4, 1000)
+    with _core.IOEngine("threads") as e:
+        with pytest.raises(ValueError):
+            e.read(path, 0, 100, bytearray(50))
+        with pytest.raises(BufferError):
+            e.read(path, 0, 4, b"read-only")
+        with pytest.raises(ValueError):
+            e.inject_fault(block_id=1)
+
+
+def test_buffered_engine(data_file, backend):
+    path, data = data_file
+    dest = bytearray(5000)
+    with _core.IOEngine(backend, direct=False) as e:
+        e.read(path, 3, 5000, dest)
+    assert bytes(dest) == data[3:5003]
+
+
+def test_read_all_helper(data_file):
+    path, data = data_file
+    dest = _aligned_buffer(8192)
+    with _core.IOEngine() as e:
+        comps = read_all(e, [_core.ReadRequest(path, 0, 8192, dest, block_id=0)])
+    assert comps[0].ok and dest.tobytes() == data[:8192]
