@@ -302,6 +302,14 @@ def _write_blocks(shards: _Shards, blocks: list[BlockInfo], data_path: Path, pro
         os.close(fd)
 
 
+def model_summary(config: dict, arch: str, blocks: list[BlockInfo]) -> dict:
+    """The metadata's ``model`` map: derived from config.json and the blocks only, so ``repair``
+    rebuilds it byte for byte."""
+    return {"architecture": arch, "num_layers": int(config.get("num_hidden_layers", 0)),
+            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+            "total_bytes": sum(b.length for b in blocks)}
+
+
 def pack(src, out, *, force: bool = False, progress=None) -> Path:
     """Pack the HF model directory ``src`` into the block store ``out``; returns ``out``.
 
@@ -328,9 +336,7 @@ def pack(src, out, *, force: bool = False, progress=None) -> Path:
         blocks = plan_blocks(config, shards.specs, shards.identical, str(src))
         tmp.mkdir()
         _write_blocks(shards, blocks, tmp / DATA_FILE, progress)
-        model = {"architecture": arch, "source": src.name, "num_layers": int(config["num_hidden_layers"]),
-                 "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-                 "total_bytes": sum(b.length for b in blocks)}
+        model = model_summary(config, arch, blocks)
         _write_file(tmp / METADATA_FILE, encode_metadata(blocks, model))
         for aux in sorted(src.iterdir()):
             if aux.is_file() and AUX_PATTERNS.fullmatch(aux.name):

@@ -17,7 +17,7 @@ from ..errors import MetadataError, NotAStore
 from .format import (BLOCK_ALIGN, BLOCK_FIXED, DATA_FILE, METADATA_FILE, BadHeader, BlockInfo,
                      align_up, crc32c, decode_block_header, encode_metadata, header_size_at)
 from .layout import architecture
-from .pack import fsync_dir
+from .pack import fsync_dir, model_summary
 from .reader import read_metadata
 from .verify import read_sequential
 
@@ -94,10 +94,7 @@ def _model_from_config(path: Path, blocks: list) -> dict:
     except (OSError, ValueError) as exc:
         raise NotAStore(f"{cfg_path}: needed to rebuild the metadata and not readable ({exc})",
                         path=str(cfg_path)) from None
-    return {"architecture": architecture(config, cfg_path), "source": path.name,
-            "num_layers": int(config.get("num_hidden_layers", 0)),
-            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-            "total_bytes": sum(b.length for b in blocks)}
+    return model_summary(config, architecture(config, cfg_path), blocks)
 
 
 def write_metadata_atomic(path: Path, data: bytes) -> None:
