@@ -1,1 +1,285 @@
-"""Client side: talk to the controller (daemon socket or embedded) and build models on its memory."""
+"""Client side: talk to the controller (daemon socket or embedded) and build models on its memory.
+
+``Client()`` connects to ``deepseek-flashd`` when its socket answers and otherwise runs the
+controller in this process (``embedded=True`` forces that, ``embedded=False`` forbids it). Either
+way the methods, results and typed errors are the same. Over the socket the host arena arrives
+once, as a file descriptor in the hello reply, and is mapped here; leases carry offsets into it.
+
+When the daemon restarts, the next call reconnects (with backoff), maps the new arena, reopens the
+models this client had open and re-acquires its leases; ``Lease`` objects are updated in place
+and ``generation`` goes up, so code holding views can tell that offsets moved.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from .. import paths, protocol
+from ..daemon.block_manager import Lease, ModelInfo
+from ..errors import DaemonNotRunning, ProtocolError
+
+log = logging.getLogger("deepseek_flash.client")
+
+__all__ = ["Client", "Lease", "ModelInfo"]
+
+
+class _SocketBackend:
+    """One connection to the daemon, re-established after a daemon restart."""
+
+    mode = "daemon"
+
+    def __init__(self, path: Path, reconnect_timeout: float, on_reconnect):
+        self.path = Path(path)
+        self.reconnect_timeout = reconnect_timeout
+        self.on_reconnect = on_reconnect
+        self.sock = None
+        self.arena = None
+        self.generation = 0
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._in_reconnect = False
+        self._connect()
+
+    def _connect(self) -> None:
+        from .._core import HostArena
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(str(self.path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise DaemonNotRunning(f"no deepseek-flashd at {self.path} ({exc.strerror})",
+                                   socket=str(self.path)) from None
+        except OSError:
+            sock.close()
+            raise
+        try:
+            req_id = next(self._ids)
+            sock.sendall(protocol.request(req_id, "hello", {"protocol": protocol.PROTOCOL_VERSION,
+                                                            "client": f"pid {os.getpid()}"}))
+            fds: list[int] = []
+            reply = protocol.recv_message(sock, protocol.DEFAULT_MAX_FRAME, fds)
+            try:
+                hello = protocol.result_of(reply)
+                if not fds:
+                    raise ProtocolError("the daemon's hello reply carried no arena fd")
+                arena = HostArena.attach(fds[0], hello["arena_size"])
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.hello = hello
+        self.max_frame = hello["max_frame_bytes"]
+        self.arena = arena
+
+    def call(self, op: str, args: dict, retry: bool = True):
+        with self._lock:
+            try:
+                return self._roundtrip(op, args)
+            except (ConnectionError, BrokenPipeError, OSError) as exc:
+                if isinstance(exc, TimeoutError) or self._in_reconnect:
+                    raise
+                log.warning("connection to %s lost (%s); reconnecting", self.path, exc)
+                self._reconnect()
+                if not retry:
+                    return None
+                return self._roundtrip(op, args)
+
+    def _roundtrip(self, op, args):
+        req_id = next(self._ids)
+        self.sock.sendall(protocol.request(req_id, op, args, self.max_frame))
+        while True:
+            reply = protocol.recv_message(self.sock, self.max_frame)
+            if reply.get("id") == req_id:
+                return protocol.result_of(reply)
+            if reply.get("id") is None:
+                protocol.result_of(reply)   # an unsolicited error (refused, bad frame): raise it
+            log.warning("dropping reply to unknown request %r", reply.get("id"))
+
+    def _reconnect(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.02
+        while True:
+            try:
+                self._connect()
+                break
+            except (DaemonNotRunning, ConnectionError, OSError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise DaemonNotRunning(f"deepseek-flashd at {self.path} did not come back within "
+                                           f"{self.reconnect_timeout:.0f} s ({exc})",
+                                           socket=str(self.path)) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        self.generation += 1
+        self._in_reconnect = True
+        try:
+            self.on_reconnect()
+        finally:
+            self._in_reconnect = False
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class Client:
+    """The controller's API, over the daemon socket or embedded (see the module docstring)."""
+
+    def __init__(self, socket_path=None, embedded: bool | None = None, config=None, *,
+                 reconnect_timeout: float = 30.0):
+        self._models: dict[str, tuple[str, dict]] = {}    # name -> (what was opened, context)
+        self._leases: dict[int, tuple[Lease, dict]] = {}  # id(lease) -> (lease, acquire args)
+        self._callbacks = []
+        if embedded:
+            self._backend = self._embedded(config)
+            return
+        try:
+            self._backend = _SocketBackend(socket_path or paths.socket_path(), reconnect_timeout,
+                                           self._restore)
+        except DaemonNotRunning:
+            if embedded is False:
+                raise
+            log.info("no daemon at %s; running the controller in this process",
+                     socket_path or paths.socket_path())
+            self._backend = self._embedded(config)
+
+    @staticmethod
+    def _embedded(config):
+        from .embedded import EmbeddedController
+
+        return EmbeddedController(config)
+
+    # --- properties -------------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        """"daemon" or "embedded"."""
+        return self._backend.mode
+
+    @property
+    def arena(self):
+        """The host arena (mapped once); lease offsets point into it."""
+        return self._backend.arena
+
+    @property
+    def generation(self) -> int:
+        """Goes up each time the daemon restarted under this client (offsets then changed)."""
+        return self._backend.generation
+
+    def on_reconnect(self, callback) -> None:
+        """Call ``callback(client)`` after a reconnect has restored models and leases."""
+        self._callbacks.append(callback)
+
+    # --- API --------------------------------------------------------------------------------------
+    def open_model(self, name_or_path, flash_context: dict | None = None) -> ModelInfo:
+        what = str(name_or_path)
+        wire = self._backend.call("open_model", {"model": what, "flash_context": flash_context or {}})
+        info = _model_from_wire(wire)
+        self._models[info.name] = (what, dict(flash_context or {}))
+        return info
+
+    def acquire(self, model, blocks: list[int] | None = None, layer: int | None = None,
+                priority: int = 0, wait: bool = True) -> Lease:
+        args = {"model": _name(model), "priority": priority, "wait": wait}
+        if blocks is not None:
+            args["blocks"] = list(blocks)
+        if layer is not None:
+            args["layer"] = layer
+        wire = self._backend.call("acquire", args)
+        lease = Lease(wire["lease"], wire["model"], wire["blocks"])
+        self._leases[id(lease)] = (lease, args)
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        self._leases.pop(id(lease), None)
+        # After a daemon restart the lease died with the old daemon: nothing to resend.
+        self._backend.call("release", {"lease": lease.id}, retry=False)
+
+    def prefetch(self, model, layers: list[int] | None = None, blocks: list[int] | None = None) -> int:
+        return self._backend.call("prefetch", {"model": _name(model), "layers": list(layers or []),
+                                               "blocks": list(blocks or [])})["scheduled"]
+
+    def close_model(self, model) -> None:
+        name = _name(model)
+        self._models.pop(name, None)
+        for key, (lease, _) in list(self._leases.items()):
+            if lease.model == name:
+                del self._leases[key]
+        self._backend.call("close_model", {"model": name})
+
+    def load(self, model, wait: bool = True) -> dict:
+        """Open ``model`` in the controller and read every block that fits (``deepseek-flash load``)."""
+        return self._backend.call("load", {"model": str(_name(model)), "wait": wait})
+
+    def unload(self, model) -> dict:
+        name = _name(model)
+        result = self._backend.call("unload", {"model": name})
+        self._models.pop(name, None)
+        return result
+
+    def status(self) -> dict:
+        return self._backend.call("status", {})
+
+    def stats(self) -> dict:
+        return self._backend.call("stats", {})
+
+    def get_tunable(self, key: str | None = None):
+        return self._backend.call("get_tunable", {"key": key} if key else {})
+
+    def set_tunable(self, key: str, value) -> dict:
+        return self._backend.call("set_tunable", {"key": key, "value": value})
+
+    def list_models(self) -> list[dict]:
+        return self._backend.call("list_models", {})
+
+    def close(self) -> None:
+        self._backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- after a daemon restart --------------------------------------------------------------------
+    def _restore(self) -> None:
+        for name, (what, context) in list(self._models.items()):
+            try:
+                self._backend.call("open_model", {"model": what, "flash_context": context})
+            except Exception as exc:
+                log.warning("could not reopen model %s after reconnect: %s", name, exc)
+                self._models.pop(name, None)
+        for key, (lease, args) in list(self._leases.items()):
+            try:
+                wire = self._backend.call("acquire", args)
+            except Exception as exc:
+                log.warning("could not re-acquire lease on %s after reconnect: %s", lease.model, exc)
+                del self._leases[key]
+                continue
+            lease.id = wire["lease"]
+            lease.blocks = wire["blocks"]
+        for callback in self._callbacks:
+            callback(self)
+
+
+def _name(model) -> str:
+    return model.name if isinstance(model, ModelInfo) else str(model)
+
+
+def _model_from_wire(wire: dict) -> ModelInfo:
+    return ModelInfo(name=wire["name"], path=wire["path"], config=wire["config"],
+                     blocks=[protocol.block_from_wire(b) for b in wire["blocks"]],
+                     num_layers=wire["num_layers"], total_bytes=wire["total_bytes"],
+                     flash_config=wire["flash_config"], plan=wire["plan"],
+                     ignored_overrides=wire["ignored_overrides"])

@@ -155,6 +155,12 @@ class UnknownClient(FlashError):
     code = 405
 
 
+
+class NotResident(FlashError):
+    """``acquire(wait=False)`` found blocks not yet in the host tier (their loads were started)."""
+
+    code = 406
+
 # --- configuration (5xx) -----------------------------------------------------------------------
 class ConfigError(FlashError):
     """An invalid configuration value: ``key``, ``value`` and ``allowed`` name it."""

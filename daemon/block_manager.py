@@ -1,0 +1,824 @@
+"""The host tier: which blocks are in the shared host arena, who holds them, and what leaves first.
+
+``BlockManager`` opens models (store paths or names resolved under ``store_roots``), moves blocks
+from NVMe into the ``HostArena`` through the ``IOEngine`` (one batch per acquire, in forward order,
+crc32c checked by the engine on every read), hands out *leases* (a client's promise that it is
+reading the block; a leased block is never evicted), and evicts unleased blocks when the arena is
+above ``eviction_threshold`` or an allocation does not fit. Hot blocks (embeddings, norms) go only
+when nothing else can.
+
+It knows nothing of sockets: the daemon's server and the embedded client call the same methods.
+All state sits behind one lock; IO waits happen on the completion thread, outside it. An acquire
+that must read returns a ``concurrent.futures.Future`` that the completion thread resolves, so the
+server's event loop never blocks on the disk.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import (ArenaFull, BlockChecksumError, BudgetTooSmall, FlashError, FlashIOError,
+                      LeaseError, LimitExceeded, NotResident, OutOfMemory, StoreInUse, UnknownBlock,
+                      UnknownClient, UnknownModel)
+from .config import _NAME as MODEL_NAME_RE
+from .config import FlashConfig
+from .prefetch import ForwardOrder
+
+log = logging.getLogger("deepseek_flash.block_manager")
+
+ABSENT, LOADING, RESIDENT = "absent", "loading", "resident"
+ALIGN = 4096
+# The embedded controller and the daemon's own `load` requests act as this client.
+DAEMON_CLIENT = 0
+
+
+def _aligned(n: int) -> int:
+    return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class ModelInfo:
+    """What a client learns when it opens a model."""
+
+    name: str
+    path: str
+    config: dict
+    blocks: list
+    num_layers: int
+    total_bytes: int
+    flash_config: dict
+    plan: dict = field(default_factory=dict)
+    ignored_overrides: list = field(default_factory=list)
+
+
+@dataclass
+class Lease:
+    """Blocks a client holds: ``blocks`` maps block id -> offset in the host arena."""
+
+    id: int
+    model: str
+    blocks: dict
+    client: int = DAEMON_CLIENT
+
+
+class _Block:
+    __slots__ = ("info", "model", "offset", "state", "refs", "last_use", "uses", "prefetched",
+                 "waiters", "error", "retries", "token")
+
+    def __init__(self, info, model):
+        self.info = info
+        self.model = model
+        self.offset = -1
+        self.state = ABSENT
+        self.refs = 0
+        self.last_use = 0
+        self.uses = 0
+        self.prefetched = False   # loaded ahead and not acquired since
+        self.waiters: list[_Ticket] = []
+        self.error: FlashError | None = None
+        self.retries = 0
+        self.token = -1
+
+
+class _Model:
+    def __init__(self, name, store, config, file_overrides, ignored):
+        self.name = name
+        self.store = store
+        self.path = str(store.path)
+        self.config: FlashConfig = config
+        self.file_overrides = file_overrides
+        self.ignored = ignored
+        self.blocks = {b.id: _Block(b, self) for b in store.blocks}
+        self.order = ForwardOrder(store.blocks, store.num_layers)
+        self.failed: FlashError | None = None
+        self.plan: dict = {}
+        self.pinned: frozenset = frozenset()
+
+
+class _Handle:
+    """One client's open of one model (per-open flash_context lives here)."""
+
+    __slots__ = ("model", "context", "config")
+
+    def __init__(self, model, context, config):
+        self.model = model
+        self.context = context
+        self.config = config
+
+
+class _Client:
+    def __init__(self, cid, info):
+        self.id = cid
+        self.info = info
+        self.leases: dict[int, Lease] = {}
+        self.handles: dict[str, _Handle] = {}
+        self.connected = True
+
+
+class _Ticket:
+    """An acquire (or a warm-up) waiting for loads; resolved on the completion thread."""
+
+    __slots__ = ("future", "client", "model", "ids", "pinned", "remaining", "make_lease", "done")
+
+    def __init__(self, client, model, ids, pinned, make_lease):
+        self.future: Future = Future()
+        self.client = client
+        self.model = model
+        self.ids = ids
+        self.pinned = pinned
+        self.remaining = 0
+        self.make_lease = make_lease
+        self.done = False
+
+
+class BlockManager:
+    """Residency, leases and eviction of the host tier. Thread-safe; see the module docstring."""
+
+    def __init__(self, config: FlashConfig, arena, engine):
+        self.config = config
+        self.arena = arena
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._models: dict[str, _Model] = {}
+        self._clients: dict[int, _Client] = {DAEMON_CLIENT: _Client(DAEMON_CLIENT, {"name": "daemon"})}
+        self._tokens: dict[int, _Block] = {}
+        self._client_ids = itertools.count(1)
+        self._lease_ids = itertools.count(1)
+        self._token_ids = itertools.count(1)
+        self._tick = 0
+        self.generation = 0           # bumped on every state change (the status publisher polls it)
+        self.counters = dict.fromkeys(
+            ("hits", "misses", "evictions", "bytes_read_nvme", "prefetch_issued", "prefetch_used",
+             "prefetch_dropped", "load_errors", "checksum_errors", "leases_granted", "unloads"), 0)
+        self._batches: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._completion_loop, name="flash-io-completion",
+                                        daemon=True)
+        self._thread.start()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the completion thread (after in-flight reads finish)."""
+        self._batches.put(None)
+        self._thread.join()
+
+    def update_config(self, config: FlashConfig) -> None:
+        """Apply a reloaded or tuned config to the daemon and every open model and handle."""
+        with self._lock:
+            if config.host_cache_bytes != self.config.host_cache_bytes:
+                log.warning("host_cache_bytes changed to %s; the arena keeps %s until restart",
+                            fmt_bytes(config.host_cache_bytes), fmt_bytes(self.arena.size))
+            self.config = config
+            for model in self._models.values():
+                model.config = config.override(model.file_overrides, scope="model")
+            for client in self._clients.values():
+                for handle in client.handles.values():
+                    handle.config = handle.model.config.override(handle.context, scope="model")
+            self._evict_to_threshold()
+            self.generation += 1
+
+    def set_tunable(self, key: str, value) -> tuple:
+        from .config import check_tunable
+
+        parsed = check_tunable(key, value)
+        old = self.config[key]
+        self.update_config(self.config.override({key: parsed}))
+        return old, parsed
+
+    # --- clients -----------------------------------------------------------------------------
+    def connect(self, info: dict | None = None) -> int:
+        with self._lock:
+            cid = next(self._client_ids)
+            self._clients[cid] = _Client(cid, info or {})
+            self.generation += 1
+            return cid
+
+    def disconnect(self, client_id: int) -> int:
+        """Forget a client and release every lease it holds; returns the number released."""
+        with self._lock:
+            client = self._clients.pop(client_id, None)
+            if client is None:
+                return 0
+            client.connected = False
+            released = len(client.leases)
+            for lease in client.leases.values():
+                self._unpin(self._models.get(lease.model), lease.blocks)
+            client.leases.clear()
+            self.generation += 1
+        if released:
+            log.info("client %s (%s) gone: released %d leases", client_id, client.info, released)
+        return released
+
+    def _client(self, client_id) -> _Client:
+        try:
+            return self._clients[client_id]
+        except KeyError:
+            raise UnknownClient(f"no client {client_id} (disconnected?)", client=client_id) from None
+
+    # --- models ------------------------------------------------------------------------------
+    def resolve(self, name_or_path: str) -> Path:
+        """The store directory for a registered name, a name under ``store_roots``, or an
+        absolute path. Names never reach outside their root (no '..', no symlink escapes)."""
+        text = str(name_or_path)
+        registry = self.config.models
+        if text in registry:
+            return Path(registry[text])
+        if os.path.isabs(text):
+            return Path(text)
+        if not MODEL_NAME_RE.fullmatch(text) or any(p in (".", "..") for p in text.split("/")):
+            raise UnknownModel(f"{text!r} is not a model name (letters, digits, '.', '_', '-', '/'; "
+                               f"no '..') nor an absolute store path", model=text)
+        for root in self.config.store_roots:
+            root_real = os.path.realpath(root)
+            candidate = os.path.realpath(os.path.join(root_real, text))
+            if candidate.startswith(root_real + os.sep) and os.path.isdir(candidate):
+                return Path(candidate)
+        raise UnknownModel(f"no model named {text!r}: not registered in `models` and not found under "
+                           f"store_roots {self.config.store_roots}", model=text)
+
+    def open_model(self, client_id: int, name_or_path, flash_context: dict | None = None) -> ModelInfo:
+        from ..store import Store
+
+        with self._lock:
+            self._client(client_id)
+            model = self._models.get(str(name_or_path))
+            if model is None:
+                config = self.config
+        if model is None:
+            path = self.resolve(name_or_path)
+            real = os.path.realpath(path)
+            with self._lock:
+                model = next((m for m in self._models.values() if m.path == real), None)
+            if model is None:
+                store = Store.open(real)   # file IO outside the lock
+                mconfig, ignored = config.model_overrides(store.config, store.name)
+                file_overrides = {k: v for k, v in (store.config.get("flash_config") or {}).items()
+                                  if k not in ignored}
+                self._check_budget(store)
+                with self._lock:
+                    model = next((m for m in self._models.values() if m.path == real), None)
+                    if model is None:
+                        name = self._unique_name(store.name)
+                        model = _Model(name, store, mconfig, file_overrides, ignored)
+                        model.path = real
+                        self._models[name] = model
+                        self.generation += 1
+                        log.info("opened model %s from %s (%d blocks, %s)", name, real,
+                                 len(store.blocks), fmt_bytes(store.total_bytes))
+        context = dict(flash_context or {})
+        handle_config = model.config.override(context, scope="model")
+        with self._lock:
+            client = self._client(client_id)
+            client.handles[model.name] = _Handle(model, context, handle_config)
+            self.generation += 1
+            return self._info(model, handle_config)
+
+    def _unique_name(self, base: str) -> str:
+        name, n = base, 2
+        while name in self._models:
+            name, n = f"{base}-{n}", n + 1
+        return name
+
+    def _check_budget(self, store) -> None:
+        size = self.arena.size
+        per_layer: dict[int, int] = {}
+        largest = None
+        for b in store.blocks:
+            if b.layer >= 0:
+                per_layer[b.layer] = per_layer.get(b.layer, 0) + _aligned(b.length)
+            if largest is None or b.length > largest.length:
+                largest = b
+        layer, layer_bytes = max(per_layer.items(), key=lambda kv: kv[1], default=(-1, 0))
+        if layer_bytes > size:
+            raise BudgetTooSmall(
+                f"model {store.name}: host_cache_bytes {fmt_bytes(size)} ({size} bytes) is smaller than "
+                f"one decoder layer: layer {layer} needs {fmt_bytes(layer_bytes)} ({layer_bytes} bytes)",
+                budget=size, needed=layer_bytes, model=store.name, layer=layer)
+        if largest is not None and _aligned(largest.length) > size:
+            need = _aligned(largest.length)
+            raise BudgetTooSmall(
+                f"model {store.name}: host_cache_bytes {fmt_bytes(size)} ({size} bytes) cannot hold "
+                f"block {largest.id} ({largest.role}) of {fmt_bytes(need)} ({need} bytes)",
+                budget=size, needed=need, model=store.name, block_id=largest.id)
+
+    def _info(self, model: _Model, config: FlashConfig) -> ModelInfo:
+        store = model.store
+        return ModelInfo(name=model.name, path=model.path, config=store.config, blocks=store.blocks,
+                         num_layers=store.num_layers, total_bytes=store.total_bytes,
+                         flash_config={k: config[k] for k in ("prefetch_window", "error_recovery_mode",
+                                                              "quantization_scheme",
+                                                              "quantization_granularity")},
+                         plan=dict(model.plan), ignored_overrides=list(model.ignored))
+
+    def _model(self, name) -> _Model:
+        try:
+            return self._models[name]
+        except KeyError:
+            raise UnknownModel(f"model {name!r} is not open (open it first; open: "
+                               f"{sorted(self._models) or 'none'})", model=name) from None
+
+    def close_model(self, client_id: int, name: str) -> int:
+        """Drop a client's handle on a model and its leases on it; the blocks stay cached."""
+        with self._lock:
+            client = self._client(client_id)
+            model = self._model(name)
+            client.handles.pop(name, None)
+            mine = [lid for lid, lease in client.leases.items() if lease.model == name]
+            for lid in mine:
+                self._unpin(model, client.leases.pop(lid).blocks)
+            self.generation += 1
+            return len(mine)
+
+    def unload(self, name: str) -> dict:
+        """Forget a model and free its host memory; refused while any block of it is leased."""
+        with self._lock:
+            model = self._model(name)
+            busy = [b for b in model.blocks.values() if b.refs or b.state == LOADING]
+            if busy:
+                holders = {c.id for c in self._clients.values()
+                           for lease in c.leases.values() if lease.model == name}
+                raise StoreInUse(f"model {name}: {len(busy)} blocks are leased or loading (clients "
+                                 f"{sorted(holders)}); release them before unloading",
+                                 model=name, blocks=len(busy))
+            freed = 0
+            for block in model.blocks.values():
+                if block.state == RESIDENT:
+                    freed += _aligned(block.info.length)
+                    self._drop(block)
+            del self._models[name]
+            for client in self._clients.values():
+                client.handles.pop(name, None)
+            self.counters["unloads"] += 1
+            self.generation += 1
+        log.info("unloaded model %s (%s freed)", name, fmt_bytes(freed))
+        return {"model": name, "freed_bytes": freed}
+
+    def set_plan(self, name: str, plan: dict) -> None:
+        """Register a residency plan for a model. ``{"pin": [block ids]}`` keeps those blocks in
+        the host tier once loaded (never evicted while the plan stands); other keys are kept for
+        the tiers above (the GPU fabric) to read back from ``ModelInfo.plan``."""
+        with self._lock:
+            model = self._model(name)
+            pins = plan.get("pin", [])
+            for bid in pins:
+                if bid not in model.blocks:
+                    raise UnknownBlock(f"model {name}: residency plan pins block {bid}, which does "
+                                       f"not exist ({len(model.blocks)} blocks)", block_id=bid, model=name)
+            model.plan = dict(plan)
+            model.pinned = frozenset(pins)
+            self.generation += 1
+
+    # --- acquire / release --------------------------------------------------------------------
+    def acquire(self, client_id, model, blocks=None, layer=None, priority: int = 0, wait: bool = True,
+                timeout: float | None = None) -> Lease:
+        """Blocking acquire (the embedded client's path)."""
+        return self.acquire_async(client_id, model, blocks, layer, priority, wait).result(timeout)
+
+    def acquire_async(self, client_id, model, blocks=None, layer=None, priority: int = 0,
+                      wait: bool = True) -> Future:
+        """Lease ``blocks`` (or every block of ``layer``) of ``model``; a Future of the ``Lease``.
+
+        ``priority`` is reserved (accepted, not yet used for ordering). With ``wait=False`` an
+        acquire that would have to read raises ``NotResident`` after starting those reads.
+        """
+        resolved: list[tuple[Future, object]] = []
+        with self._lock:
+            client = self._client(client_id)
+            m = self._model(model)
+            if m.failed is not None:
+                # A fresh instance: the recorded one may be raised in several threads at once.
+                raise type(m.failed)(m.failed.message, **m.failed.fields)
+            ids = self._requested(m, blocks, layer)
+            if len(client.leases) >= self.config.max_leases_per_client:
+                raise LimitExceeded(f"client {client_id} holds {len(client.leases)} leases, the "
+                                    f"maximum (max_leases_per_client); release some first",
+                                    limit=self.config.max_leases_per_client)
+            self._tick += 1
+            tick = self._tick
+            wanted = [m.blocks[i] for i in ids]
+            for b in wanted:
+                b.refs += 1
+                b.last_use = tick
+                b.uses += 1
+                if b.state == ABSENT:
+                    self.counters["misses"] += 1
+                else:
+                    self.counters["hits"] += 1
+                    if b.prefetched:
+                        self.counters["prefetch_used"] += 1
+                b.prefetched = False
+            try:
+                protect = {b for b in wanted}
+                deps = [m.blocks[d] for b in wanted for d in b.info.deps if d in m.blocks]
+                protect.update(deps)
+                to_load = [b for b in (*wanted, *deps) if b.state == ABSENT]
+                batch = self._allocate(to_load, protect, prefetch=False)
+            except FlashError:
+                self._unpin(m, {b.info.id: 0 for b in wanted})
+                raise
+            handle = client.handles.get(m.name)
+            window = (handle.config if handle else m.config).prefetch_window
+            if layer is not None and window:
+                batch += self._prefetch_locked(m, m.order.stages_after(layer, window), protect)
+            self._submit(batch)
+            pending = [b for b in wanted if b.state == LOADING]
+            if pending and not wait:
+                self._unpin(m, {b.info.id: 0 for b in wanted})
+                raise NotResident(f"model {m.name}: {len(pending)} of {len(wanted)} blocks are being "
+                                  f"read from disk (first: block {pending[0].info.id}); retry",
+                                  model=m.name, blocks=[b.info.id for b in pending])
+            ticket = _Ticket(client, m, ids, wanted, make_lease=True)
+            if pending:
+                ticket.remaining = len(pending)
+                for b in pending:
+                    b.waiters.append(ticket)
+            else:
+                resolved.append((ticket.future, self._finish_locked(ticket)))
+            self.generation += 1
+        self._resolve(resolved)
+        return ticket.future
+
+    def _requested(self, m: _Model, blocks, layer) -> list[int]:
+        if layer is not None:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(m.order.layers):
+                raise UnknownBlock(f"model {m.name}: no layer {layer!r} (it has {len(m.order.layers)} "
+                                   f"layers)", model=m.name, layer=layer)
+            ids = m.order.layer_blocks(layer)
+            if blocks:
+                ids = sorted(set(ids) | set(blocks))
+        elif blocks:
+            ids = list(dict.fromkeys(blocks))
+        else:
+            raise LeaseError(f"model {m.name}: acquire needs `blocks` or `layer`", model=m.name)
+        for bid in ids:
+            if bid not in m.blocks:
+                raise UnknownBlock(f"model {m.name}: no block {bid!r} (it has {len(m.blocks)} blocks, "
+                                   f"ids {min(m.blocks)}..{max(m.blocks)})", model=m.name, block_id=bid)
+        return ids
+
+    def release(self, client_id: int, lease_id: int) -> None:
+        with self._lock:
+            client = self._client(client_id)
+            lease = client.leases.pop(lease_id, None)
+            if lease is None:
+                raise LeaseError(f"client {client_id} holds no lease {lease_id}", lease=lease_id)
+            self._unpin(self._models.get(lease.model), lease.blocks)
+            self.generation += 1
+
+    def _unpin(self, model, block_ids) -> None:
+        if model is None:
+            return
+        for bid in block_ids:
+            block = model.blocks[bid]
+            block.refs -= 1
+
+    # --- prefetch / warm-up -------------------------------------------------------------------
+    def prefetch(self, model: str, layers=None, blocks=None) -> int:
+        """Start reading the blocks of ``layers`` (and ``blocks``) ahead of use; returns how many
+        reads were started. Advisory: blocks that do not fit without evicting leased, hot or
+        still-unused prefetched blocks are skipped."""
+        with self._lock:
+            m = self._model(model)
+            ids = []
+            for layer in layers or []:
+                ids += self._requested(m, None, layer)
+            if blocks:
+                ids += self._requested(m, blocks, None)
+            batch = self._prefetch_locked(m, ids, set())
+            self._submit(batch)
+            self.generation += 1
+            return len(batch)
+
+    def _prefetch_locked(self, m: _Model, ids, protect) -> list:
+        absent = [m.blocks[i] for i in ids if m.blocks[i].state == ABSENT]
+        batch = self._allocate(absent, protect, prefetch=True)
+        for b in batch:
+            b.prefetched = True
+        self.counters["prefetch_issued"] += len(batch)
+        self.counters["prefetch_dropped"] += len(absent) - len(batch)
+        return batch
+
+    def load(self, model: str) -> Future:
+        """Read every block of ``model`` that fits (forward order); a Future of a summary dict."""
+        resolved = []
+        with self._lock:
+            m = self._model(model)
+            absent = [b for b in m.blocks.values() if b.state == ABSENT]
+            batch = self._allocate(absent, set(), prefetch=True)
+            self._submit(batch)
+            ticket = _Ticket(self._clients[DAEMON_CLIENT], m, [], [], make_lease=False)
+            pending = [b for b in m.blocks.values() if b.state == LOADING]
+            ticket.remaining = len(pending)
+            for b in pending:
+                b.waiters.append(ticket)
+            if not pending:
+                resolved.append((ticket.future, self._finish_locked(ticket)))
+            self.generation += 1
+        self._resolve(resolved)
+        return ticket.future
+
+    # --- allocation and eviction ----------------------------------------------------------------
+    def _allocate(self, blocks, protect, prefetch: bool) -> list:
+        """Give each block arena space (evicting as needed) and mark it LOADING. For a demand
+        load a block that cannot fit raises OutOfMemory (earlier allocations are undone); for a
+        prefetch the rest of the list is skipped."""
+        done = []
+        for block in blocks:
+            if block.state != ABSENT:
+                continue
+            offset = self._make_room(block, protect, prefetch)
+            if offset is None:
+                break
+            if isinstance(offset, FlashError):
+                for b in done:
+                    self.arena.free(b.offset)
+                    b.offset, b.state = -1, ABSENT
+                raise offset
+            block.offset = offset
+            block.state = LOADING
+            block.error = None
+            protect.add(block)
+            done.append(block)
+        return done
+
+    def _make_room(self, block: _Block, protect, prefetch: bool):
+        need = _aligned(block.info.length)
+        arena = self.arena
+        limit = self.config.eviction_threshold * arena.size
+        # Soft pass: keep the arena under the threshold, evicting cold (non-hot) blocks only.
+        if arena.used + need > limit:
+            for victim in self._candidates(protect, hot=False, prefetch=prefetch):
+                self._evict(victim)
+                if arena.used + need <= limit:
+                    break
+        try:
+            return arena.alloc(need)
+        except ArenaFull:
+            pass
+        # Hard pass: the allocation itself does not fit; hot blocks go last and only here.
+        for hot in (False, True):
+            if hot and prefetch:
+                break
+            for victim in self._candidates(protect, hot=hot, prefetch=prefetch):
+                self._evict(victim)
+                try:
+                    return arena.alloc(need)
+                except ArenaFull:
+                    continue
+        if prefetch:
+            return None
+        leased = sum(_aligned(b.info.length) for m in self._models.values() for b in m.blocks.values()
+                     if b.refs and b.state != ABSENT)
+        return OutOfMemory(
+            f"host tier full: block {block.info.id} ({block.info.role}, layer {block.info.layer}) of "
+            f"model {block.model.name} needs {fmt_bytes(need)}; {fmt_bytes(arena.used)} of "
+            f"{fmt_bytes(arena.size)} in use, {fmt_bytes(leased)} of it leased or loading; release "
+            f"leases or raise host_cache_bytes", model=block.model.name, block_id=block.info.id,
+            needed=need, used=arena.used, budget=arena.size, leased=leased)
+
+    def _candidates(self, protect, hot: bool, prefetch: bool) -> list:
+        policy = self.config.block_eviction_policy
+        out = []
+        for m in self._models.values():
+            for b in m.blocks.values():
+                if (b.state != RESIDENT or b.refs or b in protect or b.info.id in m.pinned
+                        or b.info.hot != hot or (prefetch and b.prefetched)):
+                    continue
+                out.append(b)
+        if policy == "lru":
+            out.sort(key=lambda b: b.last_use)
+        else:
+            # access_frequency_weighted: fewest observed uses plus the store's packed access_freq
+            # hint go first; recency breaks ties so a one-off burst does not pin a block forever.
+            out.sort(key=lambda b: (b.uses + b.info.access_freq, b.last_use))
+        return out
+
+    def _evict(self, block: _Block) -> None:
+        self._drop(block)
+        self.counters["evictions"] += 1
+
+    def _drop(self, block: _Block) -> None:
+        self.arena.free(block.offset)
+        block.offset = -1
+        block.state = ABSENT
+        block.prefetched = False
+
+    def _evict_to_threshold(self) -> None:
+        limit = self.config.eviction_threshold * self.arena.size
+        if self.arena.used <= limit:
+            return
+        for victim in self._candidates(set(), hot=False, prefetch=True):
+            if self.arena.used <= limit:
+                break
+            self._evict(victim)
+
+    # --- IO ------------------------------------------------------------------------------------
+    def _submit(self, blocks) -> None:
+        if not blocks:
+            return
+        from .._core import ReadRequest
+
+        # Forward (file) order turns a cold load into one sequential sweep.
+        blocks = sorted(blocks, key=lambda b: (b.model.path, b.info.file, b.info.offset))
+        requests, tokens = [], []
+        for b in blocks:
+            token = next(self._token_ids)
+            b.token = token
+            self._tokens[token] = b
+            tokens.append(token)
+            requests.append(ReadRequest(path=str(b.model.store.data_path(b.info)), offset=b.info.offset,
+                                        length=b.info.length,
+                                        dest=self.arena.view(b.offset, b.info.length), dest_offset=0,
+                                        block_id=token, expected_crc=b.info.crc32c))
+        try:
+            batch = self.engine.submit(requests)
+        except FlashError as exc:
+            self._batches.put(("failed", tokens, exc))
+            return
+        self._batches.put((batch, tokens, None))
+
+    def _completion_loop(self) -> None:
+        while True:
+            item = self._batches.get()
+            if item is None:
+                return
+            batch, tokens, error = item
+            results: dict[int, FlashError | None] = {}
+            if error is None:
+                try:
+                    completions = self.engine.wait(batch)
+                except FlashError as exc:
+                    error = exc
+                else:
+                    for c in completions:
+                        results[c.block_id] = results.get(c.block_id) or self._error_of(c)
+            try:
+                self._complete(tokens, results, error)
+            except Exception:   # a bug here must not kill the only completion thread
+                log.exception("completing IO batch %s failed", batch)
+
+    def _error_of(self, completion) -> FlashError | None:
+        block = self._tokens.get(completion.block_id)
+        if block is None:
+            return None
+        info, path = block.info, str(block.model.store.data_path(block.info))
+        if completion.status < 0:
+            err = -completion.status
+            return FlashIOError(f"{path}: reading block {info.id} ({info.role}, layer {info.layer}) of "
+                                f"model {block.model.name}: {os.strerror(err)}", errno=err, path=path,
+                                offset=info.offset, block_id=info.id, model=block.model.name)
+        if completion.bytes != info.length and completion.status == 0 and completion.bytes < info.length:
+            return FlashIOError(f"{path}: block {info.id} of model {block.model.name} truncated: "
+                                f"{completion.bytes} of {info.length} bytes at offset {info.offset}",
+                                errno=0, path=path, offset=info.offset, block_id=info.id,
+                                model=block.model.name)
+        if not completion.crc_ok:
+            return BlockChecksumError(f"{path}: block {info.id} ({info.role}, layer {info.layer}) of "
+                                      f"model {block.model.name} failed its crc32c check "
+                                      f"(expected {info.crc32c:#010x})", block_id=info.id, path=path,
+                                      expected=info.crc32c, model=block.model.name)
+        return None
+
+    def _complete(self, tokens, results, batch_error) -> None:
+        resolved = []
+        retry = []
+        with self._lock:
+            for token in tokens:
+                block = self._tokens.pop(token, None)
+                if block is None:
+                    continue
+                if token not in results and batch_error is None:
+                    info = block.info
+                    results[token] = FlashIOError(f"block {info.id} of model {block.model.name}: the IO "
+                                                  f"engine reported no completion", errno=0,
+                                                  path=info.file, offset=info.offset, block_id=info.id)
+                error = batch_error or results.get(token)
+                if error is None:
+                    block.state = RESIDENT
+                    block.retries = 0
+                    self.counters["bytes_read_nvme"] += block.info.length
+                    waiters, block.waiters = block.waiters, []
+                    for ticket in waiters:
+                        ticket.remaining -= 1
+                        if ticket.remaining == 0 and not ticket.done:
+                            resolved.append((ticket.future, self._finish_locked(ticket)))
+                    continue
+                self.counters["load_errors"] += 1
+                if isinstance(error, BlockChecksumError):
+                    self.counters["checksum_errors"] += 1
+                if block.model.config.error_recovery_mode == "graceful" and block.retries < 1:
+                    # A flipped bit on the wire or a transient media error: read once more.
+                    block.retries += 1
+                    log.warning("retrying %s", error)
+                    retry.append(block)
+                    continue
+                log.error("%s", error)
+                self.arena.free(block.offset)
+                block.offset, block.state, block.error, block.retries = -1, ABSENT, error, 0
+                if block.model.config.error_recovery_mode == "strict":
+                    block.model.failed = error
+                waiters, block.waiters = block.waiters, []
+                for ticket in waiters:
+                    if not ticket.done:
+                        ticket.done = True
+                        self._unpin(ticket.model, [b.info.id for b in ticket.pinned])
+                        resolved.append((ticket.future, error))
+            self._submit(retry)
+            self._evict_to_threshold()
+            self.generation += 1
+        self._resolve(resolved)
+
+    def _finish_locked(self, ticket: _Ticket):
+        """The lease (or load summary) of a ticket whose blocks are all resident."""
+        ticket.done = True
+        m = ticket.model
+        if not ticket.make_lease:
+            resident = [b for b in m.blocks.values() if b.state == RESIDENT]
+            return {"model": m.name, "blocks": len(m.blocks), "resident_blocks": len(resident),
+                    "resident_bytes": sum(b.info.length for b in resident),
+                    "total_bytes": m.store.total_bytes}
+        client = ticket.client
+        if not client.connected or m.name not in self._models:
+            self._unpin(m, [b.info.id for b in ticket.pinned])
+            return UnknownClient(f"client {client.id} disconnected before its acquire finished",
+                                 client=client.id)
+        lease = Lease(next(self._lease_ids), m.name, {b.info.id: b.offset for b in ticket.pinned},
+                      client.id)
+        client.leases[lease.id] = lease
+        self.counters["leases_granted"] += 1
+        return lease
+
+    @staticmethod
+    def _resolve(resolved) -> None:
+        # Outside the lock: done-callbacks (the server's wake-up) run right here.
+        for future, value in resolved:
+            if isinstance(value, BaseException):
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+    # --- introspection ------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._lock:
+            return self._stats_locked()
+
+    def _stats_locked(self) -> dict:
+        c = dict(self.counters)
+        served = c["hits"] + c["misses"]
+        c["prefetch_hit_rate"] = c["hits"] / served if served else 1.0
+        c["prefetch_miss_count"] = c["misses"]
+        c["block_eviction_count"] = c["evictions"]
+        c["active_leases"] = sum(len(cl.leases) for cl in self._clients.values())
+        c["connected_clients"] = len(self._clients) - 1
+        c["host_bytes_used"] = self.arena.used
+        c["host_bytes_total"] = self.arena.size
+        c["resident_blocks"] = sum(1 for m in self._models.values() for b in m.blocks.values()
+                                   if b.state == RESIDENT)
+        c["loading_blocks"] = len(self._tokens)
+        c["open_models"] = len(self._models)
+        return c
+
+    def list_models(self) -> list[dict]:
+        with self._lock:
+            return [self._model_summary(m) for m in self._models.values()]
+
+    def _model_summary(self, m: _Model) -> dict:
+        resident = [b for b in m.blocks.values() if b.state == RESIDENT]
+        return {"name": m.name, "path": m.path, "state": "failed" if m.failed else "open",
+                "blocks": len(m.blocks), "resident_blocks": len(resident),
+                "resident_bytes": sum(b.info.length for b in resident),
+                "total_bytes": m.store.total_bytes, "num_layers": m.store.num_layers,
+                "leased_blocks": sum(1 for b in m.blocks.values() if b.refs),
+                "clients": sorted(c.id for c in self._clients.values() if m.name in c.handles),
+                "error": str(m.failed) if m.failed else None}
+
+    def snapshot(self) -> dict:
+        """Everything the status tree shows, in one consistent read."""
+        with self._lock:
+            stats = self._stats_locked()
+            models = {}
+            for m in self._models.values():
+                summary = self._model_summary(m)
+                summary["residency"] = [
+                    {"id": b.info.id, "role": b.info.role, "layer": b.info.layer, "state": b.state,
+                     "bytes": b.info.length, "refs": b.refs, "uses": b.uses, "hot": b.info.hot}
+                    for b in m.blocks.values()]
+                models[m.name] = summary
+            degraded = any(m.failed for m in self._models.values())
+            return {"controller_state": "DEGRADED" if degraded else "ACTIVE",
+                    "semantic_block_count": sum(len(m.blocks) for m in self._models.values()),
+                    "prefetch_hit_rate": stats["prefetch_hit_rate"], "stats": stats, "models": models,
+                    "tunables": self.config.tunables(), "generation": self.generation}

@@ -1,0 +1,337 @@
+"""The controller's configuration: every key, its default, its validation, and where it may be set.
+
+One table (``KEYS``) holds each key's default, parser, allowed values, scope and whether it can be
+changed at run time, so the loader, the per-model overrides, the ``set_tunable`` op and the docs
+all read the same facts. Invalid values raise ``ConfigError`` naming the key, the value and what
+is allowed; unknown keys are rejected (a typo must not silently fall back to a default).
+
+Scopes:
+* ``daemon`` -- one value for the whole controller (arena size, sockets, limits, eviction);
+* ``model``  -- may also be overridden per model (``"flash_config"`` in the model's config.json)
+  and per open (``flash_context``), because it changes how *that* model is served.
+A model file can carry only model-scope keys: a checkpoint downloaded from the Hub must not be able
+to resize the daemon's cache. Daemon-scope keys found there are logged and not applied.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import ConfigError
+from .. import paths
+
+log = logging.getLogger("deepseek_flash.config")
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40,
+          "tb": 1000 ** 4, "tib": 1 << 40}
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string such as ``"8GiB"``, ``"512 MiB"``, ``"1G"`` (K/M/G = KiB...)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: {value!r} is not a size; use bytes or e.g. \"8GiB\"",
+                          key=key, value=value, allowed="integer bytes or \"<n>[KiB|MiB|GiB|TiB]\"")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{key}: {value!r} is not a size; use bytes or e.g. \"8GiB\"",
+                              key=key, value=value, allowed="integer bytes or \"<n>[KiB|MiB|GiB|TiB]\"")
+        number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        raise ConfigError(f"{key}: {value!r} is not a size", key=key, value=value,
+                          allowed="integer bytes or \"<n>[KiB|MiB|GiB|TiB]\"")
+    return number
+
+
+def _int_range(lo: int, hi: int) -> Callable[[str, Any], int]:
+    def parse(key, value):
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ConfigError(f"{key}: {value!r} is not allowed; use an integer in {lo}..{hi}",
+                              key=key, value=value, allowed=f"{lo}..{hi}")
+        return value
+    return parse
+
+
+def _choice(*allowed: str, implemented: tuple[str, ...] | None = None) -> Callable[[str, Any], str]:
+    def parse(key, value):
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not allowed; use one of {', '.join(allowed)}",
+                              key=key, value=value, allowed=list(allowed))
+        if implemented is not None and value not in implemented:
+            raise ConfigError(f"{key}: {value!r} is not implemented yet; this version serves "
+                              f"only {', '.join(implemented)}", key=key, value=value,
+                              allowed=list(implemented))
+        return value
+    return parse
+
+
+def _fraction(lo_open: bool) -> Callable[[str, Any], float]:
+    desc = "0 < r <= 1" if lo_open else "0 <= x <= 1"
+
+    def parse(key, value):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+            ok = (0.0 < value <= 1.0) if lo_open else (0.0 <= value <= 1.0)
+        if not ok:
+            raise ConfigError(f"{key}: {value!r} is not allowed; use a number with {desc}",
+                              key=key, value=value, allowed=desc)
+        return value
+    return parse
+
+
+def _host_cache(key, value):
+    size = parse_size(key, value)
+    if size < (1 << 20):
+        raise ConfigError(f"{key}: {value!r} is below the minimum of 1 MiB", key=key, value=value,
+                          allowed=">= 1MiB")
+    return size
+
+
+def _frame_bytes(key, value):
+    size = parse_size(key, value)
+    if not (4096 <= size <= (256 << 20)):
+        raise ConfigError(f"{key}: {value!r} is not allowed; use 4KiB..256MiB", key=key, value=value,
+                          allowed="4KiB..256MiB")
+    return size
+
+
+def _devices(key, value):
+    if value is None:
+        return None
+    if isinstance(value, list):
+        out = []
+        for item in value:
+            if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+                out.append(item)
+            elif isinstance(item, str) and re.fullmatch(r"cuda:\d+", item):
+                out.append(int(item.split(":")[1]))
+            else:
+                break
+        else:
+            return sorted(set(out))
+    raise ConfigError(f"{key}: {value!r} is not allowed; use null (every visible GPU) or a list of "
+                      f"device indices such as [0, 1] or [\"cuda:0\"]", key=key, value=value,
+                      allowed="null | [int | \"cuda:N\", ...]")
+
+
+def _socket_mode(key, value):
+    if isinstance(value, str) and re.fullmatch(r"0?o?[0-7]{3,4}", value):
+        value = int(value.replace("o", ""), 8)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o777:
+        raise ConfigError(f"{key}: {value!r} is not allowed; use a file mode such as \"0660\"",
+                          key=key, value=value, allowed="0000..0777 (octal string or integer)")
+    return value
+
+
+def _group(key, value):
+    if value is None or (isinstance(value, str) and value) or (isinstance(value, int) and value >= 0):
+        return value
+    raise ConfigError(f"{key}: {value!r} is not allowed; use a group name, gid or null", key=key,
+                      value=value, allowed="group name | gid | null")
+
+
+def _dir_list(key, value):
+    if isinstance(value, list) and all(isinstance(v, str) and v for v in value):
+        return [str(Path(v).expanduser()) for v in value]
+    raise ConfigError(f"{key}: {value!r} is not allowed; use a list of directories", key=key,
+                      value=value, allowed="[\"/path\", ...]")
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
+
+
+def _registry(key, value):
+    if isinstance(value, dict) and all(isinstance(k, str) and _NAME.fullmatch(k) and ".." not in k
+                                       and isinstance(v, str) and v for k, v in value.items()):
+        return {k: str(Path(v).expanduser()) for k, v in value.items()}
+    raise ConfigError(f"{key}: {value!r} is not allowed; use {{\"name\": \"/path/to/store\"}} with "
+                      f"names of letters, digits, '.', '_', '-' and '/'", key=key, value=value,
+                      allowed="{name: path}")
+
+
+@dataclass(frozen=True)
+class Key:
+    default: Any
+    parse: Callable[[str, Any], Any]
+    allowed: str
+    scope: str            # "daemon" | "model"
+    tunable: bool         # may be changed at run time through set_tunable
+    help: str
+
+
+def _default_store_roots():
+    return [str(paths.state_dir() / "models")]
+
+
+KEYS: dict[str, Key] = {
+    "prefetch_window": Key(2, _int_range(0, 64), "0..64", "model", True,
+                           "decoder layers loaded ahead of the one being acquired"),
+    "block_eviction_policy": Key("lru", _choice("lru", "access_frequency_weighted"),
+                                 "lru | access_frequency_weighted", "daemon", True,
+                                 "which unleased block leaves the host tier first"),
+    "eviction_threshold": Key(0.9, _fraction(False), "0 <= x <= 1", "daemon", True,
+                              "evict unleased blocks when used > threshold * host_cache_bytes"),
+    "unified_memory_ratio": Key(0.8, _fraction(True), "0 < r <= 1", "daemon", False,
+                                "share of each GPU's memory the device arena may take"),
+    "quantization_granularity": Key("per_tensor", _choice("per_tensor", "per_block"),
+                                    "per_tensor | per_block", "model", False,
+                                    "scale granularity of a quantized scheme"),
+    "quantization_scheme": Key("none", _choice("none", "int8_symmetric", "int4_symmetric",
+                                               implemented=("none",)),
+                               "none (int8_symmetric, int4_symmetric: not implemented)", "model", False,
+                               "weight quantization of served blocks"),
+    "error_recovery_mode": Key("strict", _choice("strict", "graceful"), "strict | graceful", "model",
+                               True, "strict: a failed block fails its model until reopened; "
+                                     "graceful: the read is retried and the model keeps serving"),
+    "host_cache_bytes": Key(4 << 30, _host_cache, ">= 1MiB (int or \"8GiB\")", "daemon", False,
+                            "size of the shared host arena (the host tier budget)"),
+    "devices": Key(None, _devices, "null | [int | \"cuda:N\"]", "daemon", False,
+                   "CUDA devices served (null: every visible device)"),
+    "socket_mode": Key(0o660, _socket_mode, "octal file mode", "daemon", False,
+                       "mode of the control socket file"),
+    "socket_group": Key(None, _group, "group name | gid | null", "daemon", False,
+                        "group allowed to connect (null: the daemon's own group)"),
+    "max_frame_bytes": Key(1 << 20, _frame_bytes, "4KiB..256MiB", "daemon", False,
+                           "largest protocol frame accepted or sent"),
+    "max_outstanding_requests_per_client": Key(64, _int_range(1, 65536), "1..65536", "daemon", True,
+                                               "requests one client may have in flight"),
+    "max_leases_per_client": Key(65536, _int_range(1, 1 << 24), "1..16777216", "daemon", True,
+                                 "leases one client may hold"),
+    "store_roots": Key(None, _dir_list, "[dir, ...]", "daemon", False,
+                       "directories where model names are resolved"),
+    "models": Key({}, _registry, "{name: path}", "daemon", False,
+                  "registered model names and their store paths"),
+}
+
+TUNABLE = tuple(k for k, spec in KEYS.items() if spec.tunable)
+MODEL_SCOPE = tuple(k for k, spec in KEYS.items() if spec.scope == "model")
+
+
+class FlashConfig:
+    """A validated, immutable set of every key. Build with ``from_dict``/``load``/``override``."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: dict[str, Any] | None = None):
+        object.__setattr__(self, "_values", _validate(values or {}))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "FlashConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"configuration must be a JSON object, not {type(data).__name__}",
+                              key="", value=str(data)[:80], allowed="object")
+        return cls(data)
+
+    @classmethod
+    def load(cls, path) -> "FlashConfig":
+        """Read a JSON file; a missing file means defaults (logged). Errors name the file."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            log.info("config file %s not found; using defaults", path)
+            return cls()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror}", key="", value=str(path),
+                              allowed="a readable JSON file", path=str(path)) from exc
+        try:
+            data = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON: {exc}", key="", value=str(path),
+                              allowed="JSON object", path=str(path)) from exc
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc.message}", path=str(path), **exc.fields) from exc
+
+    def __getattr__(self, key):
+        try:
+            return self._values[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key, value):
+        raise AttributeError("FlashConfig is immutable; use override()")
+
+    def __getitem__(self, key):
+        return self._values[key]
+
+    def __eq__(self, other):
+        return isinstance(other, FlashConfig) and other._values == self._values
+
+    def __repr__(self):
+        return f"FlashConfig({self._values!r})"
+
+    def as_dict(self) -> dict:
+        return dict(self._values)
+
+    def override(self, changes: dict, *, scope: str | None = None) -> "FlashConfig":
+        """A new config with ``changes`` applied; ``scope="model"`` admits model-scope keys only."""
+        if not isinstance(changes, dict):
+            raise ConfigError(f"overrides must be an object, not {type(changes).__name__}", key="",
+                              value=str(changes)[:80], allowed="object")
+        if scope == "model":
+            for key in changes:
+                if key in KEYS and KEYS[key].scope != "model":
+                    raise ConfigError(f"{key} is daemon-wide and cannot be set per model or per open;"
+                                      f" set it in flash.json", key=key, value=changes[key],
+                                      allowed=list(MODEL_SCOPE))
+        merged = dict(self._values)
+        merged.update(changes)
+        return FlashConfig(merged)
+
+    def model_overrides(self, model_config: dict, model_name: str) -> tuple["FlashConfig", list[str]]:
+        """Apply a model's ``flash_config``; daemon-scope keys are skipped (returned, logged)."""
+        flash = model_config.get("flash_config") or {}
+        if not isinstance(flash, dict):
+            raise ConfigError(f"model {model_name}: flash_config must be an object", key="flash_config",
+                              value=str(flash)[:80], allowed="object")
+        ignored = [k for k in flash if k in KEYS and KEYS[k].scope != "model"]
+        for key in ignored:
+            log.warning("model %s: flash_config key %s is daemon-wide; not applied (set it in "
+                        "flash.json)", model_name, key)
+        try:
+            return self.override({k: v for k, v in flash.items() if k not in ignored},
+                                 scope="model"), ignored
+        except ConfigError as exc:
+            raise ConfigError(f"model {model_name} config.json flash_config: {exc.message}",
+                              **exc.fields) from exc
+
+    def tunables(self) -> dict:
+        return {k: self._values[k] for k in TUNABLE}
+
+
+def _validate(data: dict) -> dict:
+    unknown = sorted(set(data) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"unknown configuration key {unknown[0]!r}; known keys: {', '.join(KEYS)}",
+                          key=unknown[0], value=data[unknown[0]], allowed=list(KEYS))
+    values = {}
+    for key, spec in KEYS.items():
+        if key in data:
+            values[key] = spec.parse(key, data[key])
+        elif key == "store_roots":
+            values[key] = _default_store_roots()
+        else:
+            values[key] = spec.default
+    return values
+
+
+def check_tunable(key: str, value: Any) -> Any:
+    """Validate one run-time change; ConfigError for an unknown or non-tunable key."""
+    if key not in KEYS:
+        raise ConfigError(f"unknown tunable {key!r}; tunables: {', '.join(TUNABLE)}", key=key,
+                          value=value, allowed=list(TUNABLE))
+    if not KEYS[key].tunable:
+        raise ConfigError(f"{key} is fixed at start; change it in flash.json and restart (or "
+                          f"SIGHUP where noted); tunables: {', '.join(TUNABLE)}", key=key, value=value,
+                          allowed=list(TUNABLE))
+    return KEYS[key].parse(key, value)
