@@ -33,7 +33,7 @@ def disk_dir():
 
 
 @pytest.fixture(scope="session")
-def nodirect_dir():
+def _nodirect_root():
     """A directory where open(O_DIRECT) fails with EINVAL: /dev/shm on kernels whose tmpfs refuses it,
     else a ramfs mounted for the session (needs root; skipped with the reason otherwise)."""
     base = "/dev/shm"
@@ -49,8 +49,16 @@ def nodirect_dir():
         assert not _direct_ok(mnt)
         yield Path(mnt)
     finally:
-        subprocess.run(["umount", mnt], check=True)
+        # Lazy: an engine the garbage collector has not closed yet may still hold a file here.
+        subprocess.run(["umount", "-l", mnt], check=True)
         os.rmdir(mnt)
+
+
+@pytest.fixture
+def nodirect_dir(_nodirect_root):
+    """A fresh directory where open(O_DIRECT) fails with EINVAL."""
+    with tempfile.TemporaryDirectory(dir=_nodirect_root, prefix="t-") as d:
+        yield Path(d)
 
 
 @pytest.fixture(params=["disk", "nodirect"])
