@@ -1,0 +1,161 @@
+"""Disk read benchmark: the IO engine against the raw limits measured in the same run.
+
+Creates (or reuses) a file of --size in --dir, drops the page cache when root, then measures
+`dd iflag=direct` at a few block sizes, a multi-threaded Python O_DIRECT reader (os.preadv into
+mmap-aligned buffers), and the engine sweeping queue depth and request size on io_uring and on the
+thread pool. Prints JSON; `engine_vs_best_raw` is the best engine rate over the best raw rate.
+
+    python bench/io.py [--size 4GiB] [--dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import mmap
+import os
+import platform
+import re
+import subprocess
+import sys
+import threading
+import time
+
+from deepseek_flash import _core
+
+UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+         "t": 1 << 40, "tib": 1 << 40}
+EXTENT = 32 << 20          # engine extents: the size of a large weight block
+DEST = 256 << 20           # engine destination window (extents land in it round-robin)
+PY_CHUNK = 4 << 20
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MiB)")
+    return int(m.group(1)) * UNITS[m.group(2).lower()]
+
+
+def make_file(path: str, size: int) -> bool:
+    if os.path.exists(path) and os.path.getsize(path) == size:
+        return False
+    chunk = os.urandom(64 << 20)
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, len(chunk))
+            f.write(chunk[:n])
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def bench_dd(path: str, size: int, bs: int) -> float:
+    t = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "iflag=direct", f"bs={bs}", f"count={size // bs}"],
+                   check=True, capture_output=True)
+    return gbps(size // bs * bs, time.perf_counter() - t)
+
+
+def bench_python(path: str, size: int, threads: int) -> float:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    chunks = size // PY_CHUNK
+    next_chunk = iter(range(chunks))
+    lock = threading.Lock()
+
+    def worker():
+        buf = mmap.mmap(-1, PY_CHUNK)  # page aligned, as O_DIRECT needs
+        while True:
+            with lock:
+                i = next(next_chunk, None)
+            if i is None:
+                return
+            os.preadv(fd, [buf], i * PY_CHUNK)
+
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    t = time.perf_counter()
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    dt = time.perf_counter() - t
+    os.close(fd)
+    return gbps(chunks * PY_CHUNK, dt)
+
+
+def bench_engine(path: str, size: int, backend: str, depth: int, request: int, dest) -> float:
+    n = size // EXTENT
+    reqs = [_core.ReadRequest(path, i * EXTENT, EXTENT, dest, (i * EXTENT) % DEST, block_id=i) for i in range(n)]
+    with _core.IOEngine(backend, depth, request) as engine:
+        t = time.perf_counter()
+        comps = engine.wait(engine.submit(reqs))
+        dt = time.perf_counter() - t
+    bad = [c for c in comps if not c.ok]
+    if bad:
+        bad[0].raise_if_failed()
+    return gbps(n * EXTENT, dt)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=parse_size, default=4 << 30, help="test file size (default 4GiB)")
+    ap.add_argument("--dir", default="/var/tmp", help="directory on the disk to measure (default /var/tmp)")
+    args = ap.parse_args(argv)
+    size = args.size // EXTENT * EXTENT
+    if size == 0:
+        ap.error(f"--size must be at least {EXTENT} bytes")
+    path = os.path.join(args.dir, f"deepseek-flash-bench-{size}.dat")
+    created = make_file(path, size)
+    dropped = drop_caches()
+
+    results: dict = {"dd": {}, "python_odirect": {}, "engine": {}}
+    for bs in (1 << 20, 4 << 20, 16 << 20):
+        results["dd"][f"bs={bs >> 20}M"] = bench_dd(path, size, bs)
+    for threads in (4, 8):
+        results["python_odirect"][f"threads={threads}"] = bench_python(path, size, threads)
+    dest = _core.HostArena(DEST, "bench-io")
+    dest.populate()
+    for backend in ("io_uring", "threads"):
+        for depth in (4, 16, 64):
+            for request in (256 << 10, 1 << 20, 4 << 20):
+                key = f"{backend} qd={depth} rs={request >> 10}K"
+                results["engine"][key] = bench_engine(path, size, backend, depth, request, dest)
+
+    best_raw_key, best_raw = max(
+        [(f"dd {k}", v) for k, v in results["dd"].items()]
+        + [(f"python_odirect {k}", v) for k, v in results["python_odirect"].items()], key=lambda kv: kv[1])
+    best_engine_key, best_engine = max(results["engine"].items(), key=lambda kv: kv[1])
+    out = {
+        "bench": "io",
+        "date": datetime.date.today().isoformat(),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release()},
+        "file": path, "size_bytes": size, "file_created": created, "page_cache_dropped": dropped,
+        "extent_bytes": EXTENT, "unit": "GB/s",
+        "results": results,
+        "best_raw": {"name": best_raw_key, "gbps": best_raw},
+        "best_engine": {"name": best_engine_key, "gbps": best_engine},
+        "engine_vs_best_raw": round(best_engine / best_raw, 3),
+    }
+    json.dump(out, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
