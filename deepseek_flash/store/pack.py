@@ -13,9 +13,11 @@ import errno
 import json
 import mmap
 import os
+import queue
 import re
 import shutil
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,9 @@ AUX_PATTERNS = re.compile(r"(config\.json|generation_config\.json|tokenizer.*|sp
                           r"preprocessor_config\.json|.*\.tiktoken)")
 _MAX_SAFETENSORS_HEADER = 100 << 20
 _ZEROS = bytes(BLOCK_ALIGN)
+_PAGE = 4096
+_CHUNK = 16 << 20   # per source read and per data-file write: large enough to keep the disk busy
+_DEPTH = 4          # source reads in flight or waiting to be written
 
 
 @dataclass
@@ -149,6 +154,7 @@ class _Shards:
         self.specs: dict[str, TensorSpec] = {}
         self.sources: dict[str, _Source] = {}
         self._maps: list[tuple[int, mmap.mmap]] = []
+        self._direct_fd: dict[Path, int] = {}
         try:
             for shard, wanted in _shard_plan(src).items():
                 entries, _start, size = read_safetensors_header(shard)
@@ -161,8 +167,11 @@ class _Shards:
                 fd = os.open(shard, os.O_RDONLY)
                 mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
                 self._maps.append((fd, mm))
-                if mm is not None:
-                    mm.madvise(mmap.MADV_SEQUENTIAL)
+                try:
+                    self._direct_fd[shard] = os.open(shard, os.O_RDONLY | os.O_DIRECT)
+                except OSError:
+                    # tmpfs and some FUSE file systems refuse O_DIRECT; buffered reads still work.
+                    self._direct_fd[shard] = os.dup(fd)
                 for name, (spec, start) in entries.items():
                     if wanted is not None and name not in wanted:
                         continue
@@ -176,10 +185,6 @@ class _Shards:
             self.close()
             raise
 
-    def view(self, name: str) -> memoryview:
-        s = self.sources[name]
-        return memoryview(s.mm)[s.start:s.start + s.nbytes] if s.nbytes else memoryview(b"")
-
     def identical(self, a: str, b: str) -> bool:
         import numpy as np
         if self.specs[a] != TensorSpec(a, self.specs[b].dtype, self.specs[b].shape):
@@ -188,26 +193,76 @@ class _Shards:
         return bool(np.array_equal(np.frombuffer(sa.mm, np.uint8, sa.nbytes, sa.start),
                                    np.frombuffer(sb.mm, np.uint8, sb.nbytes, sb.start)))
 
-    def prefetch(self, names) -> None:
-        """Ask the kernel to read these tensors now, while the writer is busy with the previous block."""
-        for name in names:
-            s = self.sources[name]
-            if s.nbytes:
-                start = s.start - s.start % mmap.PAGESIZE
-                s.mm.madvise(mmap.MADV_WILLNEED, start, s.start + s.nbytes - start)
+    def stream(self, blocks: list[BlockInfo], chunk: int = _CHUNK):
+        """Yield (block index, tensor name, memoryview) pieces of every tensor, in layout order.
 
-    def drop(self, names) -> None:
-        """Drop packed source pages from the page cache: a 100 GB pack must not evict everything else."""
-        for name in names:
-            s = self.sources[name]
-            os.posix_fadvise(s.fd, s.start, s.nbytes, os.POSIX_FADV_DONTNEED)
+        A reader thread keeps O_DIRECT reads of the next pieces in flight while the caller
+        checksums and writes: buffered reads through the page cache cost as much CPU as the
+        disk time on virtualized disks, and would evict the caller's page cache for nothing.
+        """
+        free: queue.Queue = queue.Queue()
+        full: queue.Queue = queue.Queue()
+        for _ in range(_DEPTH):
+            free.put(mmap.mmap(-1, chunk + 2 * _PAGE))
+        stop = threading.Event()
+
+        def reader():
+            try:
+                for i, block in enumerate(blocks):
+                    for t in block.tensors:
+                        src = self.sources[t.name]
+                        fd = self._direct_fd[src.path]
+                        pos, end = src.start, src.start + src.nbytes
+                        while pos < end:
+                            buf = free.get()
+                            if buf is None or stop.is_set():
+                                return
+                            base = pos - pos % _PAGE
+                            want = min(end - base, chunk)
+                            length = want + (-want % _PAGE)
+                            with memoryview(buf) as whole, whole[:length] as dest:
+                                n = os.preadv(fd, [dest], base)
+                            if n < min(length, end - base):
+                                raise CorruptSafetensors(f"{src.path}: short read at byte {base} "
+                                                         f"(file changed while packing?)",
+                                                         path=str(src.path))
+                            full.put((i, t.name, buf, pos - base, min(want, end - base) - (pos - base)))
+                            pos = base + want
+                    full.put((i, None, None, 0, 0))
+                full.put(None)
+            except BaseException as exc:   # handed to the consumer, which raises it
+                full.put(exc)
+
+        thread = threading.Thread(target=reader, name="pack-reader", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = full.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                i, name, buf, lo, n = item
+                if buf is None:
+                    yield i, None, None
+                    continue
+                with memoryview(buf) as whole, whole[lo:lo + n] as piece:
+                    yield i, name, piece
+                free.put(buf)
+        finally:
+            stop.set()
+            free.put(None)
+            thread.join()
 
     def close(self) -> None:
         for fd, mm in self._maps:
             if mm is not None:
                 mm.close()
             os.close(fd)
+        for fd in self._direct_fd.values():
+            os.close(fd)
         self._maps.clear()
+        self._direct_fd.clear()
 
 
 # --- atomic directory replacement -------------------------------------------------------------
@@ -261,12 +316,11 @@ def _write_file(path: Path, data: bytes) -> None:
 def _write_blocks(shards: _Shards, blocks: list[BlockInfo], data_path: Path, progress) -> None:
     from .. import _core
 
-    writer = _core.AlignedWriter(str(data_path))
+    writer = _core.AlignedWriter(str(data_path), buffer_size=_CHUNK)
     headers = []
     try:
-        for i, block in enumerate(blocks):
-            if i + 1 < len(blocks):
-                shards.prefetch(t.name for t in blocks[i + 1].tensors)
+        pieces = shards.stream(blocks)
+        for block in blocks:
             block.file = DATA_FILE
             block.header_offset = writer.tell()
             header = encode_block_header(block, len(blocks))
@@ -275,22 +329,28 @@ def _write_blocks(shards: _Shards, blocks: list[BlockInfo], data_path: Path, pro
             block.header_size = len(header)
             block.offset = writer.tell()
             crc, pos = 0, 0
-            for t in block.tensors:
-                if t.offset > pos:
-                    pad = _ZEROS[:t.offset - pos]
+            offsets = {t.name: t.offset for t in block.tensors}
+            for _i, name, piece in pieces:
+                if name is None:
+                    break
+                if pos < offsets[name]:
+                    pad = _ZEROS[:offsets[name] - pos]
                     writer.write(pad)
                     crc = crc32c(pad, crc)
-                view = shards.view(t.name)
-                crc = crc32c(view, crc)
-                writer.write(view)
-                pos = t.offset + t.nbytes
-                view.release()
+                    pos = offsets[name]
+                crc = crc32c(piece, crc)
+                writer.write(piece)
+                pos += len(piece)
+            if pos < block.length:   # a trailing zero-size tensor still owns its aligned offset
+                pad = _ZEROS[:block.length - pos]
+                writer.write(pad)
+                crc = crc32c(pad, crc)
             block.crc32c = crc
             writer.pad_to(BLOCK_ALIGN)
             headers.append((block.header_offset, encode_block_header(block, len(blocks))))
-            shards.drop(t.name for t in block.tensors)
             if progress is not None:
                 progress(block.length)
+        pieces.close()
     finally:
         writer.close(fsync=False)
     fd = os.open(data_path, os.O_WRONLY)

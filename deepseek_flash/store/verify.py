@@ -18,7 +18,7 @@ from ..errors import FlashIOError
 from .format import BadHeader, BlockInfo, align_up, crc32c, decode_block_header
 from .reader import Store
 
-CHUNK = 8 << 20
+CHUNK = 16 << 20
 _DEPTH = 3
 
 
