@@ -805,6 +805,11 @@ class BlockManager:
                 "clients": sorted(c.id for c in self._clients.values() if m.name in c.handles),
                 "error": str(m.failed) if m.failed else None}
 
+    def residency(self, name: str) -> dict[int, str]:
+        """block id -> "absent" | "loading" | "resident" for one open model."""
+        with self._lock:
+            return {bid: b.state for bid, b in self._model(name).blocks.items()}
+
     def snapshot(self) -> dict:
         """Everything the status tree shows, in one consistent read."""
         with self._lock:
