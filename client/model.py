@@ -1,0 +1,233 @@
+"""``load_model``: a Hugging Face model whose weights are views into the controller's memory.
+
+The model is built from the stored config with every parameter on the meta device (no weight
+memory, ~15 ms for an 8B shape), then each parameter is replaced by a zero-copy view of its block
+in the host arena (device ``cpu``) or in the daemon's GPU arena (device ``cuda:N``). Nothing is
+copied into the process: several processes share one copy, and a process that restarts attaches
+to bytes that are already there.
+
+While a load is still in flight, *gates* (one per decoder layer, plus embeddings and head) hold a
+layer back until its bytes are there; once every gate has opened, the hooks remove themselves and
+the forward pass runs as plain ``transformers`` code. Streamed layers (a weight budget below the
+model size) are handled by ``client.stream``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+log = logging.getLogger("deepseek_flash.model")
+
+GATE_PENDING, GATE_READY, GATE_FAILED = 0, 1, 2
+
+
+@contextlib.contextmanager
+def _meta_parameters():
+    """Create parameters on the meta device, buffers (rotary tables) for real.
+
+    Buffers are computed from the config in float32 exactly as ``from_pretrained`` computes them,
+    which is what keeps logits bit-identical to a plain ``transformers`` load.
+    """
+    import torch
+
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=False)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def build_skeleton(config_dict: dict):
+    """A ``transformers`` causal LM of the stored config with all parameters on meta."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**config_dict)
+    with _meta_parameters():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.eval()
+    return model
+
+
+def bind_parameters(model, tensors: dict, complete: bool = True) -> None:
+    """Make each named parameter of ``model`` the given tensor (a view; never copied).
+
+    With ``complete`` every parameter must be bound afterwards (none left on meta).
+    """
+    import torch
+
+    for name, tensor in tensors.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if leaf not in module._parameters:
+            raise KeyError(f"the model has no parameter {name!r}")
+        module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+    if not complete:
+        return
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise KeyError(f"parameters not served by the store: {missing[:8]}"
+                       f"{' ...' if len(missing) > 8 else ''}")
+
+
+def decoder_parts(model):
+    """(embeddings, decoder layers, final norm, lm_head) of a Llama-family causal LM."""
+    inner = model.model
+    return inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head
+
+
+class Gates:
+    """Holds each layer back until its bytes are there; removes itself once all have opened.
+
+    ``control`` is a uint32 array in shared memory written by the loader (0 pending, 1 ready,
+    2 failed). ``events`` (GPU only) are the loader's per-gate copy events: the compute stream
+    waits on them, so the CPU never waits for a copy, only for the loader to have *issued* it.
+    """
+
+    def __init__(self, model, control, events=None, on_failure=None):
+        self.control = control
+        self.events = events
+        self.on_failure = on_failure
+        self.opened = [False] * len(control)
+        self.handles = []
+        self._lock = threading.Lock()
+        embed, layers, norm, head = decoder_parts(model)
+        targets = [(embed, 0)] + [(layer, i + 1) for i, layer in enumerate(layers)]
+        targets += [(norm, len(layers) + 1), (head, len(layers) + 1)]
+        for module, gate in targets:
+            self.handles.append(module.register_forward_pre_hook(self._hook(gate)))
+
+    def _hook(self, gate: int):
+        def pre_hook(module, args):
+            if not self.opened[gate]:
+                self.wait(gate)
+        return pre_hook
+
+    def wait(self, gate: int, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        pause = 20e-6
+        while self.control[gate] == GATE_PENDING:
+            if time.monotonic() > deadline:
+                from ..errors import FlashIOError
+
+                raise FlashIOError(f"gate {gate} not loaded after {timeout:.0f} s", gate=gate)
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+        if self.control[gate] == GATE_FAILED:
+            if self.on_failure is not None:
+                self.on_failure(gate)
+            from ..errors import FlashIOError
+
+            raise FlashIOError(f"loading gate {gate} failed; see the daemon log", gate=gate)
+        if self.events is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(self.events[gate])
+        with self._lock:
+            self.opened[gate] = True
+            if all(self.opened):
+                self.remove()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.handles)
+
+
+class FlashModelHandle:
+    """What keeps a loaded model's memory alive: the client, the load, the streaming runtime.
+
+    Reachable as ``model.flash``; ``close()`` detaches (the daemon keeps GPU copies resident for
+    the next client until memory is needed or ``deepseek-flash unload``).
+    """
+
+    def __init__(self, client, info, device, desc, owns_client: bool):
+        self.client = client
+        self.info = info
+        self.device = device
+        self.desc = desc
+        self.gates = None
+        self.stream = None
+        self._owns_client = owns_client
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.gates is not None:
+            self.gates.remove()
+        if self.stream is not None:
+            self.stream.close()
+        self.client.detach(self.info.name)
+        if self._owns_client:
+            self.client.close()
+
+
+def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, flash_context=None,
+               *, client=None, socket_path=None, config=None):
+    """A ``transformers`` causal LM whose weights are views into the controller's memory.
+
+    ``name_or_path``: a registered model name or a store directory (``deepseek-flash pack``).
+    ``device``: ``"cpu"`` (views into the shared host arena) or ``"cuda[:N]"`` (views into the
+    daemon's GPU arena on that device). ``weight_budget`` (bytes or ``"8GiB"``) caps the device
+    memory this model may occupy; layers that do not fit are streamed (``client.stream``).
+    ``embedded``: None uses the daemon when one answers, else an in-process controller.
+    ``flash_context``: ``flash_config`` overrides for this model (e.g. ``prefetch_window``).
+
+    The call may return before a GPU load has finished: a forward pass waits, per layer, only
+    where that layer's bytes are not there yet. ``model.generate()`` works unchanged.
+    """
+    import torch
+
+    from . import Client
+    from ..daemon.config import parse_size
+    from ..daemon.loader import control_views
+    from ..store.views import block_tensors
+
+    owns_client = client is None
+    if client is None:
+        client = Client(socket_path=socket_path, embedded=embedded, config=config)
+    try:
+        info = client.open_model(name_or_path, flash_context)
+        dev = torch.device(device)
+        target = "cpu" if dev.type == "cpu" else (dev.index if dev.index is not None else 0)
+        model = build_skeleton(info.config)
+        handle = FlashModelHandle(client, info, dev, None, owns_client)
+        budget = None if weight_budget is None else parse_size("weight_budget", weight_budget)
+        if budget is not None and budget < info.total_bytes:
+            from .stream import attach_streamed
+
+            attach_streamed(model, handle, budget, target)
+        else:
+            desc = client.attach(info.name, target)
+            handle.desc = desc
+            memory, events = client.device_memory(target, desc)
+            gates, offsets = control_views(client.arena, desc["control_offset"], desc["num_gates"],
+                                           desc["num_blocks"])
+            tensors = {}
+            for i, block in enumerate(info.blocks):
+                off = int(offsets[i])
+                tensors.update(block_tensors(block, memory[off:off + block.length]))
+            bind_parameters(model, tensors)
+            if not bool((gates == GATE_READY).all()):
+                handle.gates = Gates(model, gates, events)
+        model.flash = handle
+        return model
+    except BaseException:
+        if owns_client:
+            client.close()
+        raise
+

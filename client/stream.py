@@ -1,0 +1,380 @@
+"""Streamed execution: decoder layers whose MLP does not fit the weight budget pass through slots.
+
+The plan (``daemon.planner``) keeps anchors resident and streams the MLP blocks of a tail of
+layers through a ring of ``N`` slots. Streamed layer ``idx`` (in forward order) is bound for good
+to slot ``idx % N``: its parameters are views into that slot, so nothing is rebound per token.
+
+Per streamed layer, two hooks on the decoder layer (never per tensor) keep the ring moving:
+
+* pre-forward: issue the layer's copy if the window has not already done so, then make the
+  compute stream wait on the slot's *copy-done* event (the GPU waits, not the CPU);
+* post-forward: record the slot's *compute-done* event, then issue the copies of the next layers
+  within the prefetch window whose slots are free; each copy first makes the copy stream wait on
+  the slot's compute-done event, so a slot is overwritten only after its last reader ran.
+
+Copies come from the client's own mapping of the host arena (page-locked once in this process)
+into the slots on a dedicated copy stream, so no request crosses the socket on the per-layer path.
+On the CPU the same schedule runs with plain synchronous copies; that is what CI tests.
+
+Slots are per client: a slot's contents follow one client's position in its own forward pass, so
+sharing slots would serialize clients. Resident blocks are shared by every client.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ..daemon.planner import SLOT_ALIGNMENT, Plan
+from ..store.views import block_tensors
+from .model import bind_parameters, decoder_parts
+
+log = logging.getLogger("deepseek_flash.stream")
+
+# A compute stream that waited less than this on a copy counts as a prefetch hit.
+HIT_THRESHOLD_US = 20.0
+# Nominal clock for fabric_stall_cycles where NVML cannot tell the SM clock.
+NOMINAL_CLOCK_MHZ = 1000
+
+
+class WindowController:
+    """Adapts the prefetch window within ``[low, high]`` once per forward pass.
+
+    * grows while the compute stream stalls on copies (miss rate above ``grow_at``);
+    * shrinks while the PCIe link is busy with other work (``other_load`` above ``busy_at``
+      of the link), so streaming yields to the traffic it did not cause;
+    * otherwise holds. Every change is kept in ``decisions`` with its reason.
+    """
+
+    def __init__(self, window: int, low: int, high: int, grow_at: float = 0.05, busy_at: float = 0.5):
+        self.low, self.high = low, max(low, high)
+        self.window = min(max(window, self.low), self.high)
+        self.grow_at = grow_at
+        self.busy_at = busy_at
+        self.decisions: list[dict] = []
+
+    def update(self, misses: int, layers: int, other_load: float | None = None) -> int:
+        miss_rate = misses / layers if layers else 0.0
+        if other_load is not None and other_load > self.busy_at and self.window > self.low:
+            self._set(self.window - 1, f"link busy with other work ({other_load:.0%})")
+        elif miss_rate > self.grow_at and self.window < self.high:
+            self._set(self.window + 1, f"stalls on {miss_rate:.0%} of streamed layers")
+        return self.window
+
+    def _set(self, window: int, reason: str) -> None:
+        self.decisions.append({"time": time.time(), "from": self.window, "to": window, "reason": reason})
+        del self.decisions[:-32]
+        log.info("prefetch window %d -> %d: %s", self.window, window, reason)
+        self.window = window
+
+
+class _CpuOps:
+    """The schedule's primitives on the CPU: copies are synchronous, so events are no-ops."""
+
+    def __init__(self):
+        self.copy_stream = None
+
+    def event(self, timing: bool = False):
+        return None
+
+    def copy(self, dst, src, wait_for):
+        dst.copy_(src)
+
+    def record_copy(self, event):
+        pass
+
+    def wait_copy(self, event):
+        pass
+
+    def record_compute(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _CudaOps:
+    """The schedule's primitives on a CUDA device: a copy stream and events."""
+
+    def __init__(self, device: int):
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device=device)
+
+    def event(self, timing: bool = False):
+        return self.torch.cuda.Event(enable_timing=timing)
+
+    def copy(self, dst, src, wait_for):
+        with self.torch.cuda.stream(self.copy_stream):
+            if wait_for is not None:
+                self.copy_stream.wait_event(wait_for)
+            dst.copy_(src, non_blocking=True)
+
+    def record_copy(self, event):
+        event.record(self.copy_stream)
+
+    def wait_copy(self, event):
+        self.torch.cuda.current_stream(self.device).wait_event(event)
+
+    def record_compute(self, event):
+        event.record(self.torch.cuda.current_stream(self.device))
+
+    def synchronize(self):
+        self.copy_stream.synchronize()
+        self.torch.cuda.current_stream(self.device).synchronize()
+
+
+class StreamRuntime:
+    """Runs one client's ring of slots for one model (see the module docstring)."""
+
+    def __init__(self, model, plan: Plan, blocks: dict, host, host_offsets: dict, slots: list,
+                 device, window: int, fetch_host=None):
+        self.plan = plan
+        self.blocks = blocks                 # block id -> BlockInfo
+        self.host = host                     # uint8 tensor over the host arena (this mapping)
+        self.host_offsets = host_offsets     # block id -> host arena offset (leased)
+        self.fetch_host = fetch_host         # layer -> {block id: host offset}, for cold layers
+        self.slots = slots                   # uint8 tensors, one per slot, on the device
+        self.layers = list(plan.streamed_layers)
+        self.n = len(slots)
+        self.m = len(self.layers)
+        self.ops = _CpuOps() if device == "cpu" else _CudaOps(int(device))
+        self.is_cuda = device != "cpu"
+        self.controller = WindowController(window, low=min(1, window), high=self.n - 1 if self.n > 1 else 0)
+        self.copy_done = [self.ops.event() for _ in range(self.n)]
+        self.compute_done = [self.ops.event() for _ in range(self.n)]
+        self._slot_owner = [None] * self.n   # seq whose bytes the slot holds (or is receiving)
+        self._slot_busy = [False] * self.n   # copied-into but not yet consumed
+        self._issued = -1                    # highest seq issued (seq = pass * m + idx)
+        self._next = 0                       # seq expected at the next pre-hook
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.stall_us = 0.0
+        self.bytes_streamed = 0
+        self.tokens = 0
+        self._pass_misses = 0
+        self._timing: list = []
+        self._slot_layout = {}
+        for layer in self.layers:
+            offset, layout = 0, []
+            for bid in plan.stream_blocks[layer]:
+                layout.append((bid, offset))
+                offset += -(-blocks[bid].length // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+            self._slot_layout[layer] = layout
+        self._bind(model)
+        self._hooks = []
+        _, decoder_layers, _, _ = decoder_parts(model)
+        for idx, layer in enumerate(self.layers):
+            module = decoder_layers[layer]
+            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(idx)))
+            self._hooks.append(module.register_forward_hook(self._post_hook(idx)))
+        with self._lock:
+            self._fill(0)
+
+    # --- binding ---------------------------------------------------------------------------------
+    def _bind(self, model) -> None:
+        tensors = {}
+        for idx, layer in enumerate(self.layers):
+            slot = self.slots[idx % self.n]
+            for bid, offset in self._slot_layout[layer]:
+                block = self.blocks[bid]
+                tensors.update(block_tensors(block, slot[offset:offset + block.length]))
+        bind_parameters(model, tensors)
+
+    # --- schedule --------------------------------------------------------------------------------
+    def _slot_of(self, seq: int) -> int:
+        return (seq % self.m) % self.n
+
+    def _issue(self, seq: int) -> None:
+        """Copy the blocks of ``seq``'s layer into its slot (after the slot's last reader)."""
+        layer = self.layers[seq % self.m]
+        slot = self._slot_of(seq)
+        wait_for = self.compute_done[slot] if self._slot_owner[slot] is not None else None
+        for bid, offset in self._slot_layout[layer]:
+            src_off = self.host_offsets.get(bid)
+            if src_off is None:
+                self.host_offsets.update(self.fetch_host(layer))
+                src_off = self.host_offsets[bid]
+            n = self.blocks[bid].length
+            self.ops.copy(self.slots[slot][offset:offset + n], self.host[src_off:src_off + n], wait_for)
+            wait_for = None
+            self.bytes_streamed += n
+        self.ops.record_copy(self.copy_done[slot])
+        self._slot_owner[slot] = seq
+        self._slot_busy[slot] = True
+        self._issued = seq
+
+    def _fill(self, current: int) -> None:
+        """Issue copies for seqs after ``current`` up to the window, while their slots are free."""
+        window = self.controller.window
+        while self._issued < current + window:
+            seq = self._issued + 1
+            if self._slot_busy[self._slot_of(seq)]:
+                break
+            self._issue(seq)
+
+    def _pre_hook(self, idx: int):
+        def pre(module, args):
+            with self._lock:
+                if self._next % self.m != idx:
+                    self._resync(idx)
+                seq = self._next
+                slot = self._slot_of(seq)
+                if self._issued < seq:
+                    # Not prefetched (window 0, or the slot was still in use): a miss.
+                    self._issue(seq)
+                    self._count(hit=False, stall_us=None)
+                elif not self.is_cuda:
+                    self._count(hit=True, stall_us=0.0)
+                if self.is_cuda:
+                    start, end = self.ops.event(timing=True), self.ops.event(timing=True)
+                    self.ops.record_compute(start)
+                    self.ops.wait_copy(self.copy_done[slot])
+                    self.ops.record_compute(end)
+                    self._timing.append((start, end))
+                    self._harvest()
+        return pre
+
+    def _post_hook(self, idx: int):
+        def post(module, args, output):
+            with self._lock:
+                seq = self._next
+                slot = self._slot_of(seq)
+                self.ops.record_compute(self.compute_done[slot])
+                self._slot_busy[slot] = False
+                self._next = seq + 1
+                if idx == self.m - 1:
+                    self._end_of_pass()
+                self._fill(seq)
+        return post
+
+    def _resync(self, idx: int) -> None:
+        """A forward pass was cut short (an exception mid-model): restart the ring at ``idx``."""
+        log.warning("streamed pass resynchronised at layer %d (expected %d)", self.layers[idx],
+                    self.layers[self._next % self.m])
+        self.ops.synchronize()
+        base = (self._issued // self.m + 1) * self.m + idx
+        self._slot_owner = [None] * self.n
+        self._slot_busy = [False] * self.n
+        self._issued = base - 1
+        self._next = base
+        self._fill(base - 1)
+
+    # --- measurement -----------------------------------------------------------------------------
+    def _count(self, hit: bool, stall_us) -> None:
+        if hit:
+            self.hits += 1
+        else:
+            self.misses += 1
+            self._pass_misses += 1
+        if stall_us:
+            self.stall_us += stall_us
+
+    def _harvest(self, block: bool = False) -> None:
+        """Turn finished timing pairs into hits/misses and stall time (never blocks by default)."""
+        keep = []
+        for start, end in self._timing:
+            if block:
+                end.synchronize()
+            if end.query():
+                us = start.elapsed_time(end) * 1000.0
+                self._count(hit=us < HIT_THRESHOLD_US, stall_us=us)
+            else:
+                keep.append((start, end))
+        self._timing = keep
+
+    def _end_of_pass(self) -> None:
+        self.tokens += 1
+        self.controller.update(self._pass_misses, self.m, _link_load_other())
+        self._pass_misses = 0
+
+    def stats(self) -> dict:
+        with self._lock:
+            if self.is_cuda:
+                self._harvest(block=True)
+            total = self.hits + self.misses
+            return {"streamed_layers": self.m, "slots": self.n, "prefetch_window": self.controller.window,
+                    "prefetch_hits": self.hits, "prefetch_miss_count": self.misses,
+                    "prefetch_hit_rate": self.hits / total if total else 0.0,
+                    "fabric_stall_us": self.stall_us,
+                    "fabric_stall_cycles": int(self.stall_us * _sm_clock_mhz()),
+                    "bytes_streamed": self.bytes_streamed, "passes": self.tokens,
+                    "decisions": list(self.controller.decisions)}
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.ops.synchronize()
+
+
+_LINK = {"sampler": None}
+
+
+def _link_load_other() -> float | None:
+    """Fraction of the PCIe link's receive bandwidth in use (NVML, sampled in the background)."""
+    sampler = _LINK["sampler"]
+    return None if sampler is None else sampler.load
+
+
+def _sm_clock_mhz() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetClockInfo(pynvml.nvmlDeviceGetHandleByIndex(0),
+                                                 pynvml.NVML_CLOCK_SM)) or NOMINAL_CLOCK_MHZ
+    except Exception:   # NVML absent or no GPU: the nominal clock, documented in docs/streaming.md
+        return NOMINAL_CLOCK_MHZ
+
+
+def attach_streamed(model, handle, budget: int, target) -> StreamRuntime | None:
+    """Attach ``model`` under a weight budget: resident anchors from the shared load, the rest
+    streamed through this client's slots. Called by ``load_model``."""
+    import torch
+
+    from ..daemon.loader import control_views
+    from .model import GATE_READY, Gates
+
+    client, info = handle.client, handle.info
+    desc = client.attach(info.name, target, weight_budget=budget)
+    handle.desc = desc
+    plan = Plan.from_wire(desc["plan"])
+    memory, events = client.device_memory(target, desc)
+    gates, offsets = control_views(client.arena, desc["control_offset"], desc["num_gates"],
+                                   desc["num_blocks"])
+    by_id = {b.id: b for b in info.blocks}
+    index = {b.id: i for i, b in enumerate(info.blocks)}
+    tensors = {}
+    for bid in plan.resident:
+        block = by_id[bid]
+        off = int(offsets[index[bid]])
+        tensors.update(block_tensors(block, memory[off:off + block.length]))
+    if plan.streaming:
+        if target == "cpu":
+            slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8) for _ in range(plan.n_slots)]
+        else:
+            slots = [memory[off:off + plan.slot_bytes] for off in desc["slots"]]
+        host = client.host_tensor(pinned=target != "cpu")
+        client.prefetch(info.name, layers=plan.streamed_layers)
+        leases = []
+
+        def fetch_host(layer: int) -> dict:
+            lease = client.acquire(info.name, blocks=plan.stream_blocks[layer])
+            leases.append(lease)
+            return lease.blocks
+
+        bind_parameters(model, tensors, complete=False)
+        runtime = StreamRuntime(model, plan, by_id, host, {}, slots, target,
+                                info.flash_config["prefetch_window"], fetch_host)
+        runtime.leases = leases
+        handle.stream = runtime
+    else:
+        bind_parameters(model, tensors)
+    if not bool((gates == GATE_READY).all()):
+        handle.gates = Gates(model, gates, events)
+    return handle.stream
+

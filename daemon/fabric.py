@@ -1,0 +1,298 @@
+"""GPU fabric: one arena per device, filled from the host arena on a copy stream, shared by CUDA IPC.
+
+Why the daemon owns the device memory: weights outlive client processes and are shared by all of
+them. A client opens each device arena once (one CUDA IPC open) and then only receives offsets.
+
+Readiness crosses processes without a CPU round trip per layer:
+
+* every model placed on a device gets *gates* -- 0 for the embeddings, 1..L for the decoder layers,
+  L+1 for the final norm and head -- and one interprocess CUDA event per gate;
+* the loader enqueues a gate's copies on the copy stream, records the gate's event, and only then
+  flips the gate's word in a small *control page* that lives in the shared host arena;
+* a client whose model is still loading checks that word before a layer runs (a load from shared
+  memory) and makes its compute stream wait on the event -- the GPU, not the CPU, waits for the copy.
+
+Everything that touches CUDA imports torch lazily: the controller runs on machines without a GPU,
+where device ``cpu`` means "the host arena is the device".
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from ..errors import BudgetTooSmall, DeviceError
+from .prefetch import ForwardOrder
+from .ranges import RangeAllocator
+
+log = logging.getLogger("deepseek_flash.fabric")
+
+GATE_PENDING, GATE_READY, GATE_FAILED = 0, 1, 2
+# Device allocations are 2 MiB aligned: the allocation granularity of CUDA, so a block never
+# straddles two physical pages it does not need.
+DEVICE_ALIGNMENT = 2 << 20
+# Tensors inside a block only need 256-byte alignment; blocks of one model are packed tight.
+BLOCK_ALIGNMENT = 4096
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def register_host_memory(address: int, size: int) -> bool:
+    """Page-lock ``[address, address+size)`` for the GPU once (cudaHostRegister, portable).
+
+    Returns False (and logs why) where CUDA is absent or refuses; copies then run from pageable
+    memory, slower but correct.
+    """
+    if not cuda_available():
+        return False
+    import torch
+
+    cudart = torch.cuda.cudart()
+    # cudaHostRegisterPortable: pinned for every device context, not just the current one.
+    err = cudart.cudaHostRegister(address, size, 1)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        log.warning("cudaHostRegister of %d bytes at %#x failed (cudaError %d); host->GPU copies "
+                    "will be pageable", size, address, code)
+        return False
+    return True
+
+
+def unregister_host_memory(address: int) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+@dataclass
+class GpuArena:
+    """One device's arena: a single allocation, an offset allocator and a copy stream."""
+
+    device: int
+    size: int
+    tensor: object = field(repr=False)          # torch.uint8 CUDA tensor of ``size`` bytes
+    allocator: RangeAllocator = field(repr=False)
+    copy_stream: object = field(repr=False)
+
+    @classmethod
+    def create(cls, device: int, size: int) -> "GpuArena":
+        import torch
+
+        size -= size % DEVICE_ALIGNMENT
+        try:
+            tensor = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
+        except torch.OutOfMemoryError as exc:
+            free, total = torch.cuda.mem_get_info(device)
+            raise BudgetTooSmall(
+                f"cannot allocate a {size} byte arena on cuda:{device} ({free} of {total} bytes "
+                f"free); lower unified_memory_ratio", device=device, requested=size, free=free) from exc
+        stream = torch.cuda.Stream(device=device)
+        return cls(device=device, size=size, tensor=tensor,
+                   allocator=RangeAllocator(size, BLOCK_ALIGNMENT, name=f"GPU arena cuda:{device}"),
+                   copy_stream=stream)
+
+    def ipc_descriptor(self) -> dict:
+        """What a client needs to open this arena once (see ``open_gpu_arena``)."""
+        storage = self.tensor.untyped_storage()
+        (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset,
+         event_handle, event_sync) = storage._share_cuda_()
+        return {"device": int(dev), "handle": bytes(handle), "size": int(size_bytes),
+                "offset": int(offset_bytes), "ref_handle": bytes(ref_handle),
+                "ref_offset": int(ref_offset), "event_handle": bytes(event_handle or b""),
+                "event_sync": bool(event_sync), "arena_size": self.size}
+
+
+def open_gpu_arena(desc: dict):
+    """Client side: map a daemon's GPU arena (one cudaIpcOpenMemHandle) as a uint8 tensor."""
+    import torch
+
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        desc["device"], desc["handle"], desc["size"], desc["offset"], desc["ref_handle"],
+        desc["ref_offset"], desc["event_handle"] or None, desc["event_sync"])
+    tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{desc['device']}")
+    tensor.set_(storage, 0, (desc["arena_size"],), (1,))
+    return tensor
+
+
+class DevicePlacement:
+    """A model's resident blocks on one device: offsets, gate events, the control page."""
+
+    def __init__(self, fabric: "Fabric", model: str, device: int, arena: GpuArena,
+                 offsets: dict[int, int], stages: list[list[int]]):
+        import torch
+
+        self.fabric = fabric
+        self.model = model
+        self.device = device
+        self.arena = arena
+        self.offsets = offsets                  # block id -> byte offset in the arena
+        self.stages = stages                    # gate -> block ids (forward order)
+        with torch.cuda.device(device):
+            self.events = [torch.cuda.Event(interprocess=True) for _ in stages]
+            self.event_handles = [bytes(ev.ipc_handle()) for ev in self.events]
+
+
+class Fabric:
+    """GPU arenas per device, created lazily, filled from the host arena."""
+
+    def __init__(self, host_arena, unified_memory_ratio: float):
+        self.host_arena = host_arena
+        self.unified_memory_ratio = unified_memory_ratio
+        self.arenas: dict[int, GpuArena] = {}
+        self.placements: dict[tuple, DevicePlacement] = {}
+        self.slots: dict[tuple, list[int]] = {}      # (client, device) -> slot offsets
+        self.host_pinned = False
+        self._host_tensor = None
+        self._lock = threading.Lock()
+        self.bytes_h2d = 0
+
+    @property
+    def available(self) -> bool:
+        return cuda_available()
+
+    def device_count(self) -> int:
+        if not self.available:
+            return 0
+        import torch
+
+        return torch.cuda.device_count()
+
+    def arena(self, device: int) -> GpuArena:
+        """The arena of ``device``, created on first use (and the host arena pinned once)."""
+        with self._lock:
+            if device in self.arenas:
+                return self.arenas[device]
+            if not self.available:
+                raise DeviceError(f"cuda:{device} requested but CUDA is not available in the daemon",
+                                  device=device)
+            import torch
+
+            if device >= torch.cuda.device_count():
+                raise DeviceError(f"cuda:{device} does not exist ({torch.cuda.device_count()} devices)",
+                                  device=device)
+            if not self.host_pinned:
+                self.host_pinned = register_host_memory(self.host_arena.address, self.host_arena.size)
+            _, total = torch.cuda.mem_get_info(device)
+            arena = GpuArena.create(device, int(total * self.unified_memory_ratio))
+            log.info("GPU arena on cuda:%d: %d bytes (unified_memory_ratio %.2f), host arena %s",
+                     device, arena.size, self.unified_memory_ratio,
+                     "page-locked" if self.host_pinned else "pageable")
+            self.arenas[device] = arena
+            return arena
+
+    def host_tensor(self):
+        if self._host_tensor is None:
+            import torch
+
+            self._host_tensor = torch.frombuffer(self.host_arena, dtype=torch.uint8)
+        return self._host_tensor
+
+    def place(self, key, device: int, blocks) -> DevicePlacement:
+        """Allocate device ranges for ``blocks`` (BlockInfo list) or raise naming the sizes.
+
+        ``key`` names the placement (the loader's load key; its first item is the model name).
+        """
+        model = key[0]
+        arena = self.arena(device)
+        need = sum(-(-b.length // BLOCK_ALIGNMENT) * BLOCK_ALIGNMENT for b in blocks)
+        if need > arena.allocator.free_bytes():
+            raise BudgetTooSmall(
+                f"model {model!r} needs {need} bytes resident on cuda:{device}, the arena has "
+                f"{arena.allocator.free_bytes()} of {arena.size} bytes free "
+                f"(unified_memory_ratio {self.unified_memory_ratio})",
+                model=model, device=device, needed=need, free=arena.allocator.free_bytes())
+        offsets = {}
+        try:
+            for block in blocks:
+                offsets[block.id] = arena.allocator.alloc(block.length)
+        except Exception:
+            for off in offsets.values():
+                arena.allocator.free(off)
+            raise
+        num_layers = 1 + max((b.layer for b in blocks), default=-1)
+        stages = ForwardOrder(blocks, num_layers).stages
+        placement = DevicePlacement(self, model, device, arena, offsets, stages)
+        self.placements[key] = placement
+        return placement
+
+    def copy_gate(self, placement: DevicePlacement, gate: int, host_offsets: dict[int, int],
+                  lengths: dict[int, int]) -> None:
+        """Enqueue a gate's host->device copies and record its event (the loader opens the gate)."""
+        import torch
+
+        arena = placement.arena
+        host = self.host_tensor()
+        with torch.cuda.stream(arena.copy_stream):
+            for block_id in placement.stages[gate]:
+                src, dst, n = host_offsets[block_id], placement.offsets[block_id], lengths[block_id]
+                arena.tensor[dst:dst + n].copy_(host[src:src + n], non_blocking=self.host_pinned)
+                self.bytes_h2d += n
+            placement.events[gate].record(arena.copy_stream)
+
+    def alloc_slots(self, owner, device: int, n_slots: int, slot_bytes: int) -> list[int]:
+        """A client's ring of streaming slots in the arena (freed by ``free_slots``)."""
+        arena = self.arena(device)
+        offsets: list[int] = []
+        try:
+            for _ in range(n_slots):
+                offsets.append(arena.allocator.alloc(slot_bytes))
+        except Exception:
+            for off in offsets:
+                arena.allocator.free(off)
+            raise
+        self.slots[(owner, device)] = offsets
+        return offsets
+
+    def free_slots(self, owner, device: int) -> None:
+        for off in self.slots.pop((owner, device), []):
+            self.arenas[device].allocator.free(off)
+
+    def evict(self, key) -> int:
+        """Drop one placement's device copies; bytes freed."""
+        placement = self.placements.pop(key)
+        placement.arena.copy_stream.synchronize()
+        freed = 0
+        for off in placement.offsets.values():
+            freed += placement.arena.allocator.free(off)
+        return freed
+
+    def telemetry(self) -> dict:
+        """Per device: arena size/used and, through pynvml, PCIe throughput and memory."""
+        out = {}
+        for device, arena in self.arenas.items():
+            out[f"cuda:{device}"] = {"arena_bytes": arena.size, "arena_used_bytes": arena.allocator.used}
+        out.update(nvml_telemetry())
+        return out
+
+
+def nvml_telemetry() -> dict:
+    """PCIe rx/tx (KB/s) and memory per GPU from NVML; empty where NVML is absent."""
+    try:
+        import pynvml
+    except ImportError:
+        return {}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return {}
+    out = {}
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            entry = out.setdefault(f"cuda:{i}", {})
+            entry.update({
+                "gpu_memory_used_bytes": int(mem.used), "gpu_memory_total_bytes": int(mem.total),
+                "pcie_rx_kbps": int(pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_RX_BYTES)),
+                "pcie_tx_kbps": int(pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_TX_BYTES)),
+            })
+    except pynvml.NVMLError as exc:
+        log.debug("NVML query failed: %s", exc)
+    return out

@@ -1,0 +1,327 @@
+"""Device loads: fill a model's memory on one device in forward order, gate by gate.
+
+A *load* is what ``load_model`` attaches to. It owns a small *control page* in the shared host
+arena:
+
+    uint32 gate_state[G]        G = layers + 2 (stage 0 embeddings, 1..L layers, G-1 head)
+    uint64 block_offset[B]      per block (store order): its offset in the device's memory
+
+The loader thread walks the stages in forward order. For each stage it takes the host blocks
+(the block manager reads them from NVMe, many stages in flight at once so the disk queue stays
+deep), then:
+
+* device ``cpu`` -- the host arena *is* the device memory: it writes the blocks' host offsets and
+  opens the gate; the blocks stay leased to the client for as long as it keeps the model;
+* device ``cuda:N`` -- it enqueues the stage's copies into the GPU arena on the copy stream,
+  records the stage's interprocess event, then opens the gate; the host lease is dropped once the
+  copy has finished, so a model larger than the host cache still loads.
+
+A client's layer waits only where its gate is still closed (``client.model.Gates``). GPU loads are
+shared by every client of the model on that device and outlive them until evicted or unloaded;
+CPU loads are one per client, over shared host blocks.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+
+import numpy as np
+
+from ..errors import DeviceError, FlashError
+from .block_manager import DAEMON_CLIENT
+from .fabric import GATE_FAILED, GATE_READY
+from .prefetch import ForwardOrder
+
+log = logging.getLogger("deepseek_flash.loader")
+
+
+def control_page_size(num_gates: int, num_blocks: int) -> int:
+    return _offsets_start(num_gates) + 8 * num_blocks
+
+
+def _offsets_start(num_gates: int) -> int:
+    return (4 * num_gates + 7) // 8 * 8
+
+
+def control_views(buffer, offset: int, num_gates: int, num_blocks: int):
+    """(gate states uint32[G], block offsets uint64[B]) over a control page in ``buffer``."""
+    gates = np.frombuffer(buffer, dtype=np.uint32, count=num_gates, offset=offset)
+    offsets = np.frombuffer(buffer, dtype=np.uint64, count=num_blocks,
+                            offset=offset + _offsets_start(num_gates))
+    return gates, offsets
+
+
+class Load:
+    """One model's memory on one device, and the thread that fills it."""
+
+    def __init__(self, manager, arena, info, device, owner: int, resident: list[int],
+                 placement=None):
+        self.manager = manager
+        self.arena = arena
+        self.info = info
+        self.device = device                     # "cpu" or a CUDA index
+        self.owner = owner                       # client whose leases keep host blocks (cpu)
+        self.placement = placement
+        self.resident = frozenset(resident)      # the blocks this load puts on the device
+        self.order = ForwardOrder([b for b in info.blocks if b.id in self.resident],
+                                  info.num_layers)
+        self.index = {b.id: i for i, b in enumerate(info.blocks)}
+        self.num_gates = len(self.order.stages)
+        self.control_offset = arena.alloc(control_page_size(self.num_gates, len(info.blocks)))
+        self.gates, self.offsets = control_views(arena, self.control_offset, self.num_gates,
+                                                 len(info.blocks))
+        self.gates[:] = 0
+        self.leases: list[int] = []
+        self.clients: set[int] = set()
+        self.error: FlashError | None = None
+        self.done = threading.Event()
+        self.finished: Future = Future()        # resolved (or failed) when the walk ends
+        if placement is not None:
+            for bid, off in placement.offsets.items():
+                self.offsets[self.index[bid]] = off
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"flash-load-{info.name}-{device}")
+
+    def start(self) -> "Load":
+        self._thread.start()
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return self.done.is_set() and self.error is None
+
+    def describe(self) -> dict:
+        out = {"model": self.info.name, "device": self.device, "control_offset": self.control_offset,
+               "num_gates": self.num_gates, "num_blocks": len(self.info.blocks),
+               "block_order": [b.id for b in self.info.blocks]}
+        if self.placement is not None:
+            out["events"] = self.placement.event_handles
+        return out
+
+    def _run(self) -> None:
+        stages = self.order.stages
+        # Keep at most half the host arena in flight for a GPU load: stages leave the host tier
+        # once copied, so a model larger than the host cache streams through it.
+        window = self.arena.size // 2 if self.placement is not None else None
+        futures: dict[int, object] = {}
+        stage_bytes = [sum(self.info.blocks[self.index[b]].length for b in s) for s in stages]
+        submitted = 0
+        inflight = 0
+        copied: deque = deque()
+        fabric_done = []
+        try:
+            for gate in range(self.num_gates):
+                while submitted < self.num_gates and (
+                        submitted <= gate or window is None or inflight + stage_bytes[submitted] <= window):
+                    if stages[submitted]:
+                        futures[submitted] = self.manager.acquire_async(
+                            self.owner, self.info.name, blocks=list(stages[submitted]))
+                        inflight += stage_bytes[submitted]
+                    submitted += 1
+                if not stages[gate]:
+                    self.gates[gate] = GATE_READY
+                    continue
+                lease = futures.pop(gate).result()
+                self.leases.append(lease.id)
+                if self.placement is None:
+                    for bid, off in lease.blocks.items():
+                        if bid in self.index:
+                            self.offsets[self.index[bid]] = off
+                    self.gates[gate] = GATE_READY
+                    continue
+                lengths = {b: self.info.blocks[self.index[b]].length for b in stages[gate]}
+                self.placement.fabric.copy_gate(self.placement, gate, lease.blocks, lengths)
+                copied.append((gate, lease.id))
+                fabric_done.append(gate)
+                # Hand host blocks back once their copies are done (never blocks the walk).
+                while copied and self.placement.events[copied[0][0]].query():
+                    g, lease_id = copied.popleft()
+                    self._release(lease_id)
+                    inflight -= stage_bytes[g]
+            while copied:
+                g, lease_id = copied.popleft()
+                self.placement.events[g].synchronize()
+                self._release(lease_id)
+        except Exception as exc:   # noqa: BLE001 -- any failure closes the gates, typed
+            if not isinstance(exc, FlashError):
+                exc = DeviceError(f"loading {self.info.name} onto {self.device} failed: "
+                                  f"{type(exc).__name__}: {exc}", model=self.info.name,
+                                  device=str(self.device))
+            self.error = exc
+            self.gates[self.gates != GATE_READY] = GATE_FAILED
+            log.error("loading %s onto %s failed: %s", self.info.name, self.device, exc)
+            for fut in futures.values():
+                fut.add_done_callback(self._release_future)
+        finally:
+            self.done.set()
+            if self.error is not None:
+                self.finished.set_exception(self.error)
+            else:
+                self.finished.set_result(None)
+
+    def _release(self, lease_id: int) -> None:
+        self.leases.remove(lease_id)
+        self.manager.release(self.owner, lease_id)
+
+    def _release_future(self, fut) -> None:
+        if fut.exception() is None:
+            self.manager.release(self.owner, fut.result().id)
+
+    def close(self) -> None:
+        """Release the host leases and the control page (the load must be finished)."""
+        self.done.wait()
+        for lease_id in list(self.leases):
+            try:
+                self._release(lease_id)
+            except FlashError:
+                pass   # the owner already disconnected: its leases went with it
+        self.leases.clear()
+        self.arena.free(self.control_offset)
+
+
+class Loader:
+    """Starts, shares and ends loads; the daemon's ``attach``/``detach`` operations land here."""
+
+    def __init__(self, manager, arena, fabric=None):
+        self.manager = manager
+        self.arena = arena
+        self.fabric = fabric
+        self._lock = threading.Lock()
+        self._loads: dict[tuple, Load] = {}
+        self._serial = itertools.count(1)
+
+    def attach(self, client_id: int, info, device, resident: list[int]) -> Load:
+        """A load of ``resident`` blocks of the model on ``device`` for this client.
+
+        CPU loads are per client (its leases keep the host blocks). A GPU load is shared: a client
+        joins any load of the model on that device whose blocks cover what it needs; otherwise a
+        new load (its own device copy) is started -- a client with a smaller budget never
+        changes what another client already computes with.
+        """
+        wanted = frozenset(resident)
+        with self._lock:
+            if device == "cpu":
+                key = (info.name, "cpu", client_id)
+                load = self._loads.get(key)
+                if load is not None and load.resident != wanted:
+                    self._drop(key)
+                    load = None
+                if load is None:
+                    load = self._loads[key] = Load(self.manager, self.arena, info, "cpu",
+                                                   owner=client_id, resident=resident).start()
+            else:
+                device = int(device)
+                for key, load in list(self._loads.items()):
+                    if key[:2] == (info.name, device) and load.error is not None and not load.clients:
+                        self._drop(key)
+                load = next((ld for k, ld in self._loads.items()
+                             if k[:2] == (info.name, device) and ld.error is None
+                             and wanted <= ld.resident), None)
+                if load is None:
+                    if self.fabric is None:
+                        raise DeviceError(f"cuda:{device} requested but this controller has no GPU "
+                                          f"fabric", device=device)
+                    key = (info.name, device, next(self._serial))
+                    blocks = [b for b in info.blocks if b.id in wanted]
+                    placement = self.fabric.place(key, device, blocks)
+                    load = self._loads[key] = Load(self.manager, self.arena, info, device,
+                                                   owner=DAEMON_CLIENT, resident=resident,
+                                                   placement=placement).start()
+            load.clients.add(client_id)
+            return load
+
+    def detach(self, client_id: int, model: str | None = None) -> None:
+        """A client is done with ``model`` (all models when None): its CPU loads end; GPU loads
+        stay resident for the next client."""
+        with self._lock:
+            for key, load in list(self._loads.items()):
+                if model is not None and key[0] != model:
+                    continue
+                load.clients.discard(client_id)
+                if load.device == "cpu" and load.owner == client_id:
+                    self._drop(key)
+
+    def unload(self, model: str) -> int:
+        """End every load of ``model``; returns device bytes freed."""
+        with self._lock:
+            freed = 0
+            for key in [k for k in self._loads if k[0] == model]:
+                freed += self._drop(key)
+            return freed
+
+    def _drop(self, key) -> int:
+        load = self._loads.pop(key)
+        load.close()
+        if load.placement is not None:
+            return self.fabric.evict(key)
+        return 0
+
+    def loads(self) -> list[Load]:
+        with self._lock:
+            return list(self._loads.values())
+
+
+def _when_done(load: Load, result: dict) -> Future:
+    future: Future = Future()
+
+    def done(finished):
+        if finished.exception() is not None:
+            future.set_exception(finished.exception())
+        else:
+            future.set_result(result)
+
+    load.finished.add_done_callback(done)
+    return future
+
+
+class Attachments:
+    """The ``attach``/``detach`` operations: plan, load, streaming slots -- one client's view.
+
+    ``attach`` answers with everything a client needs to build its model: the residency plan,
+    the load's control page (gates and block offsets), the GPU arena and gate events (CUDA), and
+    the client's slot offsets when layers stream.
+    """
+
+    def __init__(self, manager, loader: Loader, fabric=None):
+        self.manager = manager
+        self.loader = loader
+        self.fabric = fabric
+        self._slots: dict[tuple, int] = {}     # (client, model) -> device holding its slots
+
+    def attach(self, client_id: int, model: str, device, weight_budget=None) -> "dict | Future":
+        from .planner import plan_residency
+
+        info = self.manager.open_model(client_id, model)
+        plan = plan_residency(info.blocks, weight_budget, info.flash_config["prefetch_window"],
+                              info.name)
+        load = self.loader.attach(client_id, info, device, plan.resident)
+        out = load.describe()
+        out["plan"] = plan.to_wire()
+        if device != "cpu":
+            out["gpu_arena"] = self.fabric.arena(int(device)).ipc_descriptor()
+            if plan.streaming:
+                self._free_slots(client_id, info.name)
+                out["slots"] = self.fabric.alloc_slots((client_id, info.name), int(device),
+                                                       plan.n_slots, plan.slot_bytes)
+                self._slots[(client_id, info.name)] = int(device)
+        self.manager.set_plan(info.name, {**info.plan, "device": str(device),
+                                          **{k: v for k, v in plan.to_wire().items()
+                                             if k not in ("resident", "stream_blocks")},
+                                          "resident_blocks": len(plan.resident)})
+        if device == "cpu" and not load.done.is_set():
+            # CPU views are made from host offsets, known once the blocks are read: answer then.
+            return _when_done(load, out)
+        return out
+
+    def _free_slots(self, client_id: int, model: str) -> None:
+        device = self._slots.pop((client_id, model), None)
+        if device is not None:
+            self.fabric.free_slots((client_id, model), device)
+
+    def detach(self, client_id: int, model: str | None = None) -> None:
+        self.loader.detach(client_id, model)
+        for key in [k for k in self._slots if k[0] == client_id and (model is None or k[1] == model)]:
+            self._free_slots(*key)

@@ -1,0 +1,105 @@
+"""Residency planning: under a weight budget, which blocks stay on the device and which stream.
+
+Anchors stay: embeddings, norms, the head and every layer's attention (small, and needed every
+token). The MLP matrices (gate+up and down, about two thirds of a Llama layer) are what streams:
+each streamed layer's MLP passes through a ring of *slots*, each slot holding one layer's MLP.
+Whatever budget is left after the anchors and the ring keeps whole layers' MLPs resident, the
+first layers first (they run first, so a cold model starts computing sooner).
+
+Pure function of block sizes: the daemon publishes the plan it computes (``deepseek-flash models``
+and ``models/<name>/plan`` in the status tree) and the client executes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import BudgetTooSmall
+
+STREAM_ROLES = ("mlp_gate_up", "mlp_down")
+SLOT_ALIGNMENT = 4096
+MIN_SLOTS = 2
+
+
+def _aligned(n: int) -> int:
+    return -(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+
+@dataclass
+class Plan:
+    budget: int
+    resident: list[int]                 # block ids kept on the device
+    streamed_layers: list[int]          # decoder layers whose MLP streams, in forward order
+    stream_blocks: dict[int, list[int]] = field(default_factory=dict)   # layer -> block ids
+    slot_bytes: int = 0
+    n_slots: int = 0
+    resident_bytes: int = 0
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.streamed_layers)
+
+    def to_wire(self) -> dict:
+        return {"budget": self.budget, "resident": self.resident,
+                "streamed_layers": self.streamed_layers,
+                "stream_blocks": {str(k): v for k, v in self.stream_blocks.items()},
+                "slot_bytes": self.slot_bytes, "n_slots": self.n_slots,
+                "resident_bytes": self.resident_bytes}
+
+    @classmethod
+    def from_wire(cls, w: dict) -> "Plan":
+        return cls(budget=w["budget"], resident=list(w["resident"]),
+                   streamed_layers=list(w["streamed_layers"]),
+                   stream_blocks={int(k): list(v) for k, v in w["stream_blocks"].items()},
+                   slot_bytes=w["slot_bytes"], n_slots=w["n_slots"],
+                   resident_bytes=w["resident_bytes"])
+
+
+def plan_residency(blocks, budget: int | None, prefetch_window: int, model: str = "model") -> Plan:
+    """The plan for ``blocks`` (BlockInfo list) under ``budget`` bytes (None: all resident).
+
+    ``prefetch_window`` sets the ring: ``prefetch_window + 1`` slots (at least two), fewer only
+    when the budget cannot hold them. Raises ``BudgetTooSmall`` naming the sizes when the budget
+    cannot hold the anchors plus two slots.
+    """
+    total = sum(_aligned(b.length) for b in blocks)
+    if budget is None or budget >= total:
+        return Plan(budget=budget or total, resident=[b.id for b in blocks], streamed_layers=[],
+                    resident_bytes=total)
+    mlp: dict[int, list] = {}
+    anchors = []
+    for b in blocks:
+        if b.role in STREAM_ROLES and b.layer >= 0:
+            mlp.setdefault(b.layer, []).append(b)
+        else:
+            anchors.append(b)
+    anchor_bytes = sum(_aligned(b.length) for b in anchors)
+    # A slot holds one layer's MLP blocks back to back, each at an aligned offset.
+    slot = max((sum(_aligned(b.length) for b in group) for group in mlp.values()), default=0)
+    minimum = anchor_bytes + MIN_SLOTS * slot
+    if budget < minimum:
+        raise BudgetTooSmall(
+            f"model {model}: weight budget {budget} bytes is below the resident minimum: anchors "
+            f"(embeddings, norms, attention, head) {anchor_bytes} bytes + {MIN_SLOTS} streaming "
+            f"slots of {slot} bytes = {minimum} bytes", model=model, budget=budget,
+            anchors=anchor_bytes, slot_bytes=slot, minimum=minimum)
+    wanted_slots = max(MIN_SLOTS, prefetch_window + 1)
+    n_slots = max(MIN_SLOTS, min(wanted_slots, (budget - anchor_bytes) // slot))
+    left = budget - anchor_bytes - n_slots * slot
+    resident = [b.id for b in anchors]
+    streamed = []
+    stream_blocks = {}
+    for layer in sorted(mlp):
+        size = sum(_aligned(b.length) for b in mlp[layer])
+        if size <= left and not streamed:
+            # Keep a prefix of layers resident: the ring then serves a contiguous tail.
+            resident += [b.id for b in mlp[layer]]
+            left -= size
+        else:
+            streamed.append(layer)
+            stream_blocks[layer] = [b.id for b in mlp[layer]]
+    # The budget is below the total, so at least n_slots + 1 layers stream (n_slots < streamed).
+    resident_set = set(resident)
+    resident = [b.id for b in blocks if b.id in resident_set]
+    return Plan(budget=budget, resident=resident, streamed_layers=streamed,
+                stream_blocks=stream_blocks, slot_bytes=slot, n_slots=n_slots,
+                resident_bytes=sum(_aligned(b.length) for b in blocks if b.id in resident_set))

@@ -1,0 +1,106 @@
+"""Streamed execution on the CPU: the slot ring gives logits and greedy tokens identical to the
+fully resident model, for every budget from all-resident down to the minimum, windows 0..4."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepseek_flash.client.model import bind_parameters, build_skeleton
+from deepseek_flash.client.stream import StreamRuntime, WindowController
+from deepseek_flash.daemon.planner import SLOT_ALIGNMENT, plan_residency
+from deepseek_flash.store import Store, pack
+from deepseek_flash.store.views import block_tensors
+from deepseek_flash.testing import load_reference, make_tiny_model
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def packed(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"stream-{request.param}")
+    src = make_tiny_model(root / "src", "llama", dtype=request.param, num_layers=5, seed=3)
+    pack(src, root / "store")
+    store = Store.open(root / "store")
+    host = torch.from_numpy(np.fromfile(store.data_path(store.blocks[0]), dtype=np.uint8))
+    ref = load_reference(src)
+    return store, host, ref
+
+
+def aligned(n):
+    return -(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+
+def budgets(store):
+    anchors = sum(aligned(b.length) for b in store.blocks if not b.role.startswith("mlp"))
+    slot = max(sum(aligned(b.length) for b in store.blocks if b.layer == i and b.role.startswith("mlp"))
+               for i in range(store.num_layers))
+    total = sum(aligned(b.length) for b in store.blocks)
+    return {"all": total, "one-resident-layer": anchors + 3 * slot + slot,
+            "minimum": anchors + 2 * slot}
+
+
+def streamed_model(store, host, budget, window):
+    by_id = {b.id: b for b in store.blocks}
+    plan = plan_residency(store.blocks, budget, window)
+    model = build_skeleton(store.config)
+    tensors = {}
+    for bid in plan.resident:
+        b = by_id[bid]
+        tensors.update(block_tensors(b, host[b.offset:b.offset + b.length]))
+    bind_parameters(model, tensors, complete=not plan.streaming)
+    runtime = None
+    if plan.streaming:
+        slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8) for _ in range(plan.n_slots)]
+        runtime = StreamRuntime(model, plan, by_id, host, {b.id: b.offset for b in store.blocks},
+                                slots, "cpu", window)
+    return model, plan, runtime
+
+
+@pytest.mark.parametrize("budget_name", ["all", "one-resident-layer", "minimum"])
+@pytest.mark.parametrize("window", [0, 1, 2, 3, 4])
+def test_streamed_logits_and_tokens_equal_resident(packed, budget_name, window):
+    store, host, ref = packed
+    model, plan, runtime = streamed_model(store, host, budgets(store)[budget_name], window)
+    assert plan.streaming == (budget_name != "all")
+    torch.manual_seed(window)
+    for batch in (1, 3):
+        ids = torch.randint(0, 256, (batch, 7))
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        assert torch.equal(got, want)
+    if runtime is not None:
+        stats = runtime.stats()
+        passes = stats["passes"]
+        assert passes == 2 * (1 + 5)   # two batches, a forward plus five decode steps each
+        assert stats["prefetch_hits"] + stats["prefetch_miss_count"] == passes * len(plan.streamed_layers)
+        assert stats["bytes_streamed"] >= passes * sum(
+            store.block(b).length for layer in plan.streamed_layers for b in plan.stream_blocks[layer])
+        if window >= 1:
+            # Every copy after the first pass was issued a layer ahead: all hits.
+            assert stats["prefetch_miss_count"] <= plan.n_slots
+
+
+def test_aborted_pass_resynchronises(packed):
+    store, host, ref = packed
+    model, plan, runtime = streamed_model(store, host, budgets(store)["minimum"], 1)
+    ids = torch.randint(0, 256, (1, 5))
+    layer = model.model.layers[plan.streamed_layers[1]]
+    handle = layer.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+        model(ids)
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_window_controller_grows_on_stalls_and_yields_to_a_busy_link():
+    c = WindowController(1, low=1, high=3)
+    assert c.update(misses=0, layers=10) == 1
+    assert c.update(misses=3, layers=10) == 2
+    assert c.update(misses=3, layers=10) == 3
+    assert c.update(misses=9, layers=10) == 3          # bounded
+    assert c.update(misses=0, layers=10, other_load=0.8) == 2
+    assert [d["to"] for d in c.decisions] == [2, 3, 2]
+    assert "busy" in c.decisions[-1]["reason"] and "stalls" in c.decisions[0]["reason"]
