@@ -22,6 +22,13 @@ def big_store(tmp_path_factory):
                         intermediate_size=1024)
 
 
+@pytest.fixture(scope="session")
+def wide_store(tmp_path_factory):
+    """4 decoder layers of ~964 KiB: two fit in a 2 MiB host budget."""
+    return packed_model(tmp_path_factory.mktemp("wide"), "wide", num_layers=4, hidden_size=128,
+                        intermediate_size=512)
+
+
 @pytest.fixture
 def daemon_factory(tmp_path):
     started = []
