@@ -184,6 +184,22 @@ def scenario(store: str, out: Path) -> None:
     expect("TriggeredBy:" in triggered and "deepseek-flash.socket" in triggered,
            "systemctl status does not show TriggeredBy deepseek-flash.socket")
 
+    log(out, "## watchdog: the daemon pets it (WatchdogSec=2 through a drop-in)")
+    dropin = UNIT_DIR / "deepseek-flash.service.d"
+    dropin.mkdir(exist_ok=True)
+    (dropin / "watchdog.conf").write_text("[Service]\nWatchdogSec=2\n")
+    sh(out, "systemctl", "daemon-reload")
+    sh(out, "systemctl", "restart", "deepseek-flash")
+    pid = prop(out, "deepseek-flash", "MainPID")
+    time.sleep(5)
+    expect(prop(out, "deepseek-flash", "ActiveState") == "active" and prop(out, "deepseek-flash", "MainPID") == pid,
+           "the watchdog killed the daemon: it does not send WATCHDOG=1 in time")
+    expect(prop(out, "deepseek-flash", "NRestarts") == "0", "the service restarted under WatchdogSec=2")
+    (dropin / "watchdog.conf").unlink()
+    sh(out, "systemctl", "daemon-reload")
+    security = sh(out, "systemd-analyze", "security", "--no-pager", "deepseek-flash", check=False)
+    (out / "security.txt").write_text(security.stdout + security.stderr)
+
     log(out, "## final stop")
     sh(out, "systemctl", "stop", "deepseek-flash.socket", "deepseek-flash")
     expect(prop(out, "deepseek-flash", "ActiveState") == "inactive", "service not inactive")
