@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import mmap
 import os
 import platform
 import re
-import subprocess
 import sys
-import threading
 import time
+
+from _common import dd_read as bench_dd
+from _common import drop_caches, gbps
+from _common import python_direct_read as bench_python
 
 from deepseek_flash import _core
 
@@ -27,7 +28,6 @@ UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g":
          "t": 1 << 40, "tib": 1 << 40}
 EXTENT = 32 << 20          # engine extents: the size of a large weight block
 DEST = 256 << 20           # engine destination window (extents land in it round-robin)
-PY_CHUNK = 4 << 20
 
 
 def parse_size(text: str) -> int:
@@ -52,51 +52,12 @@ def make_file(path: str, size: int) -> bool:
     return True
 
 
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 3)
 
 
-def bench_dd(path: str, size: int, bs: int) -> float:
-    t = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "iflag=direct", f"bs={bs}", f"count={size // bs}"],
-                   check=True, capture_output=True)
-    return gbps(size // bs * bs, time.perf_counter() - t)
 
 
-def bench_python(path: str, size: int, threads: int) -> float:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    chunks = size // PY_CHUNK
-    next_chunk = iter(range(chunks))
-    lock = threading.Lock()
-
-    def worker():
-        buf = mmap.mmap(-1, PY_CHUNK)  # page aligned, as O_DIRECT needs
-        while True:
-            with lock:
-                i = next(next_chunk, None)
-            if i is None:
-                return
-            os.preadv(fd, [buf], i * PY_CHUNK)
-
-    pool = [threading.Thread(target=worker) for _ in range(threads)]
-    t = time.perf_counter()
-    for th in pool:
-        th.start()
-    for th in pool:
-        th.join()
-    dt = time.perf_counter() - t
-    os.close(fd)
-    return gbps(chunks * PY_CHUNK, dt)
 
 
 def bench_engine(path: str, size: int, backend: str, depth: int, request: int, dest) -> float:

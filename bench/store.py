@@ -12,27 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from _common import drop_caches
+
 from deepseek_flash.store import Store, pack
 from deepseek_flash.store.format import DATA_FILE
 from deepseek_flash.store.synth import write_random_llama
 from deepseek_flash.store.verify import verify_store
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def timed(fn):
@@ -83,7 +74,7 @@ def main(argv=None) -> int:
         drop_caches()
         dd_r_s.append(timed(lambda: dd(f"if={ddfile}", "of=/dev/null", "iflag=direct", "bs=8M"))[0])
     dd_bytes = count * (8 << 20)
-    gbs = lambda n, s: round(n / s / 1e9, 3)  # noqa: E731
+    gbs = lambda n, s: round(n / s / 1e9, 3)
     res.update({
         "store_bytes": nbytes, "blocks": len(store.blocks),
         "pack_s": [round(s, 3) for s in pack_s], "dd_write_s": [round(s, 3) for s in dd_w_s],

@@ -1,0 +1,122 @@
+"""Helpers shared by the benchmarks: the limits every result is compared against, measured in the
+same run (raw O_DIRECT reads, dd, pinned host->GPU copies), page-cache dropping, and the random
+8B-shaped checkpoint the GPU benchmarks use."""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+PY_CHUNK = 4 << 20
+
+# The 8B Llama shape of the design's measurements.
+LLAMA_8B = dict(hidden=4096, layers=32, intermediate=14336, vocab=128256, heads=32, kv_heads=8)
+
+
+def drop_caches() -> bool:
+    """Write back and drop the page cache (root only); False where that is not allowed."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def dd_read(path: str, size: int, bs: int = 8 << 20) -> float:
+    """``dd iflag=direct`` of the first ``size`` bytes, GB/s."""
+    t = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "iflag=direct", f"bs={bs}",
+                    f"count={size // bs}"], check=True, capture_output=True)
+    return gbps(size // bs * bs, time.perf_counter() - t)
+
+
+def python_direct_read(path: str, size: int, threads: int = 8) -> float:
+    """A multi-threaded Python O_DIRECT reader (preadv of 4 MiB chunks), GB/s."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    chunks = size // PY_CHUNK
+    next_chunk = iter(range(chunks))
+    lock = threading.Lock()
+
+    def worker():
+        buf = mmap.mmap(-1, PY_CHUNK)  # page aligned, as O_DIRECT needs
+        while True:
+            with lock:
+                i = next(next_chunk, None)
+            if i is None:
+                return
+            os.preadv(fd, [buf], i * PY_CHUNK)
+
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    t = time.perf_counter()
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    dt = time.perf_counter() - t
+    os.close(fd)
+    return gbps(chunks * PY_CHUNK, dt)
+
+
+def pinned_h2d(nbytes: int = 4 << 30, repeat: int = 3, device: int = 0) -> float:
+    """Best of ``repeat`` pinned host->GPU copies of ``nbytes``, GB/s."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    best = 0.0
+    for _ in range(repeat):
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, gbps(nbytes, time.perf_counter() - t))
+    del src, dst
+    torch.cuda.empty_cache()
+    return best
+
+
+def write_finite_llama(path, *, dtype: str = "bfloat16", seed: int = 0, **shape) -> Path:
+    """A random Llama checkpoint whose values are small finite numbers (so decoding is
+    deterministic and comparable), written as sharded safetensors without building the model."""
+    import numpy as np
+
+    from deepseek_flash.store.synth import write_random_llama
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    write_random_llama(path, dtype=dtype, seed=seed, shard_bytes=4 << 30, **shape)
+    # Random bits make NaNs and huge values; keep sign and mantissa, pin the exponent near 2^-6.
+    exponent_mask, exponent = {"bfloat16": (0x807F, 0x3C00), "float16": (0x83FF, 0x2000)}[dtype]
+    for shard in sorted(path.glob("*.safetensors")):
+        with open(shard, "r+b") as f:
+            header = int.from_bytes(f.read(8), "little")
+            mm = mmap.mmap(f.fileno(), 0)
+            body = np.frombuffer(mm, dtype=np.uint16, offset=8 + header)
+            step = 1 << 26
+            for start in range(0, body.size, step):
+                part = body[start:start + step]
+                np.bitwise_and(part, exponent_mask, out=part)
+                np.bitwise_or(part, exponent, out=part)
+            del body, part
+            mm.flush()
+            mm.close()
+    return path
+
+
+def emit(result: dict, output: str | None) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if output:
+        Path(output).write_text(text + "\n")
