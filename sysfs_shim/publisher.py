@@ -47,6 +47,7 @@ STATUS_FIELDS: dict[str, str] = {
     "unified_memory_fabric": "GPU fabric mode (ENABLED, HOST_ONLY, DISABLED); 1 for the current one.",
     "config_state": "Configuration state.",
     "last_reload_error": "Error of the last failed configuration reload.",
+    "pid": "Process id of deepseek-flashd.",
 }
 
 # name: (Prometheus type, HELP)
@@ -335,7 +336,8 @@ def _lines(fields: Mapping) -> bytes:
 
 
 def _value(value) -> str:
-    if value is None:
+    # "-" for nothing (None, "", []), so no line ends in a dangling "key: ".
+    if value is None or value == "" or value == [] or value == ():
         return "-"
     if isinstance(value, bool):
         return "1" if value else "0"
