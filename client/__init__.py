@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import paths, protocol
 from ..daemon.block_manager import Lease, ModelInfo
-from ..errors import DaemonNotRunning, ProtocolError
+from ..errors import DaemonNotRunning, PermissionDenied, ProtocolError
 
 log = logging.getLogger("deepseek_flash.client")
 
@@ -55,6 +55,10 @@ class _SocketBackend:
             sock.close()
             raise DaemonNotRunning(f"no deepseek-flashd at {self.path} ({exc.strerror})",
                                    socket=str(self.path)) from None
+        except PermissionError:
+            sock.close()
+            raise PermissionDenied(f"{self.path}: permission denied (the socket's mode and group "
+                                   f"decide who may connect)", socket=str(self.path)) from None
         except OSError:
             sock.close()
             raise

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 
 def packed_model(root: Path, name: str, **kwargs) -> Path:
     from deepseek_flash.store import pack
@@ -49,6 +51,7 @@ class Daemon:
         self.workdir = workdir
         # AF_UNIX paths are limited to 108 bytes: keep sockets in a short temp dir.
         self.short = Path(tempfile.mkdtemp(prefix="dfd-", dir="/tmp"))
+        self.short.chmod(0o755)     # other users reach the socket only through a searchable dir
         self.runtime = self.short / "rt"
         self.socket = self.runtime / "control.sock"
         self.config_path = workdir / "flash.json"
@@ -138,3 +141,38 @@ class Daemon:
             print(f"--- deepseek-flashd log ({self.log_path}) ---\n{self.log()}")
         self.notify.close()
         shutil.rmtree(self.short, ignore_errors=True)
+
+
+# --- fixtures (imported by the conftest files of tests/daemon and tests/client) ---------------
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory):
+    """4 decoder layers of ~148 KiB (norms 4 KiB, attn 48 KiB, gate_up 64 KiB, down 32 KiB)."""
+    return packed_model(tmp_path_factory.mktemp("tiny"), "tiny", num_layers=4)
+
+
+@pytest.fixture(scope="session")
+def big_store(tmp_path_factory):
+    """Layers of ~3.8 MiB: larger than a 1 MiB host budget."""
+    return packed_model(tmp_path_factory.mktemp("big"), "big", num_layers=2, hidden_size=256,
+                        intermediate_size=1024)
+
+
+@pytest.fixture(scope="session")
+def wide_store(tmp_path_factory):
+    """4 decoder layers of ~964 KiB: two fit in a 2 MiB host budget."""
+    return packed_model(tmp_path_factory.mktemp("wide"), "wide", num_layers=4, hidden_size=128,
+                        intermediate_size=512)
+
+
+@pytest.fixture
+def daemon_factory(tmp_path):
+    started = []
+
+    def make(config: dict | None = None, **kw):
+        d = Daemon(tmp_path / f"d{len(started)}", config, **kw)
+        started.append(d)
+        return d
+    yield make
+    for d in started:
+        d.cleanup()

@@ -1,0 +1,97 @@
+"""Client: the same answers embedded and over the socket; typed errors; reconnect after a restart."""
+import pytest
+
+from flashd_harness import assert_eventually
+from deepseek_flash.client import Client, Lease, ModelInfo
+from deepseek_flash.errors import (DaemonNotRunning, LeaseError, StoreInUse, UnknownBlock,
+                                   UnknownModel)
+from deepseek_flash.store import Store
+
+
+def config_for(store):
+    return {"host_cache_bytes": "16MiB", "store_roots": [str(store.parent)], "prefetch_window": 1}
+
+
+@pytest.fixture(params=["embedded", "daemon"])
+def client(request, daemon_factory, tiny_store):
+    if request.param == "embedded":
+        c = Client(embedded=True, config=config_for(tiny_store))
+    else:
+        d = daemon_factory(config_for(tiny_store)).start()
+        c = Client(d.socket, embedded=False)
+    assert c.mode == request.param
+    yield c
+    c.close()
+
+
+def test_same_api_both_modes(client, tiny_store):
+    store = Store.open(tiny_store)
+    info = client.open_model("tiny", flash_context={"prefetch_window": 0})
+    assert isinstance(info, ModelInfo) and info.num_layers == 4
+    assert info.flash_config["prefetch_window"] == 0 and info.config == store.config
+    lease = client.acquire(info, layer=2)
+    assert isinstance(lease, Lease) and sorted(lease.blocks) == [b.id for b in store.blocks if b.layer == 2]
+    for bid, offset in lease.blocks.items():
+        assert bytes(client.arena.view(offset, store.block(bid).length)) == store.read_block(bid)
+    # per-open prefetch_window 0: nothing read ahead
+    assert client.stats()["prefetch_issued"] == 0
+    assert client.prefetch(info, layers=[3]) == 4
+    assert_eventually(lambda: client.stats()["loading_blocks"] == 0, what="prefetch done")
+    assert client.acquire(info, layer=3).blocks
+    assert client.stats()["prefetch_used"] == 4
+    models = client.list_models()
+    assert [m["name"] for m in models] == ["tiny"] and models[0]["leased_blocks"] == 8
+    assert client.status()["stats"]["active_leases"] == 2
+    with pytest.raises(StoreInUse):
+        client.unload(info)
+    client.release(lease)
+    with pytest.raises(LeaseError):
+        client.release(lease)
+    client.close_model(info)
+    assert client.stats()["active_leases"] == 0
+    assert client.unload("tiny")["freed_bytes"] > 0
+    assert client.list_models() == []
+
+
+def test_typed_errors_both_modes(client):
+    with pytest.raises(UnknownModel):
+        client.open_model("not-there")
+    info = client.open_model("tiny")
+    with pytest.raises(UnknownBlock):
+        client.acquire(info, blocks=[777])
+
+
+def test_load_reads_every_block(client, tiny_store):
+    result = client.load("tiny")
+    assert result["resident_blocks"] == result["blocks"] == len(Store.open(tiny_store).blocks)
+    assert client.stats()["misses"] == 0          # loads are not acquisitions
+
+
+def test_reconnect_after_daemon_restart(daemon_factory, tiny_store):
+    store = Store.open(tiny_store)
+    d = daemon_factory(config_for(tiny_store)).start()
+    c = Client(d.socket, embedded=False, reconnect_timeout=30)
+    seen = []
+    c.on_reconnect(lambda client: seen.append(client.generation))
+    info = c.open_model("tiny")
+    lease = c.acquire(info, layer=1)
+    old_id = lease.id
+    assert d.stop() == 0
+    d.start()                                      # a new daemon, a new arena
+    stats = c.stats()                              # reconnects, reopens, re-acquires
+    assert c.generation == 1 and seen == [1]
+    assert stats["active_leases"] == 1 and stats["open_models"] == 1
+    assert lease.id == 1 and old_id == 1 and sorted(lease.blocks) == [b.id for b in store.blocks if b.layer == 1]
+    for bid, offset in lease.blocks.items():
+        assert bytes(c.arena.view(offset, store.block(bid).length)) == store.read_block(bid)
+    c.release(lease)
+    assert c.stats()["active_leases"] == 0
+    c.close()
+
+
+def test_reconnect_gives_up_with_daemon_not_running(daemon_factory, tiny_store):
+    d = daemon_factory(config_for(tiny_store)).start()
+    c = Client(d.socket, embedded=False, reconnect_timeout=0.5)
+    assert d.stop() == 0
+    with pytest.raises(DaemonNotRunning):
+        c.stats()
