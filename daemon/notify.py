@@ -39,17 +39,20 @@ class Notifier:
         self._watchdog_usec = env.get("WATCHDOG_USEC")
         self._watchdog_pid = env.get("WATCHDOG_PID")
         self._sd_notify = None
-        if backend != "socket" and self.address is not None:
-            # libsystemd reads NOTIFY_SOCKET from the process environment, so it can only serve
-            # the address this Notifier was given when the two agree.
-            if backend == "systemd" or os.environ.get("NOTIFY_SOCKET") == self.address:
-                try:
-                    from systemd import daemon as sd_daemon
-                except ImportError:
-                    if backend == "systemd":
-                        raise
-                else:
-                    self._sd_notify = sd_daemon.notify
+        # libsystemd reads NOTIFY_SOCKET from the process environment, so it can only serve the
+        # address this Notifier was given when the two agree.
+        libsystemd_serves = self.address is not None and os.environ.get("NOTIFY_SOCKET") == self.address
+        if backend == "systemd" and self.address is not None and not libsystemd_serves:
+            raise ValueError(f"notify backend 'systemd' sends to the process's NOTIFY_SOCKET, "
+                             f"not to {self.address!r}")
+        if backend != "socket" and libsystemd_serves:
+            try:
+                from systemd import daemon as sd_daemon
+            except ImportError:
+                if backend == "systemd":
+                    raise
+            else:
+                self._sd_notify = sd_daemon.notify
         self.backend = "none" if self.address is None else ("systemd" if self._sd_notify else "socket")
 
     @property

@@ -234,7 +234,7 @@ def parse(text: str) -> dict[str, str]:
 def _sections(snapshot: Mapping) -> dict:
     """The snapshot with its top-level plain values moved into ``status``."""
     if not isinstance(snapshot, Mapping):
-        raise ValueError(f"status snapshot must be a mapping, got {type(snapshot).__name__}")
+        raise TypeError(f"status snapshot must be a mapping, got {type(snapshot).__name__}")
     loose = {k: v for k, v in snapshot.items() if not isinstance(v, Mapping)}
     if not loose:
         return dict(snapshot)
@@ -265,7 +265,7 @@ def _model_parts(name: str, model: Mapping) -> tuple[dict, dict, dict]:
     Without a summary, residency counts the blocks and bytes in each ``state`` (or ``tier``).
     """
     if not isinstance(model, Mapping):
-        raise ValueError(f"status snapshot model {name!r} must be a mapping, got {type(model).__name__}")
+        raise TypeError(f"status snapshot model {name!r} must be a mapping, got {type(model).__name__}")
     per_block = None
     summary = None
     info: dict = {"name": name}

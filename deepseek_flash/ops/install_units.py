@@ -105,7 +105,7 @@ def unit_text(name: str, *, exec_start: str, socket_group: str) -> str:
     missing = set(replacements) - seen
     if missing:
         raise ConfigError(f"packaged unit {name} has no {', '.join(sorted(missing))}= line to set",
-                          key=sorted(missing)[0], value=name, allowed="the packaged unit file")
+                          key=min(missing), value=name, allowed="the packaged unit file")
     return "\n".join(out) + "\n"
 
 

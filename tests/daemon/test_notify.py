@@ -7,7 +7,6 @@ import sys
 import uuid
 
 import pytest
-
 from deepseek_flash.daemon.notify import Notifier
 
 
@@ -93,6 +92,13 @@ def test_falls_back_to_socket_without_systemd_python(listener, monkeypatch):
     assert receive(sock) == b"READY=1"
     with pytest.raises(ImportError):
         Notifier(backend="systemd")
+
+
+def test_systemd_backend_cannot_serve_another_address(listener, monkeypatch):
+    path, _ = listener
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    with pytest.raises(ValueError, match="sends to the process's NOTIFY_SOCKET"):
+        Notifier(environ={"NOTIFY_SOCKET": path}, backend="systemd")
 
 
 def test_explicit_address_other_than_the_environment_uses_the_socket(listener, monkeypatch):

@@ -8,9 +8,9 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+from deepseek_flash.daemon.config import FlashConfig
 
 from deepseek_flash.cli import main
-from deepseek_flash.daemon.config import FlashConfig
 from deepseek_flash.errors import ConfigError
 from deepseek_flash.ops import install_units
 

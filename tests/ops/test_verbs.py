@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from deepseek_flash.cli import main
 from deepseek_flash.sysfs_shim.publisher import StatusTree
 from flashd_harness import Daemon, assert_eventually, packed_model
+
+from deepseek_flash.cli import main
 
 
 def run(capsys, *argv):

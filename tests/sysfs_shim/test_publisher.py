@@ -1,11 +1,9 @@
 """sysfs_shim/publisher.py: exact file contents, atomic replacement, debounce, model removal."""
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
-
 from deepseek_flash.sysfs_shim.publisher import StatusTree, parse, render, render_metrics
 
 
@@ -137,8 +135,8 @@ def test_metrics_text_format():
     lines = text.splitlines()
     # Every family: HELP, TYPE, then its samples, contiguous.
     assert lines[:6] == [
-        "# HELP deepseek_flash_controller_state Controller state (ACTIVE, DEGRADED, STARTING, STOPPING); "
-        "1 for the current one.",
+        ("# HELP deepseek_flash_controller_state Controller state (ACTIVE, DEGRADED, STARTING, STOPPING); "
+         "1 for the current one."),
         "# TYPE deepseek_flash_controller_state gauge",
         'deepseek_flash_controller_state{state="ACTIVE"} 1',
         'deepseek_flash_controller_state{state="DEGRADED"} 0',

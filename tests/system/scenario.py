@@ -35,7 +35,7 @@ def log(out: Path, text: str) -> None:
 
 
 def sh(out: Path, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     log(out, f"$ {' '.join(cmd)}  -> {proc.returncode}\n{proc.stdout}{proc.stderr}")
     if check and proc.returncode != 0:
         raise CheckFailed(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()}")
@@ -223,10 +223,10 @@ def main() -> int:
         return 1
     finally:
         journal = subprocess.run(["journalctl", "--no-pager", "-o", "short-precise", "-b"],
-                                 capture_output=True, text=True)
+                                 capture_output=True, text=True, check=False)
         (out / "journal.log").write_text(journal.stdout + journal.stderr)
         status = subprocess.run(["systemctl", "status", "--no-pager", "deepseek-flash",
-                                 "deepseek-flash.socket"], capture_output=True, text=True)
+                                 "deepseek-flash.socket"], capture_output=True, text=True, check=False)
         (out / "systemctl-status.log").write_text(status.stdout + status.stderr)
 
 
