@@ -2,7 +2,8 @@
 
 The repository's top-level folders are the subpackages of one import name, ``deepseek_flash``:
 
-    deepseek_flash/   -> deepseek_flash            public API, CLI, block store format, tools
+    deepseek_flash/   -> deepseek_flash            public API, CLI, block store (store/), operator verbs
+                                                   (ops/) and tools (tools/)
     client/           -> deepseek_flash.client     client library (socket + embedded), model loader
     daemon/           -> deepseek_flash.daemon     the controller: block manager, prefetch, fabric, server
     sysfs_shim/       -> deepseek_flash.sysfs_shim status tree publisher (/run/deepseek_flash)
@@ -18,6 +19,7 @@ PACKAGE_DIRS = {
     "deepseek_flash": "deepseek_flash",
     "deepseek_flash.store": "deepseek_flash/store",
     "deepseek_flash.tools": "deepseek_flash/tools",
+    "deepseek_flash.ops": "deepseek_flash/ops",
     "deepseek_flash.client": "client",
     "deepseek_flash.daemon": "daemon",
     "deepseek_flash.sysfs_shim": "sysfs_shim",
