@@ -82,6 +82,7 @@ class _SocketBackend:
         self.sock = sock
         self.hello = hello
         self.max_frame = hello["max_frame_bytes"]
+        self.reader = protocol.MessageReader(sock, self.max_frame)
         self.arena = arena
 
     def call(self, op: str, args: dict, retry: bool = True):
@@ -101,7 +102,7 @@ class _SocketBackend:
         req_id = next(self._ids)
         self.sock.sendall(protocol.request(req_id, op, args, self.max_frame))
         while True:
-            reply = protocol.recv_message(self.sock, self.max_frame)
+            reply = self.reader.read()
             if reply.get("id") == req_id:
                 return protocol.result_of(reply)
             if reply.get("id") is None:

@@ -33,7 +33,7 @@ from .server import (Operations, Server, SocketLock, activation_sockets, bind_so
 log = logging.getLogger("deepseek_flash.daemon")
 
 STATUS_INTERVAL = 1.0       # the status tree is rewritten at least this often
-STATUS_DEBOUNCE = 0.1       # and at most this often when state changes
+STATUS_DEBOUNCE = 0.2       # and at most this often when state changes
 
 
 class Application:

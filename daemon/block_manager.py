@@ -77,7 +77,7 @@ class Lease:
 
 class _Block:
     __slots__ = ("info", "model", "offset", "state", "refs", "last_use", "uses", "prefetched",
-                 "waiters", "error", "retries", "token")
+                 "waiters", "error", "retries", "token", "dep_blocks")
 
     def __init__(self, info, model):
         self.info = info
@@ -92,6 +92,7 @@ class _Block:
         self.error: FlashError | None = None
         self.retries = 0
         self.token = -1
+        self.dep_blocks: list[_Block] = []
 
 
 class _Model:
@@ -103,6 +104,8 @@ class _Model:
         self.file_overrides = file_overrides
         self.ignored = ignored
         self.blocks = {b.id: _Block(b, self) for b in store.blocks}
+        for block in self.blocks.values():
+            block.dep_blocks = [self.blocks[d] for d in block.info.deps if d in self.blocks]
         self.order = ForwardOrder(store.blocks, store.num_layers)
         self.failed: FlashError | None = None
         self.plan: dict = {}
@@ -143,6 +146,28 @@ class _Ticket:
         self.remaining = 0
         self.make_lease = make_lease
         self.done = False
+
+
+class Resolved:
+    """An already-finished stand-in for a ``concurrent.futures.Future`` (done, result, exception,
+    add_done_callback): a warm acquire needs no condition variable."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value):
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout=None):
+        return self._value
+
+    def exception(self, timeout=None):
+        return None
+
+    def add_done_callback(self, fn) -> None:
+        fn(self)
 
 
 class BlockManager:
@@ -389,12 +414,12 @@ class BlockManager:
 
     def acquire_async(self, client_id, model, blocks=None, layer=None, priority: int = 0,
                       wait: bool = True) -> Future:
-        """Lease ``blocks`` (or every block of ``layer``) of ``model``; a Future of the ``Lease``.
+        """Lease ``blocks`` (or every block of ``layer``) of ``model``; a Future of the ``Lease``
+        (a ``Resolved`` one when every block was resident).
 
         ``priority`` is reserved (accepted, not yet used for ordering). With ``wait=False`` an
         acquire that would have to read raises ``NotResident`` after starting those reads.
         """
-        resolved: list[tuple[Future, object]] = []
         with self._lock:
             client = self._client(client_id)
             m = self._model(model)
@@ -409,46 +434,50 @@ class BlockManager:
             self._tick += 1
             tick = self._tick
             wanted = [m.blocks[i] for i in ids]
+            counters = self.counters
             for b in wanted:
                 b.refs += 1
                 b.last_use = tick
                 b.uses += 1
                 if b.state == ABSENT:
-                    self.counters["misses"] += 1
+                    counters["misses"] += 1
                 else:
-                    self.counters["hits"] += 1
+                    counters["hits"] += 1
                     if b.prefetched:
-                        self.counters["prefetch_used"] += 1
+                        counters["prefetch_used"] += 1
                 b.prefetched = False
-            try:
-                protect = {b for b in wanted}
-                deps = [m.blocks[d] for b in wanted for d in b.info.deps if d in m.blocks]
-                protect.update(deps)
-                to_load = [b for b in (*wanted, *deps) if b.state == ABSENT]
-                batch = self._allocate(to_load, protect, prefetch=False)
-            except FlashError:
-                self._unpin(m, {b.info.id: 0 for b in wanted})
-                raise
-            handle = client.handles.get(m.name)
-            window = (handle.config if handle else m.config).prefetch_window
-            if layer is not None and window:
-                batch += self._prefetch_locked(m, m.order.stages_after(layer, window), protect)
+            to_load = [b for b in wanted if b.state == ABSENT]
+            to_load += [d for b in wanted for d in b.dep_blocks if d.state == ABSENT]
+            protect = set()
+            batch = []
+            if to_load:
+                protect.update(wanted)
+                protect.update(d for b in wanted for d in b.dep_blocks)
+                try:
+                    batch = self._allocate(to_load, protect, prefetch=False)
+                except FlashError:
+                    self._unpin(m, [b.info.id for b in wanted])
+                    raise
+            if layer is not None:
+                handle = client.handles.get(m.name)
+                window = (handle.config if handle else m.config).prefetch_window
+                if window:
+                    batch += self._prefetch_locked(m, m.order.stages_after(layer, window), protect)
             self._submit(batch)
+            self.generation += 1
             pending = [b for b in wanted if b.state == LOADING]
-            if pending and not wait:
-                self._unpin(m, {b.info.id: 0 for b in wanted})
+            if not pending:
+                # The common, warm case: no Future, no ticket.
+                return Resolved(self._grant(client, m, wanted))
+            if not wait:
+                self._unpin(m, [b.info.id for b in wanted])
                 raise NotResident(f"model {m.name}: {len(pending)} of {len(wanted)} blocks are being "
                                   f"read from disk (first: block {pending[0].info.id}); retry",
                                   model=m.name, blocks=[b.info.id for b in pending])
             ticket = _Ticket(client, m, ids, wanted, make_lease=True)
-            if pending:
-                ticket.remaining = len(pending)
-                for b in pending:
-                    b.waiters.append(ticket)
-            else:
-                resolved.append((ticket.future, self._finish_locked(ticket)))
-            self.generation += 1
-        self._resolve(resolved)
+            ticket.remaining = len(pending)
+            for b in pending:
+                b.waiters.append(ticket)
         return ticket.future
 
     def _requested(self, m: _Model, blocks, layer) -> list[int]:
@@ -755,8 +784,10 @@ class BlockManager:
             self._unpin(m, [b.info.id for b in ticket.pinned])
             return UnknownClient(f"client {client.id} disconnected before its acquire finished",
                                  client=client.id)
-        lease = Lease(next(self._lease_ids), m.name, {b.info.id: b.offset for b in ticket.pinned},
-                      client.id)
+        return self._grant(client, m, ticket.pinned)
+
+    def _grant(self, client: _Client, m: _Model, blocks) -> Lease:
+        lease = Lease(next(self._lease_ids), m.name, {b.info.id: b.offset for b in blocks}, client.id)
         client.leases[lease.id] = lease
         self.counters["leases_granted"] += 1
         return lease

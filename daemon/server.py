@@ -288,7 +288,7 @@ def bind_socket(path: Path, mode: int, gid: int | None) -> socket.socket:
 
 class _Conn:
     __slots__ = ("sock", "decoder", "wbuf", "client_id", "pid", "uid", "gid", "closing", "outstanding",
-                 "want_write", "name")
+                 "want_write", "name", "denied")
 
     def __init__(self, sock, max_frame, creds):
         self.sock = sock
@@ -300,6 +300,7 @@ class _Conn:
         self.outstanding = 0
         self.want_write = False
         self.name = f"pid {self.pid} uid {self.uid}"
+        self.denied: PermissionDenied | None = None
 
 
 class Server:
@@ -393,9 +394,11 @@ class Server:
             if not peer_allowed(conn.pid, conn.uid, conn.gid, self.allowed_gid):
                 log.warning("refusing %s: not root, not the daemon's user, not in group %d",
                             conn.name, self.allowed_gid)
-                self._fail(conn, None, PermissionDenied(
+                # Answered at its first request, so the refusal is the reply to its hello (closing
+                # now, with its hello unread, would reset the connection and lose the reason).
+                conn.denied = PermissionDenied(
                     f"uid {conn.uid} (gid {conn.gid}) may not use this daemon: not in group "
-                    f"{self.allowed_gid} (socket_group)", uid=conn.uid, gid=conn.gid))
+                    f"{self.allowed_gid} (socket_group)", uid=conn.uid, gid=conn.gid)
 
     def _close(self, conn: _Conn) -> None:
         if conn.sock.fileno() < 0:
@@ -434,6 +437,13 @@ class Server:
                 return
 
     def _request(self, conn: _Conn, payload: bytes) -> None:
+        if conn.denied is not None:
+            try:
+                req_id = parse_request(payload)[0]
+            except MalformedFrame:
+                req_id = None
+            self._fail(conn, req_id, conn.denied)
+            return
         try:
             req_id, op, args = parse_request(payload)
         except MalformedFrame as exc:

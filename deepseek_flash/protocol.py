@@ -161,6 +161,31 @@ def recv_message(sock: socket.socket, max_frame: int, fds: list | None = None) -
     return unpack_payload(recv_exact(sock, length, fds) if length else b"")
 
 
+class MessageReader:
+    """Blocking reader of whole messages with one ``recv`` per reply in the common case (the
+    round-trip latency of a small request is mostly syscalls and wake-ups)."""
+
+    def __init__(self, sock: socket.socket, max_frame: int):
+        self.sock = sock
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    def read(self) -> Any:
+        buf = self._buf
+        while True:
+            if len(buf) >= HEADER_SIZE:
+                length = parse_header(bytes(buf[:HEADER_SIZE]), self.max_frame)
+                end = HEADER_SIZE + length
+                if len(buf) >= end:
+                    payload = bytes(buf[HEADER_SIZE:end])
+                    del buf[:end]
+                    return unpack_payload(payload)
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionResetError("connection closed by the daemon")
+            buf += data
+
+
 # --- block metadata on the wire ---------------------------------------------------------------------
 
 def block_to_wire(block) -> dict:
