@@ -248,6 +248,10 @@ class Client:
     def list_models(self) -> list[dict]:
         return self._backend.call("list_models", {})
 
+    def call(self, op: str, args: dict | None = None):
+        """Send any operation (one registered with ``Operations.register`` too); its result."""
+        return self._backend.call(op, args or {})
+
     def close(self) -> None:
         self._backend.close()
 

@@ -189,6 +189,7 @@ class BlockManager:
         self.counters = dict.fromkeys(
             ("hits", "misses", "evictions", "bytes_read_nvme", "prefetch_issued", "prefetch_used",
              "prefetch_dropped", "load_errors", "checksum_errors", "leases_granted", "unloads"), 0)
+        self._disconnect_hooks: list = []
         self._batches: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._completion_loop, name="flash-io-completion",
                                         daemon=True)
@@ -231,6 +232,11 @@ class BlockManager:
             self.generation += 1
             return cid
 
+    def on_disconnect(self, hook) -> None:
+        """Call ``hook(client_id)`` (outside the lock) after a client is gone and its leases are
+        released -- how the tiers above drop their per-client state."""
+        self._disconnect_hooks.append(hook)
+
     def disconnect(self, client_id: int) -> int:
         """Forget a client and release every lease it holds; returns the number released."""
         with self._lock:
@@ -245,6 +251,11 @@ class BlockManager:
             self.generation += 1
         if released:
             log.info("client %s (%s) gone: released %d leases", client_id, client.info, released)
+        for hook in self._disconnect_hooks:
+            try:
+                hook(client_id)
+            except Exception:   # one tier's bug must not keep the others from cleaning up
+                log.exception("disconnect hook %r failed for client %s", hook, client_id)
         return released
 
     def _client(self, client_id) -> _Client:

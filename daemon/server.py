@@ -71,11 +71,19 @@ class Operations:
         self._on_tunable = on_tunable
         self._table = {op: getattr(self, "op_" + op) for op in OPS if op != "hello"}
 
+    def register(self, op: str, handler) -> None:
+        """Add an operation served by ``handler(client_id, args) -> result | Future`` (the tiers
+        above the host tier -- GPU fabric, model attach -- plug in here; both modes see it)."""
+        if op in self._table or op == "hello":
+            raise ValueError(f"operation {op!r} is already defined")
+        self._table[op] = handler
+
     def call(self, client_id: int, op: str, args: dict):
         try:
             handler = self._table[op]
         except KeyError:
-            raise UnknownOperation(f"unknown operation {op!r}; known: {', '.join(OPS)}", op=op) from None
+            raise UnknownOperation(f"unknown operation {op!r}; known: hello, {', '.join(self._table)}",
+                                   op=op) from None
         return handler(client_id, args)
 
     def op_list_models(self, cid, args):
@@ -469,7 +477,7 @@ class Server:
             log.exception("%s from %s failed", op, conn.name)
             self._send(conn, reply_error(req_id, FlashError(f"{op}: internal error: {exc!r}")))
             return
-        if isinstance(result, Future):
+        if isinstance(result, Future) or (hasattr(result, "add_done_callback") and not result.done()):
             conn.outstanding += 1
             result.add_done_callback(lambda f, c=conn, r=req_id: self._async_done(c, r, f))
             return

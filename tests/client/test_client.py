@@ -95,3 +95,15 @@ def test_reconnect_gives_up_with_daemon_not_running(daemon_factory, tiny_store):
     assert d.stop() == 0
     with pytest.raises(DaemonNotRunning):
         c.stats()
+
+
+def test_registered_operations_reach_both_modes(tiny_store):
+    from deepseek_flash.errors import UnknownOperation
+    c = Client(embedded=True, config=config_for(tiny_store))
+    c._backend.ops.register("echo", lambda cid, args: {"client": cid, **args})
+    assert c.call("echo", {"x": 1}) == {"client": c._backend.client_id, "x": 1}
+    with pytest.raises(UnknownOperation):
+        c.call("nope")
+    with pytest.raises(ValueError):
+        c._backend.ops.register("acquire", lambda cid, args: None)
+    c.close()

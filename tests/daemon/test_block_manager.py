@@ -313,3 +313,16 @@ def test_concurrent_acquires_share_one_read(make):
     s = m.stats()
     assert s["misses"] + s["hits"] == 8 * 16 and s["bytes_read_nvme"] == 4 * LAYER - 4 * (4096 - 512)
     assert s["active_leases"] == 0
+
+
+def test_disconnect_hooks_run_after_leases_are_released(make):
+    m = make()
+    m.open_model(0, "tiny")
+    seen = []
+    m.on_disconnect(lambda cid: seen.append((cid, m.stats()["active_leases"])))
+    m.on_disconnect(lambda cid: 1 / 0)             # a failing hook does not stop the others
+    m.on_disconnect(lambda cid: seen.append("after"))
+    cid = m.connect()
+    m.acquire(cid, "tiny", layer=0)
+    m.disconnect(cid)
+    assert seen == [(cid, 0), "after"]
