@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import paths, protocol
 from ..daemon.block_manager import Lease, ModelInfo
-from ..errors import DaemonNotRunning, PermissionDenied, ProtocolError
+from ..errors import DaemonNotRunning, PermissionDenied, ProtocolError, ShuttingDown
 
 log = logging.getLogger("deepseek_flash.client")
 
@@ -89,7 +89,8 @@ class _SocketBackend:
         with self._lock:
             try:
                 return self._roundtrip(op, args)
-            except (ConnectionError, BrokenPipeError, OSError) as exc:
+            except (ConnectionError, BrokenPipeError, OSError, ShuttingDown) as exc:
+                # ShuttingDown: the daemon is draining; its successor will take the socket.
                 if isinstance(exc, TimeoutError) or self._in_reconnect:
                     raise
                 log.warning("connection to %s lost (%s); reconnecting", self.path, exc)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import (DaemonAlreadyRunning, FlashError, LimitExceeded, MalformedFrame, PermissionDenied,
-                      ProtocolError, UnknownOperation, VersionMismatch, ConfigError)
+                      ProtocolError, ShuttingDown, UnknownOperation, VersionMismatch, ConfigError)
 from ..protocol import (OPS, PROTOCOL_VERSION, FrameDecoder, block_to_wire, parse_request,
                         reply_error, reply_ok)
 from .block_manager import BlockManager, Lease, ModelInfo
@@ -331,6 +331,7 @@ class Server:
         self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
         self.conns: dict[int, _Conn] = {}
         self._done: collections.deque = collections.deque()
+        self.draining = False
 
     # --- loop ---------------------------------------------------------------------------------
     def wake(self) -> None:
@@ -366,6 +367,7 @@ class Server:
     def drain(self, timeout: float = 5.0) -> None:
         """Finish in-flight replies (up to ``timeout``), then close every client."""
         self.stop_accepting()
+        self.draining = True
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             busy = [c for c in self.conns.values() if c.outstanding or c.wbuf]
@@ -462,6 +464,10 @@ class Server:
             return
         if op == "hello":
             self._send(conn, reply_error(req_id, ProtocolError("hello was already done on this connection")))
+            return
+        if self.draining:
+            self._send(conn, reply_error(req_id, ShuttingDown("the daemon is stopping; reconnect to its "
+                                                              "successor")))
             return
         if conn.outstanding >= self.max_outstanding():
             self._send(conn, reply_error(req_id, LimitExceeded(

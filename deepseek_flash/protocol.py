@@ -91,6 +91,11 @@ class FrameDecoder:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[bytes]:
+        if not self._buf and len(data) >= HEADER_SIZE:
+            # The common case: exactly one whole request arrived; no buffer copies.
+            length = parse_header(data[:HEADER_SIZE], self.max_frame)
+            if len(data) == HEADER_SIZE + length:
+                return [data[HEADER_SIZE:]]
         self._buf += data
         frames = []
         buf = self._buf
