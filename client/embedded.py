@@ -35,7 +35,7 @@ class EmbeddedController:
 
     mode = "embedded"
 
-    def __init__(self, config=None):
+    def __init__(self, config=None, extensions=()):
         from .._core import HostArena, IOEngine
 
         self.config = make_config(config)
@@ -43,6 +43,8 @@ class EmbeddedController:
         self.engine = IOEngine()
         self.manager = BlockManager(self.config, self.arena, self.engine)
         self.ops = Operations(self.manager)
+        for extend in extensions:
+            extend(self)            # the same hooks as daemon.app.Application's
         self.client_id = self.manager.connect({"name": "embedded"})
         self.generation = 0
 

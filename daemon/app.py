@@ -33,14 +33,14 @@ from .server import (Operations, Server, SocketLock, activation_sockets, bind_so
 log = logging.getLogger("deepseek_flash.daemon")
 
 STATUS_INTERVAL = 1.0       # the status tree is rewritten at least this often
-STATUS_DEBOUNCE = 0.2       # and at most this often when state changes
+STATUS_DEBOUNCE = 0.1       # and at most this often when state changes
 
 
 class Application:
     """The controller of one daemon process (or of a test)."""
 
     def __init__(self, config_path: Path, socket_path: Path, runtime_dir: Path, *, notifier=None,
-                 publisher=None, environ=None):
+                 publisher=None, environ=None, extensions=()):
         self.config_path = Path(config_path)
         self.socket_path = Path(socket_path)
         self.runtime_dir = Path(runtime_dir)
@@ -59,10 +59,13 @@ class Application:
         self._status_thread = None
         self._published_generation = -1
         self._status_wake = threading.Event()
+        # callables(app) run once the manager and op table exist, before serving: how the tiers
+        # above the host tier (GPU fabric, model attach) add their ops and disconnect hooks.
+        self.extensions = list(extensions)
+        self.ops = None
 
     # --- start ---------------------------------------------------------------------------------
     def start(self) -> None:
-        from .._core import HostArena, IOEngine
         from .notify import Notifier
         from ..sysfs_shim.publisher import StatusTree
 
@@ -82,15 +85,13 @@ class Application:
                 self._lock = None
                 raise
             self._bound_path = self.socket_path
-        self.arena = HostArena(self.config.host_cache_bytes, "deepseek-flash")
-        self.engine = IOEngine()
-        log.info("host arena %d bytes (memfd %d), IO engine %s", self.arena.size, self.arena.fd,
-                 self.engine.backend)
-        self.manager = BlockManager(self.config, self.arena, self.engine)
-        ops = Operations(self.manager, status=self.snapshot)
-        self.server = Server(ops, listeners, self.arena, self.config.max_frame_bytes,
-                             resolve_group(self.config.socket_group),
-                             max_outstanding=lambda: self.manager.config.max_outstanding_requests_per_client)
+        try:
+            self._build(listeners)
+        except BaseException:
+            for sock in listeners:
+                sock.close()
+            self._release_socket()
+            raise
         self.state = "ACTIVE"
         self.publish()
         self._status_thread = threading.Thread(target=self._status_loop, name="flash-status", daemon=True)
@@ -98,6 +99,21 @@ class Application:
         where = self._bound_path or "systemd-activated socket"
         log.info("deepseek-flashd %s serving on %s (pid %d)", __version__, where, os.getpid())
         self.notifier.ready(status=f"serving on {where}")
+
+    def _build(self, listeners) -> None:
+        from .._core import HostArena, IOEngine
+
+        self.arena = HostArena(self.config.host_cache_bytes, "deepseek-flash")
+        self.engine = IOEngine()
+        log.info("host arena %d bytes (memfd %d), IO engine %s", self.arena.size, self.arena.fd,
+                 self.engine.backend)
+        self.manager = BlockManager(self.config, self.arena, self.engine)
+        self.ops = ops = Operations(self.manager, status=self.snapshot)
+        for extend in self.extensions:
+            extend(self)
+        self.server = Server(ops, listeners, self.arena, self.config.max_frame_bytes,
+                             resolve_group(self.config.socket_group),
+                             max_outstanding=lambda: self.manager.config.max_outstanding_requests_per_client)
 
     # --- status --------------------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -178,6 +194,14 @@ class Application:
         self.notifier.ready(status="config reloaded")
         return True
 
+    def _release_socket(self) -> None:
+        if self._bound_path is not None:
+            self._bound_path.unlink(missing_ok=True)
+            self._bound_path = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     def request_stop(self) -> None:
         self.stop_requested.set()
         self.server.wake()
@@ -189,10 +213,7 @@ class Application:
         self.stop_requested.set()
         self._status_wake.set()
         self.server.drain()
-        if self._bound_path is not None:
-            self._bound_path.unlink(missing_ok=True)
-        if self._lock is not None:
-            self._lock.release()
+        self._release_socket()
         if self._status_thread is not None:
             self._status_thread.join()
         self.publish()
