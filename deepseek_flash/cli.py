@@ -25,6 +25,9 @@ COMMANDS: dict[str, str] = {
     "unload": ".ops.unload",
     "set": ".ops.set_tunable",
     "install-units": ".ops.install_units",
+    "health": ".tools.cli_health",
+    "defrag": ".tools.cli_defrag",
+    "prune": ".tools.cli_prune",
 }
 
 
@@ -71,6 +74,8 @@ def tool_main(verb: str, prog: str):
 
 
 repair_main = tool_main("repair", "deepseek-flash-repair")
+health_main = tool_main("health", "ssd-health-checker")
+defrag_main = tool_main("defrag", "deepseek-flash-defrag")
 
 if __name__ == "__main__":
     sys.exit(main())
