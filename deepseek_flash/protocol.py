@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from typing import Any
 
 import msgpack
@@ -170,10 +171,13 @@ class MessageReader:
     """Blocking reader of whole messages with one ``recv`` per reply in the common case (the
     round-trip latency of a small request is mostly syscalls and wake-ups)."""
 
-    def __init__(self, sock: socket.socket, max_frame: int):
+    def __init__(self, sock: socket.socket, max_frame: int, spin_us: float = 0.0):
         self.sock = sock
         self.max_frame = max_frame
         self._buf = bytearray()
+        # Poll this long before sleeping in recv: on VMs a cross-CPU wake-up costs tens of
+        # microseconds, more than a warm reply takes to arrive.
+        self.spin_ns = int(spin_us * 1000)
 
     def read(self) -> Any:
         buf = self._buf
@@ -185,10 +189,20 @@ class MessageReader:
                     payload = bytes(buf[HEADER_SIZE:end])
                     del buf[:end]
                     return unpack_payload(payload)
-            data = self.sock.recv(1 << 16)
+            data = self._recv()
             if not data:
                 raise ConnectionResetError("connection closed by the daemon")
             buf += data
+
+    def _recv(self) -> bytes:
+        if self.spin_ns:
+            deadline = time.perf_counter_ns() + self.spin_ns
+            while time.perf_counter_ns() < deadline:
+                try:
+                    return self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+        return self.sock.recv(1 << 16)
 
 
 # --- block metadata on the wire ---------------------------------------------------------------------
