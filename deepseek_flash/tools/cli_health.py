@@ -100,12 +100,12 @@ def _text(report: dict) -> str:
         lines.append(f"note: {note}")
     lat = w["latency_us"]
     lines += [
-        f"workload: {w['pattern']}, queue depth {w['queue_depth']}, block size {w['block_size']}, "
-        f"{w['backend']}{', O_DIRECT' if w['direct'] else ', buffered (O_DIRECT refused)'}",
-        f"  {w['requests']} reads, {w['bytes']} bytes in {w['duration_s']} s: "
-        f"{w['throughput_mb_s']} MB/s, {w['iops']} IOPS",
-        f"  latency us: p50 {lat['p50']}  p95 {lat['p95']}  p99 {lat['p99']}  max {lat['max']}  "
-        f"mean {lat['mean']}",
+        (f"workload: {w['pattern']}, queue depth {w['queue_depth']}, block size {w['block_size']}, "
+         f"{w['backend']}{', O_DIRECT' if w['direct'] else ', buffered (O_DIRECT refused)'}"),
+        (f"  {w['requests']} reads, {w['bytes']} bytes in {w['duration_s']} s: "
+         f"{w['throughput_mb_s']} MB/s, {w['iops']} IOPS"),
+        (f"  latency us: p50 {lat['p50']}  p95 {lat['p95']}  p99 {lat['p99']}  max {lat['max']}  "
+         f"mean {lat['mean']}"),
         f"  io_completion_variance: {w['io_completion_variance']} us^2 (cv {w['latency_cv']})",
     ]
     for warning in report["pitfalls"]:

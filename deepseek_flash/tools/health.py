@@ -80,7 +80,7 @@ def _direct_allowed(path: Path) -> bool:
 
 def _percentile(sorted_values: list, q: float) -> float:
     # Nearest-rank percentile: a value that was actually measured.
-    idx = max(0, min(len(sorted_values) - 1, int(round(q / 100 * len(sorted_values) + 0.5)) - 1))
+    idx = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
     return sorted_values[idx]
 
 
@@ -345,13 +345,13 @@ def _fill_from_udev(info: StackInfo, sysfs: Path, notes: list) -> None:
         for disk in [info.top, *info.leaves]:
             try:
                 dev = pyudev.Devices.from_name(context, "block", disk.name)
-            except Exception:   # pyudev raises DeviceNotFoundByNameError and plain OSErrors
+            except (pyudev.DeviceNotFoundError, OSError):
                 continue
             props = dev.properties
             disk.model = disk.model or props.get("ID_MODEL")
             disk.serial = disk.serial or props.get("ID_SERIAL_SHORT") or props.get("ID_SERIAL")
             disk.firmware = disk.firmware or props.get("ID_REVISION")
-    except Exception as exc:   # a container without a udev database: sysfs values stand
+    except OSError as exc:   # a container without a udev database: sysfs values stand
         notes.append(f"udev not available ({exc}): model/serial from sysfs only")
 
 

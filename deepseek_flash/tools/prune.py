@@ -30,8 +30,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import NotAModelDirectory, StoreExists
-from ..store.format import (BLOCK_ALIGN, DATA_FILE, METADATA_FILE, TENSOR_ALIGN, BlockInfo,
-                            TensorInfo, align_up, crc32c, encode_block_header, encode_metadata)
+from ..store.format import (
+    BLOCK_ALIGN,
+    DATA_FILE,
+    METADATA_FILE,
+    TENSOR_ALIGN,
+    BlockInfo,
+    TensorInfo,
+    align_up,
+    crc32c,
+    encode_block_header,
+    encode_metadata,
+)
 from ..store.pack import AUX_PATTERNS, fsync_dir
 from ..store.reader import Store
 

@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
+from deepseek_flash.client.model import bind_parameters, build_skeleton
 
 from deepseek_flash import cli
-from deepseek_flash.client.model import bind_parameters, build_skeleton
 from deepseek_flash.errors import NotAModelDirectory, NotAStore, StoreExists
 from deepseek_flash.store import Store, pack
 from deepseek_flash.store.format import crc32c, encode_block_header, encode_metadata
