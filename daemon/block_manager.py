@@ -702,6 +702,9 @@ class BlockManager:
                     completions = self.engine.wait(batch)
                 except FlashError as exc:
                     error = exc
+                except Exception as exc:   # never leave the batch's waiters hanging
+                    error = FlashIOError(f"IO engine failed waiting for batch {batch}: {exc!r}",
+                                         errno=0, path="", offset=-1, block_id=-1)
                 else:
                     for c in completions:
                         results[c.block_id] = results.get(c.block_id) or self._error_of(c)

@@ -189,7 +189,7 @@ KEYS: dict[str, Key] = {
                                "none (int8_symmetric, int4_symmetric: not implemented)", "model", False,
                                "weight quantization of served blocks"),
     "error_recovery_mode": Key("strict", _choice("strict", "graceful"), "strict | graceful", "model",
-                               True, "strict: a failed block fails its model until reopened; "
+                               True, "strict: a failed block fails its model until it is unloaded; "
                                      "graceful: the read is retried and the model keeps serving"),
     "host_cache_bytes": Key(4 << 30, _host_cache, ">= 1MiB (int or \"8GiB\")", "daemon", False,
                             "size of the shared host arena (the host tier budget)"),

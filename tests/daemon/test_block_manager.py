@@ -168,7 +168,7 @@ def test_checksum_failure_names_the_block(make, tiny_store, tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     m = make(store_roots=[str(bad.parent)])
     m.open_model(0, "bad")
-    m.acquire(0, "bad", layer=0)                                 # other blocks serve fine
+    ok = m.acquire(0, "bad", layer=0)                            # other blocks serve fine
     with pytest.raises(BlockChecksumError) as info:
         m.acquire(0, "bad", blocks=[victim.id])
     assert info.value.block_id == victim.id and f"block {victim.id}" in str(info.value)
@@ -176,6 +176,11 @@ def test_checksum_failure_names_the_block(make, tiny_store, tmp_path):
     with pytest.raises(BlockChecksumError):
         m.acquire(0, "bad", layer=0)
     assert m.stats()["checksum_errors"] == 1 and m.stats()["active_leases"] == 1
+    assert m.list_models()[0]["state"] == "failed" and m.snapshot()["controller_state"] == "DEGRADED"
+    m.release(0, ok.id)
+    m.unload("bad")                                              # unloading clears the failure
+    m.open_model(0, "bad")
+    assert len(m.acquire(0, "bad", layer=0).blocks) == 4
 
 
 def test_graceful_mode_retries_and_keeps_serving(make, tiny_store, tmp_path):
