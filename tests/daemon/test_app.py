@@ -223,3 +223,27 @@ def test_watchdog_pings(daemon_factory, tiny_store):
     mark = d.messages.index(first) + 1
     d.wait_message("WATCHDOG=1", timeout=5, after=mark)
     assert d.stop() == 0
+
+
+def test_socket_activation_uses_the_passed_fd(daemon_factory, tiny_store):
+    import socket as socketlib
+    d = daemon_factory(base_config(tiny_store))
+    d.runtime.mkdir(parents=True)
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    listener.bind(str(d.socket))
+    listener.listen(16)
+    fd = listener.fileno()
+    # As systemd does: the socket is fd 3, LISTEN_PID names the daemon's own pid.
+    wrapper = ["sh", "-c", 'LISTEN_PID=$$ LISTEN_FDS=1 exec "$@"', "sh", *daemon_command(),
+               "--log-level", "debug"]
+    log = open(d.log_path, "ab")
+    d.proc = subprocess.Popen(wrapper, env=d.env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(3,),
+                              preexec_fn=lambda: os.dup2(fd, 3))
+    d._log = log
+    d.wait_message("READY=1", timeout=30)
+    listener.close()                                  # the daemon holds its own copy
+    assert "systemd-activated socket" in d.log()
+    with d.client() as c:
+        assert c.open_model("tiny").num_layers == 4
+    assert d.stop() == 0
+    assert d.socket.exists()                          # systemd's socket stays for the next start
