@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, DEEPSEEK_FLASH_RUNTIME_DIR=str(tmp / "rt"), DEEPSEEK_FLASH_SOCKET=str(sock),
                DEEPSEEK_FLASH_CONFIG=str(tmp / "flash.json"))
     env.pop("NOTIFY_SOCKET", None)
-    log = open(tmp / "daemon.log", "wb")
+    log = open(tmp / "daemon.log", "wb")  # noqa: SIM115 -- the daemon's log for its whole life
     daemon = subprocess.Popen([sys.executable, "-m", "deepseek_flash.daemon.app", "--log-level", "warning"],
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -178,11 +178,13 @@ def main(argv=None) -> int:
                 os.sched_setaffinity(pid, server_cpus)
             iterations = max(500, args.iterations // n)
             for placement, cpus in placements.items():
-                echo_lat = run_group(ctx, echo_client, lambda i: (echo_path, iterations, cpus), n)
+                echo_lat = run_group(ctx, echo_client,
+                                     lambda i, it=iterations, c=cpus: (echo_path, it, c), n)
                 limit = percentiles([x for lat in echo_lat for x in lat])
                 for spin in args.spin_us:
-                    rpc = run_group(ctx, rpc_client, lambda i: (str(sock), layer_blocks[i % len(layer_blocks)],
-                                                                iterations, spin, cpus), n)
+                    rpc = run_group(ctx, rpc_client,
+                                    lambda i, it=iterations, sp=spin, c=cpus:
+                                    (str(sock), layer_blocks[i % len(layer_blocks)], it, sp, c), n)
                     row = {"clients": n, "placement": placement, "spin_us": spin,
                            "iterations_per_client": iterations,
                            "acquire_us": percentiles([x for a, _ in rpc for x in a]),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import paths, protocol
 from ..daemon.block_manager import Lease, ModelInfo
-from ..errors import DaemonNotRunning, PermissionDenied, ProtocolError, ShuttingDown
+from ..errors import DaemonNotRunning, FlashError, PermissionDenied, ProtocolError, ShuttingDown
 
 log = logging.getLogger("deepseek_flash.client")
 
@@ -271,13 +271,13 @@ class Client:
         for name, (what, context) in list(self._models.items()):
             try:
                 self._backend.call("open_model", {"model": what, "flash_context": context})
-            except Exception as exc:
+            except FlashError as exc:
                 log.warning("could not reopen model %s after reconnect: %s", name, exc)
                 self._models.pop(name, None)
         for key, (lease, args) in list(self._leases.items()):
             try:
                 wire = self._backend.call("acquire", args)
-            except Exception as exc:
+            except FlashError as exc:
                 log.warning("could not re-acquire lease on %s after reconnect: %s", lease.model, exc)
                 del self._leases[key]
                 continue

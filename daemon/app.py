@@ -28,7 +28,7 @@ from .. import __version__, paths
 from ..errors import ConfigError, DaemonAlreadyRunning, FlashError
 from .block_manager import BlockManager
 from .config import FlashConfig
-from .server import (Operations, Server, SocketLock, activation_sockets, bind_socket, resolve_group)
+from .server import Operations, Server, SocketLock, activation_sockets, bind_socket, resolve_group
 
 log = logging.getLogger("deepseek_flash.daemon")
 
@@ -66,8 +66,8 @@ class Application:
 
     # --- start ---------------------------------------------------------------------------------
     def start(self) -> None:
-        from .notify import Notifier
         from ..sysfs_shim.publisher import StatusTree
+        from .notify import Notifier
 
         self.config = FlashConfig.load(self.config_path)
         self.runtime_dir.mkdir(parents=True, exist_ok=True)

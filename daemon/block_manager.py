@@ -19,14 +19,25 @@ import logging
 import os
 import queue
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import (ArenaFull, BlockChecksumError, BudgetTooSmall, FlashError, FlashIOError,
-                      LeaseError, LimitExceeded, NotResident, OutOfMemory, StoreInUse, UnknownBlock,
-                      UnknownClient, UnknownModel)
+from ..errors import (
+    ArenaFull,
+    BlockChecksumError,
+    BudgetTooSmall,
+    FlashError,
+    FlashIOError,
+    LeaseError,
+    LimitExceeded,
+    NotResident,
+    OutOfMemory,
+    StoreInUse,
+    UnknownBlock,
+    UnknownClient,
+    UnknownModel,
+)
 from .config import _NAME as MODEL_NAME_RE
 from .config import FlashConfig
 from .prefetch import ForwardOrder
@@ -76,8 +87,21 @@ class Lease:
 
 
 class _Block:
-    __slots__ = ("info", "model", "offset", "state", "refs", "last_use", "uses", "prefetched",
-                 "waiters", "error", "retries", "token", "dep_blocks")
+    __slots__ = (
+        "dep_blocks",
+        "error",
+        "info",
+        "last_use",
+        "model",
+        "offset",
+        "prefetched",
+        "refs",
+        "retries",
+        "state",
+        "token",
+        "uses",
+        "waiters",
+    )
 
     def __init__(self, info, model):
         self.info = info
@@ -115,7 +139,7 @@ class _Model:
 class _Handle:
     """One client's open of one model (per-open flash_context lives here)."""
 
-    __slots__ = ("model", "context", "config")
+    __slots__ = ("config", "context", "model")
 
     def __init__(self, model, context, config):
         self.model = model
@@ -135,7 +159,7 @@ class _Client:
 class _Ticket:
     """An acquire (or a warm-up) waiting for loads; resolved on the completion thread."""
 
-    __slots__ = ("future", "client", "model", "ids", "pinned", "remaining", "make_lease", "done")
+    __slots__ = ("client", "done", "future", "ids", "make_lease", "model", "pinned", "remaining")
 
     def __init__(self, client, model, ids, pinned, make_lease):
         self.future: Future = Future()
@@ -702,7 +726,7 @@ class BlockManager:
                     completions = self.engine.wait(batch)
                 except FlashError as exc:
                     error = exc
-                except Exception as exc:   # never leave the batch's waiters hanging
+                except Exception as exc:  # noqa: BLE001 -- never leave the batch's waiters hanging
                     error = FlashIOError(f"IO engine failed waiting for batch {batch}: {exc!r}",
                                          errno=0, path="", offset=-1, block_id=-1)
                 else:
@@ -710,7 +734,7 @@ class BlockManager:
                         results[c.block_id] = results.get(c.block_id) or self._error_of(c)
             try:
                 self._complete(tokens, results, error)
-            except Exception:   # a bug here must not kill the only completion thread
+            except Exception:  # a bug here must not kill the only completion thread
                 log.exception("completing IO batch %s failed", batch)
 
     def _error_of(self, completion) -> FlashError | None:

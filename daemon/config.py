@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ..errors import ConfigError
 from .. import paths
+from ..errors import ConfigError
 
 log = logging.getLogger("deepseek_flash.config")
 
@@ -224,14 +225,14 @@ class FlashConfig:
         object.__setattr__(self, "_values", _validate(values or {}))
 
     @classmethod
-    def from_dict(cls, data: dict) -> "FlashConfig":
+    def from_dict(cls, data: dict) -> FlashConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"configuration must be a JSON object, not {type(data).__name__}",
                               key="", value=str(data)[:80], allowed="object")
         return cls(data)
 
     @classmethod
-    def load(cls, path) -> "FlashConfig":
+    def load(cls, path) -> FlashConfig:
         """Read a JSON file; a missing file means defaults (logged). Errors name the file."""
         path = Path(path)
         try:
@@ -273,22 +274,22 @@ class FlashConfig:
     def as_dict(self) -> dict:
         return dict(self._values)
 
-    def override(self, changes: dict, *, scope: str | None = None) -> "FlashConfig":
+    def override(self, changes: dict, *, scope: str | None = None) -> FlashConfig:
         """A new config with ``changes`` applied; ``scope="model"`` admits model-scope keys only."""
         if not isinstance(changes, dict):
             raise ConfigError(f"overrides must be an object, not {type(changes).__name__}", key="",
                               value=str(changes)[:80], allowed="object")
         if scope == "model":
-            for key in changes:
+            for key, value in changes.items():
                 if key in KEYS and KEYS[key].scope != "model":
                     raise ConfigError(f"{key} is daemon-wide and cannot be set per model or per open;"
-                                      f" set it in flash.json", key=key, value=changes[key],
+                                      f" set it in flash.json", key=key, value=value,
                                       allowed=list(MODEL_SCOPE))
         merged = dict(self._values)
         merged.update(changes)
         return FlashConfig(merged)
 
-    def model_overrides(self, model_config: dict, model_name: str) -> tuple["FlashConfig", list[str]]:
+    def model_overrides(self, model_config: dict, model_name: str) -> tuple[FlashConfig, list[str]]:
         """Apply a model's ``flash_config``; daemon-scope keys are skipped (returned, logged)."""
         flash = model_config.get("flash_config") or {}
         if not isinstance(flash, dict):

@@ -26,10 +26,27 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from .. import __version__
-from ..errors import (DaemonAlreadyRunning, FlashError, LimitExceeded, MalformedFrame, PermissionDenied,
-                      ProtocolError, ShuttingDown, UnknownOperation, VersionMismatch, ConfigError)
-from ..protocol import (OPS, PROTOCOL_VERSION, FrameDecoder, block_to_wire, parse_request,
-                        reply_error, reply_ok)
+from ..errors import (
+    ConfigError,
+    DaemonAlreadyRunning,
+    FlashError,
+    LimitExceeded,
+    MalformedFrame,
+    PermissionDenied,
+    ProtocolError,
+    ShuttingDown,
+    UnknownOperation,
+    VersionMismatch,
+)
+from ..protocol import (
+    OPS,
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    block_to_wire,
+    parse_request,
+    reply_error,
+    reply_ok,
+)
 from .block_manager import BlockManager, Lease, ModelInfo
 
 log = logging.getLogger("deepseek_flash.server")
@@ -110,7 +127,6 @@ class Operations:
 
     def op_release(self, cid, args):
         self.manager.release(cid, _arg("release", args, "lease", int))
-        return None
 
     def op_prefetch(self, cid, args):
         model = _arg("prefetch", args, "model", str)
@@ -295,8 +311,20 @@ def bind_socket(path: Path, mode: int, gid: int | None) -> socket.socket:
 # --- the event loop ---------------------------------------------------------------------------------
 
 class _Conn:
-    __slots__ = ("sock", "decoder", "wbuf", "client_id", "pid", "uid", "gid", "closing", "outstanding",
-                 "want_write", "name", "denied")
+    __slots__ = (
+        "client_id",
+        "closing",
+        "decoder",
+        "denied",
+        "gid",
+        "name",
+        "outstanding",
+        "pid",
+        "sock",
+        "uid",
+        "want_write",
+        "wbuf",
+    )
 
     def __init__(self, sock, max_frame, creds):
         self.sock = sock

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import (FlashError, FrameTooLarge, MalformedFrame, VersionMismatch, error_from_code)
+from .errors import FlashError, FrameTooLarge, MalformedFrame, VersionMismatch, error_from_code
 
 MAGIC = b"DF"
 PROTOCOL_VERSION = 1

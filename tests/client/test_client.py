@@ -1,10 +1,9 @@
 """Client: the same answers embedded and over the socket; typed errors; reconnect after a restart."""
 import pytest
-
-from flashd_harness import assert_eventually
 from deepseek_flash.client import Client, Lease, ModelInfo
-from deepseek_flash.errors import (DaemonNotRunning, LeaseError, StoreInUse, UnknownBlock,
-                                   UnknownModel)
+from flashd_harness import assert_eventually
+
+from deepseek_flash.errors import DaemonNotRunning, LeaseError, StoreInUse, UnknownBlock, UnknownModel
 from deepseek_flash.store import Store
 
 

@@ -81,8 +81,8 @@ class Daemon:
         env.update(self.extra_env)
         return env
 
-    def start(self, wait_ready: bool = True, args: list[str] = ()) -> "Daemon":
-        self._log = open(self.log_path, "ab")
+    def start(self, wait_ready: bool = True, args: list[str] = ()) -> Daemon:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 -- open for the daemon's life
         self.proc = subprocess.Popen([*daemon_command(), "--log-level", "debug", *args], env=self.env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
         if wait_ready:
@@ -93,7 +93,7 @@ class Daemon:
         while True:
             try:
                 data = self.notify.recv(4096)
-            except (socket.timeout, BlockingIOError):
+            except (TimeoutError, BlockingIOError):
                 return self.messages
             self.messages.append(data.decode())
 

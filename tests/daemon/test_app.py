@@ -4,13 +4,18 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
-
 from flashd_harness import assert_eventually, daemon_command
-from deepseek_flash.errors import (BudgetTooSmall, ConfigError, DaemonNotRunning, OutOfMemory,
-                                   UnknownBlock, UnknownModel)
+
+from deepseek_flash.errors import (
+    BudgetTooSmall,
+    ConfigError,
+    DaemonNotRunning,
+    OutOfMemory,
+    UnknownBlock,
+    UnknownModel,
+)
 from deepseek_flash.store import Store
 
 
@@ -173,7 +178,7 @@ def test_errors_come_back_typed(daemon_factory, tiny_store, big_store):
 
 def test_second_daemon_refused(daemon_factory, tiny_store):
     d = daemon_factory(base_config(tiny_store)).start()
-    second = subprocess.run([*daemon_command()], env=d.env, capture_output=True, timeout=60)
+    second = subprocess.run([*daemon_command()], env=d.env, capture_output=True, timeout=60, check=False)
     assert second.returncode == 3
     assert b"another deepseek-flashd" in second.stderr
     assert d.socket.exists()
@@ -197,7 +202,7 @@ def test_stale_socket_is_replaced(daemon_factory, tiny_store):
 
 def test_invalid_config_at_start_exits_with_message(daemon_factory):
     d = daemon_factory({"prefetch_window": 1000})
-    result = subprocess.run(daemon_command(), env=d.env, capture_output=True, timeout=60)
+    result = subprocess.run(daemon_command(), env=d.env, capture_output=True, timeout=60, check=False)
     assert result.returncode == 2
     assert b"prefetch_window" in result.stderr and b"0..64" in result.stderr
 
@@ -236,9 +241,9 @@ def test_socket_activation_uses_the_passed_fd(daemon_factory, tiny_store):
     # As systemd does: the socket is fd 3, LISTEN_PID names the daemon's own pid.
     wrapper = ["sh", "-c", 'LISTEN_PID=$$ LISTEN_FDS=1 exec "$@"', "sh", *daemon_command(),
                "--log-level", "debug"]
-    log = open(d.log_path, "ab")
+    log = open(d.log_path, "ab")  # noqa: SIM115 -- the daemon's log for its whole life
     d.proc = subprocess.Popen(wrapper, env=d.env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(3,),
-                              preexec_fn=lambda: os.dup2(fd, 3))
+                              preexec_fn=lambda: os.dup2(fd, 3))  # noqa: PLW1509 -- dup2 only
     d._log = log
     d.wait_message("READY=1", timeout=30)
     listener.close()                                  # the daemon holds its own copy

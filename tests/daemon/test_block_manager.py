@@ -4,13 +4,22 @@ import shutil
 import threading
 
 import pytest
-
-from deepseek_flash._core import HostArena, IOEngine
 from deepseek_flash.daemon.block_manager import ABSENT, RESIDENT, BlockManager
 from deepseek_flash.daemon.config import FlashConfig
-from deepseek_flash.errors import (BlockChecksumError, BudgetTooSmall, LeaseError, LimitExceeded,
-                                   NotResident, OutOfMemory, StoreInUse, UnknownBlock, UnknownClient,
-                                   UnknownModel)
+
+from deepseek_flash._core import HostArena, IOEngine
+from deepseek_flash.errors import (
+    BlockChecksumError,
+    BudgetTooSmall,
+    LeaseError,
+    LimitExceeded,
+    NotResident,
+    OutOfMemory,
+    StoreInUse,
+    UnknownBlock,
+    UnknownClient,
+    UnknownModel,
+)
 from deepseek_flash.store import Store
 
 LAYER = 151552   # one tiny layer, 4 KiB aligned: 4 + 48 + 64 + 32 KiB
@@ -106,7 +115,7 @@ def test_leased_blocks_are_never_evicted(make, tiny_store):
         m.acquire(0, "tiny", layer=3)
     assert "leased" in str(info.value) and info.value.budget == 3 * LAYER + 4 * 4096
     for lease in leases:
-        for bid, offset in lease.blocks.items():
+        for bid in lease.blocks:
             assert m.residency("tiny")[bid] == RESIDENT
     # Releasing one layer makes room.
     m.release(0, leases[0].id)
@@ -307,7 +316,7 @@ def test_concurrent_acquires_share_one_read(make):
                 lease = m.acquire(cid, "tiny", layer=layer)
                 results.append(lease.blocks)
                 m.release(cid, lease.id)
-        except Exception as exc:   # surfaced below
+        except Exception as exc:  # noqa: BLE001 -- surfaced by the assertion below
             errors.append(exc)
     threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
     for t in threads:

@@ -3,8 +3,8 @@ import json
 import logging
 
 import pytest
-
 from deepseek_flash.daemon.config import KEYS, TUNABLE, FlashConfig, check_tunable, parse_size
+
 from deepseek_flash.errors import ConfigError
 
 

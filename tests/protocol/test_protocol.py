@@ -7,8 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepseek_flash import protocol
-from deepseek_flash.errors import (FrameTooLarge, LeaseError, MalformedFrame, UnknownBlock,
-                                   VersionMismatch)
+from deepseek_flash.errors import FrameTooLarge, LeaseError, MalformedFrame, UnknownBlock, VersionMismatch
 
 
 def test_header_layout_is_big_endian_magic_version_flags_length():
