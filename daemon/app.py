@@ -118,17 +118,12 @@ class Application:
     # --- status --------------------------------------------------------------------------------
     def snapshot(self) -> dict:
         snap = self.manager.snapshot()
-        status = {"controller_state": self.state if self.state != "ACTIVE" else snap["controller_state"],
-                  "prefetch_hit_rate": snap["prefetch_hit_rate"],
-                  "semantic_block_count": snap["semantic_block_count"],
-                  # The GPU tier (daemon/fabric.py) is not wired into this controller yet.
-                  "unified_memory_fabric": "HOST_ONLY",
-                  "config_state": self.config_state,
-                  "last_reload_error": self.last_reload_error,
-                  "config_path": str(self.config_path),
-                  "pid": os.getpid(), "version": __version__}
-        return {"status": status, "stats": snap["stats"], "devices": {}, "models": snap["models"],
-                "tunables": snap["tunables"]}
+        status = snap["status"]
+        if self.state != "ACTIVE":
+            status["controller_state"] = self.state
+        status.update(config_state=self.config_state, last_reload_error=self.last_reload_error,
+                      config_path=str(self.config_path), pid=os.getpid(), version=__version__)
+        return snap
 
     def publish(self) -> None:
         generation = self.manager.generation

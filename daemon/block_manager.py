@@ -880,7 +880,8 @@ class BlockManager:
             return {bid: b.state for bid, b in self._model(name).blocks.items()}
 
     def snapshot(self) -> dict:
-        """Everything the status tree shows, in one consistent read."""
+        """Everything the status tree shows, in one consistent read: the sections ``status``,
+        ``stats``, ``devices``, ``models``, ``tunables`` (the StatusTree publisher's layout)."""
         with self._lock:
             stats = self._stats_locked()
             models = {}
@@ -892,7 +893,10 @@ class BlockManager:
                     for b in m.blocks.values()]
                 models[m.name] = summary
             degraded = any(m.failed for m in self._models.values())
-            return {"controller_state": "DEGRADED" if degraded else "ACTIVE",
-                    "semantic_block_count": sum(len(m.blocks) for m in self._models.values()),
-                    "prefetch_hit_rate": stats["prefetch_hit_rate"], "stats": stats, "models": models,
-                    "tunables": self.config.tunables(), "generation": self.generation}
+            status = {"controller_state": "DEGRADED" if degraded else "ACTIVE",
+                      "prefetch_hit_rate": stats["prefetch_hit_rate"],
+                      "semantic_block_count": sum(len(m.blocks) for m in self._models.values()),
+                      # The GPU tier registers itself above the host tier; alone this is host-only.
+                      "unified_memory_fabric": "HOST_ONLY"}
+            return {"status": status, "stats": stats, "devices": {}, "models": models,
+                    "tunables": self.config.tunables()}

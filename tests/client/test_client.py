@@ -40,7 +40,9 @@ def test_same_api_both_modes(client, tiny_store):
     assert client.stats()["prefetch_used"] == 4
     models = client.list_models()
     assert [m["name"] for m in models] == ["tiny"] and models[0]["leased_blocks"] == 8
-    assert client.status()["stats"]["active_leases"] == 2
+    status = client.status()
+    assert status["stats"]["active_leases"] == 2
+    assert status["status"]["controller_state"] == "ACTIVE" and status["status"]["semantic_block_count"] == 19
     with pytest.raises(StoreInUse):
         client.unload(info)
     client.release(lease)

@@ -185,7 +185,7 @@ def test_checksum_failure_names_the_block(make, tiny_store, tmp_path):
     with pytest.raises(BlockChecksumError):
         m.acquire(0, "bad", layer=0)
     assert m.stats()["checksum_errors"] == 1 and m.stats()["active_leases"] == 1
-    assert m.list_models()[0]["state"] == "failed" and m.snapshot()["controller_state"] == "DEGRADED"
+    assert m.list_models()[0]["state"] == "failed" and m.snapshot()["status"]["controller_state"] == "DEGRADED"
     m.release(0, ok.id)
     m.unload("bad")                                              # unloading clears the failure
     m.open_model(0, "bad")
