@@ -6,7 +6,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from flashd_harness import assert_eventually, daemon_command
+from safetensors.torch import load_file
 
 from deepseek_flash.errors import (
     BudgetTooSmall,
@@ -17,6 +19,7 @@ from deepseek_flash.errors import (
     UnknownModel,
 )
 from deepseek_flash.store import Store
+from deepseek_flash.store.views import block_tensors
 
 
 def base_config(store, **extra):
@@ -38,6 +41,14 @@ def test_lifecycle_ready_serve_stop(daemon_factory, tiny_store):
         lease = c.acquire(info, blocks=[b.id for b in store.blocks])
         for bid, offset in lease.blocks.items():
             assert bytes(c.arena.view(offset, store.block(bid).length)) == store.read_block(bid)
+        # ... and, seen as tensors through the client's mapping, equal the checkpoint's exactly.
+        original = load_file(str(tiny_store.parent.parent / "tiny-src" / "model.safetensors"))
+        served = {}
+        for block in info.blocks:
+            served.update(block_tensors(block, c.arena.view(lease.blocks[block.id], block.length)))
+        assert set(original) <= set(served)
+        for name, tensor in original.items():
+            assert served[name].dtype == tensor.dtype and torch.equal(served[name], tensor), name
         stats = c.stats()
         assert stats["active_leases"] == 1 and stats["connected_clients"] == 1
         assert stats["bytes_read_nvme"] == store.total_bytes
