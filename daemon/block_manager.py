@@ -134,6 +134,7 @@ class _Model:
         self.failed: FlashError | None = None
         self.plan: dict = {}
         self.pinned: frozenset = frozenset()
+        self.deferred: list[int] = []      # prefetches that found no room, retried on release
 
 
 class _Handle:
@@ -539,7 +540,10 @@ class BlockManager:
             lease = client.leases.pop(lease_id, None)
             if lease is None:
                 raise LeaseError(f"client {client_id} holds no lease {lease_id}", lease=lease_id)
-            self._unpin(self._models.get(lease.model), lease.blocks)
+            model = self._models.get(lease.model)
+            self._unpin(model, lease.blocks)
+            if model is not None and model.deferred:
+                self._submit(self._prefetch_locked(model, model.deferred, set()))
             self.generation += 1
 
     def _unpin(self, model, block_ids) -> None:
@@ -573,6 +577,9 @@ class BlockManager:
             b.prefetched = True
         self.counters["prefetch_issued"] += len(batch)
         self.counters["prefetch_dropped"] += len(absent) - len(batch)
+        # What did not fit is retried when a lease on this model is released (a streaming client
+        # releases the layer behind it, which is exactly the room the window needs).
+        m.deferred = [b.info.id for b in absent[len(batch):]]
         return batch
 
     def load(self, model: str) -> Future:
@@ -649,9 +656,10 @@ class BlockManager:
         return OutOfMemory(
             f"host tier full: block {block.info.id} ({block.info.role}, layer {block.info.layer}) of "
             f"model {block.model.name} needs {fmt_bytes(need)}; {fmt_bytes(arena.used)} of "
-            f"{fmt_bytes(arena.size)} in use, {fmt_bytes(leased)} of it leased or loading; release "
-            f"leases or raise host_cache_bytes", model=block.model.name, block_id=block.info.id,
-            needed=need, used=arena.used, budget=arena.size, leased=leased)
+            f"{fmt_bytes(arena.size)} in use, {fmt_bytes(leased)} of it leased or loading, largest "
+            f"free extent {fmt_bytes(arena.largest_free())}; release leases or raise host_cache_bytes",
+            model=block.model.name, block_id=block.info.id, needed=need, used=arena.used,
+            budget=arena.size, leased=leased, largest_free=arena.largest_free())
 
     def _candidates(self, protect, hot: bool, prefetch: bool) -> list:
         policy = self.config.block_eviction_policy

@@ -340,3 +340,43 @@ def test_disconnect_hooks_run_after_leases_are_released(make):
     m.acquire(cid, "tiny", layer=0)
     m.disconnect(cid)
     assert seen == [(cid, 0), "after"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "access_frequency_weighted"])
+def test_streaming_a_model_larger_than_the_budget(make, wide_store, policy):
+    store = Store.open(wide_store)
+    # The model is ~4.3 MiB; acquiring the next layer before releasing the last needs two layers
+    # (~1.9 MiB) plus room for fragmentation and the prefetch window.
+    budget = 3 << 20
+    assert store.total_bytes > budget
+    m = make(arena_size=budget, store_roots=[str(wide_store.parent)], prefetch_window=1,
+             block_eviction_policy=policy)
+    m.open_model(0, "wide")
+    expected = {b.id: store.read_block(b.id) for b in store.blocks}
+    for _ in range(3):                              # three forward passes
+        held = None
+        for layer in range(store.num_layers):
+            lease = m.acquire(0, "wide", layer=layer)
+            for bid, offset in lease.blocks.items():
+                assert payload(m, offset, store.block(bid)) == expected[bid]
+            if held is not None:
+                m.release(0, held.id)
+            held = lease
+        m.release(0, held.id)
+        assert m.arena.used <= budget
+    s = m.stats()
+    assert s["active_leases"] == 0 and s["evictions"] > 0 and s["prefetch_issued"] > 0
+    assert s["prefetch_used"] > 0
+
+
+def test_prefetch_without_room_is_retried_on_release(make, tiny_store):
+    store = Store.open(tiny_store)
+    m = make(arena_size=3 * LAYER + 4 * 4096, prefetch_window=1)
+    m.open_model(0, "tiny")
+    leases = [m.acquire(0, "tiny", layer=layer) for layer in range(3)]   # the arena is full
+    assert _layer_state(m, store, 3) == {ABSENT}
+    assert m.stats()["prefetch_dropped"] >= 3
+    m.release(0, leases[0].id)                       # room again: layer 3 is read ahead now
+    assert _layer_state(m, store, 3) != {ABSENT}
+    m.acquire(0, "tiny", layer=3)
+    assert m.stats()["prefetch_used"] >= 4 + 3
