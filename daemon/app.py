@@ -63,6 +63,8 @@ class Application:
         # above the host tier (GPU fabric, model attach) add their ops and disconnect hooks.
         self.extensions = list(extensions)
         self.ops = None
+        # callables(snapshot) that add their tier's state (devices, unified_memory_fabric, ...)
+        self.snapshot_hooks: list = []
 
     # --- start ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -123,6 +125,8 @@ class Application:
             status["controller_state"] = self.state
         status.update(config_state=self.config_state, last_reload_error=self.last_reload_error,
                       config_path=str(self.config_path), pid=os.getpid(), version=__version__)
+        for hook in self.snapshot_hooks:
+            hook(snap)
         return snap
 
     def publish(self) -> None:
