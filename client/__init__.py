@@ -152,6 +152,9 @@ class Client:
         self._models: dict[str, tuple[str, dict]] = {}    # name -> (what was opened, context)
         self._leases: dict[int, tuple[Lease, dict]] = {}  # id(lease) -> (lease, acquire args)
         self._callbacks = []
+        self._host_tensor = None
+        self._host_pinned = False
+        self._gpu_arenas: dict = {}          # CUDA index -> the daemon's arena, opened once
         if embedded:
             self._backend = self._embedded(config)
             return
@@ -232,11 +235,55 @@ class Client:
         """Open ``model`` in the controller and read every block that fits (``deepseek-flash load``)."""
         return self._backend.call("load", {"model": str(_name(model)), "wait": wait})
 
-    def unload(self, model) -> dict:
+    def unload(self, model, tier: str = "all") -> dict:
+        """Forget ``model`` (``tier="all"``) or only drop its device copies (``"device"``)."""
         name = _name(model)
-        result = self._backend.call("unload", {"model": name})
-        self._models.pop(name, None)
+        result = self._backend.call("unload", {"model": name, "tier": tier})
+        if tier == "all":
+            self._models.pop(name, None)
         return result
+
+    # --- device tier (used by load_model) ---------------------------------------------------------
+    def attach(self, model, device, weight_budget: int | None = None) -> dict:
+        """The model's memory on ``device`` ("cpu" or a CUDA index) for this client: plan,
+        control page (gates, block offsets), GPU arena and events, streaming slots."""
+        args = {"model": _name(model), "device": device}
+        if weight_budget is not None:
+            args["weight_budget"] = int(weight_budget)
+        return self._backend.call("attach", args)
+
+    def detach(self, model=None) -> None:
+        self._backend.call("detach", {"model": _name(model)} if model is not None else {})
+
+    def host_tensor(self, pinned: bool = False):
+        """The host arena as one uint8 tensor (this process's mapping); ``pinned`` page-locks
+        it for the GPU once per process, so copies from it run at link speed."""
+        import torch
+
+        if self._host_tensor is None:
+            self._host_tensor = torch.frombuffer(self.arena, dtype=torch.uint8)
+        if pinned and not self._host_pinned:
+            from ..daemon.fabric import register_host_memory
+
+            self._host_pinned = register_host_memory(self.arena.address, self.arena.size)
+        return self._host_tensor
+
+    def device_memory(self, device, desc: dict):
+        """(uint8 tensor over the device memory the attach offsets point into, gate events)."""
+        if device == "cpu":
+            return self.host_tensor(), None
+        if self.mode == "embedded":
+            load = self._backend.attachments.by_control_offset(desc["control_offset"])
+            return self._backend.fabric.arenas[device].tensor, load.placement.events
+        import torch
+
+        from ..daemon.fabric import open_gpu_arena
+
+        arena = self._gpu_arenas.get(device)
+        if arena is None:
+            arena = self._gpu_arenas[device] = open_gpu_arena(desc["gpu_arena"])
+        events = [torch.cuda.Event.from_ipc_handle(device, bytes(h)) for h in desc["events"]]
+        return arena, events
 
     def status(self) -> dict:
         return self._backend.call("status", {})

@@ -14,6 +14,7 @@ from pathlib import Path
 from .. import paths
 from ..daemon.block_manager import BlockManager
 from ..daemon.config import FlashConfig
+from ..daemon.loader import build_device_tier
 from ..daemon.server import Operations
 
 log = logging.getLogger("deepseek_flash.embedded")
@@ -42,7 +43,9 @@ class EmbeddedController:
         self.arena = HostArena(self.config.host_cache_bytes, "deepseek-flash-embedded")
         self.engine = IOEngine()
         self.manager = BlockManager(self.config, self.arena, self.engine)
-        self.ops = Operations(self.manager)
+        self.attachments = build_device_tier(self.manager, self.arena, self.config)
+        self.fabric = self.attachments.fabric
+        self.ops = Operations(self.manager, attachments=self.attachments)
         for extend in extensions:
             extend(self)            # the same hooks as daemon.app.Application's
         self.client_id = self.manager.connect({"name": "embedded"})

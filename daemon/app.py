@@ -28,6 +28,7 @@ from .. import __version__, paths
 from ..errors import ConfigError, DaemonAlreadyRunning, FlashError
 from .block_manager import BlockManager
 from .config import FlashConfig
+from .loader import build_device_tier
 from .server import Operations, Server, SocketLock, activation_sockets, bind_socket, resolve_group
 
 log = logging.getLogger("deepseek_flash.daemon")
@@ -110,7 +111,8 @@ class Application:
         log.info("host arena %d bytes (memfd %d), IO engine %s", self.arena.size, self.arena.fd,
                  self.engine.backend)
         self.manager = BlockManager(self.config, self.arena, self.engine)
-        self.ops = ops = Operations(self.manager, status=self.snapshot)
+        self.attachments = build_device_tier(self.manager, self.arena, self.config)
+        self.ops = ops = Operations(self.manager, status=self.snapshot, attachments=self.attachments)
         for extend in self.extensions:
             extend(self)
         self.server = Server(ops, listeners, self.arena, self.config.max_frame_bytes,
@@ -121,6 +123,10 @@ class Application:
     def snapshot(self) -> dict:
         snap = self.manager.snapshot()
         status = snap["status"]
+        fabric = self.attachments.fabric
+        status["unified_memory_fabric"] = "ENABLED" if fabric.available else "HOST_ONLY"
+        snap["devices"] = fabric.telemetry()
+        snap["stats"]["bytes_h2d"] = fabric.bytes_h2d + snap["stats"].get("bytes_streamed", 0)
         if self.state != "ACTIVE":
             status["controller_state"] = self.state
         status.update(config_state=self.config_state, last_reload_error=self.last_reload_error,

@@ -45,6 +45,9 @@ from .prefetch import ForwardOrder
 log = logging.getLogger("deepseek_flash.block_manager")
 
 ABSENT, LOADING, RESIDENT = "absent", "loading", "resident"
+# Counters a streaming client reports (cumulative per client and model).
+STREAM_COUNTERS = ("prefetch_hits", "prefetch_miss_count_stream", "fabric_stall_cycles",
+                   "fabric_stall_us", "bytes_streamed")
 ALIGN = 4096
 # The embedded controller and the daemon's own `load` requests act as this client.
 DAEMON_CLIENT = 0
@@ -215,6 +218,10 @@ class BlockManager:
             ("hits", "misses", "evictions", "bytes_read_nvme", "prefetch_issued", "prefetch_used",
              "prefetch_dropped", "load_errors", "checksum_errors", "leases_granted", "unloads"), 0)
         self._disconnect_hooks: list = []
+        # Streaming clients report their slot-ring counters: (client, model) -> latest report,
+        # plus the totals of clients that are gone.
+        self._streams: dict[tuple, dict] = {}
+        self._stream_totals = dict.fromkeys(STREAM_COUNTERS, 0)
         self._batches: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._completion_loop, name="flash-io-completion",
                                         daemon=True)
@@ -276,6 +283,9 @@ class BlockManager:
             self.generation += 1
         if released:
             log.info("client %s (%s) gone: released %d leases", client_id, client.info, released)
+        with self._lock:
+            for key in [k for k in self._streams if k[0] == client_id]:
+                self._fold_stream(self._streams.pop(key))
         for hook in self._disconnect_hooks:
             try:
                 hook(client_id)
@@ -852,11 +862,39 @@ class BlockManager:
         with self._lock:
             return self._stats_locked()
 
+    # --- streaming reports ------------------------------------------------------------------------
+    def report_stream(self, client_id: int, model: str, stats: dict) -> None:
+        """Record a streaming client's cumulative counters (see ``client.stream``)."""
+        with self._lock:
+            self._client(client_id)
+            self._model(model)
+            self._streams[(client_id, model)] = {
+                **{k: int(stats.get(k, 0)) for k in STREAM_COUNTERS},
+                "prefetch_window": int(stats.get("prefetch_window", 0)),
+                "decisions": list(stats.get("decisions", []))[-8:]}
+            self.generation += 1
+
+    def _fold_stream(self, report: dict) -> None:
+        for k in STREAM_COUNTERS:
+            self._stream_totals[k] += report[k]
+
+    def _stream_counts(self) -> dict:
+        out = dict(self._stream_totals)
+        for report in self._streams.values():
+            for k in STREAM_COUNTERS:
+                out[k] += report[k]
+        return out
+
     def _stats_locked(self) -> dict:
         c = dict(self.counters)
-        served = c["hits"] + c["misses"]
-        c["prefetch_hit_rate"] = c["hits"] / served if served else 1.0
-        c["prefetch_miss_count"] = c["misses"]
+        stream = self._stream_counts()
+        c.update(stream)
+        # Host-tier acquires and GPU slot prefetches both count: a hit is data that was there
+        # before it was needed.
+        hits = c["hits"] + stream["prefetch_hits"]
+        misses = c["misses"] + stream["prefetch_miss_count_stream"]
+        c["prefetch_hit_rate"] = hits / (hits + misses) if hits + misses else 1.0
+        c["prefetch_miss_count"] = misses
         c["block_eviction_count"] = c["evictions"]
         c["active_leases"] = sum(len(cl.leases) for cl in self._clients.values())
         c["connected_clients"] = len(self._clients) - 1
@@ -874,7 +912,12 @@ class BlockManager:
 
     def _model_summary(self, m: _Model) -> dict:
         resident = [b for b in m.blocks.values() if b.state == RESIDENT]
-        return {"name": m.name, "path": m.path, "state": "failed" if m.failed else "open",
+        streams = [r for (cid, name), r in self._streams.items() if name == m.name]
+        return {"plan": dict(m.plan),
+                "streaming_clients": len(streams),
+                "prefetch_window": max((r["prefetch_window"] for r in streams), default=None),
+                "prefetch_decisions": streams[-1]["decisions"] if streams else [],
+                "name": m.name, "path": m.path, "state": "failed" if m.failed else "open",
                 "blocks": len(m.blocks), "resident_blocks": len(resident),
                 "resident_bytes": sum(b.info.length for b in resident),
                 "total_bytes": m.store.total_bytes, "num_layers": m.store.num_layers,

@@ -152,10 +152,13 @@ class Fabric:
         self._host_tensor = None
         self._lock = threading.Lock()
         self.bytes_h2d = 0
+        self._available: bool | None = None
 
     @property
     def available(self) -> bool:
-        return cuda_available()
+        if self._available is None:
+            self._available = cuda_available()
+        return self._available
 
     def device_count(self) -> int:
         if not self.available:

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ..errors import DeviceError, FlashError
+from ..errors import DeviceError, FlashError, StoreInUse
 from .block_manager import DAEMON_CLIENT
 from .fabric import GATE_FAILED, GATE_READY
 from .prefetch import ForwardOrder
@@ -321,7 +321,31 @@ class Attachments:
         if device is not None:
             self.fabric.free_slots((client_id, model), device)
 
+    def unload(self, model: str) -> int:
+        """Drop the model's device copies; refused while a client is attached to one."""
+        busy = sorted({c for load in self.loader.loads() if load.info.name == model
+                       for c in load.clients})
+        if busy:
+            raise StoreInUse(f"model {model}: clients {busy} are attached to its device copies; "
+                             f"they must close the model first", model=model, clients=busy)
+        return self.loader.unload(model)
+
+    def by_control_offset(self, offset: int) -> Load:
+        return next(ld for ld in self.loader.loads() if ld.control_offset == offset)
+
     def detach(self, client_id: int, model: str | None = None) -> None:
         self.loader.detach(client_id, model)
         for key in [k for k in self._slots if k[0] == client_id and (model is None or k[1] == model)]:
             self._free_slots(*key)
+
+
+def build_device_tier(manager, arena, config) -> Attachments:
+    """The tier above the host arena, as the daemon and the embedded controller both build it:
+    the GPU fabric (idle until a client asks for a CUDA device), loads and attachments, and the
+    hook that ends a client's attachments when it disconnects."""
+    from .fabric import Fabric
+
+    fabric = Fabric(arena, config.unified_memory_ratio)
+    attachments = Attachments(manager, Loader(manager, arena, fabric), fabric)
+    manager.on_disconnect(attachments.detach)
+    return attachments

@@ -85,8 +85,9 @@ def lease_to_wire(lease: Lease) -> dict:
 class Operations:
     """The op table: ``call(client_id, op, args)`` -> a wire result, or a Future of one."""
 
-    def __init__(self, manager: BlockManager, status=None, on_tunable=None):
+    def __init__(self, manager: BlockManager, status=None, on_tunable=None, attachments=None):
         self.manager = manager
+        self.attachments = attachments
         self._status = status or manager.snapshot
         self._on_tunable = on_tunable
         self._table = {op: getattr(self, "op_" + op) for op in OPS if op != "hello"}
@@ -174,7 +175,39 @@ class Operations:
         return future
 
     def op_unload(self, cid, args):
-        return self.manager.unload(_arg("unload", args, "model", str))
+        model = _arg("unload", args, "model", str)
+        tier = _arg("unload", args, "tier", str, required=False, default="all")
+        if tier not in ("all", "device"):
+            raise MalformedFrame(f"unload: tier must be 'all' or 'device', not {tier!r}",
+                                 op="unload", argument="tier")
+        freed = self.attachments.unload(model) if self.attachments is not None else 0
+        if tier == "device":
+            return {"model": model, "freed_device_bytes": freed}
+        return {**self.manager.unload(model), "freed_device_bytes": freed}
+
+    def op_attach(self, cid, args):
+        """A model's memory on a device for this client (see ``daemon.loader.Attachments``)."""
+        model = _arg("attach", args, "model", str)
+        device = args.get("device", "cpu")
+        if device != "cpu" and (not isinstance(device, int) or isinstance(device, bool) or device < 0):
+            raise MalformedFrame(f"attach: device must be 'cpu' or a CUDA index, not {device!r}",
+                                 op="attach", argument="device")
+        budget = _arg("attach", args, "weight_budget", int, required=False)
+        if self.attachments is None:
+            raise UnknownOperation("attach: this controller has no device tier", op="attach")
+        return self.attachments.attach(cid, model, device, budget)
+
+    def op_detach(self, cid, args):
+        if self.attachments is not None:
+            self.attachments.detach(cid, _arg("detach", args, "model", str, required=False))
+        return None
+
+    def op_report_stream(self, cid, args):
+        """A streaming client's prefetch counters (hits, misses, stalls, window, decisions)."""
+        model = _arg("report_stream", args, "model", str)
+        stats = _arg("report_stream", args, "stats", dict)
+        self.manager.report_stream(cid, model, stats)
+        return None
 
 
 def _chain(future: Future, convert) -> Future:

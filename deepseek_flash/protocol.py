@@ -31,7 +31,8 @@ HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 1 << 20
 
 OPS = ("hello", "list_models", "open_model", "close_model", "acquire", "release", "prefetch",
-       "status", "stats", "get_tunable", "set_tunable", "load", "unload")
+       "status", "stats", "get_tunable", "set_tunable", "load", "unload", "attach", "detach",
+       "report_stream")
 
 
 def pack_payload(obj: Any) -> bytes:

@@ -1,0 +1,180 @@
+"""Benchmark: decoding a model larger than its GPU weight budget, against the PCIe bound.
+
+Random 8B-shaped Llama (bf16, ~16 GB), weight budget 8 GiB (about half of it streams):
+
+* decode tok/s at batch 1 vs the bound: streamed bytes per token / pinned host->GPU rate measured
+  in this run (or the fully resident decode rate, if lower), and vs accelerate's
+  ``device_map="auto"`` with ``max_memory={0: budget}`` in the same run;
+* batch 1, 4, 16, 32: tok/s vs min(B x batch-1 bound, resident decode rate at batch B);
+* prefetch hit rate in steady decode, ``fabric_stall_cycles`` per token;
+* time to first token from a cold model (page cache dropped) vs loading the whole model first.
+
+    python bench/stream.py --dir /var/tmp/flash-bench [--budget 8GiB] [--output stream.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+
+from _common import LLAMA_8B, drop_caches, emit, pinned_h2d, write_finite_llama
+
+PROMPT = 16
+
+
+def decode_rate(model, batch: int, tokens: int, device="cuda:0") -> tuple[float, object]:
+    """Decode tokens/s (all sequences): (generate N+1) - (generate 1), so prefill is excluded."""
+    import torch
+
+    ids = torch.randint(0, 32000, (batch, PROMPT), device=device,
+                        generator=torch.Generator(device=device).manual_seed(batch))
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, out
+
+    gen(2)                                    # warm-up: kernels, allocator, slots primed
+    t1, _ = gen(1)
+    tn, out = gen(tokens + 1)
+    return batch * tokens / max(tn - t1, 1e-9), out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default="/var/tmp/flash-bench")
+    parser.add_argument("--layers", type=int, default=LLAMA_8B["layers"])
+    parser.add_argument("--budget", default="8GiB", help="weight budget on the GPU")
+    parser.add_argument("--tokens", type=int, default=24, help="decode steps per measurement")
+    parser.add_argument("--batches", default="1,4,16,32")
+    parser.add_argument("--host-cache", default="20GiB")
+    parser.add_argument("--window", type=int, default=2, help="initial prefetch_window")
+    parser.add_argument("--skip-accelerate", action="store_true")
+    parser.add_argument("--output")
+    args = parser.parse_args(argv)
+
+    import torch
+    import transformers
+
+    from deepseek_flash.client import Client
+    from deepseek_flash.client.model import load_model
+    from deepseek_flash.daemon.config import parse_size
+    from deepseek_flash.store import Store, pack
+
+    work = __import__("pathlib").Path(args.dir)
+    src = write_finite_llama(work / "src", **{**LLAMA_8B, "layers": args.layers})
+    store_dir = work / "store"
+    if not (store_dir / "flash_metadata.bin").exists():
+        pack(src, store_dir)
+    store = Store.open(store_dir)
+    budget = parse_size("budget", args.budget)
+    batches = [int(b) for b in args.batches.split(",")]
+    res = {"benchmark": "stream", "date": datetime.date.today().isoformat(), "host": platform.node(),
+           "gpu": torch.cuda.get_device_name(0), "model_bytes": store.total_bytes,
+           "budget_bytes": budget, "layers": args.layers}
+    h2d = pinned_h2d()
+    res["pinned_h2d_gbps"] = h2d
+    config = {"host_cache_bytes": args.host_cache, "unified_memory_ratio": 0.6,
+              "prefetch_window": args.window}
+    client = Client(embedded=True, config=config)
+    client._backend.fabric.arena(0)     # page-lock the host arena once, as the daemon does
+
+    # Fully resident: the decode rate the GPU itself allows at each batch.
+    resident = load_model(store_dir, device="cuda:0", client=client)
+    res["resident_tok_s"] = {}
+    resident_out = {}
+    for b in batches:
+        rate, out = decode_rate(resident, b, args.tokens)
+        res["resident_tok_s"][b] = round(rate, 2)
+        resident_out[b] = out.cpu()
+    resident.flash.close()
+    client.unload(resident.flash.info.name, tier="device")
+    del resident
+    torch.cuda.empty_cache()
+
+    # Streamed under the budget.
+    streamed = load_model(store_dir, device="cuda:0", client=client, weight_budget=budget)
+    runtime = streamed.flash.stream
+    plan = runtime.plan
+    per_token = sum(store.block(b).length for layer in plan.streamed_layers
+                    for b in plan.stream_blocks[layer])
+    bound1 = min(h2d * 1e9 / per_token, res["resident_tok_s"][1])
+    res["plan"] = {"streamed_layers": len(plan.streamed_layers), "slots": plan.n_slots,
+                   "slot_bytes": plan.slot_bytes, "resident_bytes": plan.resident_bytes,
+                   "streamed_bytes_per_token": per_token}
+    res["bound_batch1_tok_s"] = round(bound1, 3)
+    res["streamed_tok_s"] = {}
+    res["tokens_identical_to_resident"] = {}
+    res["vs_bound"] = {}
+    for b in batches:
+        before = runtime.stats()
+        rate, out = decode_rate(streamed, b, args.tokens)
+        after = runtime.stats()
+        bound = min(b * bound1, res["resident_tok_s"][b])
+        res["streamed_tok_s"][b] = round(rate, 3)
+        res["vs_bound"][b] = round(rate / bound, 3)
+        res["tokens_identical_to_resident"][b] = bool(torch.equal(out.cpu(), resident_out[b]))
+        if b == 1:
+            hits = after["prefetch_hits"] - before["prefetch_hits"]
+            misses = after["prefetch_miss_count"] - before["prefetch_miss_count"]
+            passes = after["passes"] - before["passes"]
+            res["steady_prefetch_hit_rate"] = round(hits / max(1, hits + misses), 4)
+            res["fabric_stall_cycles_per_token"] = int(
+                (after["fabric_stall_cycles"] - before["fabric_stall_cycles"]) / max(1, passes))
+            res["prefetch_window_final"] = after["prefetch_window"]
+            res["window_decisions"] = after["decisions"][-5:]
+    streamed.flash.close()
+    client.close()
+    del streamed
+    torch.cuda.empty_cache()
+
+    # Time to first token from a cold model: streamed (lazy) vs the whole model loaded first.
+    for name, kwargs in (("streamed_lazy", {"weight_budget": budget}), ("whole_model_first", {})):
+        drop_caches()
+        c = Client(embedded=True, config=config)
+        c._backend.fabric.arena(0)
+        ids = torch.tensor([[1, 2, 3, 4]], device="cuda:0")
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        m = load_model(store_dir, device="cuda:0", client=c, **kwargs)
+        if name == "whole_model_first":
+            from load import wait_loaded
+
+            wait_loaded(m)
+        with torch.no_grad():
+            m(ids).logits[0, -1].argmax().item()
+        torch.cuda.synchronize()
+        res.setdefault("cold_ttft_s", {})[name] = round(time.perf_counter() - t, 3)
+        m.flash.close()
+        c.close()
+        del m
+        torch.cuda.empty_cache()
+
+    # accelerate's offload under the same budget, same run.
+    if not args.skip_accelerate:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            src, dtype=torch.bfloat16, device_map="auto",
+            max_memory={0: budget, "cpu": 200 << 30})
+        rate, _ = decode_rate(model, 1, 4)
+        res["accelerate_tok_s"] = round(rate, 3)
+        res["vs_accelerate"] = round(res["streamed_tok_s"][1] / rate, 2)
+        del model
+        torch.cuda.empty_cache()
+    res["goals"] = {
+        "batch1>=0.97*bound": res["vs_bound"][1] >= 0.97,
+        "batches>=0.9*bound": all(v >= 0.9 for v in res["vs_bound"].values()),
+        "hit_rate>=0.95": res["steady_prefetch_hit_rate"] >= 0.95,
+        "vs_accelerate>=7.5": res.get("vs_accelerate", 0) >= 7.5,
+    }
+    emit(res, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
