@@ -18,9 +18,9 @@ import logging
 import threading
 import time
 
-log = logging.getLogger("deepseek_flash.model")
+from ..daemon.fabric import GATE_FAILED, GATE_PENDING, GATE_READY
 
-GATE_PENDING, GATE_READY, GATE_FAILED = 0, 1, 2
+log = logging.getLogger("deepseek_flash.model")
 
 
 @contextlib.contextmanager
@@ -205,6 +205,12 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
         dev = torch.device(device)
         target = "cpu" if dev.type == "cpu" else (dev.index if dev.index is not None else 0)
         model = build_skeleton(info.config)
+        if dev.type != "cpu":
+            # Rotary tables and other buffers are computed in this process; only they move.
+            for module in model.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[name] = buf.to(dev)
         handle = FlashModelHandle(client, info, dev, None, owns_client)
         budget = None if weight_budget is None else parse_size("weight_budget", weight_budget)
         if budget is not None and budget < info.total_bytes:

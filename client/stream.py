@@ -157,6 +157,7 @@ class StreamRuntime:
         self.tokens = 0
         self._pass_misses = 0
         self._timing: list = []
+        self._reporter = None
         self._slot_layout = {}
         for layer in self.layers:
             offset, layout = 0, []
@@ -291,10 +292,11 @@ class StreamRuntime:
         self.controller.update(self._pass_misses, self.m, _link_load_other())
         self._pass_misses = 0
 
-    def stats(self) -> dict:
+    def stats(self, settle: bool = True) -> dict:
+        """Counters so far; ``settle`` first waits for timing events still in flight."""
         with self._lock:
             if self.is_cuda:
-                self._harvest(block=True)
+                self._harvest(block=settle)
             total = self.hits + self.misses
             return {"streamed_layers": self.m, "slots": self.n, "prefetch_window": self.controller.window,
                     "prefetch_hits": self.hits, "prefetch_miss_count": self.misses,
@@ -304,11 +306,39 @@ class StreamRuntime:
                     "bytes_streamed": self.bytes_streamed, "passes": self.tokens,
                     "decisions": list(self.controller.decisions)}
 
+    def start_reporting(self, send, interval: float = 1.0) -> None:
+        """Send ``stats()`` to the controller every ``interval`` seconds from a background
+        thread (never from the per-layer path), and once more at close."""
+        self._send = send
+        self._stop = threading.Event()
+
+        def loop():
+            last = None
+            while not self._stop.wait(interval):
+                stats = self.stats(settle=False)
+                if stats != last:
+                    self._report(stats)
+                    last = stats
+
+        self._reporter = threading.Thread(target=loop, daemon=True, name="flash-stream-report")
+        self._reporter.start()
+
+    def _report(self, stats: dict) -> None:
+        try:
+            self._send(stats)
+        except Exception as exc:   # the controller may be restarting; the next report catches up
+            log.debug("stream report not sent: %s", exc)
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
         self.ops.synchronize()
+        if self._reporter is not None:
+            self._stop.set()
+            self._reporter.join()
+            self._report(self.stats())
+            self._reporter = None
 
 
 _LINK = {"sampler": None}
@@ -371,6 +401,8 @@ def attach_streamed(model, handle, budget: int, target) -> StreamRuntime | None:
         runtime = StreamRuntime(model, plan, by_id, host, {}, slots, target,
                                 info.flash_config["prefetch_window"], fetch_host)
         runtime.leases = leases
+        runtime.start_reporting(lambda stats: client.call(
+            "report_stream", {"model": info.name, "stats": stats}))
         handle.stream = runtime
     else:
         bind_parameters(model, tensors)

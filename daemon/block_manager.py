@@ -14,11 +14,14 @@ server's event loop never blocks on the disk.
 """
 from __future__ import annotations
 
+import collections
+import errno
 import itertools
 import logging
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +30,7 @@ from ..errors import (
     ArenaFull,
     BlockChecksumError,
     BudgetTooSmall,
+    DeviceError,
     FlashError,
     FlashIOError,
     LeaseError,
@@ -51,6 +55,12 @@ STREAM_COUNTERS = ("prefetch_hits", "prefetch_miss_count_stream", "fabric_stall_
 ALIGN = 4096
 # The embedded controller and the daemon's own `load` requests act as this client.
 DAEMON_CLIENT = 0
+# Read failures that say the device (or the file system on it) is going away, not one bad block:
+# in graceful mode they switch the model to host-only instead of failing block after block.
+DEVICE_ERRNOS = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV, errno.ENOENT, errno.ESTALE,
+                           errno.EROFS, errno.ENOTCONN, errno.ESHUTDOWN})
+# Completed block loads kept for `profile` (flash-profiler): ~100 B each, so ~10 MiB at most.
+LOAD_LOG_SIZE = 100_000
 
 
 def _aligned(n: int) -> int:
@@ -98,9 +108,12 @@ class _Block:
         "model",
         "offset",
         "prefetched",
+        "quarantined",
         "refs",
+        "requester",
         "retries",
         "state",
+        "submitted_ns",
         "token",
         "uses",
         "waiters",
@@ -117,9 +130,12 @@ class _Block:
         self.prefetched = False   # loaded ahead and not acquired since
         self.waiters: list[_Ticket] = []
         self.error: FlashError | None = None
+        self.quarantined = False      # its disk copy failed: never read from disk again (until unload)
         self.retries = 0
         self.token = -1
         self.dep_blocks: list[_Block] = []
+        self.requester = (DAEMON_CLIENT, None)   # (client id, pid) whose request read it
+        self.submitted_ns = 0
 
 
 class _Model:
@@ -135,6 +151,9 @@ class _Model:
             block.dep_blocks = [self.blocks[d] for d in block.info.deps if d in self.blocks]
         self.order = ForwardOrder(store.blocks, store.num_layers)
         self.failed: FlashError | None = None
+        self.failed_by_device = False      # ``failed`` came from a device loss: cleared when it returns
+        self.host_only: str | None = None  # why new disk reads fail fast (device gone), or None
+        self.device: dict = {}             # the block device under the store (daemon.recovery)
         self.plan: dict = {}
         self.pinned: frozenset = frozenset()
         self.deferred: list[int] = []      # prefetches that found no room, retried on release
@@ -198,6 +217,17 @@ class Resolved:
         fn(self)
 
 
+def _check_data_files(store) -> None:
+    """Every data file a store's metadata names lies inside the store directory: metadata is
+    input too, and must not make the daemon read (and serve) a file elsewhere."""
+    root = os.path.realpath(store.path)
+    for name in sorted({b.file for b in store.blocks}):
+        real = os.path.realpath(os.path.join(root, name))
+        if not real.startswith(root + os.sep):
+            raise UnknownModel(f"{store.path}: block data file {name!r} resolves to {real}, outside the "
+                               f"store directory; refusing to serve it", model=store.name, file=name)
+
+
 class BlockManager:
     """Residency, leases and eviction of the host tier. Thread-safe; see the module docstring."""
 
@@ -216,12 +246,22 @@ class BlockManager:
         self.generation = 0           # bumped on every state change (the status publisher polls it)
         self.counters = dict.fromkeys(
             ("hits", "misses", "evictions", "bytes_read_nvme", "prefetch_issued", "prefetch_used",
-             "prefetch_dropped", "load_errors", "checksum_errors", "leases_granted", "unloads"), 0)
+             "prefetch_dropped", "load_errors", "checksum_errors", "leases_granted", "unloads",
+             "recovered_blocks", "device_errors", "failed_requests"), 0)
         self._disconnect_hooks: list = []
+        self._open_hooks: list = []
+        self._device_error_hooks: list = []
+        # Tiers above the host arena that may hold a good copy of a block (graceful recovery):
+        # callables(model_name, BlockInfo, dest memoryview) -> bool.
+        self._copy_sources: list = []
+        self.degraded: list[str] = []   # why the controller is DEGRADED (newest last, bounded)
         # Streaming clients report their slot-ring counters: (client, model) -> latest report,
         # plus the totals of clients that are gone.
         self._streams: dict[tuple, dict] = {}
         self._stream_totals = dict.fromkeys(STREAM_COUNTERS, 0)
+        # Completed reads, oldest first (see ``load_samples``); appended on the completion thread.
+        self.load_log: collections.deque = collections.deque(maxlen=LOAD_LOG_SIZE)
+        self._load_seq = itertools.count(1)
         self._batches: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._completion_loop, name="flash-io-completion",
                                         daemon=True)
@@ -269,6 +309,23 @@ class BlockManager:
         released -- how the tiers above drop their per-client state."""
         self._disconnect_hooks.append(hook)
 
+    def on_open(self, hook) -> None:
+        """Call ``hook(model_name, store_path)`` (outside the lock) when a model is first opened --
+        how the recovery tier maps the store to its block device."""
+        self._open_hooks.append(hook)
+
+    def on_device_error(self, hook) -> None:
+        """Call ``hook(model_name, error)`` (outside the lock) when a read fails in a way that
+        points at the device rather than at one block (EIO, ENXIO, a vanished file)."""
+        self._device_error_hooks.append(hook)
+
+    def add_copy_source(self, source) -> None:
+        """A tier that may hold a good copy of a block: ``source(model_name, block_info, dest)``
+        writes the payload into ``dest`` (a memoryview of the block's length) and returns True, or
+        returns False. Called under the manager's lock on the recovery path only; it must not call
+        back into the manager. The copy is checked against the block's crc32c before it is served."""
+        self._copy_sources.append(source)
+
     def disconnect(self, client_id: int) -> int:
         """Forget a client and release every lease it holds; returns the number released."""
         with self._lock:
@@ -300,14 +357,24 @@ class BlockManager:
             raise UnknownClient(f"no client {client_id} (disconnected?)", client=client_id) from None
 
     # --- models ------------------------------------------------------------------------------
-    def resolve(self, name_or_path: str) -> Path:
+    def resolve(self, name_or_path: str, trusted: bool = True) -> Path:
         """The store directory for a registered name, a name under ``store_roots``, or an
-        absolute path. Names never reach outside their root (no '..', no symlink escapes)."""
+        absolute path. Names never reach outside their root (no '..', no symlink escapes). An
+        untrusted caller (a peer that is neither root nor the daemon's user) may name an absolute
+        path only when it resolves inside a store root: the daemon must not read, on its behalf,
+        files that the peer could not read itself."""
         text = str(name_or_path)
         registry = self.config.models
         if text in registry:
             return Path(registry[text])
         if os.path.isabs(text):
+            if not trusted:
+                real = os.path.realpath(text)
+                if not any(real.startswith(os.path.realpath(root) + os.sep)
+                           for root in self.config.store_roots):
+                    raise UnknownModel(f"{text!r}: absolute store paths outside store_roots "
+                                       f"{self.config.store_roots} are only accepted from root or the "
+                                       f"daemon's user; open it by name", model=text)
             return Path(text)
         if not MODEL_NAME_RE.fullmatch(text) or any(p in (".", "..") for p in text.split("/")):
             raise UnknownModel(f"{text!r} is not a model name (letters, digits, '.', '_', '-', '/'; "
@@ -324,17 +391,19 @@ class BlockManager:
         from ..store import Store
 
         with self._lock:
-            self._client(client_id)
+            uid = self._client(client_id).info.get("uid")
             model = self._models.get(str(name_or_path))
             if model is None:
                 config = self.config
+        opened = None
         if model is None:
-            path = self.resolve(name_or_path)
+            path = self.resolve(name_or_path, trusted=uid is None or uid in (0, os.getuid()))
             real = os.path.realpath(path)
             with self._lock:
                 model = next((m for m in self._models.values() if m.path == real), None)
             if model is None:
                 store = Store.open(real)   # file IO outside the lock
+                _check_data_files(store)
                 mconfig, ignored = config.model_overrides(store.config, store.name)
                 file_overrides = {k: v for k, v in (store.config.get("flash_config") or {}).items()
                                   if k not in ignored}
@@ -347,8 +416,15 @@ class BlockManager:
                         model.path = real
                         self._models[name] = model
                         self.generation += 1
+                        opened = model
                         log.info("opened model %s from %s (%d blocks, %s)", name, real,
                                  len(store.blocks), fmt_bytes(store.total_bytes))
+        if opened is not None:
+            for hook in self._open_hooks:
+                try:
+                    hook(opened.name, opened.path)
+                except Exception:   # device discovery is advisory: the model still serves
+                    log.exception("open hook %r failed for model %s", hook, opened.name)
         context = dict(flash_context or {})
         handle_config = model.config.override(context, scope="model")
         with self._lock:
@@ -509,7 +585,7 @@ class BlockManager:
                 window = (handle.config if handle else m.config).prefetch_window
                 if window:
                     batch += self._prefetch_locked(m, m.order.stages_after(layer, window), protect)
-            self._submit(batch)
+            self._submit(batch, client_id)
             self.generation += 1
             pending = [b for b in wanted if b.state == LOADING]
             if not pending:
@@ -553,7 +629,7 @@ class BlockManager:
             model = self._models.get(lease.model)
             self._unpin(model, lease.blocks)
             if model is not None and model.deferred:
-                self._submit(self._prefetch_locked(model, model.deferred, set()))
+                self._submit(self._prefetch_locked(model, model.deferred, set()), client_id)
             self.generation += 1
 
     def _unpin(self, model, block_ids) -> None:
@@ -564,7 +640,7 @@ class BlockManager:
             block.refs -= 1
 
     # --- prefetch / warm-up -------------------------------------------------------------------
-    def prefetch(self, model: str, layers=None, blocks=None) -> int:
+    def prefetch(self, model: str, layers=None, blocks=None, client_id: int = DAEMON_CLIENT) -> int:
         """Start reading the blocks of ``layers`` (and ``blocks``) ahead of use; returns how many
         reads were started. Advisory: blocks that do not fit without evicting leased, hot or
         still-unused prefetched blocks are skipped."""
@@ -576,7 +652,7 @@ class BlockManager:
             if blocks:
                 ids += self._requested(m, blocks, None)
             batch = self._prefetch_locked(m, ids, set())
-            self._submit(batch)
+            self._submit(batch, client_id)
             self.generation += 1
             return len(batch)
 
@@ -592,14 +668,14 @@ class BlockManager:
         m.deferred = [b.info.id for b in absent[len(batch):]]
         return batch
 
-    def load(self, model: str) -> Future:
+    def load(self, model: str, client_id: int = DAEMON_CLIENT) -> Future:
         """Read every block of ``model`` that fits (forward order); a Future of a summary dict."""
         resolved = []
         with self._lock:
             m = self._model(model)
             absent = [b for b in m.blocks.values() if b.state == ABSENT]
             batch = self._allocate(absent, set(), prefetch=True)
-            self._submit(batch)
+            self._submit(batch, client_id)
             ticket = _Ticket(self._clients[DAEMON_CLIENT], m, [], [], make_lease=False)
             pending = [b for b in m.blocks.values() if b.state == LOADING]
             ticket.remaining = len(pending)
@@ -708,10 +784,17 @@ class BlockManager:
             self._evict(victim)
 
     # --- IO ------------------------------------------------------------------------------------
-    def _submit(self, blocks) -> None:
+    def _submit(self, blocks, client_id: int | None = None) -> None:
+        """Read ``blocks`` in one engine batch on behalf of ``client_id`` (None: a retry, which
+        keeps the block's original requester)."""
         if not blocks:
             return
         from .._core import ReadRequest
+
+        if client_id is not None:
+            client = self._clients.get(client_id)
+            requester = (client_id, client.info.get("pid") if client is not None else None)
+        now = time.monotonic_ns()
 
         # Forward (file) order turns a cold load into one sequential sweep.
         blocks = sorted(blocks, key=lambda b: (b.model.path, b.info.file, b.info.offset))
@@ -719,6 +802,9 @@ class BlockManager:
         for b in blocks:
             token = next(self._token_ids)
             b.token = token
+            b.submitted_ns = now
+            if client_id is not None:
+                b.requester = requester
             self._tokens[token] = b
             tokens.append(token)
             requests.append(ReadRequest(path=str(b.model.store.data_path(b.info)), offset=b.info.offset,
@@ -795,6 +881,7 @@ class BlockManager:
                     block.state = RESIDENT
                     block.retries = 0
                     self.counters["bytes_read_nvme"] += block.info.length
+                    self._record_load(block)
                     waiters, block.waiters = block.waiters, []
                     for ticket in waiters:
                         ticket.remaining -= 1
@@ -857,6 +944,34 @@ class BlockManager:
             else:
                 future.set_result(value)
 
+    # --- load profile (flash-profiler) ----------------------------------------------------------
+    def _record_load(self, block: _Block) -> None:
+        cid, pid = block.requester
+        info = block.info
+        self.load_log.append((next(self._load_seq), time.time(), cid, os.getpid() if pid is None else pid,
+                              block.model.name, info.id, info.layer, info.role,
+                              (time.monotonic_ns() - block.submitted_ns) // 1000, info.length))
+
+    def clients_of_pid(self, pid: int) -> list[int]:
+        """Ids of the connected clients whose process is ``pid`` (SO_PEERCRED at connect; clients
+        without a peer pid -- the embedded one, the daemon's own -- count as this process)."""
+        with self._lock:
+            return sorted(c.id for c in self._clients.values()
+                          if c.id != DAEMON_CLIENT and c.info.get("pid", os.getpid()) == pid)
+
+    def load_samples(self, pid: int | None = None, after: int = 0, since: float = 0.0,
+                     limit: int = 10_000) -> list[tuple]:
+        """Completed block loads with sequence number > ``after`` and wall time > ``since``
+        (for ``pid``'s requests, or everyone's): tuples ``(seq, time, client, pid, model, block,
+        layer, role, latency_us, bytes)``, oldest first, at most ``limit``. Latency is submit
+        to the engine -> completion seen by the completion thread."""
+        with self._lock:
+            if self.load_log and self.load_log[-1][0] <= after:
+                return []
+            log_copy = list(self.load_log)
+        out = [s for s in log_copy if s[0] > after and s[1] > since and (pid is None or s[3] == pid)]
+        return out[:limit]
+
     # --- introspection ------------------------------------------------------------------------
     def stats(self) -> dict:
         with self._lock:
@@ -868,8 +983,9 @@ class BlockManager:
         with self._lock:
             self._client(client_id)
             self._model(model)
+            counts = dict(stats, prefetch_miss_count_stream=stats.get("prefetch_miss_count", 0))
             self._streams[(client_id, model)] = {
-                **{k: int(stats.get(k, 0)) for k in STREAM_COUNTERS},
+                **{k: int(counts.get(k, 0)) for k in STREAM_COUNTERS},
                 "prefetch_window": int(stats.get("prefetch_window", 0)),
                 "decisions": list(stats.get("decisions", []))[-8:]}
             self.generation += 1

@@ -28,6 +28,7 @@ from .ranges import RangeAllocator
 log = logging.getLogger("deepseek_flash.fabric")
 
 GATE_PENDING, GATE_READY, GATE_FAILED = 0, 1, 2
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 # Device allocations are 2 MiB aligned: the allocation granularity of CUDA, so a block never
 # straddles two physical pages it does not need.
 DEVICE_ALIGNMENT = 2 << 20
@@ -57,6 +58,9 @@ def register_host_memory(address: int, size: int) -> bool:
     # cudaHostRegisterPortable: pinned for every device context, not just the current one.
     err = cudart.cudaHostRegister(address, size, 1)
     code = int(getattr(err, "value", err))
+    if code == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+        # The embedded controller and its client share one process and one registration.
+        return True
     if code != 0:
         log.warning("cudaHostRegister of %d bytes at %#x failed (cudaError %d); host->GPU copies "
                     "will be pageable", size, address, code)
