@@ -35,6 +35,7 @@ from ..errors import (
     PermissionDenied,
     ProtocolError,
     ShuttingDown,
+    UnknownClient,
     UnknownOperation,
     VersionMismatch,
 )
@@ -136,7 +137,7 @@ class Operations:
         model = _arg("prefetch", args, "model", str)
         layers = _arg("prefetch", args, "layers", list, required=False, default=[])
         blocks = _arg("prefetch", args, "blocks", list, required=False, default=[])
-        return {"scheduled": self.manager.prefetch(model, layers, blocks)}
+        return {"scheduled": self.manager.prefetch(model, layers, blocks, client_id=cid)}
 
     def op_status(self, cid, args):
         return self._status()
@@ -169,7 +170,7 @@ class Operations:
         name = _arg("load", args, "model", str)
         wait = _arg("load", args, "wait", bool, required=False, default=True)
         info = self.manager.open_model(cid, name, None)
-        future = self.manager.load(info.name)
+        future = self.manager.load(info.name, client_id=cid)
         if future.done() or not wait:
             return future.result() if future.done() else {"model": info.name, "started": True}
         return future
@@ -201,6 +202,25 @@ class Operations:
         if self.attachments is not None:
             self.attachments.detach(cid, _arg("detach", args, "model", str, required=False))
         return None
+
+    def op_profile(self, cid, args):
+        """Completed block loads requested by process ``pid`` (flash-profiler): those after
+        sequence ``after`` and wall time ``since``; ``require_connected`` (default true) makes a
+        pid with no connected client an UnknownClient error."""
+        pid = _arg("profile", args, "pid", int)
+        after = _arg("profile", args, "after", int, required=False, default=0)
+        since = args.get("since", 0.0)
+        if isinstance(since, bool) or not isinstance(since, (int, float)):
+            raise MalformedFrame("profile: argument 'since' must be a number", op="profile",
+                                 argument="since")
+        limit = _arg("profile", args, "limit", int, required=False, default=10_000)
+        clients = self.manager.clients_of_pid(pid)
+        if not clients and _arg("profile", args, "require_connected", bool, required=False, default=True):
+            raise UnknownClient(f"no client of pid {pid} is connected to this controller", pid=pid)
+        fields = ("seq", "time", "client", "pid", "model", "block", "layer", "role", "latency_us",
+                  "bytes")
+        return {"now": time.time(), "clients": clients, "fields": list(fields),
+                "samples": [list(s) for s in self.manager.load_samples(pid, after, float(since), limit)]}
 
     def op_report_stream(self, cid, args):
         """A streaming client's prefetch counters (hits, misses, stalls, window, decisions)."""

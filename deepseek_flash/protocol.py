@@ -32,7 +32,7 @@ DEFAULT_MAX_FRAME = 1 << 20
 
 OPS = ("hello", "list_models", "open_model", "close_model", "acquire", "release", "prefetch",
        "status", "stats", "get_tunable", "set_tunable", "load", "unload", "attach", "detach",
-       "report_stream")
+       "report_stream", "profile")
 
 
 def pack_payload(obj: Any) -> bytes:
