@@ -29,6 +29,7 @@ from ..errors import ConfigError, DaemonAlreadyRunning, FlashError
 from .block_manager import BlockManager
 from .config import FlashConfig
 from .loader import build_device_tier
+from .recovery import DeviceWatch
 from .server import Operations, Server, SocketLock, activation_sockets, bind_socket, resolve_group
 
 log = logging.getLogger("deepseek_flash.daemon")
@@ -41,7 +42,7 @@ class Application:
     """The controller of one daemon process (or of a test)."""
 
     def __init__(self, config_path: Path, socket_path: Path, runtime_dir: Path, *, notifier=None,
-                 publisher=None, environ=None, extensions=()):
+                 publisher=None, environ=None, extensions=(), udev_monitor=None):
         self.config_path = Path(config_path)
         self.socket_path = Path(socket_path)
         self.runtime_dir = Path(runtime_dir)
@@ -66,6 +67,10 @@ class Application:
         self.ops = None
         # callables(snapshot) that add their tier's state (devices, unified_memory_fabric, ...)
         self.snapshot_hooks: list = []
+        # The udev event source of the device watch (None: pyudev's netlink monitor if reachable).
+        self._udev_monitor = udev_monitor
+        self.recovery = None
+        self._last_controller_state = None
 
     # --- start ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -111,6 +116,7 @@ class Application:
         log.info("host arena %d bytes (memfd %d), IO engine %s", self.arena.size, self.arena.fd,
                  self.engine.backend)
         self.manager = BlockManager(self.config, self.arena, self.engine)
+        self.recovery = DeviceWatch(self.manager, monitor=self._udev_monitor)
         self.attachments = build_device_tier(self.manager, self.arena, self.config)
         self.ops = ops = Operations(self.manager, status=self.snapshot, attachments=self.attachments)
         for extend in self.extensions:
@@ -125,6 +131,9 @@ class Application:
         status = snap["status"]
         fabric = self.attachments.fabric
         status["unified_memory_fabric"] = "ENABLED" if fabric.available else "HOST_ONLY"
+        if status.get("host_only_models"):
+            # A model whose device is gone is served from the host tier alone.
+            status["unified_memory_fabric"] = "HOST_ONLY"
         snap["devices"] = fabric.telemetry()
         snap["stats"]["bytes_h2d"] = fabric.bytes_h2d + snap["stats"].get("bytes_streamed", 0)
         if self.state != "ACTIVE":
@@ -137,11 +146,26 @@ class Application:
 
     def publish(self) -> None:
         generation = self.manager.generation
+        snap = self.snapshot()
         try:
-            self.publisher.publish(self.snapshot())
+            self.publisher.publish(snap)
         except OSError as exc:
             log.warning("status tree %s not written: %s", self.runtime_dir, exc)
         self._published_generation = generation
+        self._announce(snap["status"])
+
+    def _announce(self, status: dict) -> None:
+        """Tell systemd (``STATUS=``) and the log when the controller turns DEGRADED or back."""
+        state = status["controller_state"]
+        if state == self._last_controller_state or state not in ("ACTIVE", "DEGRADED"):
+            return
+        previous, self._last_controller_state = self._last_controller_state, state
+        if state == "DEGRADED":
+            log.error("controller DEGRADED: %s", status.get("degraded_reason", ""))
+            self.notifier.status(f"DEGRADED: {status.get('degraded_reason', '')}")
+        elif previous == "DEGRADED":
+            log.warning("controller ACTIVE again")
+            self.notifier.status("ACTIVE: serving")
 
     def _status_loop(self) -> None:
         # Off the event loop: the fsyncs of the status files never delay a reply.
@@ -222,6 +246,7 @@ class Application:
         if self._status_thread is not None:
             self._status_thread.join()
         self.publish()
+        self.recovery.close()
         self.manager.close()
         self.engine.close()
         self.server.close()

@@ -254,7 +254,6 @@ class BlockManager:
         # Tiers above the host arena that may hold a good copy of a block (graceful recovery):
         # callables(model_name, BlockInfo, dest memoryview) -> bool.
         self._copy_sources: list = []
-        self.degraded: list[str] = []   # why the controller is DEGRADED (newest last, bounded)
         # Streaming clients report their slot-ring counters: (client, model) -> latest report,
         # plus the totals of clients that are gone.
         self._streams: dict[tuple, dict] = {}
@@ -513,6 +512,72 @@ class BlockManager:
         log.info("unloaded model %s (%s freed)", name, fmt_bytes(freed))
         return {"model": name, "freed_bytes": freed}
 
+    # --- device state (driven by daemon.recovery) ---------------------------------------------
+    def set_device(self, name: str, device: dict) -> None:
+        """Record the block device under a model's store (shown in its status info)."""
+        with self._lock:
+            model = self._models.get(name)
+            if model is not None:
+                model.device = dict(device)
+                self.generation += 1
+
+    def set_host_only(self, name: str, reason: str | None) -> bool:
+        """The device under ``name`` went away (``reason``) or came back (None). Graceful models
+        keep serving their host-resident blocks and fail new disk reads fast with DeviceError;
+        strict models fail every request with it until the device returns. True if it changed."""
+        with self._lock:
+            m = self._models.get(name)
+            if m is None:
+                return False
+            if reason is not None:
+                changed = m.host_only is None
+                m.host_only = reason
+                if m.config.error_recovery_mode == "strict" and m.failed is None:
+                    m.failed = DeviceError(f"model {name}: its device is unavailable ({reason})",
+                                           model=name, device=m.device.get("node", ""), reason=reason)
+                    m.failed_by_device = True
+                if not changed:
+                    return False
+                log.error("model %s: host-only (%s)", name, reason)
+            else:
+                if m.host_only is None:
+                    return False
+                m.host_only = None
+                if m.failed_by_device:
+                    m.failed, m.failed_by_device = None, False
+                log.warning("model %s: device back, disk reads resume", name)
+            self.generation += 1
+            return True
+
+    def device_models(self) -> dict:
+        """name -> {path, device, host_only, mode} of every open model (for the recovery tier)."""
+        with self._lock:
+            return {m.name: {"path": m.path, "device": dict(m.device), "host_only": m.host_only,
+                             "mode": m.config.error_recovery_mode,
+                             # blocks whose reads failed (not quarantined): read them to see
+                             # whether the device is back
+                             "probe": [b.info.id for b in m.blocks.values()
+                                       if b.error is not None and not b.quarantined][:8]
+                             or [next(iter(m.blocks))] if m.blocks else []}
+                    for m in self._models.values()}
+
+    def degraded_reasons(self) -> list[str]:
+        """Why the controller is DEGRADED (empty when it is not)."""
+        with self._lock:
+            return self._degraded_locked()
+
+    def _degraded_locked(self) -> list[str]:
+        out = []
+        for m in self._models.values():
+            if m.failed is not None:
+                out.append(f"model {m.name} failed: {m.failed}")
+            if m.host_only is not None and not m.failed_by_device:
+                out.append(f"model {m.name} host-only: {m.host_only}")
+            bad = sorted(b.info.id for b in m.blocks.values() if b.quarantined)
+            if bad:
+                out.append(f"model {m.name}: {len(bad)} quarantined block(s) {bad[:8]}")
+        return out
+
     def set_plan(self, name: str, plan: dict) -> None:
         """Register a residency plan for a model. ``{"pin": [block ids]}`` keeps those blocks in
         the host tier once loaded (never evicted while the plan stands); other keys are kept for
@@ -572,6 +637,18 @@ class BlockManager:
             to_load += [d for b in wanted for d in b.dep_blocks if d.state == ABSENT]
             protect = set()
             batch = []
+            if to_load and (m.host_only or any(b.quarantined for b in to_load)):
+                # No disk read for these: another tier's copy, or a typed error at once.
+                protect.update(wanted)
+                protect.update(d for b in wanted for d in b.dep_blocks)
+                try:
+                    self._serve_without_disk(m, to_load, set(wanted), protect)
+                except FlashError:
+                    self._unpin(m, [b.info.id for b in wanted])
+                    counters["failed_requests"] += 1
+                    raise
+                to_load = [b for b in to_load if b.state == ABSENT and not b.quarantined
+                           and not m.host_only]
             if to_load:
                 protect.update(wanted)
                 protect.update(d for b in wanted for d in b.dep_blocks)
@@ -601,6 +678,54 @@ class BlockManager:
             for b in pending:
                 b.waiters.append(ticket)
         return ticket.future
+
+    def _serve_without_disk(self, m: _Model, blocks, wanted, protect) -> None:
+        """Make ``blocks`` resident without reading the disk (the model is host-only, or a block
+        is quarantined): from a copy source, else a typed error naming the block. Dependencies
+        that cannot be served are skipped (they are read along, not leased)."""
+        for block in blocks:
+            if not (m.host_only or block.quarantined) or block.state != ABSENT:
+                continue
+            if self._copy_sources:
+                error = block.error
+                self._allocate([block], protect, prefetch=False)
+                if self._copy_into(block):
+                    continue
+                self._drop(block)
+                block.error = error
+            if block not in wanted:
+                continue
+            info = block.info
+            if block.quarantined and block.error is not None:
+                raise type(block.error)(f"{block.error.message} (quarantined: no other tier holds a "
+                                        f"good copy)", **block.error.fields)
+            raise DeviceError(f"model {m.name}: block {info.id} ({info.role}, layer {info.layer}) is not "
+                              f"in the host tier and its device is unavailable ({m.host_only}); "
+                              f"serving host-resident blocks only", model=m.name, block_id=info.id,
+                              device=m.device.get("node", ""), reason=m.host_only)
+
+    def _copy_into(self, block: _Block) -> bool:
+        """Fill the block's arena region from a copy source; True when a verified copy landed."""
+        from .._core import crc32c
+
+        dest = self.arena.view(block.offset, block.info.length)
+        for source in self._copy_sources:
+            try:
+                if not source(block.model.name, block.info, dest):
+                    continue
+            except Exception:   # a broken tier must not take the recovery path down with it
+                log.exception("copy source %r failed for block %s", source, block.info.id)
+                continue
+            if crc32c(dest) == block.info.crc32c:
+                block.state = RESIDENT
+                self.counters["recovered_blocks"] += 1
+                log.warning("model %s: block %s served from another tier's copy (%r)",
+                            block.model.name, block.info.id, source)
+                return True
+            log.error("model %s: copy of block %s from %r failed its crc32c; not served",
+                      block.model.name, block.info.id, source)
+        dest[:] = bytes(len(dest))
+        return False
 
     def _requested(self, m: _Model, blocks, layer) -> list[int]:
         if layer is not None:
@@ -657,7 +782,9 @@ class BlockManager:
             return len(batch)
 
     def _prefetch_locked(self, m: _Model, ids, protect) -> list:
-        absent = [m.blocks[i] for i in ids if m.blocks[i].state == ABSENT]
+        if m.host_only:
+            return []
+        absent = [m.blocks[i] for i in ids if m.blocks[i].state == ABSENT and not m.blocks[i].quarantined]
         batch = self._allocate(absent, protect, prefetch=True)
         for b in batch:
             b.prefetched = True
@@ -673,7 +800,8 @@ class BlockManager:
         resolved = []
         with self._lock:
             m = self._model(model)
-            absent = [b for b in m.blocks.values() if b.state == ABSENT]
+            absent = [] if m.host_only else [b for b in m.blocks.values()
+                                             if b.state == ABSENT and not b.quarantined]
             batch = self._allocate(absent, set(), prefetch=True)
             self._submit(batch, client_id)
             ticket = _Ticket(self._clients[DAEMON_CLIENT], m, [], [], make_lease=False)
@@ -866,6 +994,7 @@ class BlockManager:
     def _complete(self, tokens, results, batch_error) -> None:
         resolved = []
         retry = []
+        device_errors = []
         with self._lock:
             for token in tokens:
                 block = self._tokens.pop(token, None)
@@ -889,29 +1018,60 @@ class BlockManager:
                             resolved.append((ticket.future, self._finish_locked(ticket)))
                     continue
                 self.counters["load_errors"] += 1
-                if isinstance(error, BlockChecksumError):
+                m = block.model
+                graceful = m.config.error_recovery_mode == "graceful"
+                checksum = isinstance(error, BlockChecksumError)
+                if checksum:
                     self.counters["checksum_errors"] += 1
-                if block.model.config.error_recovery_mode == "graceful" and block.retries < 1:
+                if graceful and block.retries < 1 and not m.host_only:
                     # A flipped bit on the wire or a transient media error: read once more.
                     block.retries += 1
                     log.warning("retrying %s", error)
                     retry.append(block)
                     continue
                 log.error("%s", error)
+                device_lost = (isinstance(error, FlashIOError) and not checksum
+                               and getattr(error, "errno", None) in DEVICE_ERRNOS | {0})
+                if checksum:
+                    # Its disk copy is bad: never read again until the model is unloaded.
+                    block.quarantined = True
+                if device_lost:
+                    self.counters["device_errors"] += 1
+                    device_errors.append((m.name, error))
+                    if graceful and not m.host_only:
+                        m.host_only = f"read error: {error}"
+                        log.error("model %s: switching to host-only (%s)", m.name, error)
+                block.error, block.retries = error, 0
+                if graceful and self._copy_sources and self._copy_into(block):
+                    waiters, block.waiters = block.waiters, []
+                    for ticket in waiters:
+                        ticket.remaining -= 1
+                        if ticket.remaining == 0 and not ticket.done:
+                            resolved.append((ticket.future, self._finish_locked(ticket)))
+                    continue
+                # Whatever landed is not the block: no client may ever see those bytes.
+                self.arena.view(block.offset, block.info.length)[:] = bytes(block.info.length)
                 self.arena.free(block.offset)
-                block.offset, block.state, block.error, block.retries = -1, ABSENT, error, 0
-                if block.model.config.error_recovery_mode == "strict":
-                    block.model.failed = error
+                block.offset, block.state = -1, ABSENT
+                if not graceful:
+                    m.failed = error
                 waiters, block.waiters = block.waiters, []
                 for ticket in waiters:
                     if not ticket.done:
                         ticket.done = True
+                        self.counters["failed_requests"] += 1
                         self._unpin(ticket.model, [b.info.id for b in ticket.pinned])
                         resolved.append((ticket.future, error))
             self._submit(retry)
             self._evict_to_threshold()
             self.generation += 1
         self._resolve(resolved)
+        for name, error in device_errors:
+            for hook in self._device_error_hooks:
+                try:
+                    hook(name, error)
+                except Exception:
+                    log.exception("device error hook %r failed for model %s", hook, name)
 
     def _finish_locked(self, ticket: _Ticket):
         """The lease (or load summary) of a ticket whose blocks are all resident."""
@@ -1020,6 +1180,9 @@ class BlockManager:
                                    if b.state == RESIDENT)
         c["loading_blocks"] = len(self._tokens)
         c["open_models"] = len(self._models)
+        c["quarantined_blocks"] = sum(1 for m in self._models.values() for b in m.blocks.values()
+                                      if b.quarantined)
+        c["host_only_models"] = sum(1 for m in self._models.values() if m.host_only is not None)
         return c
 
     def list_models(self) -> list[dict]:
@@ -1039,7 +1202,12 @@ class BlockManager:
                 "total_bytes": m.store.total_bytes, "num_layers": m.store.num_layers,
                 "leased_blocks": sum(1 for b in m.blocks.values() if b.refs),
                 "clients": sorted(c.id for c in self._clients.values() if m.name in c.handles),
-                "error": str(m.failed) if m.failed else None}
+                "error": str(m.failed) if m.failed else None,
+                "error_recovery_mode": m.config.error_recovery_mode,
+                "quarantined_blocks": sorted(b.info.id for b in m.blocks.values() if b.quarantined),
+                "unified_memory_fabric": "HOST_ONLY" if m.host_only is not None else "ENABLED",
+                "host_only_reason": m.host_only,
+                **{f"device_{k}": v for k, v in m.device.items()}}
 
     def residency(self, name: str) -> dict[int, str]:
         """block id -> "absent" | "loading" | "resident" for one open model."""
@@ -1059,8 +1227,10 @@ class BlockManager:
                      "bytes": b.info.length, "refs": b.refs, "uses": b.uses, "hot": b.info.hot}
                     for b in m.blocks.values()]
                 models[m.name] = summary
-            degraded = any(m.failed for m in self._models.values())
+            degraded = self._degraded_locked()
             status = {"controller_state": "DEGRADED" if degraded else "ACTIVE",
+                      "degraded_reason": "; ".join(degraded),
+                      "host_only_models": stats["host_only_models"],
                       "prefetch_hit_rate": stats["prefetch_hit_rate"],
                       "semantic_block_count": sum(len(m.blocks) for m in self._models.values()),
                       # The GPU tier registers itself above the host tier; alone this is host-only.
