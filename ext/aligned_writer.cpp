@@ -1,5 +1,11 @@
 // Sequential file writer: O_DIRECT in large aligned chunks written by a background thread while
 // the caller fills the next buffer; buffered fallback where the file system refuses O_DIRECT.
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
 #include "aligned_writer.h"
 
 #include <fcntl.h>

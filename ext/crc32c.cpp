@@ -1,4 +1,5 @@
 // CRC-32C (Castagnoli): SSE4.2 instruction when the CPU has it, slicing-by-8 table otherwise.
+#include <cstdint>
 #include "crc32c.h"
 
 #include <cstring>

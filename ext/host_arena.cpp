@@ -1,5 +1,9 @@
 // Host arena: one memfd shared-memory region, mapped MAP_SHARED, with an allocator of 4 KiB-aligned
 // regions (best fit, free extents coalesced on free).
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
 #include "host_arena.h"
 
 #include <fcntl.h>

@@ -1,5 +1,11 @@
 // IO engine: batched reads of (path, offset, length) extents into caller memory, io_uring (raw
 // syscalls, no liburing) or a preadv thread pool.
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
 #include "io_engine.h"
 
 #include <fcntl.h>

@@ -2,6 +2,11 @@
 //
 // Every native failure is a flash::Failure; translate_failure() is the one place it becomes a
 // deepseek_flash.errors exception (class looked up by name, fields passed as keywords).
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
