@@ -206,7 +206,8 @@ class Operations:
     def op_profile(self, cid, args):
         """Completed block loads requested by process ``pid`` (flash-profiler): those after
         sequence ``after`` and wall time ``since``; ``require_connected`` (default true) makes a
-        pid with no connected client an UnknownClient error."""
+        pid with no connected client an UnknownClient error. ``last_seq``: the newest sequence
+        number recorded for anyone (where a new window starts)."""
         pid = _arg("profile", args, "pid", int)
         after = _arg("profile", args, "after", int, required=False, default=0)
         since = args.get("since", 0.0)
@@ -219,7 +220,9 @@ class Operations:
             raise UnknownClient(f"no client of pid {pid} is connected to this controller", pid=pid)
         fields = ("seq", "time", "client", "pid", "model", "block", "layer", "role", "latency_us",
                   "bytes")
+        ring = self.manager.load_log
         return {"now": time.time(), "clients": clients, "fields": list(fields),
+                "last_seq": ring[-1][0] if ring else 0,
                 "samples": [list(s) for s in self.manager.load_samples(pid, after, float(since), limit)]}
 
     def op_report_stream(self, cid, args):

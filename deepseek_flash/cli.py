@@ -28,6 +28,9 @@ COMMANDS: dict[str, str] = {
     "health": ".tools.cli_health",
     "defrag": ".tools.cli_defrag",
     "prune": ".tools.cli_prune",
+    "bench": ".flash_benchmark",
+    "profile": ".tools.cli_profile",
+    "demo": ".demo",
 }
 
 
@@ -76,6 +79,7 @@ def tool_main(verb: str, prog: str):
 repair_main = tool_main("repair", "deepseek-flash-repair")
 health_main = tool_main("health", "ssd-health-checker")
 defrag_main = tool_main("defrag", "deepseek-flash-defrag")
+profiler_main = tool_main("profile", "flash-profiler")
 
 if __name__ == "__main__":
     sys.exit(main())
