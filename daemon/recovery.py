@@ -198,7 +198,7 @@ class DeviceWatch:
                 if device is not None:
                     try:
                         self.handle_event(device)
-                    except Exception:   # noqa: BLE001 -- one odd event must not stop the watch
+                    except Exception:
                         log.exception("handling udev event %r failed", device)
                     continue
             else:

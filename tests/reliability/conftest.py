@@ -4,4 +4,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "daemon"))
 
-from flashd_harness import daemon_factory, tiny_store, wide_store  # noqa: E402,F401
+from flashd_harness import daemon_factory, tiny_store, wide_store  # noqa: F401

@@ -149,14 +149,14 @@ def test_daemon_sigkill_restart_stores_valid_client_continues(daemon_factory, ti
     try:
         for kill in range(DEATH_DAEMON_KILLS):
             before = rounds[0]
-            assert_eventually(lambda: rounds[0] > before + 50 or errors, what="client progress")
+            assert_eventually(lambda b=before: rounds[0] > b + 50 or errors, what="client progress")
             d.proc.send_signal(signal.SIGKILL)
             d.proc.wait()
             report = verify_store(Store.open(tiny_store))
             assert report.ok, report.bad
             restart(d)
             at_restart = rounds[0]
-            assert_eventually(lambda: rounds[0] > at_restart + 50 or errors, timeout=30,
+            assert_eventually(lambda a=at_restart: rounds[0] > a + 50 or errors, timeout=30,
                               what="client continues after restart")
             assert not errors, errors
         assert c.generation == DEATH_DAEMON_KILLS

@@ -6,14 +6,14 @@ import threading
 import time
 
 import pytest
-from faults import FakeDevice, FakeMonitor, block_of, copy_store
-from flashd_harness import assert_eventually
-
-from deepseek_flash._core import HostArena, IOEngine
 from deepseek_flash.daemon import recovery
 from deepseek_flash.daemon.block_manager import BlockManager
 from deepseek_flash.daemon.config import FlashConfig
 from deepseek_flash.daemon.recovery import DeviceWatch, block_device_of
+from faults import FakeDevice, FakeMonitor, copy_store
+from flashd_harness import assert_eventually
+
+from deepseek_flash._core import HostArena, IOEngine
 from deepseek_flash.errors import DeviceError, FlashIOError
 from deepseek_flash.store import Store
 
@@ -90,7 +90,7 @@ DISK = os.makedev(259, 0)
 
 
 def test_udev_remove_makes_a_graceful_model_host_only_and_add_brings_it_back(watched):
-    m, watch, monitor, store = watched("graceful")
+    m, _watch, monitor, store = watched("graceful")
     m.open_model(0, "tiny")
     info = m.snapshot()["models"]["tiny"]
     assert (info["device_model"], info["device_serial"], info["device_firmware"]) == \
@@ -129,7 +129,7 @@ def test_udev_remove_makes_a_graceful_model_host_only_and_add_brings_it_back(wat
 
 
 def test_read_only_change_and_partition_events(watched):
-    m, watch, monitor, store = watched("graceful")
+    m, watch, monitor, _store = watched("graceful")
     m.open_model(0, "tiny")
     monitor.push(FakeDevice("change", DISK, "nvme0n1", ro="1"))
     assert_eventually(lambda: m.stats()["host_only_models"] == 1, what="read-only -> host-only")
@@ -145,7 +145,7 @@ def test_read_only_change_and_partition_events(watched):
 
 
 def test_strict_model_fails_every_request_until_the_device_returns(watched):
-    m, watch, monitor, store = watched("strict")
+    m, _watch, monitor, _store = watched("strict")
     m.open_model(0, "tiny")
     warm = m.acquire(0, "tiny", layer=0)
     m.release(0, warm.id)
@@ -160,7 +160,7 @@ def test_strict_model_fails_every_request_until_the_device_returns(watched):
 
 
 def test_a_model_opened_while_its_device_is_gone_starts_host_only(watched):
-    m, watch, monitor, store = watched("graceful")
+    m, _watch, monitor, _store = watched("graceful")
     m.open_model(0, "tiny")
     monitor.push(FakeDevice("remove", DISK, "nvme0n1"))
     assert_eventually(lambda: m.stats()["host_only_models"] == 1, what="host-only")

@@ -107,7 +107,7 @@ def run_batch(daemon, tally, templates, ending, seed, before_hello):
         ending = None
     else:
         while len(batch) < FRAMES_PER_EXAMPLE - 1:
-            kind, data = templates[len(batch) % len(templates)]
+            _kind, data = templates[len(batch) % len(templates)]
             if rnd.random() < 0.3:     # seeded garbage between the drawn frames
                 data = frame(rnd.randbytes(rnd.randrange(0, 200)))
             batch.append(data)

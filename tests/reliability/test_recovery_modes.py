@@ -4,11 +4,11 @@ import errno
 import time
 
 import pytest
+from deepseek_flash.daemon.block_manager import BlockManager
+from deepseek_flash.daemon.config import FlashConfig
 from faults import FaultyEngine, block_of, copy_store, corrupt_block
 
 from deepseek_flash._core import HostArena, IOEngine
-from deepseek_flash.daemon.block_manager import BlockManager
-from deepseek_flash.daemon.config import FlashConfig
 from deepseek_flash.errors import BlockChecksumError, DeviceError, FlashIOError
 from deepseek_flash.store import Store
 
