@@ -142,6 +142,7 @@ def _work_dir(keep: Path | None):
 
 def demo(args) -> None:
     import torch
+    import transformers
 
     from .client import Client
     from .client.model import load_model
@@ -149,8 +150,6 @@ def demo(args) -> None:
     from .store.verify import verify_store
     from .sysfs_shim.publisher import format_fields
     from .testing import load_reference, make_tiny_model
-
-    import transformers
 
     # The demo prints its own steps; transformers' save/load bars would only interleave with them.
     transformers.utils.logging.disable_progress_bar()

@@ -14,10 +14,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "daemon"))
 
-from flashd_harness import Daemon, packed_model  # noqa: E402
+from flashd_harness import Daemon, packed_model
 
-from deepseek_flash.store import Store  # noqa: E402
-from deepseek_flash.tools.profiler import percentile, summarize  # noqa: E402
+from deepseek_flash.store import Store
+from deepseek_flash.tools.profiler import percentile, summarize
 
 CLIENT = """
 import sys
@@ -36,8 +36,8 @@ for line in sys.stdin:
 
 
 def profiler_cmd(*argv):
-    return [sys.executable, "-c", "import sys; from deepseek_flash.cli import profiler_main; "
-            "sys.exit(profiler_main())", *argv]
+    return [sys.executable, "-c", ("import sys; from deepseek_flash.cli import profiler_main; "
+            "sys.exit(profiler_main())"), *argv]
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_client_with_nothing_to_load_gives_an_empty_profile(daemon, store, tmp_p
     client = start_client(daemon, store)
     out = tmp_path / "p.json"
     r = subprocess.run(profiler_cmd("--pid", str(client.pid), "--duration", "0.3", "--output", str(out),
-                                    "--socket", str(daemon.socket)), capture_output=True, text=True,
+                                    "--socket", str(daemon.socket)), check=False, capture_output=True, text=True,
                        timeout=60)
     tell(client, "quit")
     client.wait(10)
@@ -134,7 +134,7 @@ def test_client_with_nothing_to_load_gives_an_empty_profile(daemon, store, tmp_p
 def test_unknown_pid_is_an_error(daemon, tmp_path):
     out = tmp_path / "p.json"
     r = subprocess.run(profiler_cmd("--pid", str(os.getpid()), "--duration", "1", "--output", str(out),
-                                    "--socket", str(daemon.socket)), capture_output=True, text=True,
+                                    "--socket", str(daemon.socket)), check=False, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2
     assert f"no client of pid {os.getpid()} is connected" in r.stderr
@@ -151,7 +151,7 @@ def test_unknown_pid_is_an_error(daemon, tmp_path):
 def test_bad_arguments_exit_2(tmp_path, argv, needle):
     base = {"--pid": "1", "--duration": "1", "--output": str(tmp_path / "p.json")}
     base.update(dict(zip(argv[::2], argv[1::2])))
-    r = subprocess.run(profiler_cmd(*[x for kv in base.items() for x in kv]), capture_output=True,
+    r = subprocess.run(profiler_cmd(*[x for kv in base.items() for x in kv]), check=False, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and needle in r.stderr
 
@@ -162,7 +162,7 @@ def test_missing_directory_exits_2(tmp_path, flag):
     paths[flag] = str(tmp_path / "missing" / "x")
     r = subprocess.run(profiler_cmd("--pid", "1", "--duration", "1", *[x for kv in paths.items() for x in kv],
                                     "--socket", str(tmp_path / "none.sock")),
-                       capture_output=True, text=True, timeout=60)
+                       check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert f"{flag} {tmp_path / 'missing' / 'x'}: directory {tmp_path / 'missing'} does not exist" in r.stderr
 
@@ -170,7 +170,7 @@ def test_missing_directory_exits_2(tmp_path, flag):
 def test_no_daemon_exits_2(tmp_path):
     sock = tmp_path / "none.sock"
     r = subprocess.run(profiler_cmd("--pid", "1", "--duration", "1", "--output", str(tmp_path / "p.json"),
-                                    "--socket", str(sock)), capture_output=True, text=True, timeout=60)
+                                    "--socket", str(sock)), check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert f"no daemon running at {sock}" in r.stderr and "DaemonNotRunning, code 600" in r.stderr
 
@@ -190,7 +190,7 @@ def test_summarize_groups_per_block_and_cell():
 
 
 def test_help_explains_every_flag():
-    r = subprocess.run(profiler_cmd("--help"), capture_output=True, text=True, timeout=60)
+    r = subprocess.run(profiler_cmd("--help"), check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
     for flag in ("--pid", "--duration", "--output", "--plot", "--socket", "--quiet"):
         assert flag in r.stdout
