@@ -71,6 +71,7 @@ def start_daemon(workdir: Path, store: Path):
     proc = subprocess.Popen([*cmd, "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
     sock = runtime / "control.sock"
     from deepseek_flash.client import Client
+
     from deepseek_flash.errors import DaemonNotRunning
 
     deadline = time.monotonic() + 30
