@@ -262,7 +262,8 @@ class Client:
 
         if self._host_tensor is None:
             self._host_tensor = torch.frombuffer(self.arena, dtype=torch.uint8)
-        if pinned and not self._host_pinned:
+        if pinned and not self._host_pinned and self.mode == "daemon":
+            # Embedded: the controller's fabric pinned this very mapping already.
             from ..daemon.fabric import register_host_memory
 
             self._host_pinned = register_host_memory(self.arena.address, self.arena.size)
@@ -305,6 +306,13 @@ class Client:
         return self._backend.call(op, args or {})
 
     def close(self) -> None:
+        if self._host_pinned:
+            from ..daemon.fabric import unregister_host_memory
+
+            unregister_host_memory(self.arena.address)
+            self._host_pinned = False
+        self._host_tensor = None
+        self._gpu_arenas.clear()
         self._backend.close()
 
     def __enter__(self):

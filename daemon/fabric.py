@@ -58,8 +58,13 @@ def register_host_memory(address: int, size: int) -> bool:
     # cudaHostRegisterPortable: pinned for every device context, not just the current one.
     err = cudart.cudaHostRegister(address, size, 1)
     code = int(getattr(err, "value", err))
+    if code != 0:
+        # A failed runtime call leaves its error as the thread's "last error", which torch would
+        # then report at its next, unrelated kernel launch: consume it here.
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:
+            clear()
     if code == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
-        # The embedded controller and its client share one process and one registration.
         return True
     if code != 0:
         log.warning("cudaHostRegister of %d bytes at %#x failed (cudaError %d); host->GPU copies "
@@ -269,6 +274,23 @@ class Fabric:
         for off in placement.offsets.values():
             freed += placement.arena.allocator.free(off)
         return freed
+
+    def close(self) -> None:
+        """Free every device arena and unpin the host arena (before the host arena is unmapped:
+        a registration left behind would make later allocations at that address fail)."""
+        for arena in self.arenas.values():
+            arena.copy_stream.synchronize()
+        self.placements.clear()
+        self.slots.clear()
+        self.arenas.clear()
+        self._host_tensor = None
+        if self.host_pinned:
+            unregister_host_memory(self.host_arena.address)
+            self.host_pinned = False
+        if self._available:
+            import torch
+
+            torch.cuda.empty_cache()
 
     def telemetry(self) -> dict:
         """Per device: arena size/used and, through pynvml, PCIe throughput and memory."""

@@ -111,7 +111,6 @@ class Load:
         submitted = 0
         inflight = 0
         copied: deque = deque()
-        fabric_done = []
         try:
             for gate in range(self.num_gates):
                 while submitted < self.num_gates and (
@@ -133,9 +132,10 @@ class Load:
                     self.gates[gate] = GATE_READY
                     continue
                 lengths = {b: self.info.blocks[self.index[b]].length for b in stages[gate]}
+                # Copies enqueued and the gate's event recorded: only now may clients wait on it.
                 self.placement.fabric.copy_gate(self.placement, gate, lease.blocks, lengths)
+                self.gates[gate] = GATE_READY
                 copied.append((gate, lease.id))
-                fabric_done.append(gate)
                 # Hand host blocks back once their copies are done (never blocks the walk).
                 while copied and self.placement.events[copied[0][0]].query():
                     g, lease_id = copied.popleft()
