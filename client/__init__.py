@@ -247,7 +247,9 @@ class Client:
     def attach(self, model, device, weight_budget: int | None = None) -> dict:
         """The model's memory on ``device`` ("cpu" or a CUDA index) for this client: plan,
         control page (gates, block offsets), GPU arena and events, streaming slots."""
-        args = {"model": _name(model), "device": device}
+        # Only a client in another process needs CUDA IPC handles; sharing memory with oneself
+        # would pin it in torch's IPC bookkeeping for good.
+        args = {"model": _name(model), "device": device, "ipc": self.mode == "daemon"}
         if weight_budget is not None:
             args["weight_budget"] = int(weight_budget)
         return self._backend.call("attach", args)

@@ -61,7 +61,7 @@ class EmbeddedController:
         if self.manager is None:
             return
         self.manager.disconnect(self.client_id)
-        self.fabric.close()
+        self.attachments.close()
         self.manager.close()
         self.engine.close()
         self.manager = None

@@ -31,8 +31,8 @@ from .model import bind_parameters, decoder_parts
 
 log = logging.getLogger("deepseek_flash.stream")
 
-# A compute stream that waited less than this on a copy counts as a prefetch hit.
-HIT_THRESHOLD_US = 20.0
+# A compute stream that waited longer than this on a copy counts as a stalled layer.
+STALL_THRESHOLD_US = 20.0
 # Nominal clock for fabric_stall_cycles where NVML cannot tell the SM clock.
 NOMINAL_CLOCK_MHZ = 1000
 
@@ -156,6 +156,7 @@ class StreamRuntime:
         self.bytes_streamed = 0
         self.tokens = 0
         self._pass_misses = 0
+        self._pass_stalls = 0
         self._timing: list = []
         self._reporter = None
         self._slot_layout = {}
@@ -224,12 +225,12 @@ class StreamRuntime:
                     self._resync(idx)
                 seq = self._next
                 slot = self._slot_of(seq)
-                if self._issued < seq:
-                    # Not prefetched (window 0, or the slot was still in use): a miss.
+                # A hit: the copy was issued before the layer asked for it (prefetched). Whether
+                # the compute stream still waits on it is the stall, measured separately.
+                prefetched = self._issued >= seq
+                if not prefetched:
                     self._issue(seq)
-                    self._count(hit=False, stall_us=None)
-                elif not self.is_cuda:
-                    self._count(hit=True, stall_us=0.0)
+                self._count(hit=prefetched)
                 if self.is_cuda:
                     start, end = self.ops.event(timing=True), self.ops.event(timing=True)
                     self.ops.record_compute(start)
@@ -265,32 +266,34 @@ class StreamRuntime:
         self._fill(base - 1)
 
     # --- measurement -----------------------------------------------------------------------------
-    def _count(self, hit: bool, stall_us) -> None:
+    def _count(self, hit: bool) -> None:
         if hit:
             self.hits += 1
         else:
             self.misses += 1
             self._pass_misses += 1
-        if stall_us:
-            self.stall_us += stall_us
 
     def _harvest(self, block: bool = False) -> None:
-        """Turn finished timing pairs into hits/misses and stall time (never blocks by default)."""
+        """Add the stall time of finished timing pairs (never blocks by default)."""
         keep = []
         for start, end in self._timing:
             if block:
                 end.synchronize()
             if end.query():
                 us = start.elapsed_time(end) * 1000.0
-                self._count(hit=us < HIT_THRESHOLD_US, stall_us=us)
+                self.stall_us += us
+                if us > STALL_THRESHOLD_US:
+                    self._pass_stalls += 1
             else:
                 keep.append((start, end))
         self._timing = keep
 
     def _end_of_pass(self) -> None:
         self.tokens += 1
-        self.controller.update(self._pass_misses, self.m, _link_load_other())
+        # Grow the window on layers that were not prefetched or that stalled on their copy.
+        self.controller.update(max(self._pass_misses, self._pass_stalls), self.m, _link_load_other())
         self._pass_misses = 0
+        self._pass_stalls = 0
 
     def stats(self, settle: bool = True) -> dict:
         """Counters so far; ``settle`` first waits for timing events still in flight."""

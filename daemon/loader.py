@@ -259,6 +259,12 @@ class Loader:
             return self.fabric.evict(key)
         return 0
 
+    def close(self) -> None:
+        """End every load (controller shutdown)."""
+        with self._lock:
+            for key in list(self._loads):
+                self._drop(key)
+
     def loads(self) -> list[Load]:
         with self._lock:
             return list(self._loads.values())
@@ -291,7 +297,8 @@ class Attachments:
         self.fabric = fabric
         self._slots: dict[tuple, int] = {}     # (client, model) -> device holding its slots
 
-    def attach(self, client_id: int, model: str, device, weight_budget=None) -> "dict | Future":
+    def attach(self, client_id: int, model: str, device, weight_budget=None,
+               ipc: bool = True) -> "dict | Future":
         from .planner import plan_residency
 
         info = self.manager.open_model(client_id, model)
@@ -301,7 +308,8 @@ class Attachments:
         out = load.describe()
         out["plan"] = plan.to_wire()
         if device != "cpu":
-            out["gpu_arena"] = self.fabric.arena(int(device)).ipc_descriptor()
+            if ipc:
+                out["gpu_arena"] = self.fabric.arena(int(device)).ipc_descriptor()
             if plan.streaming:
                 self._free_slots(client_id, info.name)
                 out["slots"] = self.fabric.alloc_slots((client_id, info.name), int(device),
@@ -329,6 +337,11 @@ class Attachments:
             raise StoreInUse(f"model {model}: clients {busy} are attached to its device copies; "
                              f"they must close the model first", model=model, clients=busy)
         return self.loader.unload(model)
+
+    def close(self) -> None:
+        """End every load and free the device memory (controller shutdown)."""
+        self.loader.close()
+        self.fabric.close()
 
     def by_control_offset(self, offset: int) -> Load:
         return next(ld for ld in self.loader.loads() if ld.control_offset == offset)

@@ -194,9 +194,10 @@ class Operations:
             raise MalformedFrame(f"attach: device must be 'cpu' or a CUDA index, not {device!r}",
                                  op="attach", argument="device")
         budget = _arg("attach", args, "weight_budget", int, required=False)
+        ipc = _arg("attach", args, "ipc", bool, required=False, default=True)
         if self.attachments is None:
             raise UnknownOperation("attach: this controller has no device tier", op="attach")
-        return self.attachments.attach(cid, model, device, budget)
+        return self.attachments.attach(cid, model, device, budget, ipc=ipc)
 
     def op_detach(self, cid, args):
         if self.attachments is not None:
