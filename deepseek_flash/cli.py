@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 
 from .errors import FlashError
@@ -32,6 +33,23 @@ COMMANDS: dict[str, str] = {
     "profile": ".tools.cli_profile",
     "demo": ".demo",
 }
+
+
+def bounded(kind=int, minimum=0, *, exclusive=False, what="", noun=None):
+    """An argparse ``type=`` that parses ``kind`` and refuses values below ``minimum`` (or at
+    it, with ``exclusive``), e.g. ``bounded(float, 0, exclusive=True, what=" seconds")``."""
+    noun = noun or ("an integer" if kind is int else "a number")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
+            op = ">" if exclusive else ">="
+            raise argparse.ArgumentTypeError(f"must be {op} {minimum}{what}, got {text}")
+        return value
+    return parse
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -13,11 +13,15 @@ generated tokens (batch_size x new_tokens per sample) over the summed sample tim
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 import time
+
+from .cli import bounded
+
+POSITIVE_INT = bounded(int, 1)
+NON_NEGATIVE_INT = bounded(int, 0)
 
 HELP = "time generate() through the fabric: latency percentiles, tokens/s, prefetch hit rate"
 DESCRIPTION = """Load MODEL through the controller (load_model) and time REPEAT greedy generate()
@@ -31,39 +35,19 @@ Exit status: 0 done, 2 error (unknown model, SEQ_LEN + NEW_TOKENS beyond the mod
 max_position_embeddings, no daemon at --socket, budget too small)."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, metavar="M",
                         help="registered model name, name under store_roots, or store directory")
-    parser.add_argument("--batch_size", type=_positive_int, default=8, metavar="N",
+    parser.add_argument("--batch_size", type=POSITIVE_INT, default=8, metavar="N",
                         help="sequences per generate() call (default 8)")
-    parser.add_argument("--seq_len", type=_positive_int, default=2048, metavar="L",
+    parser.add_argument("--seq_len", type=POSITIVE_INT, default=2048, metavar="L",
                         help="prompt tokens per sequence (default 2048); SEQ_LEN + NEW_TOKENS must "
                              "not exceed the model's max_position_embeddings")
-    parser.add_argument("--new_tokens", type=_positive_int, default=32, metavar="N",
+    parser.add_argument("--new_tokens", type=POSITIVE_INT, default=32, metavar="N",
                         help="tokens generated per call (default 32)")
-    parser.add_argument("--warmup", type=_non_negative_int, default=5, metavar="N",
+    parser.add_argument("--warmup", type=NON_NEGATIVE_INT, default=5, metavar="N",
                         help="untimed calls first (default 5)")
-    parser.add_argument("--repeat", type=_positive_int, default=20, metavar="N",
+    parser.add_argument("--repeat", type=POSITIVE_INT, default=20, metavar="N",
                         help="timed calls = latency samples (default 20)")
     parser.add_argument("--output_format", choices=("json", "table"), default="table",
                         help="json: one JSON object on stdout; table: key/value lines (default)")

@@ -6,6 +6,11 @@ import contextlib
 import json
 import sys
 
+from ..cli import bounded
+
+POSITIVE_INT = bounded(int, 1)
+SECONDS = bounded(float, 0, exclusive=True, what=" seconds")
+
 HELP = "replay the daemon's read pattern on a device or file (read only) and check its settings"
 DESCRIPTION = """Read DEV (a block device, or a regular file on the disk to check) the way the daemon
 does: block-sized O_DIRECT reads, QUEUE_DEPTH in flight, through the native IO engine. DEV is opened
@@ -16,26 +21,6 @@ nr_requests, rotational; md/dm slaves). Warns about mixed firmware behind one md
 APST enabled, an IO scheduler other than none, and nr_requests below the queue depth.
 
 Exit status: 0 no warnings, 1 warnings printed, 2 error (missing or unreadable DEV, bad value)."""
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
 
 
 def _block_size(text: str) -> int:
@@ -59,13 +44,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pattern", choices=PATTERNS, default="flash_workload",
                         help="flash_workload (default; = random: block-aligned random offsets, the "
                              "daemon's demand/prefetch reads) or sequential (forward, a cold load)")
-    parser.add_argument("--queue-depth", "--queue_depth", dest="queue_depth", type=_positive_int,
+    parser.add_argument("--queue-depth", "--queue_depth", dest="queue_depth", type=POSITIVE_INT,
                         default=DEFAULT_QUEUE_DEPTH, metavar="N",
                         help=f"requests in flight (default {DEFAULT_QUEUE_DEPTH}, the daemon's)")
     parser.add_argument("--block-size", "--block_size", dest="block_size", type=_block_size,
                         default=DEFAULT_BLOCK_SIZE, metavar="S",
                         help="bytes per read, a multiple of 4096; suffixes K, M, G (default 1M)")
-    parser.add_argument("--duration", type=_positive_float, default=5.0, metavar="SECONDS",
+    parser.add_argument("--duration", type=SECONDS, default=5.0, metavar="SECONDS",
                         help="how long to read, seconds (default 5)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

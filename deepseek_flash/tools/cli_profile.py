@@ -1,11 +1,15 @@
 """``deepseek-flash profile`` / ``flash-profiler --pid N --duration S --output F [--plot P]``."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
+
+from ..cli import bounded
+
+SECONDS = bounded(float, 0, exclusive=True, what=" seconds")
+PID = bounded(int, 1, what="", noun="a process id")
 
 HELP = "collect one client process's per-block load latencies from the daemon over a window"
 DESCRIPTION = """Ask the running daemon, every 0.2 s for DURATION seconds, for the block loads
@@ -22,30 +26,10 @@ Exit status: 0 done, 2 error (no daemon, no client of PID connected, DURATION <=
 PLOT in a directory that does not exist)."""
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
-def _pid(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a process id: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a process id >= 1, got {text}")
-    return value
-
-
 def add_arguments(parser) -> None:
-    parser.add_argument("--pid", type=_pid, required=True, metavar="PID",
+    parser.add_argument("--pid", type=PID, required=True, metavar="PID",
                         help="process id of the client to profile (it must be connected to the daemon)")
-    parser.add_argument("--duration", type=_positive_float, required=True, metavar="S",
+    parser.add_argument("--duration", type=SECONDS, required=True, metavar="S",
                         help="length of the collection window in seconds (> 0)")
     parser.add_argument("--output", type=Path, required=True, metavar="FILE",
                         help="profile JSON to write (its directory must exist; replaced atomically)")

@@ -146,7 +146,7 @@ def test_unknown_pid_is_an_error(daemon, tmp_path):
     (["--duration", "0"], "must be > 0 seconds"),
     (["--duration", "-3"], "must be > 0 seconds"),
     (["--duration", "soon"], "not a number"),
-    (["--pid", "0"], "must be a process id >= 1"),
+    (["--pid", "0"], "must be >= 1"),
 ])
 def test_bad_arguments_exit_2(tmp_path, argv, needle):
     base = {"--pid": "1", "--duration": "1", "--output": str(tmp_path / "p.json")}
