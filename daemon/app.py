@@ -247,7 +247,7 @@ class Application:
             self._status_thread.join()
         self.publish()
         self.recovery.close()
-        self.attachments.fabric.close()
+        self.attachments.close()
         self.manager.close()
         self.engine.close()
         self.server.close()
