@@ -24,8 +24,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 from ..daemon.planner import SLOT_ALIGNMENT, Plan
+from ..errors import FlashError
 from ..store.views import block_tensors
 from .model import bind_parameters, decoder_parts
 
@@ -157,7 +159,8 @@ class StreamRuntime:
         self.tokens = 0
         self._pass_misses = 0
         self._pass_stalls = 0
-        self._timing: list = []
+        self._timing: deque = deque()       # (start, end) timing events in flight, oldest first
+        self._timing_pool: list = []
         self._reporter = None
         self._slot_layout = {}
         for layer in self.layers:
@@ -167,6 +170,7 @@ class StreamRuntime:
                 offset += -(-blocks[bid].length // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
             self._slot_layout[layer] = layout
         self._bind(model)
+        self.link = LinkSampler(int(device), lambda: self.bytes_streamed).start() if self.is_cuda else None
         self._hooks = []
         _, decoder_layers, _, _ = decoder_parts(model)
         for idx, layer in enumerate(self.layers):
@@ -232,7 +236,8 @@ class StreamRuntime:
                     self._issue(seq)
                 self._count(hit=prefetched)
                 if self.is_cuda:
-                    start, end = self.ops.event(timing=True), self.ops.event(timing=True)
+                    start, end = (self._timing_pool.pop() if self._timing_pool else
+                                  (self.ops.event(timing=True), self.ops.event(timing=True)))
                     self.ops.record_compute(start)
                     self.ops.wait_copy(self.copy_done[slot])
                     self.ops.record_compute(end)
@@ -274,24 +279,27 @@ class StreamRuntime:
             self._pass_misses += 1
 
     def _harvest(self, block: bool = False) -> None:
-        """Add the stall time of finished timing pairs (never blocks by default)."""
-        keep = []
-        for start, end in self._timing:
+        """Add the stall time of finished timing pairs (never blocks by default). Pairs finish in
+        the order they were recorded on the one compute stream, so the walk stops at the first
+        unfinished pair, and finished pairs go back to the pool."""
+        while self._timing:
+            start, end = self._timing[0]
             if block:
                 end.synchronize()
-            if end.query():
-                us = start.elapsed_time(end) * 1000.0
-                self.stall_us += us
-                if us > STALL_THRESHOLD_US:
-                    self._pass_stalls += 1
-            else:
-                keep.append((start, end))
-        self._timing = keep
+            elif not end.query():
+                break
+            self._timing.popleft()
+            us = start.elapsed_time(end) * 1000.0
+            self.stall_us += us
+            if us > STALL_THRESHOLD_US:
+                self._pass_stalls += 1
+            self._timing_pool.append((start, end))
 
     def _end_of_pass(self) -> None:
         self.tokens += 1
         # Grow the window on layers that were not prefetched or that stalled on their copy.
-        self.controller.update(max(self._pass_misses, self._pass_stalls), self.m, _link_load_other())
+        link = self.link.load if self.link is not None else None
+        self.controller.update(max(self._pass_misses, self._pass_stalls), self.m, link)
         self._pass_misses = 0
         self._pass_stalls = 0
 
@@ -329,13 +337,15 @@ class StreamRuntime:
     def _report(self, stats: dict) -> None:
         try:
             self._send(stats)
-        except Exception as exc:   # the controller may be restarting; the next report catches up
+        except (FlashError, OSError) as exc:   # the controller may be restarting; the next report catches up
             log.debug("stream report not sent: %s", exc)
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.link is not None:
+            self.link.stop()
         self.ops.synchronize()
         if self._reporter is not None:
             self._stop.set()
@@ -344,23 +354,78 @@ class StreamRuntime:
             self._reporter = None
 
 
-_LINK = {"sampler": None}
+class LinkSampler:
+    """How busy the PCIe link is with traffic that is not this client's streaming.
 
+    A background thread reads the device's PCIe receive throughput from NVML every ``interval``
+    seconds, subtracts what this process streamed over the same interval, and keeps the rest as a
+    fraction of the link's capacity in ``load`` (None until the first sample, or without NVML).
+    """
 
-def _link_load_other() -> float | None:
-    """Fraction of the PCIe link's receive bandwidth in use (NVML, sampled in the background)."""
-    sampler = _LINK["sampler"]
-    return None if sampler is None else sampler.load
+    def __init__(self, device: int, streamed_bytes, interval: float = 0.5, nvml=None):
+        self.load: float | None = None
+        self._streamed = streamed_bytes          # callable: bytes this client streamed so far
+        self._interval = interval
+        self._stop = threading.Event()
+        self._nvml = nvml
+        self._device = device
+        self._thread = threading.Thread(target=self._run, daemon=True, name="flash-link-sampler")
+
+    def start(self) -> LinkSampler:
+        self._thread.start()
+        return self
+
+    def _open(self):
+        if self._nvml is None:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+        nv = self._nvml
+        handle = nv.nvmlDeviceGetHandleByIndex(self._device)
+        # Link capacity in bytes/s: PCIe max link speed (MB/s per lane) x width.
+        capacity = (nv.nvmlDeviceGetPcieLinkMaxSpeed(handle) * 1e6 / 8
+                    * nv.nvmlDeviceGetMaxPcieLinkWidth(handle))
+        return handle, capacity
+
+    def sample(self, handle, capacity, last_bytes: int, seconds: float) -> int:
+        """One measurement: update ``load``; returns the streamed-bytes mark for the next one."""
+        nv = self._nvml
+        rx = nv.nvmlDeviceGetPcieThroughput(handle, nv.NVML_PCIE_UTIL_RX_BYTES) * 1024.0  # KB/s
+        now_bytes = self._streamed()
+        ours = (now_bytes - last_bytes) / seconds if seconds > 0 else 0.0
+        self.load = max(0.0, rx - ours) / capacity if capacity else None
+        return now_bytes
+
+    def _run(self) -> None:
+        try:
+            handle, capacity = self._open()
+        except Exception as exc:   # noqa: BLE001 -- NVML absent or refusing (its own error types):
+            log.debug("PCIe load not sampled: %s", exc)   # the window then ignores the link
+            return
+        mark, t = self._streamed(), time.monotonic()
+        while not self._stop.wait(self._interval):
+            now = time.monotonic()
+            try:
+                mark = self.sample(handle, capacity, mark, now - t)
+            except Exception as exc:   # noqa: BLE001 -- a sampler thread must outlive NVML hiccups
+                log.debug("PCIe sample failed: %s", exc)
+            t = now
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _sm_clock_mhz() -> int:
     try:
         import pynvml
-
+    except ImportError:
+        return NOMINAL_CLOCK_MHZ
+    try:
         pynvml.nvmlInit()
         return int(pynvml.nvmlDeviceGetClockInfo(pynvml.nvmlDeviceGetHandleByIndex(0),
                                                  pynvml.NVML_CLOCK_SM)) or NOMINAL_CLOCK_MHZ
-    except Exception:   # NVML absent or no GPU: the nominal clock, documented in docs/streaming.md
+    except pynvml.NVMLError:   # no GPU or no driver: the nominal clock (docs/architecture.md)
         return NOMINAL_CLOCK_MHZ
 
 

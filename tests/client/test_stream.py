@@ -104,3 +104,26 @@ def test_window_controller_grows_on_stalls_and_yields_to_a_busy_link():
     assert c.update(misses=0, layers=10, other_load=0.8) == 2
     assert [d["to"] for d in c.decisions] == [2, 3, 2]
     assert "busy" in c.decisions[-1]["reason"] and "stalls" in c.decisions[0]["reason"]
+
+
+def test_link_sampler_counts_only_traffic_that_is_not_ours():
+    from types import SimpleNamespace
+
+    from deepseek_flash.client.stream import LinkSampler
+
+    streamed = {"bytes": 0}
+    nvml = SimpleNamespace(NVML_PCIE_UTIL_RX_BYTES=0, rx_kbps=0,
+                           nvmlDeviceGetPcieThroughput=lambda h, c: nvml.rx_kbps)
+    sampler = LinkSampler(0, lambda: streamed["bytes"], nvml=nvml)
+    capacity = 64e9
+    # 40 GB/s on the link over one second, 30 GB/s of it ours: 10 GB/s of other traffic.
+    nvml.rx_kbps = 40e9 / 1024
+    streamed["bytes"] = 30_000_000_000
+    mark = sampler.sample(None, capacity, 0, 1.0)
+    assert mark == 30_000_000_000
+    assert abs(sampler.load - 10e9 / capacity) < 1e-9
+    # All of it ours: no other load, and never negative.
+    nvml.rx_kbps = 20e9 / 1024
+    streamed["bytes"] += 25_000_000_000
+    sampler.sample(None, capacity, mark, 1.0)
+    assert sampler.load == 0.0
