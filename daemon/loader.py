@@ -343,6 +343,26 @@ class Attachments:
         self.loader.close()
         self.fabric.close()
 
+    def copy_source(self, model: str, block, dest) -> bool:
+        """Graceful recovery: a good copy of ``block`` from a GPU load that holds it, copied back
+        to ``dest`` (device -> host). Called under the block manager's lock, so it takes no lock
+        of the loader (whose holders call into the manager): it reads a snapshot of the loads."""
+        for load in list(self.loader._loads.values()):
+            placement = load.placement
+            if placement is None or load.info.name != model or block.id not in placement.offsets:
+                continue
+            gate = next(g for g, ids in enumerate(load.order.stages) if block.id in ids)
+            if load.gates[gate] != GATE_READY:
+                continue
+            import torch
+
+            placement.events[gate].synchronize()
+            off = placement.offsets[block.id]
+            torch.frombuffer(dest, dtype=torch.uint8).copy_(
+                placement.arena.tensor[off:off + block.length])
+            return True
+        return False
+
     def by_control_offset(self, offset: int) -> Load:
         return next(ld for ld in self.loader.loads() if ld.control_offset == offset)
 
@@ -361,4 +381,5 @@ def build_device_tier(manager, arena, config) -> Attachments:
     fabric = Fabric(arena, config.unified_memory_ratio)
     attachments = Attachments(manager, Loader(manager, arena, fabric), fabric)
     manager.on_disconnect(attachments.detach)
+    manager.add_copy_source(attachments.copy_source)
     return attachments
