@@ -117,9 +117,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-
     from deepseek_flash.client import Client
     from deepseek_flash.client.model import load_model
+
     from deepseek_flash.store import Store, pack
 
     work = Path(args.dir)

@@ -61,10 +61,10 @@ def main(argv=None) -> int:
 
     import torch
     import transformers
-
     from deepseek_flash.client import Client
     from deepseek_flash.client.model import load_model
     from deepseek_flash.daemon.config import parse_size
+
     from deepseek_flash.store import Store, pack
 
     work = __import__("pathlib").Path(args.dir)

@@ -192,10 +192,10 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
     """
     import torch
 
-    from . import Client
     from ..daemon.config import parse_size
     from ..daemon.loader import control_views
     from ..store.views import block_tensors
+    from . import Client
 
     owns_client = client is None
     if client is None:

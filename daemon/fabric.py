@@ -90,7 +90,7 @@ class GpuArena:
     copy_stream: object = field(repr=False)
 
     @classmethod
-    def create(cls, device: int, size: int) -> "GpuArena":
+    def create(cls, device: int, size: int) -> GpuArena:
         import torch
 
         size -= size % DEVICE_ALIGNMENT
@@ -133,7 +133,7 @@ def open_gpu_arena(desc: dict):
 class DevicePlacement:
     """A model's resident blocks on one device: offsets, gate events, the control page."""
 
-    def __init__(self, fabric: "Fabric", model: str, device: int, arena: GpuArena,
+    def __init__(self, fabric: Fabric, model: str, device: int, arena: GpuArena,
                  offsets: dict[int, int], stages: list[list[int]]):
         import torch
 

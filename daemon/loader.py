@@ -85,7 +85,7 @@ class Load:
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"flash-load-{info.name}-{device}")
 
-    def start(self) -> "Load":
+    def start(self) -> Load:
         self._thread.start()
         return self
 
@@ -298,7 +298,7 @@ class Attachments:
         self._slots: dict[tuple, int] = {}     # (client, model) -> device holding its slots
 
     def attach(self, client_id: int, model: str, device, weight_budget=None,
-               ipc: bool = True) -> "dict | Future":
+               ipc: bool = True) -> dict | Future:
         from .planner import plan_residency
 
         info = self.manager.open_model(client_id, model)

@@ -46,7 +46,7 @@ class Plan:
                 "resident_bytes": self.resident_bytes}
 
     @classmethod
-    def from_wire(cls, w: dict) -> "Plan":
+    def from_wire(cls, w: dict) -> Plan:
         return cls(budget=w["budget"], resident=list(w["resident"]),
                    streamed_layers=list(w["streamed_layers"]),
                    stream_blocks={int(k): list(v) for k, v in w["stream_blocks"].items()},

@@ -202,7 +202,6 @@ class Operations:
     def op_detach(self, cid, args):
         if self.attachments is not None:
             self.attachments.detach(cid, _arg("detach", args, "model", str, required=False))
-        return None
 
     def op_profile(self, cid, args):
         """Completed block loads requested by process ``pid`` (flash-profiler): those after
@@ -231,7 +230,6 @@ class Operations:
         model = _arg("report_stream", args, "model", str)
         stats = _arg("report_stream", args, "stats", dict)
         self.manager.report_stream(cid, model, stats)
-        return None
 
 
 def _chain(future: Future, convert) -> Future:

@@ -1,7 +1,6 @@
 """Type stub of the C++ data plane ``deepseek_flash._core`` (ext/): crc32c, AlignedWriter,
 HostArena, IOEngine. Failures raise deepseek_flash.errors classes (FlashIOError, BlockChecksumError,
 ArenaError, ArenaFull); bad arguments raise ValueError; nothing aborts the process."""
-from __future__ import annotations
 
 from collections.abc import Buffer
 from types import TracebackType

@@ -68,7 +68,7 @@ class TensorInfo:
                 "offset": self.offset, "nbytes": self.nbytes, "aliases": list(self.aliases)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TensorInfo":
+    def from_dict(cls, d: dict) -> TensorInfo:
         return cls(name=d["name"], dtype=d["dtype"], shape=tuple(d["shape"]), offset=d["offset"],
                    nbytes=d["nbytes"], aliases=list(d.get("aliases", ())))
 
@@ -115,7 +115,7 @@ class BlockInfo:
                 "quant": self.quant}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "BlockInfo":
+    def from_dict(cls, d: dict) -> BlockInfo:
         return cls(id=d["id"], role=d["role"], layer=d["layer"], file=d["file"], offset=d["offset"],
                    length=d["length"], crc32c=d["crc32c"],
                    tensors=[TensorInfo.from_dict(t) for t in d["tensors"]], deps=list(d["deps"]),

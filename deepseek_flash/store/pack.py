@@ -21,10 +21,25 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import (CorruptSafetensors, FlashIOError, MissingShard, NotAModelDirectory, NoSpace,
-                      StoreExists, UnsupportedModel)
-from .format import (BLOCK_ALIGN, DATA_FILE, METADATA_FILE, SAFETENSORS_DTYPES, BlockInfo,
-                     align_up, crc32c, encode_block_header, encode_metadata)
+from ..errors import (
+    CorruptSafetensors,
+    FlashIOError,
+    MissingShard,
+    NoSpace,
+    NotAModelDirectory,
+    StoreExists,
+    UnsupportedModel,
+)
+from .format import (
+    BLOCK_ALIGN,
+    DATA_FILE,
+    METADATA_FILE,
+    SAFETENSORS_DTYPES,
+    BlockInfo,
+    crc32c,
+    encode_block_header,
+    encode_metadata,
+)
 from .layout import TensorSpec, architecture, plan_blocks
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -43,7 +43,7 @@ class Store:
                     self._by_name[name] = (b, t)
 
     @classmethod
-    def open(cls, path) -> "Store":
+    def open(cls, path) -> Store:
         path = Path(path)
         if not path.is_dir() or not ((path / METADATA_FILE).exists() or (path / DATA_FILE).exists()):
             raise NotAStore(f"{path}: not a deepseek-flash store (no {METADATA_FILE} or {DATA_FILE}; "

@@ -14,8 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MetadataError, NotAStore
-from .format import (BLOCK_ALIGN, BLOCK_FIXED, DATA_FILE, METADATA_FILE, BadHeader, BlockInfo,
-                     align_up, crc32c, decode_block_header, encode_metadata, header_size_at)
+from .format import (
+    BLOCK_ALIGN,
+    BLOCK_FIXED,
+    DATA_FILE,
+    METADATA_FILE,
+    BadHeader,
+    BlockInfo,
+    align_up,
+    crc32c,
+    decode_block_header,
+    encode_metadata,
+    header_size_at,
+)
 from .layout import architecture
 from .pack import fsync_dir, model_summary
 from .reader import read_metadata

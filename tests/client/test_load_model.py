@@ -13,14 +13,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "daemon"))
 
-from flashd_harness import Daemon  # noqa: E402
+from deepseek_flash.client import Client
+from deepseek_flash.client.model import load_model
+from deepseek_flash.daemon.planner import SLOT_ALIGNMENT
+from flashd_harness import Daemon
 
-from deepseek_flash.client import Client  # noqa: E402
-from deepseek_flash.client.model import load_model  # noqa: E402
-from deepseek_flash.daemon.planner import SLOT_ALIGNMENT  # noqa: E402
-from deepseek_flash.errors import BudgetTooSmall  # noqa: E402
-from deepseek_flash.store import Store, pack  # noqa: E402
-from deepseek_flash.testing import load_reference, make_tiny_model  # noqa: E402
+from deepseek_flash.errors import BudgetTooSmall
+from deepseek_flash.store import Store, pack
+from deepseek_flash.testing import load_reference, make_tiny_model
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda:0", marks=[pytest.mark.gpu,
@@ -66,7 +66,7 @@ def assert_same_as_reference(model, ref, device):
 
 def minimum_budget(store_path) -> int:
     store = Store.open(store_path)
-    al = lambda n: -(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT   # noqa: E731
+    al = lambda n: -(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
     anchors = sum(al(b.length) for b in store.blocks if not b.role.startswith("mlp"))
     slot = max(sum(al(b.length) for b in store.blocks if b.layer == i and b.role.startswith("mlp"))
                for i in range(store.num_layers))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from deepseek_flash.client.model import bind_parameters, build_skeleton
 from deepseek_flash.client.stream import StreamRuntime, WindowController
 from deepseek_flash.daemon.planner import SLOT_ALIGNMENT, plan_residency
+
 from deepseek_flash.store import Store, pack
 from deepseek_flash.store.views import block_tensors
 from deepseek_flash.testing import load_reference, make_tiny_model

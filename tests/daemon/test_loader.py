@@ -6,13 +6,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
-from deepseek_flash import _core
 from deepseek_flash.daemon.block_manager import BlockManager
 from deepseek_flash.daemon.config import FlashConfig
 from deepseek_flash.daemon.fabric import GATE_READY
 from deepseek_flash.daemon.loader import Attachments, Loader, control_views
 from deepseek_flash.daemon.prefetch import ForwardOrder
+
+from deepseek_flash import _core
 from deepseek_flash.store import Store
 
 

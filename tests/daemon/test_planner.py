@@ -4,8 +4,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
 from deepseek_flash.daemon.planner import SLOT_ALIGNMENT, plan_residency
+
 from deepseek_flash.errors import BudgetTooSmall
 
 

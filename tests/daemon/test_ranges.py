@@ -4,8 +4,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from deepseek_flash.daemon.ranges import RangeAllocator
+
 from deepseek_flash.errors import ArenaFull
 
 

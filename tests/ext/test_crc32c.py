@@ -32,7 +32,7 @@ def test_hw_available_on_x86():
 def test_hw_equals_sw_random(size):
     rng = random.Random(size)
     data = rng.randbytes(size)
-    for start in range(0, 8):  # every misalignment of the start pointer
+    for start in range(8):  # every misalignment of the start pointer
         view = memoryview(data)[start:]
         assert _core.crc32c(view) == _core.crc32c_sw(view)
 

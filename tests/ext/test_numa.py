@@ -2,8 +2,6 @@
 real libnuma on this machine."""
 from __future__ import annotations
 
-import pytest
-
 from deepseek_flash import _core, numa
 
 

@@ -7,8 +7,16 @@ import msgpack
 import pytest
 
 from deepseek_flash import errors
-from deepseek_flash.store.format import (BadHeader, BlockInfo, TensorInfo, crc32c, decode_block_header,
-                                         decode_metadata, encode_block_header, encode_metadata)
+from deepseek_flash.store.format import (
+    BadHeader,
+    BlockInfo,
+    TensorInfo,
+    crc32c,
+    decode_block_header,
+    decode_metadata,
+    encode_block_header,
+    encode_metadata,
+)
 
 
 def _block(names=1):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import random
 import shutil
 import signal
@@ -14,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import MODEL_CASES, case_id, reference_tensors
 
 from deepseek_flash import errors
 from deepseek_flash.store import Store, pack
 from deepseek_flash.store.format import BLOCK_ALIGN, DATA_FILE, METADATA_FILE, TENSOR_ALIGN
 from deepseek_flash.store.synth import write_random_llama
-
-from conftest import MODEL_CASES, case_id, reference_tensors
 
 
 @pytest.mark.parametrize("case", MODEL_CASES, ids=case_id)

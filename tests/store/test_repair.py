@@ -5,16 +5,14 @@ import os
 
 import pytest
 import torch
+from conftest import reference_tensors
 
 from deepseek_flash import errors
 from deepseek_flash.store import Store
-from deepseek_flash.store.format import DATA_FILE, METADATA_FILE
+from deepseek_flash.store.format import DATA_FILE, METADATA_FILE, encode_metadata
 from deepseek_flash.store.reader import read_metadata
 from deepseek_flash.store.repair import repair, write_metadata_atomic
-from deepseek_flash.store.format import encode_metadata
 from deepseek_flash.store.verify import verify_store
-
-from conftest import reference_tensors
 
 
 def _assert_whole(store_dir, model_dir):

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import reference_tensors
 
 from deepseek_flash.store import Store
 from deepseek_flash.store.views import block_tensors
-
-from conftest import reference_tensors
 
 
 def test_views_are_zero_copy_over_a_uint8_tensor(store_dir, model_factory):
