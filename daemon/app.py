@@ -136,6 +136,7 @@ class Application:
             status["unified_memory_fabric"] = "HOST_ONLY"
         snap["devices"] = fabric.telemetry()
         snap["stats"]["bytes_h2d"] = fabric.bytes_h2d + snap["stats"].get("bytes_streamed", 0)
+        snap["stats"]["device_evictions"] = self.attachments.loader.evictions
         if self.state != "ACTIVE":
             status["controller_state"] = self.state
         status.update(config_state=self.config_state, last_reload_error=self.last_reload_error,

@@ -25,12 +25,13 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 
 import numpy as np
 
-from ..errors import DeviceError, FlashError, StoreInUse
+from ..errors import ArenaFull, BudgetTooSmall, DeviceError, FlashError, StoreInUse
 from .block_manager import DAEMON_CLIENT
 from .fabric import GATE_FAILED, GATE_READY
 from .prefetch import ForwardOrder
@@ -76,6 +77,7 @@ class Load:
         self.gates[:] = 0
         self.leases: list[int] = []
         self.clients: set[int] = set()
+        self.last_used = time.monotonic()
         self.error: FlashError | None = None
         self.done = threading.Event()
         self.finished: Future = Future()        # resolved (or failed) when the walk ends
@@ -189,9 +191,10 @@ class Loader:
         self.manager = manager
         self.arena = arena
         self.fabric = fabric
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()     # with_room runs inside attach and on its own
         self._loads: dict[tuple, Load] = {}
         self._serial = itertools.count(1)
+        self.evictions = 0                       # idle GPU loads dropped to make room
 
     def attach(self, client_id: int, info, device, resident: list[int]) -> Load:
         """A load of ``resident`` blocks of the model on ``device`` for this client.
@@ -226,12 +229,31 @@ class Loader:
                                           f"fabric", device=device)
                     key = (info.name, device, next(self._serial))
                     blocks = [b for b in info.blocks if b.id in wanted]
-                    placement = self.fabric.place(key, device, blocks)
+                    placement = self.with_room(device, lambda: self.fabric.place(key, device, blocks))
                     load = self._loads[key] = Load(self.manager, self.arena, info, device,
                                                    owner=DAEMON_CLIENT, resident=resident,
                                                    placement=placement).start()
             load.clients.add(client_id)
+            load.last_used = time.monotonic()
             return load
+
+    def with_room(self, device: int, allocate):
+        """``allocate()``, evicting idle GPU loads of ``device`` (no client attached, least
+        recently used first) while it does not fit. Models stay on the GPU after their last
+        client leaves exactly until their memory is needed."""
+        while True:
+            try:
+                return allocate()
+            except (ArenaFull, BudgetTooSmall):
+                with self._lock:
+                    idle = sorted((ld.last_used, k) for k, ld in self._loads.items()
+                                  if ld.device == device and not ld.clients and ld.done.is_set())
+                    if not idle:
+                        raise
+                    victim = idle[0][1]
+                    log.info("evicting idle model %s from cuda:%d to make room", victim[0], device)
+                    self._drop(victim)
+                    self.evictions += 1
 
     def detach(self, client_id: int, model: str | None = None) -> None:
         """A client is done with ``model`` (all models when None): its CPU loads end; GPU loads
@@ -241,6 +263,7 @@ class Loader:
                 if model is not None and key[0] != model:
                     continue
                 load.clients.discard(client_id)
+                load.last_used = time.monotonic()
                 if load.device == "cpu" and load.owner == client_id:
                     self._drop(key)
 
@@ -312,8 +335,8 @@ class Attachments:
                 out["gpu_arena"] = self.fabric.arena(int(device)).ipc_descriptor()
             if plan.streaming:
                 self._free_slots(client_id, info.name)
-                out["slots"] = self.fabric.alloc_slots((client_id, info.name), int(device),
-                                                       plan.n_slots, plan.slot_bytes)
+                out["slots"] = self.loader.with_room(int(device), lambda: self.fabric.alloc_slots(
+                    (client_id, info.name), int(device), plan.n_slots, plan.slot_bytes))
                 self._slots[(client_id, info.name)] = int(device)
         self.manager.set_plan(info.name, {**info.plan, "device": str(device),
                                           **{k: v for k, v in plan.to_wire().items()

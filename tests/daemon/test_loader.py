@@ -78,3 +78,81 @@ def test_device_tier_registers_its_hooks(controller):
     assert attachments.copy_source in manager._copy_sources
     assert attachments.detach in manager._disconnect_hooks
     attachments.close()
+
+
+class _FakeEvent:
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+class _FakeFabric:
+    """A device arena of ``size`` bytes without CUDA: placement, eviction, copies as no-ops."""
+
+    def __init__(self, size):
+        from deepseek_flash.daemon.ranges import RangeAllocator
+
+        self.allocator = RangeAllocator(size, 4096, name="fake device")
+        self.placements = {}
+
+    def place(self, key, device, blocks):
+        offsets = {}
+        try:
+            for b in blocks:
+                offsets[b.id] = self.allocator.alloc(b.length)
+        except Exception:
+            for off in offsets.values():
+                self.allocator.free(off)
+            raise
+        stages = ForwardOrder(blocks, 1 + max(b.layer for b in blocks)).stages
+        placement = SimpleNamespace(fabric=self, offsets=offsets, events=[_FakeEvent() for _ in stages])
+        self.placements[key] = placement
+        return placement
+
+    def copy_gate(self, placement, gate, host_offsets, lengths):
+        pass
+
+    def evict(self, key):
+        return sum(self.allocator.free(off) for off in self.placements.pop(key).offsets.values())
+
+
+def test_idle_gpu_model_stays_until_its_memory_is_needed(controller, tmp_path):
+    from deepseek_flash.errors import ArenaFull
+    from deepseek_flash.store import pack
+    from deepseek_flash.testing import make_tiny_model
+
+    manager, arena = controller
+    stores = [pack(make_tiny_model(tmp_path / f"src{i}", "llama", num_layers=2, seed=i),
+                   tmp_path / f"m{i}") for i in range(3)]
+    size = Store.open(stores[0]).total_bytes
+    fabric = _FakeFabric(int(size * 2.5))           # room for two models, not three
+    loader = Loader(manager, arena, fabric)
+    cids = [manager.connect({"name": f"c{i}"}) for i in range(3)]
+    infos = [manager.open_model(c, str(s)) for c, s in zip(cids, stores)]
+    a = loader.attach(cids[0], infos[0], 0, [b.id for b in infos[0].blocks])
+    b = loader.attach(cids[1], infos[1], 0, [b.id for b in infos[1].blocks])
+    a.finished.result(timeout=30)
+    b.finished.result(timeout=30)
+    # The device walk opened every gate and handed every host lease back once copied.
+    assert (a.gates == GATE_READY).all() and (b.gates == GATE_READY).all()
+    assert not a.leases and not b.leases
+    # Both attached: a third model does not fit and nothing may be evicted.
+    with pytest.raises(ArenaFull):
+        loader.attach(cids[2], infos[2], 0, [b.id for b in infos[2].blocks])
+    # The first client leaves: its model stays resident ...
+    loader.detach(cids[0])
+    assert any(ld is a for ld in loader.loads()) and loader.evictions == 0
+    # ... until the third model needs the memory.
+    c = loader.attach(cids[2], infos[2], 0, [b.id for b in infos[2].blocks])
+    c.finished.result(timeout=30)
+    assert loader.evictions == 1
+    assert not any(ld is a for ld in loader.loads()) and any(ld is b for ld in loader.loads())
+    # A client attaching to the still-resident model joins it: no new copy.
+    again = loader.attach(cids[0], infos[1], 0, [x.id for x in infos[1].blocks])
+    assert again is b
+    loader.close()
