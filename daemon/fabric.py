@@ -220,14 +220,7 @@ class Fabric:
                 f"{arena.allocator.free_bytes()} of {arena.size} bytes free "
                 f"(unified_memory_ratio {self.unified_memory_ratio})",
                 model=model, device=device, needed=need, free=arena.allocator.free_bytes())
-        offsets = {}
-        try:
-            for block in blocks:
-                offsets[block.id] = arena.allocator.alloc(block.length)
-        except Exception:
-            for off in offsets.values():
-                arena.allocator.free(off)
-            raise
+        offsets = dict(zip([b.id for b in blocks], arena.allocator.alloc_many(b.length for b in blocks)))
         num_layers = 1 + max((b.layer for b in blocks), default=-1)
         stages = ForwardOrder(blocks, num_layers).stages
         placement = DevicePlacement(self, model, device, arena, offsets, stages)
@@ -250,15 +243,7 @@ class Fabric:
 
     def alloc_slots(self, owner, device: int, n_slots: int, slot_bytes: int) -> list[int]:
         """A client's ring of streaming slots in the arena (freed by ``free_slots``)."""
-        arena = self.arena(device)
-        offsets: list[int] = []
-        try:
-            for _ in range(n_slots):
-                offsets.append(arena.allocator.alloc(slot_bytes))
-        except Exception:
-            for off in offsets:
-                arena.allocator.free(off)
-            raise
+        offsets = self.arena(device).allocator.alloc_many([slot_bytes] * n_slots)
         self.slots[(owner, device)] = offsets
         return offsets
 

@@ -45,6 +45,18 @@ class RangeAllocator:
             f"largest free {self.largest_free()})",
             requested=length, size=self.size, used=self.used)
 
+    def alloc_many(self, sizes) -> list[int]:
+        """One range per size, all or none (what was taken is given back on failure)."""
+        offsets: list[int] = []
+        try:
+            for nbytes in sizes:
+                offsets.append(self.alloc(nbytes))
+        except ArenaFull:
+            for off in offsets:
+                self.free(off)
+            raise
+        return offsets
+
     def free(self, start: int) -> int:
         """Return a range; returns its length."""
         length = self._used.pop(start)

@@ -101,14 +101,7 @@ class _FakeFabric:
         self.placements = {}
 
     def place(self, key, device, blocks):
-        offsets = {}
-        try:
-            for b in blocks:
-                offsets[b.id] = self.allocator.alloc(b.length)
-        except Exception:
-            for off in offsets.values():
-                self.allocator.free(off)
-            raise
+        offsets = dict(zip([b.id for b in blocks], self.allocator.alloc_many(b.length for b in blocks)))
         stages = ForwardOrder(blocks, 1 + max(b.layer for b in blocks)).stages
         placement = SimpleNamespace(fabric=self, offsets=offsets, events=[_FakeEvent() for _ in stages])
         self.placements[key] = placement

@@ -39,3 +39,11 @@ def test_free_coalesces_back_to_one_range():
     for off in list(live):
         a.free(off)
     assert a.used == 0 and a.largest_free() == a.size
+
+
+def test_alloc_many_is_all_or_nothing():
+    a = RangeAllocator(4 * 4096, 4096)
+    assert a.alloc_many([1, 4096]) == [0, 4096]
+    with pytest.raises(ArenaFull):
+        a.alloc_many([4096, 4096, 1])          # three pages wanted, two free
+    assert a.used == 2 * 4096 and a.largest_free() == 2 * 4096
