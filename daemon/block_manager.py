@@ -1011,11 +1011,7 @@ class BlockManager:
                     block.retries = 0
                     self.counters["bytes_read_nvme"] += block.info.length
                     self._record_load(block)
-                    waiters, block.waiters = block.waiters, []
-                    for ticket in waiters:
-                        ticket.remaining -= 1
-                        if ticket.remaining == 0 and not ticket.done:
-                            resolved.append((ticket.future, self._finish_locked(ticket)))
+                    self._wake_waiters(block, resolved)
                     continue
                 self.counters["load_errors"] += 1
                 m = block.model
@@ -1043,11 +1039,7 @@ class BlockManager:
                         log.error("model %s: switching to host-only (%s)", m.name, error)
                 block.error, block.retries = error, 0
                 if graceful and self._copy_sources and self._copy_into(block):
-                    waiters, block.waiters = block.waiters, []
-                    for ticket in waiters:
-                        ticket.remaining -= 1
-                        if ticket.remaining == 0 and not ticket.done:
-                            resolved.append((ticket.future, self._finish_locked(ticket)))
+                    self._wake_waiters(block, resolved)
                     continue
                 # Whatever landed is not the block: no client may ever see those bytes.
                 self.arena.view(block.offset, block.info.length)[:] = bytes(block.info.length)
@@ -1072,6 +1064,14 @@ class BlockManager:
                     hook(name, error)
                 except Exception:
                     log.exception("device error hook %r failed for model %s", hook, name)
+
+    def _wake_waiters(self, block: _Block, resolved: list) -> None:
+        """``block`` is resident: tickets waiting for nothing else are finished."""
+        waiters, block.waiters = block.waiters, []
+        for ticket in waiters:
+            ticket.remaining -= 1
+            if ticket.remaining == 0 and not ticket.done:
+                resolved.append((ticket.future, self._finish_locked(ticket)))
 
     def _finish_locked(self, ticket: _Ticket):
         """The lease (or load summary) of a ticket whose blocks are all resident."""

@@ -54,6 +54,27 @@ class Plan:
                    resident_bytes=w["resident_bytes"])
 
 
+def _split(blocks):
+    """(anchor blocks, {layer: MLP blocks}, anchor bytes, slot bytes)."""
+    mlp: dict[int, list] = {}
+    anchors = []
+    for b in blocks:
+        if b.role in STREAM_ROLES and b.layer >= 0:
+            mlp.setdefault(b.layer, []).append(b)
+        else:
+            anchors.append(b)
+    anchor_bytes = sum(_aligned(b.length) for b in anchors)
+    # A slot holds one layer's MLP blocks back to back, each at an aligned offset.
+    slot = max((sum(_aligned(b.length) for b in group) for group in mlp.values()), default=0)
+    return anchors, mlp, anchor_bytes, slot
+
+
+def resident_minimum(blocks) -> int:
+    """The smallest weight budget that can run the model: anchors plus two streaming slots."""
+    _, _, anchor_bytes, slot = _split(blocks)
+    return anchor_bytes + MIN_SLOTS * slot
+
+
 def plan_residency(blocks, budget: int | None, prefetch_window: int, model: str = "model") -> Plan:
     """The plan for ``blocks`` (BlockInfo list) under ``budget`` bytes (None: all resident).
 
@@ -65,16 +86,7 @@ def plan_residency(blocks, budget: int | None, prefetch_window: int, model: str 
     if budget is None or budget >= total:
         return Plan(budget=budget or total, resident=[b.id for b in blocks], streamed_layers=[],
                     resident_bytes=total)
-    mlp: dict[int, list] = {}
-    anchors = []
-    for b in blocks:
-        if b.role in STREAM_ROLES and b.layer >= 0:
-            mlp.setdefault(b.layer, []).append(b)
-        else:
-            anchors.append(b)
-    anchor_bytes = sum(_aligned(b.length) for b in anchors)
-    # A slot holds one layer's MLP blocks back to back, each at an aligned offset.
-    slot = max((sum(_aligned(b.length) for b in group) for group in mlp.values()), default=0)
+    anchors, mlp, anchor_bytes, slot = _split(blocks)
     minimum = anchor_bytes + MIN_SLOTS * slot
     if budget < minimum:
         raise BudgetTooSmall(

@@ -75,3 +75,15 @@ def load_reference(path, dtype: str | None = None, device: str = "cpu"):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
     model.eval()
     return model
+
+
+def assert_same_outputs(model, reference, ids, new_tokens: int = 4) -> None:
+    """Logits equal (``torch.equal``) and greedy tokens identical -- the parity bar."""
+    import torch
+
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits), "logits differ"
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    want = reference.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    assert torch.equal(got, want), f"greedy tokens differ: {got.tolist()} != {want.tolist()}"

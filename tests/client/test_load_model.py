@@ -15,12 +15,12 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "daemon"))
 
 from deepseek_flash.client import Client
 from deepseek_flash.client.model import load_model
-from deepseek_flash.daemon.planner import SLOT_ALIGNMENT
+from deepseek_flash.daemon.planner import resident_minimum
 from flashd_harness import Daemon
 
 from deepseek_flash.errors import BudgetTooSmall
 from deepseek_flash.store import Store, pack
-from deepseek_flash.testing import load_reference, make_tiny_model
+from deepseek_flash.testing import assert_same_outputs, load_reference, make_tiny_model
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda:0", marks=[pytest.mark.gpu,
@@ -55,22 +55,11 @@ def inputs(batch: int):
 
 def assert_same_as_reference(model, ref, device):
     for batch in (1, 3):
-        ids = inputs(batch).to(device)
-        mask = torch.ones_like(ids)
-        with torch.no_grad():
-            assert torch.equal(model(ids).logits, ref(ids).logits)
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-        want = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-        assert torch.equal(got, want)
+        assert_same_outputs(model, ref, inputs(batch).to(device))
 
 
 def minimum_budget(store_path) -> int:
-    store = Store.open(store_path)
-    al = lambda n: -(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
-    anchors = sum(al(b.length) for b in store.blocks if not b.role.startswith("mlp"))
-    slot = max(sum(al(b.length) for b in store.blocks if b.layer == i and b.role.startswith("mlp"))
-               for i in range(store.num_layers))
-    return anchors + 2 * slot
+    return resident_minimum(Store.open(store_path).blocks)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -7,11 +7,11 @@ import pytest
 import torch
 from deepseek_flash.client.model import bind_parameters, build_skeleton
 from deepseek_flash.client.stream import StreamRuntime, WindowController
-from deepseek_flash.daemon.planner import SLOT_ALIGNMENT, plan_residency
+from deepseek_flash.daemon.planner import SLOT_ALIGNMENT, plan_residency, resident_minimum
 
 from deepseek_flash.store import Store, pack
 from deepseek_flash.store.views import block_tensors
-from deepseek_flash.testing import load_reference, make_tiny_model
+from deepseek_flash.testing import assert_same_outputs, load_reference, make_tiny_model
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -30,12 +30,11 @@ def aligned(n):
 
 
 def budgets(store):
-    anchors = sum(aligned(b.length) for b in store.blocks if not b.role.startswith("mlp"))
     slot = max(sum(aligned(b.length) for b in store.blocks if b.layer == i and b.role.startswith("mlp"))
                for i in range(store.num_layers))
+    minimum = resident_minimum(store.blocks)
     total = sum(aligned(b.length) for b in store.blocks)
-    return {"all": total, "one-resident-layer": anchors + 3 * slot + slot,
-            "minimum": anchors + 2 * slot}
+    return {"all": total, "one-resident-layer": minimum + 2 * slot, "minimum": minimum}
 
 
 def streamed_model(store, host, budget, window):
@@ -63,13 +62,7 @@ def test_streamed_logits_and_tokens_equal_resident(packed, budget_name, window):
     assert plan.streaming == (budget_name != "all")
     torch.manual_seed(window)
     for batch in (1, 3):
-        ids = torch.randint(0, 256, (batch, 7))
-        mask = torch.ones_like(ids)
-        with torch.no_grad():
-            assert torch.equal(model(ids).logits, ref(ids).logits)
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-        want = ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-        assert torch.equal(got, want)
+        assert_same_outputs(model, ref, torch.randint(0, 256, (batch, 7)), new_tokens=5)
     if runtime is not None:
         stats = runtime.stats()
         passes = stats["passes"]
