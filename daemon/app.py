@@ -118,6 +118,7 @@ class Application:
         self.manager = BlockManager(self.config, self.arena, self.engine)
         self.recovery = DeviceWatch(self.manager, monitor=self._udev_monitor)
         self.attachments = build_device_tier(self.manager, self.arena, self.config)
+        self.attachments.fabric.prepare()
         self.ops = ops = Operations(self.manager, status=self.snapshot, attachments=self.attachments)
         for extend in self.extensions:
             extend(self)

@@ -151,9 +151,10 @@ class DevicePlacement:
 class Fabric:
     """GPU arenas per device, created lazily, filled from the host arena."""
 
-    def __init__(self, host_arena, unified_memory_ratio: float):
+    def __init__(self, host_arena, unified_memory_ratio: float, devices: list[int] | None = None):
         self.host_arena = host_arena
         self.unified_memory_ratio = unified_memory_ratio
+        self.devices = devices                  # CUDA indices served (None: every visible one)
         self.arenas: dict[int, GpuArena] = {}
         self.placements: dict[tuple, DevicePlacement] = {}
         self.slots: dict[tuple, list[int]] = {}      # (client, device) -> slot offsets
@@ -189,6 +190,10 @@ class Fabric:
             if device >= torch.cuda.device_count():
                 raise DeviceError(f"cuda:{device} does not exist ({torch.cuda.device_count()} devices)",
                                   device=device)
+            if self.devices is not None and device not in self.devices:
+                raise DeviceError(f"cuda:{device} is not served by this controller (devices: "
+                                  f"{self.devices} in the configuration)", device=device,
+                                  allowed=list(self.devices))
             if not self.host_pinned:
                 self.host_pinned = register_host_memory(self.host_arena.address, self.host_arena.size)
             _, total = torch.cuda.mem_get_info(device)
@@ -240,6 +245,26 @@ class Fabric:
                 arena.tensor[dst:dst + n].copy_(host[src:src + n], non_blocking=self.host_pinned)
                 self.bytes_h2d += n
             placement.events[gate].record(arena.copy_stream)
+
+    def prepare(self) -> threading.Thread | None:
+        """With ``devices`` configured, pin the host arena and create their arenas now, on a
+        background thread, so the first client does not pay seconds of page-locking."""
+        if not self.devices:
+            return None
+
+        def run():
+            if not self.available:
+                log.warning("devices %s configured but CUDA is not available", self.devices)
+                return
+            for device in self.devices:
+                try:
+                    self.arena(device)
+                except DeviceError as exc:
+                    log.error("%s", exc)
+
+        thread = threading.Thread(target=run, daemon=True, name="flash-fabric-prepare")
+        thread.start()
+        return thread
 
     def alloc_slots(self, owner, device: int, n_slots: int, slot_bytes: int) -> list[int]:
         """A client's ring of streaming slots in the arena (freed by ``free_slots``)."""

@@ -401,7 +401,7 @@ def build_device_tier(manager, arena, config) -> Attachments:
     hook that ends a client's attachments when it disconnects."""
     from .fabric import Fabric
 
-    fabric = Fabric(arena, config.unified_memory_ratio)
+    fabric = Fabric(arena, config.unified_memory_ratio, config.devices)
     attachments = Attachments(manager, Loader(manager, arena, fabric), fabric)
     manager.on_disconnect(attachments.detach)
     manager.add_copy_source(attachments.copy_source)

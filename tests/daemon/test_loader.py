@@ -149,3 +149,17 @@ def test_idle_gpu_model_stays_until_its_memory_is_needed(controller, tmp_path):
     again = loader.attach(cids[0], infos[1], 0, [x.id for x in infos[1].blocks])
     assert again is b
     loader.close()
+
+
+def test_devices_outside_the_configuration_are_refused(monkeypatch):
+    from deepseek_flash.daemon import fabric as fabric_mod
+
+    from deepseek_flash.errors import DeviceError
+
+    monkeypatch.setattr(fabric_mod, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    f = fabric_mod.Fabric(_core.HostArena(1 << 20), 0.5, devices=[0])
+    with pytest.raises(DeviceError) as exc:
+        f.arena(1)
+    assert exc.value.code == 220 and "cuda:1" in str(exc.value) and exc.value.allowed == [0]
+    assert fabric_mod.Fabric(_core.HostArena(1 << 20), 0.5).prepare() is None   # nothing configured
