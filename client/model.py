@@ -193,8 +193,6 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
     import torch
 
     from ..daemon.config import parse_size
-    from ..daemon.loader import control_views
-    from ..store.views import block_tensors
     from . import Client
 
     owns_client = client is None
@@ -213,23 +211,7 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
                         module._buffers[name] = buf.to(dev)
         handle = FlashModelHandle(client, info, dev, None, owns_client)
         budget = None if weight_budget is None else parse_size("weight_budget", weight_budget)
-        if budget is not None and budget < info.total_bytes:
-            from .stream import attach_streamed
-
-            attach_streamed(model, handle, budget, target)
-        else:
-            desc = client.attach(info.name, target)
-            handle.desc = desc
-            memory, events = client.device_memory(target, desc)
-            gates, offsets = control_views(client.arena, desc["control_offset"], desc["num_gates"],
-                                           desc["num_blocks"])
-            tensors = {}
-            for i, block in enumerate(info.blocks):
-                off = int(offsets[i])
-                tensors.update(block_tensors(block, memory[off:off + block.length]))
-            bind_parameters(model, tensors)
-            if not bool((gates == GATE_READY).all()):
-                handle.gates = Gates(model, gates, events)
+        _attach(model, handle, budget, target)
         model.flash = handle
         return model
     except BaseException:
@@ -237,3 +219,31 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
             client.close()
         raise
 
+
+
+def _attach(model, handle, budget: int | None, target) -> None:
+    """Ask the controller for the model's memory on ``target`` under ``budget``, bind the resident
+    blocks, start streaming the rest if the plan says so, and gate layers still loading."""
+    from ..daemon.loader import control_views
+    from ..daemon.planner import Plan
+    from ..store.views import block_tensors
+
+    client, info = handle.client, handle.info
+    desc = handle.desc = client.attach(info.name, target, weight_budget=budget)
+    plan = Plan.from_wire(desc["plan"])
+    memory, events = client.device_memory(target, desc)
+    gates, offsets = control_views(client.arena, desc["control_offset"], desc["num_gates"],
+                                   desc["num_blocks"])
+    resident = set(plan.resident)
+    tensors = {}
+    for i, block in enumerate(info.blocks):
+        if block.id in resident:
+            off = int(offsets[i])
+            tensors.update(block_tensors(block, memory[off:off + block.length]))
+    bind_parameters(model, tensors, complete=not plan.streaming)
+    if plan.streaming:
+        from .stream import start_streaming
+
+        handle.stream = start_streaming(model, handle, plan, desc, memory, target)
+    if not bool((gates == GATE_READY).all()):
+        handle.gates = Gates(model, gates, events)

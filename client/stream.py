@@ -162,6 +162,7 @@ class StreamRuntime:
         self._timing: deque = deque()       # (start, end) timing events in flight, oldest first
         self._timing_pool: list = []
         self._reporter = None
+        self.close_hooks: list = []          # run once at close (the host leases go back)
         self._slot_layout = {}
         for layer in self.layers:
             offset, layout = 0, []
@@ -352,6 +353,9 @@ class StreamRuntime:
             self._reporter.join()
             self._report(self.stats())
             self._reporter = None
+        for hook in self.close_hooks:
+            hook()
+        self.close_hooks = []
 
 
 class LinkSampler:
@@ -429,52 +433,29 @@ def _sm_clock_mhz() -> int:
         return NOMINAL_CLOCK_MHZ
 
 
-def attach_streamed(model, handle, budget: int, target) -> StreamRuntime | None:
-    """Attach ``model`` under a weight budget: resident anchors from the shared load, the rest
-    streamed through this client's slots. Called by ``load_model``."""
+def start_streaming(model, handle, plan: Plan, desc: dict, memory, target) -> StreamRuntime:
+    """The streamed part of an attach (``load_model`` bound the resident part): slots, host
+    leases of the streamed blocks (taken per layer on the first pass, after a prefetch hint that
+    starts their disk reads now), the runtime, and its counter reports."""
     import torch
 
-    from ..daemon.loader import control_views
-    from .model import GATE_READY, Gates
-
     client, info = handle.client, handle.info
-    desc = client.attach(info.name, target, weight_budget=budget)
-    handle.desc = desc
-    plan = Plan.from_wire(desc["plan"])
-    memory, events = client.device_memory(target, desc)
-    gates, offsets = control_views(client.arena, desc["control_offset"], desc["num_gates"],
-                                   desc["num_blocks"])
-    by_id = {b.id: b for b in info.blocks}
-    index = {b.id: i for i, b in enumerate(info.blocks)}
-    tensors = {}
-    for bid in plan.resident:
-        block = by_id[bid]
-        off = int(offsets[index[bid]])
-        tensors.update(block_tensors(block, memory[off:off + block.length]))
-    if plan.streaming:
-        if target == "cpu":
-            slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8) for _ in range(plan.n_slots)]
-        else:
-            slots = [memory[off:off + plan.slot_bytes] for off in desc["slots"]]
-        host = client.host_tensor(pinned=target != "cpu")
-        client.prefetch(info.name, layers=plan.streamed_layers)
-        leases = []
-
-        def fetch_host(layer: int) -> dict:
-            lease = client.acquire(info.name, blocks=plan.stream_blocks[layer])
-            leases.append(lease)
-            return lease.blocks
-
-        bind_parameters(model, tensors, complete=False)
-        runtime = StreamRuntime(model, plan, by_id, host, {}, slots, target,
-                                info.flash_config["prefetch_window"], fetch_host)
-        runtime.leases = leases
-        runtime.start_reporting(lambda stats: client.call(
-            "report_stream", {"model": info.name, "stats": stats}))
-        handle.stream = runtime
+    if target == "cpu":
+        slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8) for _ in range(plan.n_slots)]
     else:
-        bind_parameters(model, tensors)
-    if not bool((gates == GATE_READY).all()):
-        handle.gates = Gates(model, gates, events)
-    return handle.stream
+        slots = [memory[off:off + plan.slot_bytes] for off in desc["slots"]]
+    host = client.host_tensor(pinned=target != "cpu")
+    client.prefetch(info.name, layers=plan.streamed_layers)
+    leases = []
 
+    def fetch_host(layer: int) -> dict:
+        lease = client.acquire(info.name, blocks=plan.stream_blocks[layer])
+        leases.append(lease)
+        return lease.blocks
+
+    runtime = StreamRuntime(model, plan, {b.id: b for b in info.blocks}, host, {}, slots, target,
+                            info.flash_config["prefetch_window"], fetch_host)
+    runtime.start_reporting(lambda stats: client.call(
+        "report_stream", {"model": info.name, "stats": stats}))
+    runtime.close_hooks.append(lambda: [client.release(lease) for lease in leases])
+    return runtime

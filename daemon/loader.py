@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 
 import numpy as np
 
@@ -79,7 +80,6 @@ class Load:
         self.clients: set[int] = set()
         self.last_used = time.monotonic()
         self.error: FlashError | None = None
-        self.done = threading.Event()
         self.finished: Future = Future()        # resolved (or failed) when the walk ends
         if placement is not None:
             for bid, off in placement.offsets.items():
@@ -90,10 +90,6 @@ class Load:
     def start(self) -> Load:
         self._thread.start()
         return self
-
-    @property
-    def ready(self) -> bool:
-        return self.done.is_set() and self.error is None
 
     def describe(self) -> dict:
         out = {"model": self.info.name, "device": self.device, "control_offset": self.control_offset,
@@ -158,7 +154,6 @@ class Load:
             for fut in futures.values():
                 fut.add_done_callback(self._release_future)
         finally:
-            self.done.set()
             if self.error is not None:
                 self.finished.set_exception(self.error)
             else:
@@ -174,7 +169,7 @@ class Load:
 
     def close(self) -> None:
         """Release the host leases and the control page (the load must be finished)."""
-        self.done.wait()
+        futures_wait([self.finished])
         for lease_id in list(self.leases):
             try:
                 self._release(lease_id)
@@ -247,7 +242,7 @@ class Loader:
             except (ArenaFull, BudgetTooSmall):
                 with self._lock:
                     idle = sorted((ld.last_used, k) for k, ld in self._loads.items()
-                                  if ld.device == device and not ld.clients and ld.done.is_set())
+                                  if ld.device == device and not ld.clients and ld.finished.done())
                     if not idle:
                         raise
                     victim = idle[0][1]
@@ -342,7 +337,7 @@ class Attachments:
                                           **{k: v for k, v in plan.to_wire().items()
                                              if k not in ("resident", "stream_blocks")},
                                           "resident_blocks": len(plan.resident)})
-        if device == "cpu" and not load.done.is_set():
+        if device == "cpu" and not load.finished.done():
             # CPU views are made from host offsets, known once the blocks are read: answer then.
             return _when_done(load, out)
         return out

@@ -127,6 +127,8 @@ def test_streamed_under_budget_is_bit_exact(stores, daemon, device, window, mode
         models = client.list_models()
         assert any(m.get("plan", {}).get("streamed_layers") for m in models), models
         model.flash.close()
+        # Detached: the load's and the streamed layers' host leases all went back.
+        assert client.stats()["active_leases"] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
