@@ -62,6 +62,7 @@ class EmbeddedController:
             return
         self.manager.disconnect(self.client_id)
         self.attachments.close()
+        self.manager.save_access_counts()
         self.manager.close()
         self.engine.close()
         self.manager = None

@@ -250,6 +250,7 @@ class Application:
         self.publish()
         self.recovery.close()
         self.attachments.close()
+        self.manager.save_access_counts()
         self.manager.close()
         self.engine.close()
         self.server.close()

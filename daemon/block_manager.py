@@ -112,6 +112,7 @@ class _Block:
         "refs",
         "requester",
         "retries",
+        "saved_uses",
         "state",
         "submitted_ns",
         "token",
@@ -127,6 +128,7 @@ class _Block:
         self.refs = 0
         self.last_use = 0
         self.uses = 0
+        self.saved_uses = 0      # of ``uses``, how many are already in the store's access_freq
         self.prefetched = False   # loaded ahead and not acquired since
         self.waiters: list[_Ticket] = []
         self.error: FlashError | None = None
@@ -488,8 +490,34 @@ class BlockManager:
             self.generation += 1
             return len(mine)
 
+    def save_access_counts(self, name: str | None = None) -> int:
+        """Fold the uses counted since the last save into each store's ``access_freq`` (what
+        ``defrag`` orders by); all open models when ``name`` is None. Returns blocks updated. A
+        store that cannot be written (read-only, under maintenance) keeps its counts for later."""
+        from ..store.maintenance import add_access_counts
+
+        with self._lock:
+            models = list(self._models.values()) if name is None else [self._model(name)]
+            work = [(m, {b.info.id: b.uses - b.saved_uses for b in m.blocks.values()
+                         if b.uses > b.saved_uses}) for m in models]
+        updated = 0
+        for m, counts in work:
+            if not counts:
+                continue
+            try:
+                add_access_counts(m.path, counts)
+            except (FlashError, OSError) as exc:   # the metadata stays as it was; retried later
+                log.warning("model %s: access counts not saved to %s: %s", m.name, m.path, exc)
+                continue
+            with self._lock:
+                for bid, n in counts.items():
+                    m.blocks[bid].saved_uses += n
+            updated += len(counts)
+        return updated
+
     def unload(self, name: str) -> dict:
         """Forget a model and free its host memory; refused while any block of it is leased."""
+        self.save_access_counts(name)
         with self._lock:
             model = self._model(name)
             busy = [b for b in model.blocks.values() if b.refs or b.state == LOADING]

@@ -19,7 +19,6 @@ removed by the next defrag under its lock. Block ids never change (they are the 
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -27,11 +26,11 @@ from pathlib import Path
 
 from ..errors import BlockChecksumError, StoreInUse
 from ..store.format import BLOCK_ALIGN, BlockInfo, encode_metadata
+from ..store.maintenance import lock_store
 from ..store.pack import fsync_dir
 from ..store.reader import Store
 from ..store.repair import write_metadata_atomic
 
-LOCK_FILE = ".defrag.lock"
 ORDERS = ("access", "forward")
 _DATA_NAME = re.compile(r"blocks(?:\.(\d+))?\.dat")
 _TEMP_NAME = re.compile(r"\.blocks\.\d+\.dat\.tmp-\d+")
@@ -85,17 +84,6 @@ def daemon_users(store_path: Path, runtime: Path) -> list[str]:
         if path and os.path.realpath(path) == os.path.realpath(store_path):
             users.append(info.parent.name)
     return users
-
-
-def _lock(store_path: Path) -> int:
-    fd = os.open(store_path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StoreInUse(f"{store_path}: another defrag holds {store_path / LOCK_FILE}",
-                         path=str(store_path)) from None
-    return fd
 
 
 # --- leftovers -------------------------------------------------------------------------------------
@@ -179,7 +167,7 @@ def defrag(path, order: str = "access", progress=None, runtime=None) -> DefragRe
 
     path = Path(path).absolute()
     Store.open(path)   # NotAStore / MetadataError before creating a lock file in a stranger's dir
-    lock_fd = _lock(path)
+    lock_fd = lock_store(path)
     try:
         # Re-read under the lock: another defrag may have committed since.
         store = Store.open(path)

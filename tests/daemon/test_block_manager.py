@@ -93,9 +93,14 @@ def _layer_state(m, store, layer):
 
 
 @pytest.mark.parametrize("policy, victim", [("lru", 1), ("access_frequency_weighted", 0)])
-def test_eviction_policies_pick_their_victim(make, tiny_store, policy, victim):
-    m = make(arena_size=3 * LAYER + 4 * 4096, block_eviction_policy=policy)
-    store = Store.open(tiny_store)
+def test_eviction_policies_pick_their_victim(make, tiny_store, tmp_path, policy, victim):
+    # A store of its own: the shared one's access_freq grows as other tests' daemons save their
+    # counts, and the weighted policy must start from no history here.
+    from flashd_harness import packed_model
+
+    fresh = packed_model(tmp_path, "tiny", num_layers=4)
+    m = make(arena_size=3 * LAYER + 4 * 4096, block_eviction_policy=policy, store_roots=[str(fresh.parent)])
+    store = Store.open(fresh)
     m.open_model(0, "tiny")
     # Layer 1 used three times, then 2 twice, then 0 once: LRU's oldest is 1, the least used is 0.
     for layer in (1, 1, 1, 2, 2, 0):
@@ -380,3 +385,45 @@ def test_prefetch_without_room_is_retried_on_release(make, tiny_store):
     assert _layer_state(m, store, 3) != {ABSENT}
     m.acquire(0, "tiny", layer=3)
     assert m.stats()["prefetch_used"] >= 4 + 3
+
+
+def test_access_counts_reach_the_store_and_order_defrag(tmp_path):
+    """Uses counted by the manager are folded into access_freq (at unload and on demand, once),
+    and defrag then puts the most used blocks first."""
+    from deepseek_flash.daemon.block_manager import BlockManager
+    from deepseek_flash.daemon.config import FlashConfig
+
+    from deepseek_flash import _core
+    from deepseek_flash.store import Store, pack
+    from deepseek_flash.store.maintenance import lock_store
+    from deepseek_flash.testing import make_tiny_model
+    from deepseek_flash.tools.defrag import defrag
+
+    store = pack(make_tiny_model(tmp_path / "src", "llama", num_layers=2), tmp_path / "store")
+    arena, engine = _core.HostArena(16 << 20), _core.IOEngine()
+    manager = BlockManager(FlashConfig({"host_cache_bytes": 16 << 20}), arena, engine)
+    try:
+        cid = manager.connect({"name": "t"})
+        name = manager.open_model(cid, str(store)).name
+        hot = Store.open(store).blocks[-1].id
+        for _ in range(5):
+            manager.release(cid, manager.acquire(cid, name, blocks=[hot]).id)
+        manager.release(cid, manager.acquire(cid, name, layer=1).id)
+        # Held under maintenance: nothing written, nothing lost.
+        fd = lock_store(store)
+        assert manager.save_access_counts(name) == 0
+        os.close(fd)
+        assert Store.open(store).block(hot).access_freq == 0
+        assert manager.save_access_counts(name) >= 1
+        assert manager.save_access_counts(name) == 0          # already folded in
+        freq = {b.id: b.access_freq for b in Store.open(store).blocks}
+        assert freq[hot] == 5
+        assert all(freq[b.id] == 1 for b in Store.open(store).blocks if b.layer == 1 and b.id != hot)
+        manager.disconnect(cid)
+        manager.unload(name)
+    finally:
+        manager.close()
+        engine.close()
+    report = defrag(store)
+    assert report.order_ids[0] == hot
+    assert min(Store.open(store).blocks, key=lambda b: b.offset).id == hot

@@ -18,10 +18,11 @@ from deepseek_flash import cli
 from deepseek_flash.errors import StoreInUse
 from deepseek_flash.store import Store, pack
 from deepseek_flash.store.format import encode_metadata
+from deepseek_flash.store.maintenance import LOCK_FILE
 from deepseek_flash.store.repair import repair, write_metadata_atomic
 from deepseek_flash.store.verify import verify_store
 from deepseek_flash.testing import make_tiny_model
-from deepseek_flash.tools.defrag import LOCK_FILE, defrag
+from deepseek_flash.tools.defrag import defrag
 
 FREQ = {6: 100, 0: 50, 11: 7, 3: 7, 9: 1}
 
@@ -125,7 +126,7 @@ def test_refuses_concurrent_defrag(store, runtime):
     fd = os.open(store / LOCK_FILE, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        with pytest.raises(StoreInUse, match="another defrag"):
+        with pytest.raises(StoreInUse, match="maintenance lock"):
             defrag(store, runtime=runtime)
     finally:
         os.close(fd)
