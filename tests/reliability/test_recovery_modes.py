@@ -7,6 +7,7 @@ import pytest
 from deepseek_flash.daemon.block_manager import BlockManager
 from deepseek_flash.daemon.config import FlashConfig
 from faults import FaultyEngine, block_of, copy_store, corrupt_block
+from flashd_harness import assert_eventually
 
 from deepseek_flash._core import HostArena, IOEngine
 from deepseek_flash.errors import BlockChecksumError, DeviceError, FlashIOError
@@ -206,11 +207,13 @@ def test_daemon_graceful_degraded_status_notify_and_log(daemon_factory, tiny_sto
         stats = c.stats()
         assert stats["quarantined_blocks"] == 1 and stats["checksum_errors"] == 2
         d.wait_message("STATUS=DEGRADED", timeout=10)
-        status = d.status_file()
-        assert status["controller_state"] == "DEGRADED"
-        assert f"[{victim.id}]" in status["degraded_reason"]
-        info_lines = (d.runtime / "models" / "bad" / "info").read_text()
-        assert "quarantined_blocks" in info_lines and str(victim.id) in info_lines
+        # The status thread replaces the tree's files one after another, after the notify.
+        assert_eventually(lambda: d.status_file().get("controller_state") == "DEGRADED",
+                          what="DEGRADED in status")
+        assert f"[{victim.id}]" in d.status_file()["degraded_reason"]
+        info_path = d.runtime / "models" / "bad" / "info"
+        assert_eventually(lambda: "quarantined_blocks" in info_path.read_text()
+                          and str(victim.id) in info_path.read_text(), what="quarantine in info")
         assert "controller DEGRADED" in d.log()
         c.release(lease)
     assert d.stop() == 0
