@@ -54,7 +54,7 @@ def test_lifecycle_ready_serve_stop(daemon_factory, tiny_store):
         assert stats["bytes_read_nvme"] == store.total_bytes
         assert_eventually(lambda: d.status_file("stats").get("active_leases") == "1", what="stats file")
         assert c.list_models()[0]["resident_blocks"] == len(store.blocks)
-        assert (d.runtime / "models" / "tiny").is_dir()
+        assert_eventually(lambda: (d.runtime / "models" / "tiny" / "info").exists(), what="model dir")
     assert d.stop() == 0
     assert any("STOPPING=1" in m for m in d.drain_notify())
     assert not d.socket.exists()
