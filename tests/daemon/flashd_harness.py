@@ -40,6 +40,21 @@ def assert_eventually(predicate, timeout: float = 10.0, what: str = "condition")
         time.sleep(0.02)
 
 
+def raw_connection(socket_path, hello: bool = True, timeout: float = 10.0):
+    """A bare socket to the daemon, after the versioned hello when ``hello``:
+    (socket, hello reply or None, fds passed with it -- the caller closes them)."""
+    from deepseek_flash import protocol
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(str(socket_path))
+    reply, fds = None, []
+    if hello:
+        s.sendall(protocol.request(1, "hello", {"protocol": protocol.PROTOCOL_VERSION}))
+        reply = protocol.recv_message(s, 1 << 20, fds)
+    return s, reply, fds
+
+
 def daemon_command() -> list[str]:
     exe = shutil.which("deepseek-flashd")
     return [exe] if exe else [sys.executable, "-m", "deepseek_flash.daemon.app"]

@@ -9,6 +9,7 @@ import time
 
 import msgpack
 import pytest
+from flashd_harness import raw_connection
 
 from deepseek_flash import protocol
 from deepseek_flash.errors import PermissionDenied
@@ -23,17 +24,12 @@ def daemon(daemon_factory, tiny_store):
 
 
 def raw(daemon, hello=True):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
-    s.connect(str(daemon.socket))
+    s, reply, fds = raw_connection(daemon.socket, hello, timeout=10)
     if hello:
-        s.sendall(protocol.request(1, "hello", {"protocol": protocol.PROTOCOL_VERSION}))
-        fds = []
-        reply = protocol.recv_message(s, 1 << 20, fds)
         assert reply["ok"] and len(fds) == 1
         assert os.fstat(fds[0]).st_size == reply["result"]["arena_size"]
-        for fd in fds:
-            os.close(fd)
+    for fd in fds:
+        os.close(fd)
     return s
 
 

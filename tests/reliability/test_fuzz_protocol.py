@@ -10,6 +10,7 @@ import time
 import msgpack
 import pytest
 from faults import FUZZ_MIN_FRAMES, FUZZ_RSS_GROWTH_LIMIT, STUCK_MAX_LIMIT, STUCK_P50_LIMIT
+from flashd_harness import raw_connection
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,15 +32,11 @@ def daemon(daemon_factory, tiny_store):
 
 
 def connect(daemon, hello=True):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(20)
-    s.connect(str(daemon.socket))
+    s, reply, fds = raw_connection(daemon.socket, hello, timeout=20)
     if hello:
-        s.sendall(protocol.request(1, "hello", {"protocol": protocol.PROTOCOL_VERSION}))
-        fds = []
-        assert protocol.recv_message(s, 1 << 20, fds)["ok"]
-        for fd in fds:
-            os.close(fd)
+        assert reply["ok"]
+    for fd in fds:
+        os.close(fd)
     return s
 
 
