@@ -93,8 +93,7 @@ class Load:
 
     def describe(self) -> dict:
         out = {"model": self.info.name, "device": self.device, "control_offset": self.control_offset,
-               "num_gates": self.num_gates, "num_blocks": len(self.info.blocks),
-               "block_order": [b.id for b in self.info.blocks]}
+               "num_gates": self.num_gates, "num_blocks": len(self.info.blocks)}
         if self.placement is not None:
             out["events"] = self.placement.event_handles
         return out
