@@ -115,6 +115,12 @@ def write_finite_llama(path, *, dtype: str = "bfloat16", seed: int = 0, **shape)
     return path
 
 
+def save(result: dict, output: str | None) -> None:
+    """Write what is measured so far (a run cut short keeps its finished phases)."""
+    if output:
+        Path(output).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def emit(result: dict, output: str | None) -> None:
     text = json.dumps(result, indent=2)
     print(text)

@@ -25,15 +25,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import LLAMA_8B, drop_caches, emit, gbps, pinned_h2d, python_direct_read, write_finite_llama
+from _common import LLAMA_8B, drop_caches, emit, gbps, pinned_h2d, python_direct_read, save, write_finite_llama
 
+# A restarted inference process: torch, transformers and the model's class imported, the CUDA
+# context created (what every GPU process pays, with or without us), then load_model.
 ATTACH_SCRIPT = r"""
 import sys, time, json
 t_start = float(sys.argv[3])
 import torch, transformers
+from transformers.models.llama import modeling_llama
 import deepseek_flash
 from deepseek_flash.client.model import load_model
 t_imported = time.perf_counter()
+torch.cuda.init()
+torch.empty(1, device="cuda:0")
+t_cuda = time.perf_counter()
 model = load_model(sys.argv[1], device="cuda:0", socket_path=sys.argv[2])
 t_loaded = time.perf_counter()
 ids = torch.tensor([[1, 2, 3, 4]], device="cuda:0")
@@ -41,7 +47,8 @@ with torch.no_grad():
     token = model(ids).logits[0, -1].argmax().item()
 torch.cuda.synchronize()
 t_token = time.perf_counter()
-print(json.dumps({"load_model_ms": (t_loaded - t_imported) * 1e3,
+print(json.dumps({"load_model_ms": (t_loaded - t_cuda) * 1e3, "cuda_init_ms": (t_cuda - t_imported) * 1e3,
+                  "phases_ms": model.flash.timings,
                   "first_forward_ms": (t_token - t_loaded) * 1e3,
                   "process_start_to_first_token_ms": (t_token - t_start) * 1e3,
                   "import_ms": (t_imported - t_start) * 1e3, "token": token}))
@@ -52,7 +59,11 @@ FROM_PRETRAINED_SCRIPT = r"""
 import sys, time, json
 t_start = float(sys.argv[2])
 import torch, transformers
+from transformers.models.llama import modeling_llama
 t_imported = time.perf_counter()
+torch.cuda.init()
+torch.empty(1, device="cuda:0")
+t_cuda = time.perf_counter()
 model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16,
                                                           device_map="cuda:0")
 t_loaded = time.perf_counter()
@@ -61,7 +72,7 @@ with torch.no_grad():
     token = model(ids).logits[0, -1].argmax().item()
 torch.cuda.synchronize()
 t_token = time.perf_counter()
-print(json.dumps({"from_pretrained_ms": (t_loaded - t_imported) * 1e3,
+print(json.dumps({"from_pretrained_ms": (t_loaded - t_cuda) * 1e3,
                   "process_start_to_first_token_ms": (t_token - t_start) * 1e3, "token": token}))
 """
 
@@ -138,7 +149,13 @@ def main(argv=None) -> int:
     drop_caches()
     res["raw_odirect_read_gbps"] = python_direct_read(str(data), os.path.getsize(data), threads=8)
 
-    # Cold and warm load, embedded controller (the daemon's code, in this process).
+    # Cold and warm load, embedded controller (the daemon's code, in this process). The model's
+    # transformers class is imported first (one skeleton built): loads measure IO, not imports.
+    import json
+
+    from deepseek_flash.client.model import build_skeleton
+
+    build_skeleton(json.loads((src / "config.json").read_text()))
     config = {"host_cache_bytes": args.host_cache, "unified_memory_ratio": 0.5}
     client = Client(embedded=True, config=config)
     t = time.perf_counter()
@@ -152,6 +169,7 @@ def main(argv=None) -> int:
     cold = time.perf_counter() - t
     res["cold_load"] = {"seconds": round(cold, 3), "gbps": gbps(nbytes, cold),
                         "load_model_returned_s": round(t_returned, 3),
+                        "load_model_phases_ms": model.flash.timings,
                         "vs_raw_odirect": round(gbps(nbytes, cold) / res["raw_odirect_read_gbps"], 3)}
     ids = torch.tensor([[1, 2, 3, 4]], device="cuda:0")
     with torch.no_grad():
@@ -163,9 +181,11 @@ def main(argv=None) -> int:
     wait_loaded(model)
     warm = time.perf_counter() - t
     res["warm_load"] = {"seconds": round(warm, 3), "gbps": gbps(nbytes, warm),
+                        "load_model_phases_ms": model.flash.timings,
                         "vs_pinned_h2d": round(gbps(nbytes, warm) / res["pinned_h2d_gbps"], 3)}
     with torch.no_grad():
         res["warm_logits_equal_cold"] = bool(torch.equal(model(ids).logits.float().cpu(), ref_logits))
+    save(res, args.output)
     model.flash.close()
     client.close()
     del model
@@ -188,10 +208,11 @@ def main(argv=None) -> int:
     fp = run_script(FROM_PRETRAINED_SCRIPT, src)
     res["from_pretrained_cold"] = {"seconds": round(fp["from_pretrained_ms"] / 1e3, 3),
                                    "gbps": gbps(nbytes, fp["from_pretrained_ms"] / 1e3)}
+    save(res, args.output)
 
     # Warm attach: the daemon holds the model on the GPU; new processes attach.
     runtime = Path(tempfile.mkdtemp(prefix="flash-bench-"))
-    daemon = start_daemon(runtime, config)
+    daemon = start_daemon(runtime, {**config, "devices": [0]})   # pin + arena at start
     try:
         sock = runtime / "control.sock"
         first = run_script(ATTACH_SCRIPT, store_dir, sock)      # loads the model (cold-ish)
@@ -201,6 +222,8 @@ def main(argv=None) -> int:
         res["warm_attach"] = {"first_client_load_model_ms": round(first["load_model_ms"], 1),
                               "load_model_ms": [round(a["load_model_ms"], 1) for a in attaches],
                               "best_load_model_ms": round(best["load_model_ms"], 1),
+                              "phases_ms": best["phases_ms"],
+                              "cuda_init_ms": round(best["cuda_init_ms"], 1),
                               "first_forward_ms": round(best["first_forward_ms"], 1),
                               "process_start_to_first_token_ms": round(best["process_start_to_first_token_ms"], 1),
                               "from_pretrained_page_cache_start_to_first_token_ms":

@@ -19,7 +19,7 @@ import platform
 import sys
 import time
 
-from _common import LLAMA_8B, drop_caches, emit, pinned_h2d, write_finite_llama
+from _common import LLAMA_8B, drop_caches, emit, pinned_h2d, save, write_finite_llama
 
 PROMPT = 16
 
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
         rate, out = decode_rate(resident, b, args.tokens)
         res["resident_tok_s"][b] = round(rate, 2)
         resident_out[b] = out.cpu()
+    save(res, args.output)
     resident.flash.close()
     client.unload(resident.flash.info.name, tier="device")
     del resident
@@ -129,9 +130,12 @@ def main(argv=None) -> int:
                 (after["fabric_stall_cycles"] - before["fabric_stall_cycles"]) / max(1, passes))
             res["prefetch_window_final"] = after["prefetch_window"]
             res["window_decisions"] = after["decisions"][-5:]
+        save(res, args.output)
     streamed.flash.close()
     client.close()
-    del streamed
+    # Every view of the arena must go before the next controller allocates its own.
+    del streamed, runtime, plan, client
+    __import__("gc").collect()
     torch.cuda.empty_cache()
 
     # Time to first token from a cold model: streamed (lazy) vs the whole model loaded first.
@@ -153,8 +157,10 @@ def main(argv=None) -> int:
         res.setdefault("cold_ttft_s", {})[name] = round(time.perf_counter() - t, 3)
         m.flash.close()
         c.close()
-        del m
+        del m, c
+        __import__("gc").collect()
         torch.cuda.empty_cache()
+        save(res, args.output)
 
     # accelerate's offload under the same budget, same run.
     if not args.skip_accelerate:

@@ -160,6 +160,7 @@ class FlashModelHandle:
         self.desc = desc
         self.gates = None
         self.stream = None
+        self.timings: dict[str, float] = {}     # load_model's phases, ms
         self._owns_client = owns_client
         self.closed = False
 
@@ -198,10 +199,27 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
     owns_client = client is None
     if client is None:
         client = Client(socket_path=socket_path, embedded=embedded, config=config)
+    timings = {}
+    mark = time.perf_counter()
+
+    def lap(name):
+        nonlocal mark
+        now = time.perf_counter()
+        timings[name] = round((now - mark) * 1e3, 3)
+        mark = now
+
+    handle = None
     try:
         info = client.open_model(name_or_path, flash_context)
         dev = torch.device(device)
         target = "cpu" if dev.type == "cpu" else (dev.index if dev.index is not None else 0)
+        budget = None if weight_budget is None else parse_size("weight_budget", weight_budget)
+        lap("open_model_ms")
+        handle = FlashModelHandle(client, info, dev, None, owns_client)
+        handle.timings = timings
+        # Attach first: a cold load starts reading and copying while the skeleton is built.
+        handle.desc = client.attach(info.name, target, weight_budget=budget)
+        lap("attach_ms")
         model = build_skeleton(info.config)
         if dev.type != "cpu":
             # Rotary tables and other buffers are computed in this process; only they move.
@@ -209,29 +227,33 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
                 for name, buf in module._buffers.items():
                     if buf is not None:
                         module._buffers[name] = buf.to(dev)
-        handle = FlashModelHandle(client, info, dev, None, owns_client)
-        budget = None if weight_budget is None else parse_size("weight_budget", weight_budget)
-        _attach(model, handle, budget, target)
+        lap("skeleton_ms")
+        _bind(model, handle, target, lap)
         model.flash = handle
+        timings["total_ms"] = round(sum(timings.values()), 3)
         return model
     except BaseException:
-        if owns_client:
+        if handle is not None and handle.desc is not None:
+            try:
+                handle.close()
+            except Exception:  # noqa: BLE001 -- the original error is the one to report
+                log.exception("detaching %s after a failed load_model", handle.info.name)
+        elif owns_client:
             client.close()
         raise
 
 
-
-def _attach(model, handle, budget: int | None, target) -> None:
-    """Ask the controller for the model's memory on ``target`` under ``budget``, bind the resident
-    blocks, start streaming the rest if the plan says so, and gate layers still loading."""
+def _bind(model, handle, target, lap) -> None:
+    """Bind the resident blocks of the controller's answer to ``attach`` (``handle.desc``), start
+    streaming the rest if the plan says so, and gate layers still loading."""
     from ..daemon.loader import control_views
     from ..daemon.planner import Plan
     from ..store.views import block_tensors
 
-    client, info = handle.client, handle.info
-    desc = handle.desc = client.attach(info.name, target, weight_budget=budget)
+    client, info, desc = handle.client, handle.info, handle.desc
     plan = Plan.from_wire(desc["plan"])
     memory, events = client.device_memory(target, desc)
+    lap("device_memory_ms")
     gates, offsets = control_views(client.arena, desc["control_offset"], desc["num_gates"],
                                    desc["num_blocks"])
     resident = set(plan.resident)
@@ -247,3 +269,4 @@ def _attach(model, handle, budget: int | None, target) -> None:
         handle.stream = start_streaming(model, handle, plan, desc, memory, target)
     if not bool((gates == GATE_READY).all()):
         handle.gates = Gates(model, gates, events)
+    lap("bind_ms")

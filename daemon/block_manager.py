@@ -628,12 +628,15 @@ class BlockManager:
         return self.acquire_async(client_id, model, blocks, layer, priority, wait).result(timeout)
 
     def acquire_async(self, client_id, model, blocks=None, layer=None, priority: int = 0,
-                      wait: bool = True) -> Future:
+                      wait: bool = True, requester: int | None = None) -> Future:
         """Lease ``blocks`` (or every block of ``layer``) of ``model``; a Future of the ``Lease``
         (a ``Resolved`` one when every block was resident).
 
         ``priority`` is reserved (accepted, not yet used for ordering). With ``wait=False`` an
         acquire that would have to read raises ``NotResident`` after starting those reads.
+        ``requester``: the client whose request this acquire serves, when another holds the lease
+        (a shared GPU load holds its leases as the daemon): the reads count as that client's in
+        the profiler's load log.
         """
         with self._lock:
             client = self._client(client_id)
@@ -690,7 +693,7 @@ class BlockManager:
                 window = (handle.config if handle else m.config).prefetch_window
                 if window:
                     batch += self._prefetch_locked(m, m.order.stages_after(layer, window), protect)
-            self._submit(batch, client_id)
+            self._submit(batch, client_id if requester is None else requester)
             self.generation += 1
             pending = [b for b in wanted if b.state == LOADING]
             if not pending:

@@ -60,12 +60,13 @@ class Load:
     """One model's memory on one device, and the thread that fills it."""
 
     def __init__(self, manager, arena, info, device, owner: int, resident: list[int],
-                 placement=None):
+                 placement=None, requester: int | None = None):
         self.manager = manager
         self.arena = arena
         self.info = info
         self.device = device                     # "cpu" or a CUDA index
         self.owner = owner                       # client whose leases keep host blocks (cpu)
+        self.requester = owner if requester is None else requester   # whose reads (profiler)
         self.placement = placement
         self.resident = frozenset(resident)      # the blocks this load puts on the device
         self.order = ForwardOrder([b for b in info.blocks if b.id in self.resident],
@@ -114,7 +115,8 @@ class Load:
                         submitted <= gate or window is None or inflight + stage_bytes[submitted] <= window):
                     if stages[submitted]:
                         futures[submitted] = self.manager.acquire_async(
-                            self.owner, self.info.name, blocks=list(stages[submitted]))
+                            self.owner, self.info.name, blocks=list(stages[submitted]),
+                            requester=self.requester)
                         inflight += stage_bytes[submitted]
                     submitted += 1
                 if not stages[gate]:
@@ -226,7 +228,7 @@ class Loader:
                     placement = self.with_room(device, lambda: self.fabric.place(key, device, blocks))
                     load = self._loads[key] = Load(self.manager, self.arena, info, device,
                                                    owner=DAEMON_CLIENT, resident=resident,
-                                                   placement=placement).start()
+                                                   placement=placement, requester=client_id).start()
             load.clients.add(client_id)
             load.last_used = time.monotonic()
             return load

@@ -151,6 +151,23 @@ def test_idle_gpu_model_stays_until_its_memory_is_needed(controller, tmp_path):
     loader.close()
 
 
+def test_a_shared_gpu_load_reads_on_behalf_of_the_client_that_started_it(controller, tiny_store):
+    """The load holds its host leases as the daemon, but the profiler must see the reads as the
+    attaching client's (its pid), not the daemon's."""
+    manager, arena = controller
+    fabric = _FakeFabric(64 << 20)
+    loader = Loader(manager, arena, fabric)
+    cid = manager.connect({"name": "gpu-client", "pid": 424242})
+    info = manager.open_model(cid, str(tiny_store))
+    load = loader.attach(cid, info, 0, [b.id for b in info.blocks])
+    load.finished.result(timeout=30)
+    samples = manager.load_samples()
+    assert sorted(s[5] for s in samples) == sorted(b.id for b in info.blocks)
+    assert {(s[2], s[3]) for s in samples} == {(cid, 424242)}
+    assert [s[5] for s in manager.load_samples(pid=424242)] == [s[5] for s in samples]
+    loader.close()
+
+
 def test_devices_outside_the_configuration_are_refused(monkeypatch):
     from deepseek_flash.daemon import fabric as fabric_mod
 
