@@ -46,12 +46,25 @@ def _meta_parameters():
         torch.nn.Module.register_parameter = original
 
 
+def _no_weight_init():
+    """transformers' switch that skips initializing weights (they are all replaced by views):
+    three quarters of building an 8B skeleton otherwise, even on meta."""
+    try:
+        from transformers.initialization import no_init_weights     # transformers >= 5
+    except ImportError:
+        try:
+            from transformers.modeling_utils import no_init_weights  # transformers 4.x
+        except ImportError:
+            return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def build_skeleton(config_dict: dict):
     """A ``transformers`` causal LM of the stored config with all parameters on meta."""
     import transformers
 
     config = transformers.AutoConfig.for_model(**config_dict)
-    with _meta_parameters():
+    with _meta_parameters(), _no_weight_init():
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.eval()
     return model

@@ -67,7 +67,9 @@ def write_random_llama(path, *, hidden: int = 2048, layers: int = 16, intermedia
             f.write(struct.pack("<Q", len(raw)) + raw)
             for name in names:
                 n = int(np.prod(shapes[name])) * _SIZES[dtype]
-                f.write(rng.integers(0, 2**63, size=(n + 7) // 8, dtype=np.uint64).tobytes()[:n])
+                # Raw generator output: ~8x faster than integers(), which matters for an 8B model.
+                words = rng.bit_generator.random_raw((n + 7) // 8)
+                f.write(memoryview(words).cast("B")[:n])
     if len(shards) > 1:
         (path / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(int(np.prod(s)) * _SIZES[dtype] for s in shapes.values())},
