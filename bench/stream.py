@@ -128,6 +128,8 @@ def main(argv=None) -> int:
             res["steady_prefetch_hit_rate"] = round(hits / max(1, hits + misses), 4)
             res["fabric_stall_cycles_per_token"] = int(
                 (after["fabric_stall_cycles"] - before["fabric_stall_cycles"]) / max(1, passes))
+            res["fabric_stall_us_per_token"] = round(
+                (after["fabric_stall_us"] - before["fabric_stall_us"]) / max(1, passes), 1)
             res["prefetch_window_final"] = after["prefetch_window"]
             res["window_decisions"] = after["decisions"][-5:]
         save(res, args.output)

@@ -358,6 +358,20 @@ class StreamRuntime:
         self.close_hooks = []
 
 
+# nvmlDeviceGetPcieLinkMaxSpeed answers with an enum (NVML_PCIE_LINK_MAX_SPEED_*), not a number:
+# 1..6 stand for 2500, 5000, 8000, 16000, 32000, 64000 Mbit/s per lane (PCIe generations 1..6).
+_NVML_LINK_SPEED_MBPS = {1: 2500, 2: 5000, 3: 8000, 4: 16000, 5: 32000, 6: 64000}
+
+
+def pcie_capacity(nv, handle) -> float:
+    """The device's PCIe link capacity in bytes/s, one direction: per-lane signalling rate, less
+    line encoding (8b/10b up to 5 GT/s, 128b/130b from 8 GT/s), times the link width."""
+    speed = int(nv.nvmlDeviceGetPcieLinkMaxSpeed(handle))
+    mbps = _NVML_LINK_SPEED_MBPS.get(speed, speed)   # a driver that answers in Mbit/s: as is
+    encoding = 8 / 10 if mbps <= 5000 else 128 / 130
+    return mbps * 1e6 / 8 * encoding * int(nv.nvmlDeviceGetMaxPcieLinkWidth(handle))
+
+
 class LinkSampler:
     """How busy the PCIe link is with traffic that is not this client's streaming.
 
@@ -387,10 +401,7 @@ class LinkSampler:
             self._nvml = pynvml
         nv = self._nvml
         handle = nv.nvmlDeviceGetHandleByIndex(self._device)
-        # Link capacity in bytes/s: PCIe max link speed (MB/s per lane) x width.
-        capacity = (nv.nvmlDeviceGetPcieLinkMaxSpeed(handle) * 1e6 / 8
-                    * nv.nvmlDeviceGetMaxPcieLinkWidth(handle))
-        return handle, capacity
+        return handle, pcie_capacity(nv, handle)
 
     def sample(self, handle, capacity, last_bytes: int, seconds: float) -> int:
         """One measurement: update ``load``; returns the streamed-bytes mark for the next one."""

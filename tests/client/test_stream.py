@@ -99,6 +99,20 @@ def test_window_controller_grows_on_stalls_and_yields_to_a_busy_link():
     assert "busy" in c.decisions[-1]["reason"] and "stalls" in c.decisions[0]["reason"]
 
 
+@pytest.mark.parametrize("speed, width, gbps", [
+    (5, 16, 63.015), (4, 16, 31.508), (3, 8, 7.877), (1, 16, 4.0),   # NVML's enum (gen 5, 4, 3, 1)
+    (32000, 16, 63.015),                                                # a plain Mbit/s answer
+])
+def test_pcie_capacity_reads_nvml_link_speed_codes(speed, width, gbps):
+    from types import SimpleNamespace
+
+    from deepseek_flash.client.stream import pcie_capacity
+
+    nvml = SimpleNamespace(nvmlDeviceGetPcieLinkMaxSpeed=lambda h: speed,
+                           nvmlDeviceGetMaxPcieLinkWidth=lambda h: width)
+    assert round(pcie_capacity(nvml, None) / 1e9, 3) == gbps
+
+
 def test_link_sampler_counts_only_traffic_that_is_not_ours():
     from types import SimpleNamespace
 
