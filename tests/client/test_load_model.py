@@ -167,3 +167,40 @@ def test_model_stays_resident_after_last_client_until_unload(stores, daemon):
         assert listed[name]["resident_blocks"] == len(Store.open(store).blocks)
         assert json.dumps(c.unload(name))
         assert name not in {x["name"] for x in c.list_models()}
+
+
+def test_load_model_records_its_phases(stores):
+    src, store = stores[("llama", "bfloat16")]
+    with Client(embedded=True, config=CONFIG) as client:
+        model = load_model(store, device="cpu", client=client)
+        t = model.flash.timings
+        assert list(t) == ["open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms", "bind_ms",
+                           "total_ms"]
+        assert all(v >= 0 for v in t.values())
+        assert t["total_ms"] == pytest.approx(sum(v for k, v in t.items() if k != "total_ms"), abs=0.01)
+        model.flash.close()
+
+
+def test_a_load_model_that_fails_after_attaching_detaches(stores, monkeypatch):
+    """The attach happens before the skeleton is built: if building fails, the client's
+    attachment (its CPU load and host leases) must not outlive the call."""
+    from deepseek_flash.client import model as model_mod
+
+    src, store = stores[("llama", "float32")]
+
+    def broken(config):
+        raise RuntimeError("skeleton broke")
+
+    with Client(embedded=True, config=CONFIG) as client:
+        monkeypatch.setattr(model_mod, "build_skeleton", broken)
+        with pytest.raises(RuntimeError, match="skeleton broke"):
+            load_model(store, device="cpu", client=client)
+        loader = client._backend.attachments.loader
+        assert [ld for ld in loader.loads() if ld.clients] == []
+        assert client.stats()["active_leases"] == 0
+        monkeypatch.undo()
+        # The client is still usable for the next load.
+        model = load_model(store, device="cpu", client=client)
+        ref = load_reference(src, device="cpu")
+        assert_same_outputs(model, ref, inputs(1))
+        model.flash.close()
