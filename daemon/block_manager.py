@@ -351,6 +351,10 @@ class BlockManager:
                 log.exception("disconnect hook %r failed for client %s", hook, client_id)
         return released
 
+    def connected(self, client_id: int) -> bool:
+        with self._lock:
+            return client_id in self._clients
+
     def _client(self, client_id) -> _Client:
         try:
             return self._clients[client_id]

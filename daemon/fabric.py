@@ -177,6 +177,10 @@ class Fabric:
 
         return torch.cuda.device_count()
 
+    def ready(self, device: int) -> bool:
+        """True once ``device``'s arena exists (attaching to it no longer page-locks or allocates)."""
+        return device in self.arenas
+
     def arena(self, device: int) -> GpuArena:
         """The arena of ``device``, created on first use (and the host arena pinned once)."""
         with self._lock:

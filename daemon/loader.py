@@ -315,9 +315,35 @@ class Attachments:
         self.loader = loader
         self.fabric = fabric
         self._slots: dict[tuple, int] = {}     # (client, model) -> device holding its slots
+        self._slots_lock = threading.Lock()
 
     def attach(self, client_id: int, model: str, device, weight_budget=None,
                ipc: bool = True) -> dict | Future:
+        """The attach reply, or a Future of it: a CPU attach answers once the blocks are read;
+        the first attach to a device whose arena does not exist yet runs on its own thread (it
+        page-locks the host arena and allocates the device arena: seconds on a large arena),
+        so the daemon's loop keeps serving everyone else meanwhile."""
+        if device != "cpu" and self.fabric is not None and not self.fabric.ready(int(device)):
+            future: Future = Future()
+
+            def run():
+                try:
+                    # Outside the loader's lock, which other clients' attaches need meanwhile.
+                    self.fabric.arena(int(device))
+                    out = self._attach(client_id, model, device, weight_budget, ipc)
+                except BaseException as exc:   # noqa: BLE001 -- delivered to the client, typed
+                    future.set_exception(exc)
+                    return
+                if not self.manager.connected(client_id):
+                    # The client left while its attach ran: its disconnect found nothing to end.
+                    self.detach(client_id)
+                future.set_result(out)
+
+            threading.Thread(target=run, daemon=True, name=f"flash-attach-cuda:{device}").start()
+            return future
+        return self._attach(client_id, model, device, weight_budget, ipc)
+
+    def _attach(self, client_id: int, model: str, device, weight_budget, ipc: bool) -> dict | Future:
         from .planner import plan_residency
 
         info = self.manager.open_model(client_id, model)
@@ -330,10 +356,11 @@ class Attachments:
             if ipc:
                 out["gpu_arena"] = self.fabric.arena(int(device)).ipc_descriptor()
             if plan.streaming:
-                self._free_slots(client_id, info.name)
-                out["slots"] = self.loader.with_room(int(device), lambda: self.fabric.alloc_slots(
-                    (client_id, info.name), int(device), plan.n_slots, plan.slot_bytes))
-                self._slots[(client_id, info.name)] = int(device)
+                with self._slots_lock:
+                    self._free_slots(client_id, info.name)
+                    out["slots"] = self.loader.with_room(int(device), lambda: self.fabric.alloc_slots(
+                        (client_id, info.name), int(device), plan.n_slots, plan.slot_bytes))
+                    self._slots[(client_id, info.name)] = int(device)
         self.manager.set_plan(info.name, {**info.plan, "device": str(device),
                                           **{k: v for k, v in plan.to_wire().items()
                                              if k not in ("resident", "stream_blocks")},
@@ -387,8 +414,9 @@ class Attachments:
 
     def detach(self, client_id: int, model: str | None = None) -> None:
         self.loader.detach(client_id, model)
-        for key in [k for k in self._slots if k[0] == client_id and (model is None or k[1] == model)]:
-            self._free_slots(*key)
+        with self._slots_lock:
+            for key in [k for k in self._slots if k[0] == client_id and (model is None or k[1] == model)]:
+                self._free_slots(*key)
 
 
 def build_device_tier(manager, arena, config) -> Attachments:

@@ -103,7 +103,8 @@ class _FakeFabric:
     def place(self, key, device, blocks):
         offsets = dict(zip([b.id for b in blocks], self.allocator.alloc_many(b.length for b in blocks)))
         stages = ForwardOrder(blocks, 1 + max(b.layer for b in blocks)).stages
-        placement = SimpleNamespace(fabric=self, offsets=offsets, events=[_FakeEvent() for _ in stages])
+        placement = SimpleNamespace(fabric=self, offsets=offsets, events=[_FakeEvent() for _ in stages],
+                                    event_handles=[b"" for _ in stages])
         self.placements[key] = placement
         return placement
 
@@ -166,6 +167,91 @@ def test_a_shared_gpu_load_reads_on_behalf_of_the_client_that_started_it(control
     assert {(s[2], s[3]) for s in samples} == {(cid, 424242)}
     assert [s[5] for s in manager.load_samples(pid=424242)] == [s[5] for s in samples]
     loader.close()
+
+
+class _SlowFirstFabric(_FakeFabric):
+    """A device whose arena takes until ``opened`` is set to create (page-locking and allocating
+    a large arena take seconds on a real one)."""
+
+    def __init__(self, size):
+        super().__init__(size)
+        import threading
+
+        self.opened = threading.Event()
+        self.created = False
+
+    def ready(self, device):
+        return self.created
+
+    def arena(self, device):
+        assert self.opened.wait(30)
+        self.created = True
+        return SimpleNamespace(ipc_descriptor=lambda: {"device": device})
+
+    def place(self, key, device, blocks):
+        self.arena(device)
+        return super().place(key, device, blocks)
+
+    def close(self):
+        pass
+
+
+def test_first_attach_to_a_device_does_not_hold_the_caller(controller, tiny_store):
+    """While the first attach to a device creates its arena, the controller keeps serving other
+    requests; the attach answers once the arena is there, and later attaches answer at once."""
+    manager, arena = controller
+    fabric = _SlowFirstFabric(64 << 20)
+    attachments = Attachments(manager, Loader(manager, arena, fabric), fabric)
+    first = manager.connect({"name": "first"})
+    other = manager.connect({"name": "other"})
+    pending = attachments.attach(first, str(tiny_store), 0)
+    assert not pending.done()
+    # Meanwhile another client is served: its CPU attach, and a lease.
+    info = manager.open_model(other, str(tiny_store))
+    cpu = attachments.attach(other, info.name, "cpu")
+    cpu = cpu.result(timeout=30) if hasattr(cpu, "result") else cpu
+    assert cpu["device"] == "cpu"
+    manager.release(other, manager.acquire(other, info.name, layer=0).id)
+    assert not pending.done()
+    fabric.opened.set()
+    out = pending.result(timeout=30)
+    assert out["device"] == 0 and out["gpu_arena"] == {"device": 0}
+    # The arena exists now: the next attach answers directly.
+    again = attachments.attach(other, info.name, 0)
+    assert isinstance(again, dict) and again["control_offset"] == out["control_offset"]
+    attachments.close()
+
+
+def test_a_client_gone_during_its_first_attach_is_not_left_attached(controller, tiny_store,
+                                                                    monkeypatch):
+    import threading
+
+    from deepseek_flash.daemon import planner
+
+    manager, arena = controller
+    fabric = _SlowFirstFabric(64 << 20)
+    loader = Loader(manager, arena, fabric)
+    attachments = Attachments(manager, loader, fabric)
+    manager.on_disconnect(attachments.detach)
+    planning, go = threading.Event(), threading.Event()
+    plan = planner.plan_residency
+
+    def held_plan(*args, **kwargs):
+        planning.set()
+        assert go.wait(30)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan_residency", held_plan)
+    cid = manager.connect({"name": "leaves"})
+    pending = attachments.attach(cid, str(tiny_store), 0)
+    fabric.opened.set()
+    assert planning.wait(30)                 # model open, arena made, not yet attached
+    manager.disconnect(cid)                  # its disconnect finds nothing attached yet
+    go.set()
+    pending.result(timeout=30)
+    # The load stays resident for the next client, but nobody holds it.
+    assert [ld.clients for ld in loader.loads()] == [set()]
+    attachments.close()
 
 
 def test_devices_outside_the_configuration_are_refused(monkeypatch):
