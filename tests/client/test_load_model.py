@@ -110,13 +110,17 @@ def test_daemon_first_and_attaching_clients_share_bytes(stores, daemon, device, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [0, 2, 4])
 @pytest.mark.parametrize("mode", ["embedded", "daemon"])
-def test_streamed_under_budget_is_bit_exact(stores, daemon, device, window, mode):
+@pytest.mark.parametrize("policy", ["lru", "access_frequency_weighted"])
+def test_streamed_under_budget_is_bit_exact(stores, daemon, device, window, mode, policy):
     src, store = stores[("llama", "float32")]
     ref = load_reference(src, device=device)
     budget = minimum_budget(store)
-    client = (Client(embedded=True, config=CONFIG) if mode == "embedded"
-              else Client(daemon.socket, embedded=False))
+    client = (Client(embedded=True, config={**CONFIG, "block_eviction_policy": policy})
+              if mode == "embedded" else Client(daemon.socket, embedded=False))
     with client:
+        if mode == "daemon":
+            client.set_tunable("block_eviction_policy", policy)
+        assert client.get_tunable()["block_eviction_policy"] == policy
         model = load_model(store, device=device, client=client, weight_budget=budget,
                            flash_context={"prefetch_window": window})
         runtime = model.flash.stream
@@ -129,6 +133,8 @@ def test_streamed_under_budget_is_bit_exact(stores, daemon, device, window, mode
         model.flash.close()
         # Detached: the load's and the streamed layers' host leases all went back.
         assert client.stats()["active_leases"] == 0
+        if mode == "daemon":
+            client.set_tunable("block_eviction_policy", "lru")    # the module's daemon is shared
 
 
 @pytest.mark.parametrize("device", DEVICES)
