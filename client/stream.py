@@ -45,22 +45,31 @@ class WindowController:
     * grows while the compute stream stalls on copies (miss rate above ``grow_at``);
     * shrinks while the PCIe link is busy with other work (``other_load`` above ``busy_at``
       of the link), so streaming yields to the traffic it did not cause;
+    * shrinks by one after ``calm_passes`` passes in a row with every layer prefetched and none
+      stalled (hit rate 100 %): copies then land earlier than needed, and a smaller window puts
+      fewer bytes on a link other clients share; a stall grows it back;
     * otherwise holds. Every change is kept in ``decisions`` with its reason.
     """
 
-    def __init__(self, window: int, low: int, high: int, grow_at: float = 0.05, busy_at: float = 0.5):
+    def __init__(self, window: int, low: int, high: int, grow_at: float = 0.05, busy_at: float = 0.5,
+                 calm_passes: int = 32):
         self.low, self.high = low, max(low, high)
         self.window = min(max(window, self.low), self.high)
         self.grow_at = grow_at
         self.busy_at = busy_at
+        self.calm_passes = calm_passes
+        self._calm = 0                      # passes in a row without a miss or a stall
         self.decisions: list[dict] = []
 
     def update(self, misses: int, layers: int, other_load: float | None = None) -> int:
         miss_rate = misses / layers if layers else 0.0
+        self._calm = self._calm + 1 if misses == 0 else 0
         if other_load is not None and other_load > self.busy_at and self.window > self.low:
             self._set(self.window - 1, f"link busy with other work ({other_load:.0%})")
         elif miss_rate > self.grow_at and self.window < self.high:
             self._set(self.window + 1, f"stalls on {miss_rate:.0%} of streamed layers")
+        elif self._calm >= self.calm_passes and self.window > self.low:
+            self._set(self.window - 1, f"hit rate 100% without stalls for {self._calm} passes")
         return self.window
 
     def _set(self, window: int, reason: str) -> None:
@@ -68,6 +77,7 @@ class WindowController:
         del self.decisions[:-32]
         log.info("prefetch window %d -> %d: %s", self.window, window, reason)
         self.window = window
+        self._calm = 0
 
 
 class _CpuOps:

@@ -113,6 +113,25 @@ def test_pcie_capacity_reads_nvml_link_speed_codes(speed, width, gbps):
     assert round(pcie_capacity(nvml, None) / 1e9, 3) == gbps
 
 
+def test_window_controller_shrinks_after_sustained_full_hit_rate_and_regrows_on_a_stall():
+    c = WindowController(3, low=1, high=3, calm_passes=4)
+    for _ in range(3):
+        assert c.update(misses=0, layers=10) == 3
+    assert c.update(misses=0, layers=10) == 2          # the 4th clean pass in a row
+    assert "hit rate 100%" in c.decisions[-1]["reason"]
+    # The count restarts after a change, and a miss resets it.
+    for _ in range(3):
+        assert c.update(misses=0, layers=10) == 2
+    assert c.update(misses=1, layers=100) == 2          # below grow_at: holds, but not calm
+    for _ in range(3):
+        assert c.update(misses=0, layers=10) == 2
+    assert c.update(misses=0, layers=10) == 1
+    for _ in range(8):
+        assert c.update(misses=0, layers=10) == 1       # bounded below
+    assert c.update(misses=2, layers=10) == 2           # a stall grows it back
+    assert [d["to"] for d in c.decisions] == [2, 1, 2]
+
+
 def test_link_sampler_counts_only_traffic_that_is_not_ours():
     from types import SimpleNamespace
 
