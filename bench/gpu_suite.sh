@@ -23,14 +23,14 @@ if want tests; then
   echo "gpu tests: $(tail -1 "$out/gpu_tests.log")"
 fi
 if [ "$mode" = quick ]; then
-  layers=4; budget=3GiB; cache=6GiB; size=2GiB
+  layers=4; budget=3GiB; cache=6GiB; size=2GiB; window=15
 else
-  layers=32; budget=8GiB; cache=20GiB; size=4GiB
+  layers=32; budget=8GiB; cache=20GiB; size=4GiB; window=30
 fi
 want io && { python3 bench/io.py --size $size --dir /var/tmp > "$out/io.json" 2> "$out/io.err"; echo "io: $?"; }
 want load && { python3 bench/load.py --dir $work --layers $layers --host-cache $cache --output "$out/load.json" > "$out/load.log" 2>&1; echo "load: $?"; }
 want stream && { python3 bench/stream.py --dir $work --layers $layers --budget $budget --host-cache $cache --output "$out/stream.json" > "$out/stream.log" 2>&1; echo "stream: $?"; }
-want profile && { python3 bench/profile_cold.py --dir $work --layers $layers --duration 15 --output-dir "$out" > "$out/profile.log" 2>&1; echo "profile: $?"; }
+want profile && { python3 bench/profile_cold.py --dir $work --layers $layers --duration $window --output-dir "$out" > "$out/profile.log" 2>&1; echo "profile: $?"; }
 for f in gpu_tests.log load.log stream.log profile.log io.err; do [ -f "$out/$f" ] && { echo "== $f"; tail -25 "$out/$f"; }; done
 python3 - "$out" <<'PY'
 import json, sys, pathlib
