@@ -27,6 +27,7 @@ from pathlib import Path
 
 from _common import (
     LLAMA_8B,
+    dd_read,
     drop_caches,
     emit,
     gbps,
@@ -137,6 +138,9 @@ def measure_loads(res, args, src, store_dir, store, data, nbytes) -> None:
     res["pinned_h2d_gbps"] = pinned_h2d()
     drop_caches()
     res["raw_odirect_read_gbps"] = python_direct_read(str(data), os.path.getsize(data), threads=8)
+    drop_caches()
+    res["dd_direct_read_gbps"] = dd_read(str(data), os.path.getsize(data), bs=4 << 20)
+    res["best_raw_read_gbps"] = max(res["raw_odirect_read_gbps"], res["dd_direct_read_gbps"])
 
     # Cold and warm load, embedded controller (the daemon's code, in this process). The model's
     # transformers class is imported first (one skeleton built): loads measure IO, not imports.
@@ -159,7 +163,8 @@ def measure_loads(res, args, src, store_dir, store, data, nbytes) -> None:
     res["cold_load"] = {"seconds": round(cold, 3), "gbps": gbps(nbytes, cold),
                         "load_model_returned_s": round(t_returned, 3),
                         "load_model_phases_ms": model.flash.timings,
-                        "vs_raw_odirect": round(gbps(nbytes, cold) / res["raw_odirect_read_gbps"], 3)}
+                        "vs_raw_odirect": round(gbps(nbytes, cold) / res["raw_odirect_read_gbps"], 3),
+                        "vs_best_raw": round(gbps(nbytes, cold) / res["best_raw_read_gbps"], 3)}
     ids = torch.tensor([[1, 2, 3, 4]], device="cuda:0")
     with torch.no_grad():
         ref_logits = model(ids).logits.float().cpu()
@@ -258,7 +263,7 @@ def main(argv=None) -> int:
     res["goals"] = {"attach<100ms": res["warm_attach"]["best_load_model_ms"] < 100}
     if args.only == "all":
         res["goals"].update({"warm_load_vs_pinned_h2d>=0.95": res["warm_load"]["vs_pinned_h2d"] >= 0.95,
-                             "cold_load_vs_raw>=0.95": res["cold_load"]["vs_raw_odirect"] >= 0.95})
+                             "cold_load_vs_raw>=0.95": res["cold_load"]["vs_best_raw"] >= 0.95})
     emit(res, args.output)
     return 0
 
