@@ -8,16 +8,15 @@ each payload's crc32c is computed on the way and patched into its header afterwa
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
 import mmap
 import os
-import queue
 import re
 import shutil
 import struct
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from .format import (
     encode_metadata,
 )
 from .layout import TensorSpec, architecture, plan_blocks
+from .readahead import read_ahead
 
 INDEX_FILE = "model.safetensors.index.json"
 # Files a loader needs beside the weights (tokenizer, generation defaults, chat template ...).
@@ -215,59 +215,38 @@ class _Shards:
         checksums and writes: buffered reads through the page cache cost as much CPU as the
         disk time on virtualized disks, and would evict the caller's page cache for nothing.
         """
-        free: queue.Queue = queue.Queue()
-        full: queue.Queue = queue.Queue()
-        for _ in range(_DEPTH):
-            free.put(mmap.mmap(-1, chunk + 2 * _PAGE))
-        stop = threading.Event()
+        def fill(take, give):
+            for i, block in enumerate(blocks):
+                for t in block.tensors:
+                    src = self.sources[t.name]
+                    fd = self._direct_fd[src.path]
+                    pos, end = src.start, src.start + src.nbytes
+                    while pos < end:
+                        buf = take()
+                        if buf is None:
+                            return
+                        base = pos - pos % _PAGE
+                        want = min(end - base, chunk)
+                        length = want + (-want % _PAGE)
+                        with memoryview(buf) as whole, whole[:length] as dest:
+                            n = os.preadv(fd, [dest], base)
+                        if n < min(length, end - base):
+                            raise CorruptSafetensors(f"{src.path}: short read at byte {base} "
+                                                     f"(file changed while packing?)",
+                                                     path=str(src.path))
+                        give(buf, (i, t.name, buf, pos - base, min(want, end - base) - (pos - base)))
+                        pos = base + want
+                give(None, (i, None, None, 0, 0))
 
-        def reader():
-            try:
-                for i, block in enumerate(blocks):
-                    for t in block.tensors:
-                        src = self.sources[t.name]
-                        fd = self._direct_fd[src.path]
-                        pos, end = src.start, src.start + src.nbytes
-                        while pos < end:
-                            buf = free.get()
-                            if buf is None or stop.is_set():
-                                return
-                            base = pos - pos % _PAGE
-                            want = min(end - base, chunk)
-                            length = want + (-want % _PAGE)
-                            with memoryview(buf) as whole, whole[:length] as dest:
-                                n = os.preadv(fd, [dest], base)
-                            if n < min(length, end - base):
-                                raise CorruptSafetensors(f"{src.path}: short read at byte {base} "
-                                                         f"(file changed while packing?)",
-                                                         path=str(src.path))
-                            full.put((i, t.name, buf, pos - base, min(want, end - base) - (pos - base)))
-                            pos = base + want
-                    full.put((i, None, None, 0, 0))
-                full.put(None)
-            except BaseException as exc:   # handed to the consumer, which raises it
-                full.put(exc)
-
-        thread = threading.Thread(target=reader, name="pack-reader", daemon=True)
-        thread.start()
-        try:
-            while True:
-                item = full.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                i, name, buf, lo, n = item
+        buffers = [mmap.mmap(-1, chunk + 2 * _PAGE) for _ in range(_DEPTH)]
+        # closing(): the reader thread is joined however the caller leaves this generator.
+        with contextlib.closing(read_ahead(buffers, fill, "pack-reader")) as items:
+            for i, name, buf, lo, n in items:
                 if buf is None:
                     yield i, None, None
                     continue
                 with memoryview(buf) as whole, whole[lo:lo + n] as piece:
                     yield i, name, piece
-                free.put(buf)
-        finally:
-            stop.set()
-            free.put(None)
-            thread.join()
 
     def close(self) -> None:
         for fd, mm in self._maps:

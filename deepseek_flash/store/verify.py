@@ -7,15 +7,15 @@ on the disk, not in the page cache), double-buffered by a reader thread.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
-import queue
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import FlashIOError
 from .format import BadHeader, BlockInfo, align_up, crc32c, decode_block_header
+from .readahead import read_ahead
 from .reader import Store
 
 CHUNK = 16 << 20
@@ -45,52 +45,36 @@ def read_sequential(path: Path, start: int = 0, end: int | None = None, chunk: i
     fd, direct = _open_for_stream(path)
     if not direct:
         os.posix_fadvise(fd, base, end - base, os.POSIX_FADV_SEQUENTIAL)
-    free: queue.Queue = queue.Queue()
-    full: queue.Queue = queue.Queue()
-    bufs = [mmap.mmap(-1, chunk) for _ in range(_DEPTH)]
-    for b in bufs:
-        free.put(b)
-    stop = threading.Event()
 
-    def reader():
+    def fill(take, give):
+        pos = base
         try:
-            pos = base
-            while pos < end and not stop.is_set():
-                buf = free.get()
+            while pos < end:
+                buf = take()
                 if buf is None:
                     return
                 want = min(chunk, align_up(end - pos, 4096))
                 with memoryview(buf) as whole, whole[:want] as dest:
                     n = os.preadv(fd, [dest], pos)
-                full.put((pos, buf, n))
+                give(buf, (pos, buf, n))
                 if n < want:
-                    break
+                    return
                 pos += n
-            full.put(None)
         except OSError as exc:
-            full.put(FlashIOError(f"{path}: read at offset {pos}: {exc.strerror}", errno=exc.errno,
-                                  path=str(path), offset=pos, block_id=-1))
+            raise FlashIOError(f"{path}: read at offset {pos}: {exc.strerror}", errno=exc.errno,
+                               path=str(path), offset=pos, block_id=-1) from None
 
-    thread = threading.Thread(target=reader, name="verify-reader", daemon=True)
-    thread.start()
+    buffers = [mmap.mmap(-1, chunk) for _ in range(_DEPTH)]
+    # closing(): the reader thread is joined before its fd is closed, however this generator ends.
     try:
-        while True:
-            item = full.get()
-            if item is None:
-                return
-            if isinstance(item, Exception):
-                raise item
-            pos, buf, n = item
-            lo, hi = max(pos, start), min(pos + n, end)
-            if hi > lo:
-                yield lo, memoryview(buf)[lo - pos:hi - pos]
-            free.put(buf)
-            if n == 0:
-                return
+        with contextlib.closing(read_ahead(buffers, fill, "verify-reader")) as items:
+            for pos, buf, n in items:
+                lo, hi = max(pos, start), min(pos + n, end)
+                if hi > lo:
+                    yield lo, memoryview(buf)[lo - pos:hi - pos]
+                if n == 0:
+                    return
     finally:
-        stop.set()
-        free.put(None)
-        thread.join()
         # The buffers are freed with their last view; closing them here would race a caller
         # that still holds the view it was handed.
         os.close(fd)
