@@ -334,6 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         socket_path = paths.socket_path()
     else:
         socket_path = runtime / "control.sock"
+    if args.config is not None:
+        # A file named on the command line must exist; only the default location may be absent.
+        try:
+            FlashConfig.load(args.config, required=True)
+        except ConfigError as exc:
+            log.error("invalid configuration: %s", exc)
+            return 2
     app = Application(args.config or paths.config_path(), socket_path, runtime)
 
     def on_signal(signum, _frame):

@@ -10,7 +10,8 @@ Scopes:
 * ``model``  -- may also be overridden per model (``"flash_config"`` in the model's config.json)
   and per open (``flash_context``), because it changes how *that* model is served.
 A model file can carry only model-scope keys: a checkpoint downloaded from the Hub must not be able
-to resize the daemon's cache. Daemon-scope keys found there are logged and not applied.
+to resize the daemon's cache. A daemon-scope key found there is refused (ConfigError naming
+flash.json), so nobody believes in a setting that does nothing.
 """
 from __future__ import annotations
 
@@ -210,12 +211,16 @@ class FlashConfig:
         return cls(data)
 
     @classmethod
-    def load(cls, path) -> FlashConfig:
-        """Read a JSON file; a missing file means defaults (logged). Errors name the file."""
+    def load(cls, path, *, required: bool = False) -> FlashConfig:
+        """Read a JSON file; a missing file means defaults (logged), unless ``required`` (a file the
+        user named, e.g. ``--config``): then it is a ConfigError. Errors name the file."""
         path = Path(path)
         try:
             text = path.read_text()
         except FileNotFoundError:
+            if required:
+                raise ConfigError(f"{path}: config file not found", key="config", value=str(path),
+                                  allowed="an existing JSON file", path=str(path)) from None
             log.info("config file %s not found; using defaults", path)
             return cls()
         except OSError as exc:
@@ -268,18 +273,25 @@ class FlashConfig:
         return FlashConfig(merged)
 
     def model_overrides(self, model_config: dict, model_name: str) -> tuple[FlashConfig, list[str]]:
-        """Apply a model's ``flash_config``; daemon-scope keys are skipped (returned, logged)."""
+        """Apply a model's ``flash_config``: (config, []). A daemon-scope key there is a
+        ConfigError naming flash.json (the list stays empty; it is kept for the wire's
+        ``ignored_overrides``)."""
         flash = model_config.get("flash_config") or {}
         if not isinstance(flash, dict):
             raise ConfigError(f"model {model_name}: flash_config must be an object", key="flash_config",
                               value=str(flash)[:80], allowed="object")
-        ignored = [k for k in flash if k in KEYS and KEYS[k].scope != "model"]
-        for key in ignored:
-            log.warning("model %s: flash_config key %s is daemon-wide; not applied (set it in "
-                        "flash.json)", model_name, key)
+        daemon_keys = [k for k in flash if k in KEYS and KEYS[k].scope != "model"]
+        if daemon_keys:
+            # Refused, not skipped: a key that silently does nothing is a setting its author
+            # believes in. Only the operator's flash.json sets the daemon.
+            raise ConfigError(f"model {model_name} config.json flash_config: {', '.join(daemon_keys)} "
+                              f"{'is' if len(daemon_keys) == 1 else 'are'} daemon-wide and only "
+                              f"flash.json ({paths.config_path()}) can set "
+                              f"{'it' if len(daemon_keys) == 1 else 'them'}; remove "
+                              f"{'it' if len(daemon_keys) == 1 else 'them'} from the model's config.json",
+                              key=daemon_keys[0], value=flash[daemon_keys[0]], allowed=list(MODEL_SCOPE))
         try:
-            return self.override({k: v for k, v in flash.items() if k not in ignored},
-                                 scope="model"), ignored
+            return self.override(flash, scope="model"), []
         except ConfigError as exc:
             raise ConfigError(f"model {model_name} config.json flash_config: {exc.message}",
                               **exc.fields) from exc

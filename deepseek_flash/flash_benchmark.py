@@ -21,6 +21,7 @@ import time
 from .cli import bounded
 
 POSITIVE_INT = bounded(int, 1)
+DEFAULT_SEQ_LEN = 2048
 NON_NEGATIVE_INT = bounded(int, 0)
 
 HELP = "time generate() through the fabric: latency percentiles, tokens/s, prefetch hit rate"
@@ -29,7 +30,9 @@ calls after WARMUP untimed ones. One latency sample = one generate() call produc
 NEW_TOKENS tokens for BATCH_SIZE random prompts of SEQ_LEN tokens (prefill included; on CUDA the
 device is synchronized around the call). Reports avg/p50/p95/p99 latency (nearest rank), generated
 tokens/s, prefetch hit rate and bytes streamed over the timed calls (streaming runs: the client's
-slot ring; resident runs: 0 bytes and the controller's host-tier hit rate), model bytes, device.
+slot ring; resident runs: 0 bytes and the controller's host-tier hit rate, n/a -- null in JSON --
+when no block was requested), model bytes, device. Every flag is also accepted with dashes
+(--batch-size, --seq-len, ...).
 
 Exit status: 0 done, 2 error (unknown model, SEQ_LEN + NEW_TOKENS beyond the model's
 max_position_embeddings, no daemon at --socket, budget too small)."""
@@ -38,22 +41,23 @@ max_position_embeddings, no daemon at --socket, budget too small)."""
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, metavar="M",
                         help="registered model name, name under store_roots, or store directory")
-    parser.add_argument("--batch_size", type=POSITIVE_INT, default=8, metavar="N",
+    parser.add_argument("--batch_size", "--batch-size", dest="batch_size", type=POSITIVE_INT, default=8, metavar="N",
                         help="sequences per generate() call (default 8)")
-    parser.add_argument("--seq_len", type=POSITIVE_INT, default=2048, metavar="L",
-                        help="prompt tokens per sequence (default 2048); SEQ_LEN + NEW_TOKENS must "
-                             "not exceed the model's max_position_embeddings")
-    parser.add_argument("--new_tokens", type=POSITIVE_INT, default=32, metavar="N",
+    parser.add_argument("--seq_len", "--seq-len", dest="seq_len", type=POSITIVE_INT, default=None, metavar="L",
+                        help=f"prompt tokens per sequence (default {DEFAULT_SEQ_LEN}, lowered with a note "
+                             "to fit a smaller model); SEQ_LEN + NEW_TOKENS must not exceed the model's "
+                             "max_position_embeddings")
+    parser.add_argument("--new_tokens", "--new-tokens", dest="new_tokens", type=POSITIVE_INT, default=32, metavar="N",
                         help="tokens generated per call (default 32)")
     parser.add_argument("--warmup", type=NON_NEGATIVE_INT, default=5, metavar="N",
                         help="untimed calls first (default 5)")
     parser.add_argument("--repeat", type=POSITIVE_INT, default=20, metavar="N",
                         help="timed calls = latency samples (default 20)")
-    parser.add_argument("--output_format", choices=("json", "table"), default="table",
+    parser.add_argument("--output_format", "--output-format", dest="output_format", choices=("json", "table"), default="table",
                         help="json: one JSON object on stdout; table: key/value lines (default)")
     parser.add_argument("--device", default="cpu", metavar="DEV",
                         help="cpu (default) or cuda[:N]: where the weights and the compute are")
-    parser.add_argument("--weight_budget", default=None, metavar="SIZE",
+    parser.add_argument("--weight_budget", "--weight-budget", dest="weight_budget", default=None, metavar="SIZE",
                         help="device memory the model may use (bytes or e.g. 8GiB); below the model "
                              "size, layers stream through slots (default: the whole model resident)")
     parser.add_argument("--socket", default=None, metavar="PATH",
@@ -62,7 +66,8 @@ def add_arguments(parser) -> None:
                         help="run the controller in this process (default: the daemon when one "
                              "answers at the default socket, else embedded)")
     parser.add_argument("--config", default=None, metavar="FILE",
-                        help="flash.json for the embedded controller (default: the system config)")
+                        help="flash.json for the embedded controller (default: the system config; a "
+                             "FILE that does not exist is an error)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -97,16 +102,18 @@ def benchmark(args) -> dict:
     import torch
 
     from .client.model import load_model
+    from .daemon.config import FlashConfig
     from .errors import ConfigError, DaemonNotRunning
 
     embedded = True if args.embedded else (False if args.socket else None)
     if args.embedded and args.socket:
         raise ConfigError("--embedded and --socket exclude each other", key="--socket",
                           value=args.socket, allowed="one of --embedded, --socket")
+    config = FlashConfig.load(args.config, required=True) if args.config is not None else None
     t0 = time.perf_counter()
     try:
         model = load_model(args.model, device=args.device, weight_budget=args.weight_budget,
-                           embedded=embedded, socket_path=args.socket, config=args.config)
+                           embedded=embedded, socket_path=args.socket, config=config)
     except DaemonNotRunning as exc:
         raise DaemonNotRunning(f"no daemon running at {args.socket}: {exc.message}",
                                socket=str(args.socket)) from None
@@ -116,6 +123,13 @@ def benchmark(args) -> dict:
         info = handle.info
         cfg = model.config
         limit = getattr(cfg, "max_position_embeddings", None)
+        if args.seq_len is None:
+            args.seq_len = DEFAULT_SEQ_LEN
+            if limit is not None and DEFAULT_SEQ_LEN + args.new_tokens > limit and limit > args.new_tokens:
+                args.seq_len = limit - args.new_tokens
+                print(f"note: model {info.name} has max_position_embeddings {limit}: --seq_len "
+                      f"{args.seq_len} instead of the default {DEFAULT_SEQ_LEN} (prompt + "
+                      f"{args.new_tokens} new tokens must fit)", file=sys.stderr)
         if limit is not None and args.seq_len + args.new_tokens > limit:
             raise ConfigError(f"--seq_len {args.seq_len} + --new_tokens {args.new_tokens} = "
                               f"{args.seq_len + args.new_tokens} tokens exceeds model {info.name}'s "
@@ -177,7 +191,8 @@ def benchmark(args) -> dict:
             "p99_latency_ms": percentile(lat_ms, 99),
             "min_latency_ms": min(lat_ms), "max_latency_ms": max(lat_ms),
             "tokens_per_s": generated / sum(samples),
-            "prefetch_hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+            # No block request in the timed calls (a resident model): no rate to speak of.
+            "prefetch_hit_rate": hits / (hits + misses) if hits + misses else None,
             "prefetch_hits": hits, "prefetch_misses": misses, "prefetch_source": after["source"],
             "bytes_streamed": after["bytes"] - before["bytes"],
             "load_ms": load_ms, "latency_ms": lat_ms,
@@ -198,6 +213,8 @@ def format_table(result: dict) -> str:
     for key, value in result.items():
         if key == "latency_ms":
             value = " ".join(f"{v:.2f}" for v in value)
+        elif value is None and key == "prefetch_hit_rate":
+            value = "n/a"
         elif isinstance(value, float):
             value = f"{value:.4f}" if key == "prefetch_hit_rate" else f"{value:.2f}"
         rows.append((key, value))

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import paths
@@ -63,8 +65,65 @@ def print_fields(fields, as_json: bool, *, status: bool = False) -> None:
         sys.stdout.write(format_fields(fields, status=status))
 
 
+@dataclass
+class TreeOwner:
+    """The daemon a status tree names (``pid`` and ``socket`` in its ``status`` file)."""
+
+    pid: str
+    socket: str
+    alive: bool
+    reason: str = ""        # why it is not running
+
+
+def tree_owner(runtime: Path) -> TreeOwner:
+    """Whether the daemon that wrote the tree under ``runtime`` still runs: its pid is a live
+    process and its control socket exists. A daemon killed with SIGKILL leaves its tree behind, and
+    that tree must not pass for a running daemon's."""
+    from ..sysfs_shim.publisher import parse
+
+    status = runtime / "status"
+    try:
+        fields = parse(status.read_text(errors="replace"))
+    except FileNotFoundError:
+        return TreeOwner("", "", False, f"no status tree at {runtime}")
+    pid, sock = fields.get("pid", ""), fields.get("socket", "")
+    if not pid.isdigit():
+        return TreeOwner(pid, sock, False, f"{status} names no daemon pid")
+    if not _pid_runs(int(pid)):
+        return TreeOwner(pid, sock, False, f"deepseek-flashd pid {pid} named in {status} is not running; "
+                                           f"the tree is what it left behind")
+    if sock and not os.path.exists(sock):
+        return TreeOwner(pid, sock, False, f"the control socket {sock} named in {status} is gone")
+    return TreeOwner(pid, sock, True)
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass                      # another user's process: it exists
+    try:
+        # A killed daemon not yet reaped by its parent is a zombie: dead all the same.
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def require_live_tree(args) -> int | None:
+    """None when the tree's daemon runs; else print why it is not running and return 1."""
+    owner = tree_owner(runtime_dir(args))
+    if owner.alive:
+        return None
+    print(f"deepseek-flash {args.verb}: the daemon is not running: {owner.reason}", file=sys.stderr)
+    return 1
+
+
 def show_tree_file(args, name: str, ask) -> int:
-    """Print the tree file ``name`` (``--json``: as an object); without a tree, ``ask(client)``."""
+    """Print the tree file ``name`` (``--json``: as an object) when the daemon that wrote it runs;
+    without a tree, ``ask(client)``; a dead daemon's tree: "not running", exit status 1."""
     from ..sysfs_shim.publisher import parse
 
     path = runtime_dir(args) / name
@@ -73,6 +132,9 @@ def show_tree_file(args, name: str, ask) -> int:
     except FileNotFoundError:
         return with_daemon(args, lambda client: print_fields(ask(client), args.json,
                                                              status=name == "status"))
+    refused = require_live_tree(args)
+    if refused is not None:
+        return refused
     if args.json:
         print(json.dumps(parse(text), indent=2))
     else:

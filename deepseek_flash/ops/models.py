@@ -5,7 +5,7 @@ import json
 import sys
 
 from ..sysfs_shim.publisher import format_fields, parse
-from .common import add_location_arguments, runtime_dir, with_daemon
+from .common import add_location_arguments, require_live_tree, runtime_dir, with_daemon
 
 HELP = "list the daemon's models, or show one (info, residency, --blocks)"
 DESCRIPTION = """Without NAME: one line per open model (name, state, resident/total blocks and bytes).
@@ -26,6 +26,9 @@ def run(args) -> int:
     models_dir = runtime_dir(args) / "models"
     if not models_dir.is_dir():
         return with_daemon(args, lambda client: _show(args, _from_daemon(client.list_models())))
+    refused = require_live_tree(args)
+    if refused is not None:
+        return refused
     models = {}
     for entry in sorted(models_dir.iterdir()):
         info = entry / "info"

@@ -375,14 +375,13 @@ def pack(src, out, *, force: bool = False, progress=None) -> Path:
     config = _load_config(src)
     arch = architecture(config, src / "config.json")
     if out.exists() or out.is_symlink():
+        # Name the refusal --force would give too, so the first message is the last one.
+        if not _is_store_or_empty(out):
+            raise StoreExists(f"{out}: exists and is not a deepseek-flash store; pack never replaces it "
+                              f"(not even with --force): choose another OUT or move it away", path=str(out))
         if not force:
             raise StoreExists(f"{out}: already exists (use --force to replace it)", path=str(out))
-        if not _is_store_or_empty(out):
-            raise StoreExists(f"{out}: exists and is not a deepseek-flash store; refusing to replace "
-                              f"it even with --force", path=str(out))
-    if not out.parent.is_dir():
-        raise NotAModelDirectory(f"{out.parent}: output's parent directory does not exist",
-                                 path=str(out.parent))
+    check_output_parent(out)
     _remove_stale_temps(out)
     shards = _Shards(src)
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
@@ -410,6 +409,16 @@ def pack(src, out, *, force: bool = False, progress=None) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def check_output_parent(out: Path) -> None:
+    """FlashIOError (ENOENT/ENOTDIR, naming it) when the directory a new store goes in is missing."""
+    if not out.parent.is_dir():
+        code = errno.ENOTDIR if out.parent.exists() else errno.ENOENT
+        raise FlashIOError(f"{out.parent}: the output's parent directory "
+                           f"{'is not a directory' if code == errno.ENOTDIR else 'does not exist'} "
+                           f"(create it first: mkdir -p {out.parent})", errno=code, path=str(out.parent),
+                           offset=-1, block_id=-1)
 
 
 def _install(tmp: Path, out: Path, force: bool) -> None:

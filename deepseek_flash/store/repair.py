@@ -30,12 +30,12 @@ from .format import (
 from .layout import architecture
 from .pack import fsync_dir, model_summary
 from .reader import read_metadata
-from .verify import read_sequential
+from .verify import read_sequential, verify_store
 
 
 @dataclass
 class RepairReport:
-    action: str = "none"            # "none" (metadata was fine) | "rebuilt" | "refused"
+    action: str = "none"            # "none" (metadata was fine; data verified) | "rebuilt" | "refused"
     reason: str = ""                # why the metadata was rebuilt (or the old one's error)
     blocks: int = 0
     bad: list = field(default_factory=list)       # (block_id, reason): payload crc wrong
@@ -125,7 +125,9 @@ def write_metadata_atomic(path: Path, data: bytes) -> None:
 
 
 def repair(path, force_rebuild: bool = False, progress=None) -> RepairReport:
-    """Check ``path``'s metadata; rebuild it from the data when missing, corrupt or forced."""
+    """Check ``path``'s metadata; rebuild it from the data when missing, corrupt or forced. When
+    the metadata reads fine (and no rebuild is forced) every block's data is verified instead:
+    ``report.bad`` names what repair cannot fix (the data itself)."""
     path = Path(path)
     if not path.is_dir() or not any(path.glob("blocks*.dat")):
         raise NotAStore(f"{path}: not a deepseek-flash store (no {DATA_FILE})", path=str(path))
@@ -136,7 +138,11 @@ def repair(path, force_rebuild: bool = False, progress=None) -> RepairReport:
         old_blocks, old_model = None, None
         report.reason = exc.message
     if old_blocks is not None and not force_rebuild:
+        # The index reads fine; the data under it must too, or the store is not whole.
+        from .reader import Store
+
         report.blocks = len(old_blocks)
+        report.bad = verify_store(Store.open(path), progress).bad
         return report
     if old_blocks is not None:
         report.reason = "rebuild forced"

@@ -15,8 +15,9 @@ HELP = "replay the daemon's read pattern on a device or file (read only) and che
 DESCRIPTION = """Read DEV (a block device, or a regular file on the disk to check) the way the daemon
 does: block-sized O_DIRECT reads, QUEUE_DEPTH in flight, through the native IO engine. DEV is opened
 read only and never written. Reports throughput, per-request latency percentiles (submit to
-completion, see docs/tools.md), io_completion_variance (variance of the per-request latency, us^2),
-and the block device stack behind DEV from sysfs/udev (model, serial, firmware, IO scheduler,
+completion, see docs/tools.md), io_completion_variance as the seeds' percentage (coefficient of
+variation of the per-request latency: < 5% stable, 5-10% variable, > 10% unstable; the variance in
+us^2 too, and in --json both), and the block device stack behind DEV from sysfs/udev (model, serial, firmware, IO scheduler,
 nr_requests, rotational; md/dm slaves). Warns about mixed firmware behind one md/dm device, NVMe
 APST enabled, an IO scheduler other than none, and nr_requests below the queue depth.
 
@@ -91,7 +92,9 @@ def _text(report: dict) -> str:
          f"{w['throughput_mb_s']} MB/s, {w['iops']} IOPS"),
         (f"  latency us: p50 {lat['p50']}  p95 {lat['p95']}  p99 {lat['p99']}  max {lat['max']}  "
          f"mean {lat['mean']}"),
-        f"  io_completion_variance: {w['io_completion_variance']} us^2 (cv {w['latency_cv']})",
+        (f"  io_completion_variance: {w['io_completion_variance_pct']}% "
+         f"({w['io_completion_verdict']}: < 5% stable, 5-10% variable, > 10% unstable; "
+         f"{w['io_completion_variance']} us^2, cv {w['latency_cv']})"),
     ]
     for warning in report["pitfalls"]:
         lines.append(f"WARNING: {warning}")

@@ -49,6 +49,18 @@ class ReplayResult:
     latency_us: dict          # p50, p95, p99, max, mean
     io_completion_variance: float   # variance of per-request latency, us^2
     latency_cv: float         # stddev / mean of per-request latency
+    io_completion_variance_pct: float = 0.0   # the seeds' figure: latency_cv as a percentage
+    io_completion_verdict: str = ""           # the seeds' thresholds on it (variance_verdict)
+
+
+# The seeds' reading of io_completion_variance as a coefficient of variation: below 5 % the disk
+# completes reads evenly, 5-10 % is worth watching, above 10 % reads stall behind others.
+VARIANCE_VERDICTS = ((5.0, "stable"), (10.0, "variable"), (float("inf"), "unstable"))
+
+
+def variance_verdict(pct: float) -> str:
+    """``stable`` (< 5 %), ``variable`` (5-10 %) or ``unstable`` (> 10 %)."""
+    return next(word for limit, word in VARIANCE_VERDICTS if pct < limit or limit == float("inf"))
 
 
 def open_read_only(path: Path) -> tuple[int, int]:
@@ -165,6 +177,7 @@ def replay(path, *, pattern: str = "flash_workload", queue_depth: int = DEFAULT_
     lat = sorted(latencies)
     mean = statistics.fmean(lat)
     var = statistics.pvariance(lat, mu=mean) if len(lat) > 1 else 0.0
+    cv = var ** 0.5 / mean if mean else 0.0
     return ReplayResult(
         pattern=pattern, queue_depth=queue_depth, block_size=block_size,
         duration_s=round(elapsed, 3), requests=len(lat), bytes=total, backend=engine.backend,
@@ -174,7 +187,9 @@ def replay(path, *, pattern: str = "flash_workload", queue_depth: int = DEFAULT_
                     "p99": round(_percentile(lat, 99), 1), "max": round(lat[-1], 1),
                     "mean": round(mean, 1)},
         io_completion_variance=round(var, 1),
-        latency_cv=round(var ** 0.5 / mean, 4) if mean else 0.0)
+        latency_cv=round(cv, 4),
+        io_completion_variance_pct=round(cv * 100, 2),
+        io_completion_verdict=variance_verdict(cv * 100))
 
 
 # --- the storage stack in sysfs ------------------------------------------------------------------

@@ -29,7 +29,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import NotAModelDirectory, StoreExists
+from ..errors import StoreExists
 from ..store.format import (
     BLOCK_ALIGN,
     DATA_FILE,
@@ -42,7 +42,7 @@ from ..store.format import (
     encode_block_header,
     encode_metadata,
 )
-from ..store.pack import AUX_PATTERNS, fsync_dir
+from ..store.pack import AUX_PATTERNS, check_output_parent, fsync_dir
 from ..store.reader import Store
 
 
@@ -172,9 +172,7 @@ def apply(store: Store, report: PruneReport, out, progress=None) -> Path:
     out = Path(out).absolute()
     if out.exists() or out.is_symlink():
         raise StoreExists(f"{out}: already exists; prune writes a new store", path=str(out))
-    if not out.parent.is_dir():
-        raise NotAModelDirectory(f"{out.parent}: output's parent directory does not exist",
-                                 path=str(out.parent))
+    check_output_parent(out)
     if out.resolve() == store.path.resolve():
         raise StoreExists(f"{out}: is the source store; prune never modifies it", path=str(out))
     alias = {f.name: f for f in report.findings if f.action in ("alias", "drop_block")}

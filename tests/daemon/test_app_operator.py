@@ -63,3 +63,37 @@ def test_start_claims_the_tree_before_building(tmp_path):
     finally:
         app.shutdown()
     assert not (runtime / "status").exists()
+
+
+def test_a_config_named_on_the_command_line_must_exist(daemon_factory, tmp_path):
+    d = daemon_factory({"host_cache_bytes": "16MiB"})
+    missing = tmp_path / "missing.json"
+    d.start(wait_ready=False, args=["--config", str(missing)])
+    assert d.proc.wait(60) == 2
+    assert f"invalid configuration: {missing}: config file not found" in d.log()
+    assert not (d.runtime / "status").exists()
+    # The default location (here DEEPSEEK_FLASH_CONFIG) may be absent: defaults, logged.
+    d.config_path.unlink()
+    d.start()
+    assert "not found; using defaults" in d.log()
+    assert d.stop() == 0
+
+
+def test_a_model_config_setting_a_daemon_key_is_refused_naming_flash_json(tmp_path):
+    import json
+
+    import pytest
+    from flashd_harness import packed_model
+
+    from deepseek_flash.client import Client
+    from deepseek_flash.errors import ConfigError
+
+    store = packed_model(tmp_path, "greedy", num_layers=1)
+    config = json.loads((store / "config.json").read_text())
+    config["flash_config"] = {"prefetch_window": 3, "host_cache_bytes": "1TiB"}
+    (store / "config.json").write_text(json.dumps(config))
+    with Client(embedded=True, config={"host_cache_bytes": "16MiB"}) as client:
+        with pytest.raises(ConfigError) as info:
+            client.open_model(str(store))
+        assert "greedy config.json flash_config: host_cache_bytes is daemon-wide and only flash.json" in str(info.value)
+        assert client.list_models() == []

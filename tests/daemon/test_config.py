@@ -107,14 +107,19 @@ def test_load_file_errors_name_the_file(tmp_path):
     assert str(path) in str(info.value) and info.value.key == "eviction_threshold"
 
 
-def test_model_overrides_apply_model_keys_and_skip_daemon_keys():
+def test_model_overrides_apply_model_keys_and_refuse_daemon_keys(monkeypatch):
     base = FlashConfig()
     cfg, ignored = base.model_overrides(
-        {"flash_config": {"prefetch_window": 5, "error_recovery_mode": "graceful",
-                          "host_cache_bytes": "1TiB"}}, "m")
+        {"flash_config": {"prefetch_window": 5, "error_recovery_mode": "graceful"}}, "m")
     assert cfg.prefetch_window == 5 and cfg.error_recovery_mode == "graceful"
-    assert cfg.host_cache_bytes == base.host_cache_bytes
-    assert ignored == ["host_cache_bytes"]
+    assert cfg.host_cache_bytes == base.host_cache_bytes and ignored == []
+    monkeypatch.setenv("DEEPSEEK_FLASH_CONFIG", "/etc/deepseek-flash/flash.json")
+    with pytest.raises(ConfigError) as info:
+        base.model_overrides({"flash_config": {"prefetch_window": 5, "host_cache_bytes": "1TiB"}}, "m")
+    assert str(info.value) == ("model m config.json flash_config: host_cache_bytes is daemon-wide and only "
+                               "flash.json (/etc/deepseek-flash/flash.json) can set it; remove it from "
+                               "the model's config.json")
+    assert (info.value.key, info.value.value, info.value.code) == ("host_cache_bytes", "1TiB", 500)
     with pytest.raises(ConfigError, match="model m") as info:
         base.model_overrides({"flash_config": {"prefetch_window": 99}}, "m")
     assert info.value.key == "prefetch_window"

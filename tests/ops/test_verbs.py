@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 from deepseek_flash.sysfs_shim.publisher import StatusTree
@@ -19,9 +21,13 @@ def run(capsys, *argv):
 
 @pytest.fixture
 def tree(tmp_path):
+    # Written as a running daemon would: this (live) process's pid and an existing socket path.
+    (tmp_path / "rt").mkdir()
+    (tmp_path / "rt" / "control.sock").touch()
     StatusTree(tmp_path / "rt").publish({
         "status": {"controller_state": "DEGRADED", "prefetch_hit_rate": 0.5, "semantic_block_count": 3,
-                   "unified_memory_fabric": "DISABLED"},
+                   "unified_memory_fabric": "DISABLED", "pid": os.getpid(),
+                   "socket": str(tmp_path / "rt" / "control.sock")},
         "stats": {"prefetch_miss_count": 4, "bytes_read_nvme": 8192},
         "models": {"alpha": {"state": "open", "blocks": 2, "resident_blocks": 1, "resident_bytes": 4096,
                              "total_bytes": 8192,
@@ -103,5 +109,39 @@ def test_verbs_through_the_daemon(tmp_path, capsys):
         rc, out, err = run(capsys, "unload", "tiny", *sock)
         assert rc == 2 and "UnknownModel" in err
         assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+
+def test_a_tree_whose_socket_is_gone_is_not_a_running_daemon(tree, capsys):
+    (tree / "control.sock").unlink()
+    for verb in ("status", "stats", "models"):
+        rc, out, err = run(capsys, verb, "--runtime-dir", str(tree))
+        assert rc == 1 and out == ""
+        assert err == (f"deepseek-flash {verb}: the daemon is not running: the control socket "
+                       f"{tree}/control.sock named in {tree}/status is gone\n")
+
+
+def test_a_killed_daemons_tree_is_reported_not_running(tmp_path, capsys):
+    store = packed_model(tmp_path, "tiny")
+    daemon = Daemon(tmp_path / "d", {"host_cache_bytes": "16MiB"}).start()
+    where = ["--runtime-dir", str(daemon.runtime), "--socket", str(daemon.socket)]
+    try:
+        rc, _, _ = run(capsys, "load", str(store), *where)
+        assert rc == 0
+        assert_eventually(lambda: (daemon.runtime / "models" / "tiny" / "info").exists(), what="tree")
+        rc, out, _ = run(capsys, "status", *where)
+        assert rc == 0 and out.startswith("controller_state: ACTIVE\n")
+        pid = daemon.proc.pid
+        daemon.signal(signal.SIGKILL)
+        daemon.proc.wait()
+        # The tree and the socket file stay behind, as after kill -9 under systemd.
+        assert (daemon.runtime / "status").exists() and daemon.socket.exists()
+        for verb in ("status", "stats", "models"):
+            rc, out, err = run(capsys, verb, *where)
+            assert rc == 1 and out == "", verb
+            assert err == (f"deepseek-flash {verb}: the daemon is not running: deepseek-flashd pid {pid} "
+                           f"named in {daemon.runtime}/status is not running; the tree is what it left "
+                           f"behind\n")
     finally:
         daemon.cleanup()

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from deepseek_flash.cli import main
 from deepseek_flash.store.format import DATA_FILE, METADATA_FILE
@@ -53,7 +56,7 @@ def test_repair_verb_and_operator_alias(llama_store, capsys):
     assert main(["repair", str(llama_store)]) == 0
     assert "rebuilt flash_metadata.bin from 11 block headers" in capsys.readouterr().out
     assert main(["repair", "--model_path", str(llama_store)]) == 0
-    assert "metadata OK (11 blocks); nothing to do" in capsys.readouterr().out
+    assert "metadata OK and the data of all 11 blocks checks (crc32c); nothing to do" in capsys.readouterr().out
     assert main(["repair"]) == 2
     # The installed operator tool, as an operator types it.
     r = subprocess.run([sys.executable, "-c", "import sys; from deepseek_flash.cli import repair_main; "
@@ -77,3 +80,22 @@ def test_repair_reports_unrecoverable_blocks(llama_store, capsys):
     assert main(["repair", "--model_path", str(llama_store), "--force_rebuild"]) == 1
     err = capsys.readouterr().err
     assert "no valid header found for block(s) 6" in err and "metadata NOT rewritten" in err
+
+
+@pytest.mark.parametrize("damage", ["crc", "truncated"])
+def test_repair_checks_the_data_under_good_metadata(damage, llama_store, capsys):
+    from deepseek_flash.store import Store
+    store = Store.open(llama_store)
+    if damage == "crc":
+        with open(llama_store / DATA_FILE, "r+b") as f:
+            f.seek(store.blocks[5].offset + 2)
+            f.write(b"\xde\xad")
+    else:
+        os.truncate(llama_store / DATA_FILE, store.blocks[-1].offset + 100)
+    bad = 5 if damage == "crc" else store.blocks[-1].id
+    assert main(["repair", str(llama_store)]) == 1
+    err = capsys.readouterr().err
+    assert (f"{llama_store}: metadata OK (11 blocks), but the data of 1 block(s) is damaged ({bad}); "
+            f"repair rebuilds metadata only and cannot fix block data: re-pack the model") in err
+    assert ("payload crc32c" if damage == "crc" else "is truncated") in err
+    assert main(["verify", str(llama_store)]) == 1           # repair and verify agree

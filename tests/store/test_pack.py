@@ -222,7 +222,25 @@ def test_out_exists_and_force(llama_dir, model_factory, tmp_path):
     precious.mkdir()
     (precious / "thesis.tex").write_text("x")
     _raises(errors.StoreExists, 105, lambda: pack(llama_dir, precious, force=True), "not a deepseek-flash store")
+    # Without --force the first message is already the final answer: no "use --force" hint.
+    err = _raises(errors.StoreExists, 105, lambda: pack(llama_dir, precious), "not a deepseek-flash store",
+                  "not even with --force")
+    assert "use --force" not in str(err)
     assert (precious / "thesis.tex").read_text() == "x"
+
+
+def test_missing_output_parent_is_an_io_error_naming_it(llama_dir, tmp_path):
+    import errno
+
+    out = tmp_path / "no" / "such" / "out"
+    err = _raises(errors.FlashIOError, 200, lambda: pack(llama_dir, out), f"{out.parent}: the output's parent "
+                  "directory does not exist (create it first: mkdir -p")
+    assert err.errno == errno.ENOENT and err.path == str(out.parent)
+    (tmp_path / "file").write_text("x")
+    err = _raises(errors.FlashIOError, 200, lambda: pack(llama_dir, tmp_path / "file" / "out"),
+                  "is not a directory")
+    assert err.errno == errno.ENOTDIR
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "llama"]
 
 
 def test_enospc_from_writer_is_typed_and_cleans_up(llama_dir, tmp_path, monkeypatch):

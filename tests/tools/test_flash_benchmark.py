@@ -57,13 +57,16 @@ def check_common(result, store):
     assert result["avg_latency_ms"] == pytest.approx(sum(lat) / 4)
     assert result["tokens_per_s"] == pytest.approx(2 * 3 * 4 / (sum(lat) / 1e3))
     assert result["tokens_per_s"] > 0
-    assert 0.0 <= result["prefetch_hit_rate"] <= 1.0
+    rate = result["prefetch_hit_rate"]
+    assert rate is None or 0.0 <= rate <= 1.0
 
 
 def test_resident_embedded(store, capsys):
     result = bench_json(capsys, "--model", str(store), "--embedded", *SMALL)
     check_common(result, store)
     assert result["controller"] == "embedded"
+    # A resident model requests no block while timed: no hit rate (not 100 %).
+    assert (result["prefetch_hits"], result["prefetch_misses"], result["prefetch_hit_rate"]) == (0, 0, None)
     assert result["streaming"] is False and result["weight_budget_bytes"] is None
     assert result["bytes_streamed"] == 0
     assert result["prefetch_source"] == "controller"
@@ -94,6 +97,7 @@ def test_through_daemon_and_table(store, tmp_path):
         assert table["controller"] == "daemon"
         assert float(table["tokens_per_s"]) > 0
         assert table["bytes_streamed"] == "0"
+        assert table["prefetch_hit_rate"] == "n/a"
         assert r.stderr == ""          # not a TTY: no progress bar
     finally:
         assert d.stop() == 0
@@ -142,3 +146,21 @@ def test_help_explains_every_flag(capsys):
                  "--seed", "--quiet"):
         assert flag in out
     assert "One latency sample = one generate() call" in out
+
+
+def test_dash_spellings_and_the_default_seq_len_fitted_to_a_small_model(store, capsys):
+    # The tiny model's max_position_embeddings is 512: the default 2048 would not fit.
+    assert main(["bench", "--model", str(store), "--embedded", "--batch-size", "1", "--new-tokens", "2",
+                 "--warmup", "0", "--repeat", "1", "--output-format", "json", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert (result["batch_size"], result["seq_len"], result["new_tokens"]) == (1, 510, 2)
+    assert captured.err == ("note: model bench-tiny has max_position_embeddings 512: --seq_len 510 instead "
+                            "of the default 2048 (prompt + 2 new tokens must fit)\n")
+
+
+def test_a_named_config_file_that_does_not_exist_is_an_error(store, tmp_path, capsys):
+    missing = tmp_path / "missing.json"
+    assert main(["bench", "--model", str(store), "--embedded", "--config", str(missing), *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert f"{missing}: config file not found [ConfigError, code 500]" in err

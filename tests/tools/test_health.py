@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 
 import pytest
@@ -147,6 +148,10 @@ def test_replay_reads_only_and_measures(data_file):
         lat = r.latency_us
         assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"]
         assert r.io_completion_variance >= 0 and r.latency_cv >= 0
+        # The seeds' percentage is the coefficient of variation: sqrt(variance) / mean, x 100.
+        assert r.io_completion_variance_pct == pytest.approx(
+            r.io_completion_variance ** 0.5 / lat["mean"] * 100, rel=0.01, abs=0.02)
+        assert r.io_completion_verdict == health.variance_verdict(r.io_completion_variance_pct)
     assert _digest(data_file) == before
 
 
@@ -174,6 +179,7 @@ def test_cli_json_shape(data_file, fake_md, capsys):
     assert set(doc) == {"target", "size_bytes", "stack", "pitfalls", "workload"}
     assert doc["size_bytes"] == 4 << 20
     assert set(doc["workload"]) >= {"throughput_mb_s", "latency_us", "io_completion_variance",
+                                    "io_completion_variance_pct", "io_completion_verdict",
                                     "queue_depth", "block_size", "requests", "backend", "direct"}
     assert set(doc["workload"]["latency_us"]) == {"p50", "p95", "p99", "max", "mean"}
     assert doc["workload"]["queue_depth"] == QD and doc["workload"]["block_size"] == BS
@@ -193,7 +199,10 @@ def test_cli_text_and_clean_exit(data_file, tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "block device: vdb" in out and "scheduler=none" in out
-    assert "latency us: p50" in out and "io_completion_variance" in out
+    assert "latency us: p50" in out
+    line = next(x for x in out.splitlines() if "io_completion_variance:" in x)
+    assert re.fullmatch(r"  io_completion_variance: [0-9.]+% \((stable|variable|unstable): < 5% stable, "
+                        r"5-10% variable, > 10% unstable; [0-9.]+ us\^2, cv [0-9.]+\)", line), line
     assert "no known pitfalls found" in out
 
 
@@ -226,3 +235,9 @@ def test_cli_help_names_every_flag(capsys):
     for flag in ("--device", "--pattern", "--queue-depth", "--block-size", "--duration", "--json",
                  "--quiet", "--sysfs-root"):
         assert flag in out
+
+
+@pytest.mark.parametrize("pct, verdict", [(0.0, "stable"), (4.99, "stable"), (5.0, "variable"),
+                                          (9.99, "variable"), (10.0, "unstable"), (31.46, "unstable")])
+def test_variance_verdicts_follow_the_seeds_thresholds(pct, verdict):
+    assert health.variance_verdict(pct) == verdict

@@ -10,7 +10,7 @@ import torch
 from deepseek_flash.client.skeleton import bind_parameters, build_skeleton
 
 from deepseek_flash import cli
-from deepseek_flash.errors import NotAModelDirectory, NotAStore, StoreExists
+from deepseek_flash.errors import FlashIOError, NotAStore, StoreExists
 from deepseek_flash.store import Store, pack
 from deepseek_flash.store.format import crc32c, encode_block_header, encode_metadata
 from deepseek_flash.store.repair import write_metadata_atomic
@@ -133,7 +133,8 @@ def test_bad_inputs(src, tmp_path, capsys):
     assert cli.main(["prune", str(tmp_path)]) == 2
     assert "NotAStore, code 108" in capsys.readouterr().err
     assert cli.main(["prune", str(src), "--apply", str(tmp_path / "missing" / "out")]) == 2
-    assert "output's parent directory does not exist" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the output's parent directory does not exist" in err and "FlashIOError, code 200" in err
     (tmp_path / "taken").mkdir()
     assert cli.main(["prune", str(src), "--apply", str(tmp_path / "taken")]) == 2
     assert "StoreExists, code 105" in capsys.readouterr().err
@@ -145,7 +146,7 @@ def test_bad_inputs(src, tmp_path, capsys):
     with pytest.raises(NotAStore):
         Store.open(tmp_path / "nothing")
     s = Store.open(src)
-    with pytest.raises(NotAModelDirectory):
+    with pytest.raises(FlashIOError):
         apply(s, analyse(s), tmp_path / "a" / "b")
     with pytest.raises(StoreExists):
         apply(s, analyse(s), src)
