@@ -29,15 +29,25 @@ log = logging.getLogger("deepseek_flash.client")
 __all__ = ["Client", "Lease", "ModelInfo"]
 
 
+# Operations that only let go of what the daemon holds for this client. Once the connection is
+# lost that state died with the daemon, so they are answered here (None) instead of reconnecting:
+# under socket activation a reconnect would start a stopped daemon just to be told so.
+RELEASING_OPS = frozenset({"release", "detach", "close_model", "report_stream"})
+
+
 class _SocketBackend:
     """One connection to the daemon, re-established after a daemon restart."""
 
     mode = "daemon"
 
-    def __init__(self, path: Path, reconnect_timeout: float, on_reconnect, spin_us: float = 0.0):
+    def __init__(self, path: Path, reconnect_timeout: float, on_reconnect, spin_us: float = 0.0,
+                 connect_timeout: float = 5.0, handshake_timeout: float = 30.0):
         self.path = Path(path)
         self.spin_us = spin_us
         self.reconnect_timeout = reconnect_timeout
+        self.connect_timeout = connect_timeout
+        self.handshake_timeout = handshake_timeout
+        self.closed = False
         self.on_reconnect = on_reconnect
         self.sock = None
         self.arena = None
@@ -51,8 +61,12 @@ class _SocketBackend:
         from .._core import HostArena
 
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(self.connect_timeout)
         try:
             sock.connect(str(self.path))
+        except TimeoutError:
+            sock.close()
+            raise self._no_answer(self.connect_timeout, "connection to be accepted") from None
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
             raise DaemonNotRunning(f"no deepseek-flashd at {self.path} ({exc.strerror})",
@@ -65,11 +79,21 @@ class _SocketBackend:
             sock.close()
             raise
         try:
+            # A listening socket whose daemon cannot start (systemd's, while the service fails)
+            # accepts the connection and never answers: the hello is where that shows.
+            sock.settimeout(self.handshake_timeout)
             req_id = next(self._ids)
-            sock.sendall(protocol.request(req_id, "hello", {"protocol": protocol.PROTOCOL_VERSION,
-                                                            "client": f"pid {os.getpid()}"}))
             fds: list[int] = []
-            reply = protocol.recv_message(sock, protocol.DEFAULT_MAX_FRAME, fds)
+            try:
+                sock.sendall(protocol.request(req_id, "hello", {"protocol": protocol.PROTOCOL_VERSION,
+                                                                "client": f"pid {os.getpid()}"}))
+                reply = protocol.recv_message(sock, protocol.DEFAULT_MAX_FRAME, fds)
+            except TimeoutError:
+                raise self._no_answer(self.handshake_timeout, "hello reply") from None
+            except ConnectionError as exc:
+                raise DaemonNotRunning(f"deepseek-flashd at {self.path} closed the connection before its "
+                                       f"hello reply ({exc})", socket=str(self.path)) from None
+            sock.settimeout(None)
             try:
                 hello = protocol.result_of(reply)
                 if not fds:
@@ -87,14 +111,34 @@ class _SocketBackend:
         self.reader = protocol.MessageReader(sock, self.max_frame, self.spin_us)
         self.arena = arena
 
+    def _no_answer(self, timeout: float, waited_for: str) -> DaemonNotRunning:
+        return DaemonNotRunning(
+            f"no answer from deepseek-flashd at {self.path}: waited {timeout:g} s for its {waited_for} "
+            f"(a socket-activated daemon that fails to start, e.g. on an invalid flash.json, never "
+            f"answers: systemctl status deepseek-flash)", socket=str(self.path), waited_for=waited_for,
+            timeout=timeout)
+
     def call(self, op: str, args: dict, retry: bool = True):
         with self._lock:
+            if self.sock is None:
+                if op in RELEASING_OPS:
+                    return None
+                if self.closed:
+                    raise ProtocolError(f"{op}: this client is closed")
+                self._reconnect()
+                return self._roundtrip(op, args)
             try:
                 return self._roundtrip(op, args)
             except (ConnectionError, BrokenPipeError, OSError, ShuttingDown) as exc:
                 # ShuttingDown: the daemon is draining; its successor will take the socket.
                 if isinstance(exc, TimeoutError) or self._in_reconnect:
                     raise
+                if op in RELEASING_OPS:
+                    log.info("connection to %s lost (%s); %s needs no daemon, not reconnecting",
+                             self.path, exc, op)
+                    self.sock.close()
+                    self.sock = None
+                    return None
                 log.warning("connection to %s lost (%s); reconnecting", self.path, exc)
                 self._reconnect()
                 if not retry:
@@ -137,6 +181,7 @@ class _SocketBackend:
             self._in_reconnect = False
 
     def close(self) -> None:
+        self.closed = True
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -146,10 +191,15 @@ class Client:
     """The controller's API, over the daemon socket or embedded (see the module docstring)."""
 
     def __init__(self, socket_path=None, embedded: bool | None = None, config=None, *,
-                 reconnect_timeout: float = 30.0, spin_us: float = 0.0):
+                 reconnect_timeout: float = 30.0, spin_us: float = 0.0, connect_timeout: float = 5.0,
+                 handshake_timeout: float = 30.0):
         """``spin_us``: poll that long for a reply before sleeping -- lower round trips for one
         latency-bound client on a VM (cross-CPU wake-ups cost ~30 us there), at the cost of CPU
-        that many clients on few cores would rather give the daemon. Off by default."""
+        that many clients on few cores would rather give the daemon. Off by default.
+
+        ``connect_timeout`` / ``handshake_timeout``: seconds to wait for the socket to accept the
+        connection and for the daemon's hello reply (a socket-activated daemon starts within
+        it); past them ``DaemonNotRunning`` names the socket and what was waited for."""
         self._models: dict[str, tuple[str, dict]] = {}    # name -> (what was opened, context)
         self._leases: dict[int, tuple[Lease, dict]] = {}  # id(lease) -> (lease, acquire args)
         self._callbacks = []
@@ -159,14 +209,17 @@ class Client:
         if embedded:
             self._backend = self._embedded(config)
             return
+        path = socket_path or paths.client_socket_path()
         try:
-            self._backend = _SocketBackend(socket_path or paths.socket_path(), reconnect_timeout,
-                                           self._restore, spin_us)
-        except DaemonNotRunning:
+            self._backend = _SocketBackend(path, reconnect_timeout, self._restore, spin_us,
+                                           connect_timeout, handshake_timeout)
+        except DaemonNotRunning as exc:
             if embedded is False:
                 raise
-            log.info("no daemon at %s; running the controller in this process",
-                     socket_path or paths.socket_path())
+            # Not INFO: a user expecting the shared daemon gets private, unshared memory instead.
+            log.warning("no deepseek-flashd answered at %s (%s); running the controller in this "
+                        "process (embedded): weights are not shared with other processes", path,
+                        exc.message)
             self._backend = self._embedded(config)
 
     @staticmethod

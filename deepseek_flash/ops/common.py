@@ -9,8 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import paths
+from ..cli import bounded
 from ..errors import DaemonNotRunning
 from ..sysfs_shim.publisher import format_fields
+
+
+DEFAULT_TIMEOUT = 15.0
 
 
 def add_location_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,10 +24,14 @@ def add_location_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", type=Path, default=None,
                         help="control socket (default: $DEEPSEEK_FLASH_SOCKET or "
                              "<runtime dir>/control.sock)")
+    parser.add_argument("--timeout", type=bounded(float, 0, exclusive=True, what=" seconds"),
+                        default=DEFAULT_TIMEOUT, metavar="S",
+                        help=f"seconds to wait for the daemon's answer to the connection (default "
+                             f"{DEFAULT_TIMEOUT:g}; a socket-activated daemon starts within it)")
 
 
 def runtime_dir(args) -> Path:
-    return args.runtime_dir if args.runtime_dir is not None else paths.runtime_dir()
+    return args.runtime_dir if args.runtime_dir is not None else paths.client_runtime_dir()
 
 
 def socket_path(args) -> Path:
@@ -31,7 +39,7 @@ def socket_path(args) -> Path:
         return args.socket
     if args.runtime_dir is not None:
         return args.runtime_dir / "control.sock"
-    return paths.socket_path()
+    return paths.client_socket_path()
 
 
 def connect(args):
@@ -40,8 +48,10 @@ def connect(args):
 
     path = socket_path(args)
     try:
-        return Client(socket_path=str(path), embedded=False)
+        return Client(socket_path=str(path), embedded=False, handshake_timeout=args.timeout)
     except DaemonNotRunning as exc:
+        if getattr(exc, "waited_for", None):
+            raise                 # a socket that does not answer: the message says what was waited for
         raise DaemonNotRunning(f"no daemon running at {path}", socket=str(path)) from exc
     except (FileNotFoundError, ConnectionRefusedError) as exc:
         raise DaemonNotRunning(f"no daemon running at {path}", socket=str(path)) from exc

@@ -60,7 +60,7 @@ def _repair_device(args) -> int:
     config = None if given else FlashConfig.load(args.config or paths.config_path(),
                                                  required=args.config is not None)
     devnum, stores = stores_to_repair(args.ssd_device, given, config)
-    runtime = args.runtime_dir or paths.runtime_dir()
+    runtime = args.runtime_dir or paths.client_runtime_dir()
     lock_fd = lock_device(devnum, runtime)
     try:
         pid, names = daemon_models_on(devnum, runtime)

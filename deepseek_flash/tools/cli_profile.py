@@ -75,7 +75,7 @@ def run(args) -> int:
             return 2
     args.runtime_dir = None
     if args.socket is None:
-        args.socket = paths.socket_path()
+        args.socket = paths.client_socket_path()
     with connect(args) as client:
         bar = tqdm(total=args.duration, desc=f"profile pid {args.pid}", unit="s", file=sys.stderr,
                    disable=args.quiet or not sys.stderr.isatty(),

@@ -163,7 +163,7 @@ def defrag(path, order: str = "access", progress=None, runtime=None) -> DefragRe
     another defrag runs), BlockChecksumError (a block is damaged: nothing changed).
     """
     from .. import _core
-    from ..paths import runtime_dir
+    from ..paths import client_runtime_dir
 
     path = Path(path).absolute()
     Store.open(path)   # NotAStore / MetadataError before creating a lock file in a stranger's dir
@@ -171,7 +171,7 @@ def defrag(path, order: str = "access", progress=None, runtime=None) -> DefragRe
     try:
         # Re-read under the lock: another defrag may have committed since.
         store = Store.open(path)
-        runtime = Path(runtime) if runtime is not None else runtime_dir()
+        runtime = Path(runtime) if runtime is not None else client_runtime_dir()
         users = daemon_users(path, runtime)
         if users:
             raise StoreInUse(f"{path}: open in the running daemon as model {', '.join(users)} "

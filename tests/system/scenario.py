@@ -25,6 +25,18 @@ UNIT_DIR = Path("/etc/systemd/system")
 GROUP = "deepseek-flash"
 
 
+# A user's process holding a model through the socket; on "close" it closes everything.
+CLIENT_HOLDING_A_MODEL = """
+import sys
+from deepseek_flash import load_model
+model = load_model("tiny", device="cpu", embedded=False)
+print("loaded", flush=True)
+sys.stdin.readline()
+model.flash.close()
+print("closed", flush=True)
+"""
+
+
 class CheckFailed(Exception):
     pass
 
@@ -183,9 +195,19 @@ def scenario(store: str, out: Path) -> None:
     for needle in ("serving on", "opened model tiny", "SIGHUP: reloading", "config reload failed"):
         expect(needle in journal, f"journal of deepseek-flash lacks {needle!r}")
 
-    log(out, "## stop")
+    log(out, "## stop with a client connected: its close() does not start the daemon again")
+    holder = subprocess.Popen([PY, "-c", CLIENT_HOLDING_A_MODEL], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if holder.stdout.readline().strip() != "loaded":
+        raise CheckFailed(f"the client did not load tiny: {holder.communicate(timeout=60)[1]}")
     sh(out, "systemctl", "stop", "deepseek-flash")
     expect(prop(out, "deepseek-flash", "ActiveState") == "inactive", "service not inactive after stop")
+    held_out, held_err = holder.communicate("close\n", timeout=60)
+    log(out, f"client: {held_out}{held_err}")
+    expect(holder.returncode == 0 and "closed" in held_out, f"the client's close failed: {held_err}")
+    time.sleep(1)
+    expect(prop(out, "deepseek-flash", "ActiveState") == "inactive",
+           "the closing client socket-activated the stopped daemon")
     expect(prop(out, "deepseek-flash", "ExecMainStatus") == "0", "daemon did not exit 0 on SIGTERM")
     expect(prop(out, "deepseek-flash", "Result") == "success", "stop result not success")
     expect(not (RUN / "status").exists(), "status file left behind by a clean stop")
@@ -230,8 +252,18 @@ def scenario(store: str, out: Path) -> None:
     journal = sh(out, "journalctl", "--no-pager", "-u", "deepseek-flash").stdout
     expect("invalid configuration" in journal and "prefetch_window" in journal,
            "the journal does not name the bad key")
+    log(out, "## the client waits a bounded time for a daemon that cannot start")
+    started = time.monotonic()
+    hung = cli(out, "status", "--timeout", "3", check=False)
+    waited = time.monotonic() - started
+    expect(hung.returncode == 1 and "no answer from deepseek-flashd at /run/deepseek_flash/control.sock: "
+           "waited 3 s for its hello reply" in hung.stderr,
+           f"status against a failing daemon: {hung.returncode} {hung.stderr!r}")
+    expect(waited < 20, f"status took {waited:.1f} s with --timeout 3")
     write_config(base, store)
-    sh(out, "systemctl", "reset-failed", "deepseek-flash")
+    sh(out, "systemctl", "reset-failed", "deepseek-flash", "deepseek-flash.socket")
+    sh(out, "systemctl", "start", "deepseek-flash.socket", "deepseek-flash")
+    expect(prop(out, "deepseek-flash", "ActiveState") == "active", "service not active with the config fixed")
 
     log(out, "## final stop")
     sh(out, "systemctl", "stop", "deepseek-flash.socket", "deepseek-flash")
