@@ -33,7 +33,7 @@ from concurrent.futures import wait as futures_wait
 import numpy as np
 
 from ..errors import ArenaFull, BudgetTooSmall, DeviceError, FlashError, StoreInUse
-from .block_manager import DAEMON_CLIENT
+from .host_state import DAEMON_CLIENT
 from .fabric import GATE_FAILED, GATE_READY
 from .prefetch import ForwardOrder
 
