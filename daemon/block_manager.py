@@ -20,7 +20,8 @@ never blocks on the disk.
 from __future__ import annotations
 
 from .config import FlashConfig
-from .host_state import HostState, Lease, ModelInfo
+from ..wire import Lease, ModelInfo
+from .host_state import HostState
 from .leases import Leases
 from .read_errors import Recovery
 from .reads import ReadPipeline

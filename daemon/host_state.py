@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from ..errors import FlashError, UnknownClient, UnknownModel
+from ..prefetch import ForwardOrder
+from ..wire import Lease
 from .config import FlashConfig
-from .prefetch import ForwardOrder
 
 ABSENT, LOADING, RESIDENT = "absent", "loading", "resident"
 # The embedded controller and the daemon's own `load` requests act as this client.
@@ -35,31 +35,6 @@ def fmt_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
-
-
-@dataclass
-class ModelInfo:
-    """What a client learns when it opens a model."""
-
-    name: str
-    path: str
-    config: dict
-    blocks: list
-    num_layers: int
-    total_bytes: int
-    flash_config: dict
-    plan: dict = field(default_factory=dict)
-    ignored_overrides: list = field(default_factory=list)
-
-
-@dataclass
-class Lease:
-    """Blocks a client holds: ``blocks`` maps block id -> offset in the host arena."""
-
-    id: int
-    model: str
-    blocks: dict
-    client: int = DAEMON_CLIENT
 
 
 class BlockState:

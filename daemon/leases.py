@@ -12,12 +12,12 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from ..errors import FlashError, LeaseError, LimitExceeded, NotResident, UnknownBlock
+from ..wire import Lease
 from .host_state import (
     ABSENT,
     DAEMON_CLIENT,
     LOADING,
     HostState,
-    Lease,
     Resolved,
     Ticket,
     resolve_futures,

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from ..errors import FlashError, StoreInUse, UnknownBlock, UnknownModel
+from ..wire import ModelInfo
 from .config import _NAME as MODEL_NAME_RE
 from .config import FlashConfig, check_tunable
 from .host_state import (
@@ -21,7 +22,6 @@ from .host_state import (
     ClientState,
     HandleState,
     HostState,
-    ModelInfo,
     ModelState,
     aligned,
     fmt_bytes,

@@ -10,7 +10,8 @@ last, never for a prefetch). All methods expect the caller to hold ``HostState.l
 from __future__ import annotations
 
 from ..errors import ArenaFull, BudgetTooSmall, FlashError, OutOfMemory
-from .host_state import ABSENT, LOADING, RESIDENT, BlockState, HostState, Lease, aligned, fmt_bytes
+from ..wire import Lease
+from .host_state import ABSENT, LOADING, RESIDENT, BlockState, HostState, aligned, fmt_bytes
 
 
 class Residency:
