@@ -48,7 +48,8 @@ def connect(args):
 
     path = socket_path(args)
     try:
-        return Client(socket_path=str(path), embedded=False, handshake_timeout=args.timeout)
+        return Client(socket_path=str(path), embedded=False,
+                      handshake_timeout=getattr(args, "timeout", DEFAULT_TIMEOUT))
     except DaemonNotRunning as exc:
         if getattr(exc, "waited_for", None):
             raise                 # a socket that does not answer: the message says what was waited for
