@@ -81,12 +81,13 @@ def build_probes(tok, eval_ids: np.ndarray, n: int, context: int, seed: int = 0)
     rng = random.Random(seed)
     probes, answers = [], []
     enc = lambda s: tok.encode(s).ids  # noqa: E731
-    nl = enc("\n")
     for i in range(n):
         name = f"{rng.choice(WORDS).upper()}_{rng.choice(WORDS).upper()}_{rng.randint(10, 99)}"
-        value = enc(str(rng.randint(10000, 99999)))
-        assign = nl + enc(name) + enc(" =") + enc(" ") + value + nl
-        query = nl + enc(name) + enc(" =") + enc(" ")
+        # one tokenisation of the whole line, so the value's tokens are those the model would see
+        assign = enc(f"\n{name} = {rng.randint(10000, 99999)}\n")
+        query = enc(f"\n{name} =")
+        assert assign[:len(query)] == query, (assign, query)
+        value = assign[len(query):-1]
         head = eval_ids[(i * 7919) % 100000:][:200].tolist()
         fill_len = context - len(head) - len(assign) - len(query) - len(value)
         start = 100000 + (i * 3001) % (len(eval_ids) - 100000 - fill_len)
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-tokens", type=int, nargs="+", default=[512])
     ap.add_argument("--probes", type=int, default=32)
     ap.add_argument("--probe-decode", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: a shared machine's cores make more threads spin; 0: torch's default)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if args.threads:
