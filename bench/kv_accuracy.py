@@ -6,11 +6,12 @@ Perplexity: windows of ``--context`` tokens of the model's held-out eval split, 
 top-K at each fraction of the pages with each page score (``quest``, ``windowed``) see the same
 tokens; the recent window (``gpu_tokens``) is the default unless ``--gpu-tokens`` lists others.
 
-Retrieval probe: ``--probes`` contexts of ``--context`` tokens of eval code in which one
-assignment ``NAME = VALUE`` (random identifier, random 5-digit value) sits early (token ~200);
-the context ends with ``NAME =`` and the model must continue with VALUE. Everything before the
-last ``--probe-decode`` tokens is prefilled densely; the rest, and the value, are decoded one
-token at a time with the cache under test. A probe counts when every value token is the argmax.
+Retrieval probe: ``--probes`` contexts of ``--context`` tokens of eval code in which one line
+``VAR = compute_NAME(x)`` (NAME: three random syllables) sits early (token ~200); the context
+ends with ``VAR = compute_`` and the model must continue with NAME. Everything before the last
+``--probe-decode`` tokens is prefilled densely; the rest is decoded one token at a time with the
+cache under test. Reported: accuracy over NAME's tokens (argmax), and the fraction of probes with
+every token right. A row with ``top_k_pages=1`` shows how much the probe needs the early page.
 
     python bench/kv_accuracy.py [--model ../shared/models/pycode-llama] [--output kv_accuracy.json]
 """
@@ -72,36 +73,44 @@ def perplexity(model, windows: torch.Tensor, prefill: int, spec: dict, batch: in
 
 
 # --- retrieval probe -----------------------------------------------------------------------------
-WORDS = ["server", "cache", "token", "limit", "retry", "buffer", "socket", "window", "offset",
-         "handle", "vector", "digest", "shard", "stream", "queue", "cursor"]
+VARS = ["result", "handler", "value", "target", "callback", "reader", "entry", "state"]
+CONS, VOWELS = "bcdfghklmnprstvz", "aeiou"
 
 
 def build_probes(tok, eval_ids: np.ndarray, n: int, context: int, seed: int = 0):
-    """[n, context] ids and, per probe, the positions and ids of the value tokens at the end."""
+    """[n, context] ids and, per probe, the positions of the answer tokens at the end.
+
+    Each context: 200 tokens of eval code, ``VAR = compute_NAME(x)`` (NAME: three random
+    syllables), eval code, and finally ``VAR = compute_NAME`` again: the answer is NAME's tokens,
+    which only the early line tells."""
     rng = random.Random(seed)
     probes, answers = [], []
     enc = lambda s: tok.encode(s).ids  # noqa: E731
     for i in range(n):
-        name = f"{rng.choice(WORDS).upper()}_{rng.choice(WORDS).upper()}_{rng.randint(10, 99)}"
-        # one tokenisation of the whole line, so the value's tokens are those the model would see
-        assign = enc(f"\n{name} = {rng.randint(10000, 99999)}\n")
-        query = enc(f"\n{name} =")
-        assert assign[:len(query)] == query, (assign, query)
-        value = assign[len(query):-1]
+        var = rng.choice(VARS)
+        name = "".join(rng.choice(CONS) + rng.choice(VOWELS) for _ in range(3))
+        # one tokenisation of the whole line, so the answer's tokens are those the model would see
+        assign = enc(f"\n{var} = compute_{name}(x)\n")
+        query = enc(f"\n{var} = compute_")
+        upto = enc(f"\n{var} = compute_{name}")
+        assert assign[:len(upto)] == upto and upto[:len(query)] == query, (assign, upto, query)
+        answer = upto[len(query):]
         head = eval_ids[(i * 7919) % 100000:][:200].tolist()
-        fill_len = context - len(head) - len(assign) - len(query) - len(value)
+        fill_len = context - len(head) - len(assign) - len(upto)
         start = 100000 + (i * 3001) % (len(eval_ids) - 100000 - fill_len)
         filler = eval_ids[start:start + fill_len].tolist()
-        ids = head + assign + filler + query + value
+        ids = head + assign + filler + upto
         assert len(ids) == context
         probes.append(ids)
-        answers.append(list(range(context - len(value), context)))
+        answers.append(list(range(context - len(answer), context)))
     return torch.tensor(probes, dtype=torch.int64), answers
 
 
 @torch.no_grad()
-def retrieval(model, probes: torch.Tensor, answers, decode: int, spec: dict, batch: int) -> float:
-    hits = 0
+def retrieval(model, probes: torch.Tensor, answers, decode: int, spec: dict,
+              batch: int) -> tuple[float, float]:
+    """(token accuracy over all answer tokens, fraction of probes with every token right)."""
+    right = total = exact = 0
     for i in range(0, probes.shape[0], batch):
         ids = probes[i:i + batch]
         start = ids.shape[1] - decode
@@ -113,9 +122,9 @@ def retrieval(model, probes: torch.Tensor, answers, decode: int, spec: dict, bat
             if t + 1 < ids.shape[1]:
                 logits = model(ids[:, t:t + 1], cache=cache).logits[:, -1]
         for row in range(ids.shape[0]):
-            pos = answers[i + row]
-            hits += all(int(preds[p][row]) == int(ids[row, p]) for p in pos)
-    return hits / probes.shape[0]
+            ok = [int(preds[p][row]) == int(ids[row, p]) for p in answers[i + row]]
+            right, total, exact = right + sum(ok), total + len(ok), exact + all(ok)
+    return right / total, exact / probes.shape[0]
 
 
 def main(argv=None) -> int:
@@ -123,13 +132,16 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=str(ROOT.parent / "shared/models/pycode-llama"))
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--prefill", type=int, default=1024)
-    ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
     ap.add_argument("--scores", nargs="+", default=["quest", "windowed"])
+    ap.add_argument("--windowed-fractions", type=float, nargs="+", default=[0.25],
+                    help="fractions the windowed score is run at (quest: --fractions)")
     ap.add_argument("--gpu-tokens", type=int, nargs="+", default=[512])
-    ap.add_argument("--probes", type=int, default=32)
-    ap.add_argument("--probe-decode", type=int, default=64)
+    ap.add_argument("--probes", type=int, default=16)
+    ap.add_argument("--probe-decode", type=int, default=32)
+    ap.add_argument("--lossless", action="store_true", help="also a lossless TieredCache row")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: a shared machine's cores make more threads spin; 0: torch's default)")
     ap.add_argument("--output", default=None)
@@ -146,9 +158,12 @@ def main(argv=None) -> int:
 
     specs = [dict(name="full (DynamicCache)", kind="dynamic")]
     for g in args.gpu_tokens:
-        specs.append(dict(name=f"tiered lossless g{g}", kind="tiered", gpu_tokens=g))
+        if args.lossless:
+            specs.append(dict(name=f"tiered lossless g{g}", kind="tiered", gpu_tokens=g))
+        specs.append(dict(name=f"top-1 page (control) g{g}", kind="tiered", gpu_tokens=g,
+                          fraction=1, score="quest"))
         for score in args.scores:
-            for f in args.fractions:
+            for f in (args.fractions if score == "quest" else args.windowed_fractions):
                 specs.append(dict(name=f"top-K {f:.1%} {score} g{g}", kind="tiered",
                                   gpu_tokens=g, fraction=f, score=score))
     rows = []
@@ -156,16 +171,16 @@ def main(argv=None) -> int:
     for spec in specs:
         t = time.perf_counter()
         ppl = perplexity(model, windows, args.prefill, spec, args.batch)
-        ret = retrieval(model, probes, answers, args.probe_decode, spec, args.batch)
+        ret, exact = retrieval(model, probes, answers, args.probe_decode, spec, args.batch)
         if base_ppl is None:
             base_ppl, base_ret = ppl, ret
         row = dict(spec, perplexity=round(ppl, 4), delta_pct=round(100 * (ppl / base_ppl - 1), 3),
-                   retrieval=round(ret, 4),
+                   retrieval=round(ret, 4), retrieval_exact=round(exact, 4),
                    retrieval_vs_full=round(ret / base_ret, 4) if base_ret else None,
                    seconds=round(time.perf_counter() - t, 1))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    goal = [r for r in rows if r.get("fraction") == 0.25 and r["gpu_tokens"] == 512]
+    goal = [r for r in rows if r.get("fraction") == 0.25 and r.get("gpu_tokens") == 512]
     result = {
         "bench": "kv_accuracy", "date": datetime.date.today().isoformat(),
         "machine": platform.node(), "cpu": platform.processor() or platform.machine(),
@@ -182,10 +197,11 @@ def main(argv=None) -> int:
     if args.output:
         Path(args.output).write_text(text + "\n")
     print(text)
-    print(f"\n{'config':34} {'ppl':>9} {'delta':>8} {'retrieval':>10}", file=sys.stderr)
+    print(f"\n{'config':34} {'ppl':>9} {'delta':>8} {'retrieval':>10} {'exact':>6}",
+          file=sys.stderr)
     for r in rows:
-        print(f"{r['name']:34} {r['perplexity']:9.4f} {r['delta_pct']:+7.3f}% {r['retrieval']:10.3f}",
-              file=sys.stderr)
+        print(f"{r['name']:34} {r['perplexity']:9.4f} {r['delta_pct']:+7.3f}% "
+              f"{r['retrieval']:10.3f} {r['retrieval_exact']:6.3f}", file=sys.stderr)
     return 0
 
 

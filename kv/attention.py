@@ -42,18 +42,19 @@ def tiered_attention(module, query, key, value, attention_mask, scaling=None, dr
 def _plain_attention(module, query, key, value, pad_mask, scaling):
     """What sdpa computes for a cache that is not tiered: causal (queries at the end of the
     keys) and padding."""
+    from .cache import _sdpa
+
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = None
+    if pad_mask is None and q_len == kv_len:
+        return _sdpa(query, key, value, None, q_len > 1, scaling).transpose(1, 2).contiguous(), None
     if pad_mask is not None or q_len > 1:
         causal = (torch.arange(kv_len, device=query.device)[None, :]
                   <= (kv_len - q_len + torch.arange(q_len, device=query.device))[:, None])
         mask = causal[None, None]
         if pad_mask is not None:
             mask = mask & pad_mask[:, None, None, :kv_len]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+    return _sdpa(query, key, value, mask, False, scaling).transpose(1, 2).contiguous(), None
 
 
 def tiered_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,

@@ -10,8 +10,8 @@ finally commits the new tokens (sinks, recent window, pages written out as they 
 """
 from __future__ import annotations
 
+import bisect
 import logging
-import math
 import weakref
 from dataclasses import dataclass
 
@@ -27,16 +27,19 @@ from .spill import SpilledChunk, SpillStore
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 4 << 20
-"""Host pages are allocated (and spilled) in chunks of about this many bytes per layer."""
+CHUNK_BYTES = 16 << 20
+"""Host pages are allocated (and spilled) in chunks of up to this many bytes per layer; a layer's
+first chunk holds 4 pages and each next one twice as many, so a short context allocates little."""
+FIRST_CHUNK_PAGES = 4
 
 
 @dataclass
 class _Chunk:
-    """``chunk_pages`` pages of one layer for every sequence: ``tensor[i * batch + b]`` is page
+    """``capacity`` pages of one layer for every sequence: ``tensor[i * batch + b]`` is page
     ``first + i`` of sequence ``b``. On the host (``tensor``) or on disk (``spilled``)."""
 
     first: int
+    capacity: int
     tensor: torch.Tensor | None
     spilled: SpilledChunk | None = None
     filled: int = 0
@@ -62,6 +65,7 @@ class TieredLayer(CacheLayerMixin):
         self.n_pages = 0
         self.kmin = self.kmax = None  # [b, h, capacity, d] on the device
         self.chunks: list[_Chunk] = []
+        self._firsts: list[int] = []
         self.lost_pages: set[int] = set()
 
     # --- transformers' layer contract ---------------------------------------------------------
@@ -175,7 +179,9 @@ class TieredLayer(CacheLayerMixin):
         if k is None or self.dense or q_len > cache.select_max_queries:
             if self.n_pages == 0:
                 return [self.sink_k, self.recent_k], [self.sink_v, self.recent_v], None
-            pk, pv = self._fetch_all()
+            pk, pv = cache._take_prefetched(self) or self._fetch_all()
+            if q_len <= cache.select_max_queries:
+                cache._prefetch_next(self)
             cols = self._cols_without_lost() if self.lost_pages else None
             return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], cols
         bound = quest_bound(group_queries(query, self.kmin.shape[1]),
@@ -222,6 +228,10 @@ class TieredLayer(CacheLayerMixin):
             elif cols is not None:
                 past_mask = torch.gather(past_mask, 1, cols)
             valid = torch.cat((past_mask, pad_mask[:, self.length:self.length + q_len]), 1)
+        if n_past == 0 and valid is None:
+            # a first prompt without padding: plain causal attention, no mask, one call
+            out = _sdpa(query, keys, values, None, q_len > 1, scaling)
+            return out.transpose(1, 2).contiguous()
         outs = []
         step = q_len if q_len <= cache.prefill_chunk else cache.prefill_chunk
         for a in range(0, q_len, step):
@@ -234,9 +244,8 @@ class TieredLayer(CacheLayerMixin):
                 mask = causal[None, None]
                 if valid is not None:
                     mask = mask & valid[:, None, None, :kv_len]
-            outs.append(torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, a:e], keys[:, :, :kv_len], values[:, :, :kv_len], attn_mask=mask,
-                scale=scaling, enable_gqa=hq != keys.shape[1]))
+            outs.append(_sdpa(query[:, :, a:e], keys[:, :, :kv_len], values[:, :, :kv_len], mask,
+                              False, scaling))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
         return out.transpose(1, 2).contiguous()
 
@@ -270,7 +279,7 @@ class TieredLayer(CacheLayerMixin):
         done = 0
         while done < n:
             chunk = self._open_chunk()
-            room = cache.chunk_pages - chunk.filled
+            room = chunk.capacity - chunk.filled
             m = min(room, n - done)
             dst = chunk.tensor[chunk.filled * b:(chunk.filled + m) * b]
             dst.copy_(pages[done:done + m].reshape(m * b, *pages.shape[2:]),
@@ -296,14 +305,20 @@ class TieredLayer(CacheLayerMixin):
 
     def _open_chunk(self) -> _Chunk:
         cache = self._cache
-        if self.chunks and self.chunks[-1].filled < cache.chunk_pages:
+        if self.chunks and self.chunks[-1].filled < self.chunks[-1].capacity:
             return self.chunks[-1]
-        first = len(self.chunks) * cache.chunk_pages
-        shape = (cache.chunk_pages * self.batch, *cache.layout.shape)
+        last = self.chunks[-1] if self.chunks else None
+        first = last.first + last.capacity if last else 0
+        capacity = cache.next_chunk_pages(last.capacity if last else 0)
+        shape = (capacity * self.batch, *cache.layout.shape)
         tensor = torch.empty(shape, dtype=self.dtype, pin_memory=cache.pinned)
-        chunk = _Chunk(first, tensor)
+        chunk = _Chunk(first, capacity, tensor)
         self.chunks.append(chunk)
+        self._firsts.append(first)
         return chunk
+
+    def _chunk_of(self, page: int) -> _Chunk:
+        return self.chunks[bisect.bisect_right(self._firsts, page) - 1]
 
     # --- fetch -----------------------------------------------------------------------------------
     def _chunk_pages(self, chunk: _Chunk) -> torch.Tensor:
@@ -337,6 +352,11 @@ class TieredLayer(CacheLayerMixin):
         cache.counters["pages_read_spilled"] += 1
         return True
 
+    def reads_every_page(self) -> bool:
+        """Whether this layer's next decode step attends to every page (lossless or dense)."""
+        cache = self._cache
+        return self.dense or resolve_top_k(cache.top_k_pages, self.n_pages) is None
+
     def _fetch_all(self):
         cache = self._cache
         parts = [self._chunk_pages(c).to(self.device, non_blocking=cache.pinned)
@@ -347,27 +367,57 @@ class TieredLayer(CacheLayerMixin):
         return unpack_pages(pages)
 
     def _fetch_selected(self, chosen: torch.Tensor):
-        """Pages ``chosen`` ``[b, k]`` -> keys, values ``[b, h, k * page_tokens, d]``."""
+        """Pages ``chosen`` ``[b, k]`` -> keys, values ``[b, h, k * page_tokens, d]``.
+
+        On a GPU each run of consecutive host pages is one host->device copy straight into the
+        step's buffer (a page is contiguous: BICL); on the CPU one gather per chunk. Spilled
+        pages are read into a host buffer first."""
         cache = self._cache
         b, k = chosen.shape
-        idx = chosen.cpu()
-        staging = cache._staging(b * k)
-        c = cache.chunk_pages
+        idx = chosen.cpu().tolist()  # the only host sync of a top-K step
+        shape = cache.layout.shape
+        if self.device.type == "cpu":
+            out = torch.empty((k * b, *shape), dtype=self.dtype)
+        else:
+            out = torch.empty((k * b, *shape), dtype=self.dtype, device=self.device)
         for row in range(b):
-            pages = idx[row]
-            for ci in torch.unique(pages // c).tolist():
-                chunk = self.chunks[ci]
-                sel = (pages // c == ci).nonzero().flatten()
-                local = (pages[sel] - chunk.first) * b + row
-                dest_rows = sel * b + row  # staging laid out [k, b, ...]
-                if chunk.tensor is not None:
-                    staging[dest_rows] = chunk.tensor.index_select(0, local)
+            j = 0
+            while j < k:
+                page = idx[row][j]
+                chunk = self._chunk_of(page)
+                # the run of selected pages that are consecutive and in the same chunk
+                e = j + 1
+                limit = chunk.first + chunk.filled
+                while e < k and idx[row][e] == idx[row][e - 1] + 1 and idx[row][e] < limit:
+                    e += 1
+                local = page - chunk.first
+                if chunk.tensor is None:
+                    src = cache._staging(e - j)
+                    for n in range(e - j):
+                        self._read_spilled(chunk, (local + n) * b + row, src[n])
+                elif b == 1:
+                    src = chunk.tensor[local:local + e - j]
                 else:
-                    for j, dst in zip(local.tolist(), dest_rows.tolist()):
-                        self._read_spilled(chunk, j, staging[dst])
-        pages = staging.to(self.device, non_blocking=cache.pinned).view(k, b, *cache.layout.shape)
+                    src = chunk.tensor[local * b + row:(local + e - j) * b:b]
+                dst = out[j * b + row:e * b:b] if b > 1 else out[j:e]
+                dst.copy_(src, non_blocking=cache.pinned)
+                j = e
         cache.counters["pages_fetched"] += b * k
-        return unpack_pages(pages)
+        return unpack_pages(out.view(k, b, *shape))
+
+
+def _sdpa(query, keys, values, mask, is_causal, scale):
+    """``scaled_dot_product_attention`` over GQA keys. With a mask on CUDA the kv heads are
+    repeated first: the fused kernels that take a mask do not all take GQA, and the fallback
+    would materialise every score."""
+    groups = query.shape[1] // keys.shape[1]
+    if groups > 1 and mask is not None and query.device.type == "cuda":
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+        groups = 1
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale,
+        enable_gqa=groups > 1)
 
 
 class TieredCache(Cache):
@@ -400,7 +450,7 @@ class TieredCache(Cache):
         self.prefill_chunk = prefill_chunk
         self.error_recovery_mode = error_recovery_mode
         self.chunk_pages_setting = chunk_pages
-        self.chunk_pages = None
+        self.max_chunk_pages = None
         self.scale = head_dim ** -0.5
         self.layout: PageLayout | None = None
         self.pinned = False
@@ -411,6 +461,8 @@ class TieredCache(Cache):
         self._model_name = ""
         self._poisoned: str | None = None
         self._spill_error: KVSpillFailed | None = None
+        self._copy_stream = None
+        self._prefetched: dict[int, tuple] = {}
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
 
     # --- construction ------------------------------------------------------------------------
@@ -419,17 +471,24 @@ class TieredCache(Cache):
                   page_tokens: int | str = "auto", top_k_pages: int | float | None = None,
                   host_bytes: int | None = None, spill_dir=None, **options) -> "TieredCache":
         """Install the tiered attention function on ``model`` and return a new cache for one
-        generation: ``model.generate(ids, past_key_values=cache)``. Options: ``dense_layers``
+        generation: ``model.generate(ids, cache=cache)``. Options: ``dense_layers``
         (2), ``score`` ("quest" | "windowed"), ``window_pages`` (64), ``error_recovery_mode``
-        ("strict" | "graceful"), ``prefill_chunk`` (4096 queries)."""
+        ("strict" | "graceful"), ``prefill_chunk`` (4096 queries).
+
+        A model from ``load_model`` brings its ``kv_*`` keys (``flash.json``, the model's
+        ``flash_config``, the open's ``flash_context``): they replace the defaults of the
+        arguments left at their default values; an argument given another value wins."""
         from .attention import install
 
+        given = dict(gpu_tokens=gpu_tokens, sink_tokens=sink_tokens, page_tokens=page_tokens,
+                     top_k_pages=top_k_pages, host_bytes=host_bytes, spill_dir=spill_dir)
+        args = {**flash_kv_settings(model), **_explicit(given)}
+        for key, value in given.items():
+            args.setdefault(key, value)
         cfg = install(model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        cache = cls(cfg.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim,
-                    gpu_tokens=gpu_tokens, sink_tokens=sink_tokens, page_tokens=page_tokens,
-                    top_k_pages=top_k_pages, host_bytes=host_bytes, spill_dir=spill_dir, **options)
+        cache = cls(cfg.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, **args, **options)
         cache.bind(model)
         return cache
 
@@ -459,13 +518,13 @@ class TieredCache(Cache):
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
         if self.chunk_pages_setting is not None:
-            self.chunk_pages = self.chunk_pages_setting
+            self.max_chunk_pages = self.chunk_pages_setting
         else:
             per_chunk = CHUNK_BYTES
             if self.host_bytes_limit is not None:
                 # spill granularity: at most an eighth of one layer's share of the host budget
                 per_chunk = min(per_chunk, self.host_bytes_limit // (8 * self.num_layers))
-            self.chunk_pages = max(1, per_chunk // (self.layout.page_bytes * batch))
+            self.max_chunk_pages = max(1, per_chunk // (self.layout.page_bytes * batch))
 
     # --- the guard around every step ----------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -510,6 +569,47 @@ class TieredCache(Cache):
                 f"TieredCache.for_model")
 
     # --- host tier accounting and spill -----------------------------------------------------
+    def next_chunk_pages(self, previous: int) -> int:
+        """Capacity of a layer's next host chunk: fixed when ``chunk_pages`` was given, else
+        4 pages, then doubling up to ``CHUNK_BYTES``."""
+        if self.chunk_pages_setting is not None:
+            return self.chunk_pages_setting
+        return min(self.max_chunk_pages, max(FIRST_CHUNK_PAGES, 2 * previous))
+
+    def _prefetch_next(self, layer: TieredLayer) -> None:
+        """CUDA: start copying every page of the next layer (cyclically: after the last layer,
+        the first layer of the next step, whose pages are final by then) on a copy stream, so
+        the copies of a lossless step overlap the previous layer's compute."""
+        if not self.pinned:
+            return
+        nxt = self.layers[(layer.index + 1) % len(self.layers)]
+        if (nxt.index in self._prefetched or nxt.n_pages == 0 or not nxt.reads_every_page()
+                or any(c.tensor is None for c in nxt.chunks)):
+            return
+        current = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(current)  # the pages' device->host copies came first
+        with torch.cuda.stream(self._copy_stream):
+            k, v = nxt._fetch_all()
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._prefetched[nxt.index] = (nxt.n_pages, done, k, v)
+
+    def _take_prefetched(self, layer: TieredLayer):
+        entry = self._prefetched.pop(layer.index, None)
+        if entry is None:
+            return None
+        n_pages, done, k, v = entry
+        if n_pages != layer.n_pages or layer.lost_pages:
+            self.counters["pages_fetched"] -= n_pages * layer.batch  # not used after all
+            return None
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        k.record_stream(current)
+        v.record_stream(current)
+        return k, v
+
     def _staging(self, n_pages: int) -> torch.Tensor:
         """A new host buffer of ``n_pages`` pages. Fresh every time: torch's pinned-memory cache
         reuses a block only after the copies that read it have completed."""
@@ -534,7 +634,7 @@ class TieredCache(Cache):
         while self.host_bytes() > self.host_bytes_limit:
             candidates = [(c.first, layer.index, layer, c) for layer in self.layers
                           for c in layer.chunks
-                          if c.tensor is not None and c.filled == self.chunk_pages]
+                          if c.tensor is not None and c.filled == c.capacity]
             if not candidates:
                 return
             _, _, layer, chunk = min(candidates, key=lambda x: (x[0], x[1]))
@@ -585,6 +685,29 @@ class TieredCache(Cache):
                 self.spill.close()
         except Exception:
             pass
+
+
+CONFIG_KEYS = {"kv_gpu_tokens": "gpu_tokens", "kv_sink_tokens": "sink_tokens",
+               "kv_page_tokens": "page_tokens", "kv_top_k_pages": "top_k_pages",
+               "kv_host_bytes": "host_bytes", "kv_spill_dir": "spill_dir"}
+"""The configuration keys (daemon/config.py) and the ``for_model`` arguments they set."""
+
+_DEFAULTS = dict(gpu_tokens=512, sink_tokens=4, page_tokens="auto", top_k_pages=None,
+                 host_bytes=None, spill_dir=None)
+
+
+def _explicit(given: dict) -> dict:
+    """The arguments whose value differs from ``for_model``'s default (given by the caller)."""
+    return {k: v for k, v in given.items() if v != _DEFAULTS[k] or type(v) is not type(_DEFAULTS[k])}
+
+
+def flash_kv_settings(model) -> dict:
+    """``for_model`` arguments from a ``load_model`` model's effective ``flash_config`` (the
+    ``kv_*`` keys: flash.json, the model's ``flash_config``, the open's ``flash_context``); empty
+    for a plain transformers model."""
+    info = getattr(getattr(model, "flash", None), "info", None)
+    config = getattr(info, "flash_config", None) or {}
+    return {arg: config[key] for key, arg in CONFIG_KEYS.items() if key in config}
 
 
 def _validate(*, gpu_tokens, sink_tokens, page_tokens, top_k_pages, host_bytes, spill_dir,

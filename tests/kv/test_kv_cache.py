@@ -106,3 +106,25 @@ def test_bad_arguments_name_the_key(llama, kwargs, key):
     with pytest.raises(ConfigError) as info:
         TieredCache.for_model(llama, **kwargs)
     assert info.value.key == key
+
+
+def test_load_model_flash_config_sets_the_defaults(llama):
+    """A load_model model carries its effective flash_config (flash.json, the model's
+    flash_config, the open's flash_context) in model.flash.info; its kv_* keys are the defaults."""
+    from types import SimpleNamespace
+
+    llama.flash = SimpleNamespace(info=SimpleNamespace(flash_config={
+        "prefetch_window": 2, "kv_gpu_tokens": 128, "kv_sink_tokens": 8, "kv_page_tokens": 16,
+        "kv_top_k_pages": 0.25, "kv_host_bytes": None, "kv_spill_dir": None}))
+    try:
+        cache = TieredCache.for_model(llama)
+        assert (cache.gpu_tokens, cache.sink_tokens, cache.page_tokens, cache.top_k_pages) == \
+            (128, 8, 16, 0.25)
+        cache = TieredCache.for_model(llama, gpu_tokens=64, top_k_pages=3)
+        assert (cache.gpu_tokens, cache.sink_tokens, cache.top_k_pages) == (64, 8, 3)
+        llama.flash.info.flash_config["kv_host_bytes"] = 1 << 20
+        with pytest.raises(ConfigError) as info:  # a host budget needs a spill directory
+            TieredCache.for_model(llama)
+        assert info.value.key == "host_bytes"
+    finally:
+        del llama.flash
