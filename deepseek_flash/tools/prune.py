@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import NotAModelDirectory, StoreExists
-from ..fsutil import fsync_dir, fsync_path, write_synced
+from ..fsutil import align_up, fsync_dir, fsync_path, write_synced
 from ..store.format import (
     BLOCK_ALIGN,
     DATA_FILE,
