@@ -126,8 +126,9 @@ class Completion:
     def raise_if_failed(self) -> None:
         """Raise FlashIOError (errno, path, offset, block_id; eof=True for a short file) or
         BlockChecksumError (block_id, path, expected, actual); no-op when ok."""
-    def error(self) -> Exception | None:
-        """The exception raise_if_failed() would raise, not raised; None when ok."""
+    def error(self, block_id: int | None = None) -> Exception | None:
+        """The exception raise_if_failed() would raise, not raised; None when ok. `block_id` names
+        the block in it where the request's block_id was a routing token."""
 
 class IOEngine:
     """Batched reads: io_uring through raw syscalls (one ring thread) or a pool of preadv threads;

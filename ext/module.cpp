@@ -315,11 +315,15 @@ PYBIND11_MODULE(_core, m) {
             "BlockChecksumError (block_id, path, expected, actual); no-op when ok.")
         .def(
             "error",
-            [](const flash::CompletionRec& r) -> py::object {
+            [](const flash::CompletionRec& r, std::optional<int64_t> block_id) -> py::object {
                 if (r.status == 0 && r.crc_ok) return py::none();
-                return exception_of(flash::completion_failure(r));
+                flash::CompletionRec named = r;
+                if (block_id) named.block_id = *block_id;
+                return exception_of(flash::completion_failure(named));
             },
-            "The exception raise_if_failed() would raise, not raised; None when ok.")
+            py::arg("block_id") = py::none(),
+            "The exception raise_if_failed() would raise, not raised; None when ok. `block_id` "
+            "names the block in it where the request's block_id was a routing token.")
         .def("__repr__", [](const flash::CompletionRec& r) {
             return "<Completion block_id=" + std::to_string(r.block_id) + " status=" + std::to_string(r.status) +
                    " bytes=" + std::to_string(r.bytes) + " crc_ok=" + (r.crc_ok ? "True" : "False") + ">";

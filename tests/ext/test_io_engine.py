@@ -13,7 +13,7 @@ import pytest
 
 from deepseek_flash import _core
 from deepseek_flash.errors import BlockChecksumError, ClosedError, FlashIOError, InvalidArgument
-from deepseek_flash.io import raise_for, read_all
+from deepseek_flash.io import error_of, raise_for, read_all
 
 BACKENDS = ["io_uring", "threads"]
 FILE_SIZE = 6 * (1 << 20) + 12345
@@ -289,3 +289,8 @@ def test_completion_error_is_the_exception_raise_if_failed_raises(tmp_path):
     assert type(err) is type(raised.value) is FlashIOError and str(err) == str(raised.value)
     assert err.fields == raised.value.fields == {"errno": errno.EIO, "path": str(short), "offset": 100,
                                                  "block_id": 7, "eof": True}
+    named = error_of(bad, block_id=3, context="model m, block 3 (attn, layer 0)", model="m")
+    assert type(named) is FlashIOError and named.block_id == 3 and named.model == "m"
+    assert str(named).startswith("model m, block 3 (attn, layer 0): unexpected end of file reading ")
+    assert "(block 3)" in str(named) and "(block 7)" not in str(named)
+    assert error_of(good, block_id=1, context="x") is None
