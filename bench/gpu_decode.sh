@@ -23,7 +23,7 @@ echo "bench: $?"; tail -3 "$out/decode_$arch.log"
 (cd bench && PYTHONPATH=$(dirname "$pkg") python3 decode.py --arch "$arch" --only-peer --batches 1 --output "$out/peer_$arch.json") > "$out/peer_$arch.log" 2>&1 &
 peer=$!
 wait $build && echo "build: ok" || { echo "build failed"; tail -20 "$out/build.log"; }
-python3 -m pytest -q -m gpu tests/decode/test_load_model.py tests/decode/test_engine.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+python3 -m pytest -q -m gpu tests/decode/test_decode_load_model.py tests/decode/test_decode_engine.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
 echo "tests_end $(date +%s.%N)" | tee -a "$out/machine.txt"
 echo "gpu tests: $(tail -1 "$out/gpu_tests.log")"
 grep -E "^(FAILED|ERROR)|^E  " "$out/gpu_tests.log" | head -20

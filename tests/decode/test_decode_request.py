@@ -1,7 +1,7 @@
 """decode.request: which generate() calls the step implements, and what it reads from them."""
 import pytest
 import torch
-from conftest import tiny_model
+from decode_models import tiny_model
 
 from deepseek_flash.decode.request import DecodeRequest, Fallback, parse
 

@@ -2,7 +2,7 @@
 (captured on CUDA) with transformers' tokens; a bad mode is a typed error before any attach."""
 import pytest
 import torch
-from conftest import DEVICES, left_padded
+from decode_models import DEVICES, left_padded
 
 from deepseek_flash.client import Client
 from deepseek_flash.client.model import load_model

@@ -1,4 +1,4 @@
-"""Tiny random models for the decode tests (built in memory, never downloaded)."""
+"""Tiny random models and left-padded prompts for the decode tests (never downloaded)."""
 import pytest
 import torch
 

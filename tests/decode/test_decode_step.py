@@ -1,6 +1,6 @@
 """decode.step: the masks and token choice of one step, exactly."""
 import torch
-from conftest import tiny_model
+from decode_models import tiny_model
 
 from deepseek_flash.decode.step import MaskSpec, choose, decode_allowed, prefill_allowed, unsupported
 

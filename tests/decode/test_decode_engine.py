@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from conftest import DEVICES, left_padded, tiny_model
+from decode_models import DEVICES, left_padded, tiny_model
 
 from deepseek_flash.decode import enable
 from deepseek_flash.errors import DecodeCapacityExceeded
