@@ -207,6 +207,18 @@ class RepairIncomplete(StoreError):
     code = 111
 
 
+# --- decode (8xx) ------------------------------------------------------------------------------
+class DecodeError(FlashError):
+    code = 800
+
+
+class DecodeCapacityExceeded(DecodeError):
+    """A generate() call needs more tokens than the static KV cache holds (``prompt``,
+    ``new_tokens``, ``capacity``)."""
+
+    code = 801
+
+
 def _all_subclasses(cls):
     for sub in cls.__subclasses__():
         yield sub
