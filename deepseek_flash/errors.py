@@ -83,6 +83,19 @@ class FlashIOError(FlashError):
     code = 200
 
 
+class ClosedError(FlashIOError):
+    """A call on a native object after ``close()`` (``errno`` EBADF; ``path`` its file, if any)."""
+
+    code = 201
+
+
+class InvalidArgument(FlashError, ValueError):
+    """A bad argument to a native call (``errno`` EINVAL; ``path`` the file concerned, if any).
+    Also a ValueError, as Python's own bad arguments are."""
+
+    code = 202
+
+
 class ArenaError(FlashError):
     code = 210
 
@@ -192,6 +205,52 @@ class RepairIncomplete(StoreError):
     """``repair`` could not recover every block; ``bad_blocks`` lists them."""
 
     code = 111
+
+
+# --- KV cache (7xx) ----------------------------------------------------------------------------
+class KVError(FlashError):
+    """A tiered KV cache (``deepseek_flash.kv``) could not do what was asked."""
+
+    code = 700
+
+
+class KVCacheMismatch(KVError):
+    """A ``TieredCache`` was given to a model (or an attention layer) it was not built for."""
+
+    code = 701
+
+
+class KVPageCorrupt(KVError):
+    """A spilled KV page failed its crc32c: ``path``, ``layer``, ``page``, ``row``, ``expected``,
+    ``actual`` name it."""
+
+    code = 702
+
+
+class KVSpillFailed(KVError):
+    """Pages could not be written to the spill directory (``path``, ``errno``): full, missing or
+    read-only. The pages stay on the host tier; the cache is still whole."""
+
+    code = 703
+
+
+class KVUnsupported(KVError):
+    """A model the tiered KV cache cannot serve (sliding-window attention, missing attention
+    interface); the message names what is missing."""
+
+    code = 704
+
+
+# --- decode (8xx) ------------------------------------------------------------------------------
+class DecodeError(FlashError):
+    code = 800
+
+
+class DecodeCapacityExceeded(DecodeError):
+    """A generate() call needs more tokens than the static KV cache holds (``prompt``,
+    ``new_tokens``, ``capacity``)."""
+
+    code = 801
 
 
 def _all_subclasses(cls):
