@@ -92,7 +92,8 @@ class _SocketBackend:
                 raise self._no_answer(self.handshake_timeout, "hello reply") from None
             except ConnectionError as exc:
                 raise DaemonNotRunning(f"deepseek-flashd at {self.path} closed the connection before its "
-                                       f"hello reply ({exc})", socket=str(self.path)) from None
+                                       f"hello reply ({exc})", socket=str(self.path),
+                                       waited_for="hello reply", timeout=self.handshake_timeout) from None
             sock.settimeout(None)
             try:
                 hello = protocol.result_of(reply)
