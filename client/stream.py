@@ -28,7 +28,8 @@ from collections import deque
 
 from ..errors import FlashError
 from ..fsutil import align_up
-from ..prefetch import WindowController
+from ..cuda import pcie_capacity
+from ..prefetch import NVML_SAMPLE_S, WindowController, other_link_load
 from ..store.views import block_tensors
 from ..wire import SLOT_ALIGNMENT, Plan
 from .skeleton import bind_parameters, decoder_parts
@@ -127,6 +128,9 @@ class StreamRuntime:
         self.misses = 0
         self.stall_us = 0.0
         self.bytes_streamed = 0
+        self._in_flight: deque = deque()    # (slot, bytes) copies issued, oldest first (CUDA)
+        self._bytes_completed = 0
+        self._issued_mark = 0
         self.tokens = 0
         self._pass_misses = 0
         self._pass_stalls = 0
@@ -142,7 +146,7 @@ class StreamRuntime:
                 offset += align_up(blocks[bid].length, SLOT_ALIGNMENT)
             self._slot_layout[layer] = layout
         self._bind(model)
-        self.link = LinkSampler(int(device), lambda: self.bytes_streamed).start() if self.is_cuda else None
+        self.link = LinkSampler(int(device), self.completed_bytes).start() if self.is_cuda else None
         self._hooks = []
         _, decoder_layers, _, _ = decoder_parts(model)
         for idx, layer in enumerate(self.layers):
@@ -181,6 +185,9 @@ class StreamRuntime:
             wait_for = None
             self.bytes_streamed += n
         self.ops.record_copy(self.copy_done[slot])
+        if self.is_cuda:
+            self._in_flight.append((slot, self.bytes_streamed - self._issued_mark))
+            self._issued_mark = self.bytes_streamed
         self._slot_owner[slot] = seq
         self._slot_busy[slot] = True
         self._issued = seq
@@ -243,6 +250,19 @@ class StreamRuntime:
         self._fill(base - 1)
 
     # --- measurement -----------------------------------------------------------------------------
+    def completed_bytes(self) -> int:
+        """Bytes whose copies have finished on the copy stream (all issued bytes on the CPU).
+
+        Copies finish in issue order (one stream), so the walk stops at the first unfinished one.
+        A slot's event may since have been recorded again for a later copy: that one finishing
+        means the earlier did too; until it does, the earlier one is counted a little late."""
+        if not self.is_cuda:
+            return self.bytes_streamed
+        with self._lock:
+            while self._in_flight and self.copy_done[self._in_flight[0][0]].query():
+                self._bytes_completed += self._in_flight.popleft()[1]
+            return self._bytes_completed
+
     def _count(self, hit: bool) -> None:
         if hit:
             self.hits += 1
@@ -329,32 +349,24 @@ class StreamRuntime:
         self.close_hooks = []
 
 
-# nvmlDeviceGetPcieLinkMaxSpeed answers with an enum (NVML_PCIE_LINK_MAX_SPEED_*), not a number:
-# 1..6 stand for 2500, 5000, 8000, 16000, 32000, 64000 Mbit/s per lane (PCIe generations 1..6).
-_NVML_LINK_SPEED_MBPS = {1: 2500, 2: 5000, 3: 8000, 4: 16000, 5: 32000, 6: 64000}
-
-
-def pcie_capacity(nv, handle) -> float:
-    """The device's PCIe link capacity in bytes/s, one direction: per-lane signalling rate, less
-    line encoding (8b/10b up to 5 GT/s, 128b/130b from 8 GT/s), times the link width."""
-    speed = int(nv.nvmlDeviceGetPcieLinkMaxSpeed(handle))
-    mbps = _NVML_LINK_SPEED_MBPS.get(speed, speed)   # a driver that answers in Mbit/s: as is
-    encoding = 8 / 10 if mbps <= 5000 else 128 / 130
-    return mbps * 1e6 / 8 * encoding * int(nv.nvmlDeviceGetMaxPcieLinkWidth(handle))
-
-
 class LinkSampler:
     """How busy the PCIe link is with traffic that is not this client's streaming.
 
-    A background thread reads the device's PCIe receive throughput from NVML every ``interval``
-    seconds, subtracts what this process streamed over the same interval, and keeps the rest as a
-    fraction of the link's capacity in ``load`` (None until the first sample, or without NVML).
+    A background thread reads the device's PCIe receive rate from NVML every ``sample_s`` (each
+    reading covers NVML's last 20 ms) and, every ``interval`` seconds, compares their mean with
+    the bytes this client's copies *completed* over the same interval (``completed_bytes``, from
+    the copy events): ``prefetch.other_link_load`` of the two is ``load`` (None until the first
+    interval, where too few readings came in, or without NVML). Bytes merely issued would count
+    copies still queued; one short reading against a long average would read our own bursts as
+    someone else's traffic -- both made the window shrink with nothing else on the link.
     """
 
-    def __init__(self, device: int, streamed_bytes, interval: float = 0.5, nvml=None):
+    def __init__(self, device: int, completed_bytes, interval: float = 0.5,
+                 sample_s: float = NVML_SAMPLE_S, nvml=None):
         self.load: float | None = None
-        self._streamed = streamed_bytes          # callable: bytes this client streamed so far
+        self._completed = completed_bytes        # callable: bytes this client's copies completed
         self._interval = interval
+        self._sample_s = sample_s
         self._stop = threading.Event()
         self._nvml = nvml
         self._device = device
@@ -374,14 +386,14 @@ class LinkSampler:
         handle = nv.nvmlDeviceGetHandleByIndex(self._device)
         return handle, pcie_capacity(nv, handle)
 
-    def sample(self, handle, capacity, last_bytes: int, seconds: float) -> int:
-        """One measurement: update ``load``; returns the streamed-bytes mark for the next one."""
+    def read_rx(self, handle) -> float:
+        """One NVML reading: the receive rate over its last 20 ms, bytes/s."""
         nv = self._nvml
-        rx = nv.nvmlDeviceGetPcieThroughput(handle, nv.NVML_PCIE_UTIL_RX_BYTES) * 1024.0  # KB/s
-        now_bytes = self._streamed()
-        ours = (now_bytes - last_bytes) / seconds if seconds > 0 else 0.0
-        self.load = max(0.0, rx - ours) / capacity if capacity else None
-        return now_bytes
+        return nv.nvmlDeviceGetPcieThroughput(handle, nv.NVML_PCIE_UTIL_RX_BYTES) * 1024.0  # KB/s
+
+    def close_interval(self, rx_rates, own_bytes: int, seconds: float, capacity) -> None:
+        """End one interval: ``load`` from its readings and the bytes we completed in it."""
+        self.load = other_link_load(rx_rates, own_bytes, seconds, capacity, self._sample_s)
 
     def _run(self) -> None:
         try:
@@ -389,14 +401,18 @@ class LinkSampler:
         except Exception as exc:   # noqa: BLE001 -- NVML absent or refusing (its own error types):
             log.debug("PCIe load not sampled: %s", exc)   # the window then ignores the link
             return
-        mark, t = self._streamed(), time.monotonic()
-        while not self._stop.wait(self._interval):
-            now = time.monotonic()
+        mark, t = self._completed(), time.monotonic()
+        rates: list[float] = []
+        while not self._stop.wait(self._sample_s):
             try:
-                mark = self.sample(handle, capacity, mark, now - t)
+                rates.append(self.read_rx(handle))
             except Exception as exc:   # noqa: BLE001 -- a sampler thread must outlive NVML hiccups
                 log.debug("PCIe sample failed: %s", exc)
-            t = now
+            now = time.monotonic()
+            if now - t >= self._interval:
+                done = self._completed()
+                self.close_interval(rates, done - mark, now - t, capacity)
+                mark, t, rates = done, now, []
 
     def stop(self) -> None:
         self._stop.set()
@@ -436,7 +452,7 @@ def start_streaming(model, handle, plan: Plan, desc: dict, memory, target) -> St
         return lease.blocks
 
     runtime = StreamRuntime(model, plan, {b.id: b for b in info.blocks}, host, {}, slots, target,
-                            info.flash_config["prefetch_window"], fetch_host)
+                            plan.window, fetch_host)
     runtime.start_reporting(lambda stats: client.call(
         "report_stream", {"model": info.name, "stats": stats}))
     runtime.close_hooks.append(lambda: [client.release(lease) for lease in leases])

@@ -38,6 +38,16 @@ def _int_range(lo: int, hi: int) -> Callable[[str, Any], int]:
     return parse
 
 
+def _window(key, value):
+    if value == "auto":
+        return value
+    try:
+        return _int_range(0, 64)(key, value)
+    except ConfigError:
+        raise ConfigError(f"{key}: {value!r} is not allowed; use \"auto\" or an integer in 0..64",
+                          key=key, value=value, allowed="\"auto\" | 0..64") from None
+
+
 def _choice(*allowed: str, implemented: tuple[str, ...] | None = None) -> Callable[[str, Any], str]:
     def parse(key, value):
         if value not in allowed:
@@ -151,8 +161,9 @@ def _default_store_roots():
 
 
 KEYS: dict[str, Key] = {
-    "prefetch_window": Key(2, _int_range(0, 64), "0..64", "model", True,
-                           "decoder layers loaded ahead of the one being acquired"),
+    "prefetch_window": Key("auto", _window, "\"auto\" | 0..64", "model", True,
+                           "decoder layers loaded ahead of the one being acquired (auto: chosen "
+                           "from the plan's slot size and the PCIe link)"),
     "block_eviction_policy": Key("lru", _choice("lru", "access_frequency_weighted"),
                                  "lru | access_frequency_weighted", "daemon", True,
                                  "which unleased block leaves the host tier first"),

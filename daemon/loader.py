@@ -326,8 +326,11 @@ class Attachments:
         from .planner import plan_residency
 
         info = self.manager.open_model(client_id, model)
+        from ..cuda import link_bytes_per_s
+
+        link = None if device == "cpu" else link_bytes_per_s(int(device))
         plan = plan_residency(info.blocks, weight_budget, info.flash_config["prefetch_window"],
-                              info.name)
+                              info.name, link)
         load = self.loader.attach(client_id, info, device, plan.resident)
         out = load.describe()
         out["plan"] = plan.to_wire()

@@ -5,6 +5,7 @@ there ``cuda_available()`` is False and host memory stays pageable.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 log = logging.getLogger("deepseek_flash.cuda")
@@ -66,3 +67,32 @@ def open_gpu_arena(desc: dict):
     tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{desc['device']}")
     tensor.set_(storage, 0, (desc["arena_size"],), (1,))
     return tensor
+
+
+# nvmlDeviceGetPcieLinkMaxSpeed answers with an enum (NVML_PCIE_LINK_MAX_SPEED_*), not a number:
+# 1..6 stand for 2500, 5000, 8000, 16000, 32000, 64000 Mbit/s per lane (PCIe generations 1..6).
+_NVML_LINK_SPEED_MBPS = {1: 2500, 2: 5000, 3: 8000, 4: 16000, 5: 32000, 6: 64000}
+
+
+def pcie_capacity(nv, handle) -> float:
+    """The device's PCIe link capacity in bytes/s, one direction: per-lane signalling rate, less
+    line encoding (8b/10b up to 5 GT/s, 128b/130b from 8 GT/s), times the link width."""
+    speed = int(nv.nvmlDeviceGetPcieLinkMaxSpeed(handle))
+    mbps = _NVML_LINK_SPEED_MBPS.get(speed, speed)   # a driver that answers in Mbit/s: as is
+    encoding = 8 / 10 if mbps <= 5000 else 128 / 130
+    return mbps * 1e6 / 8 * encoding * int(nv.nvmlDeviceGetMaxPcieLinkWidth(handle))
+
+
+@functools.lru_cache(maxsize=None)
+def link_bytes_per_s(device: int) -> float | None:
+    """PCIe capacity of CUDA ``device`` from NVML (bytes/s), None where NVML cannot tell."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        return pcie_capacity(pynvml, pynvml.nvmlDeviceGetHandleByIndex(device))
+    except pynvml.NVMLError as exc:
+        log.debug("PCIe link of cuda:%d unknown: %s", device, exc)
+        return None

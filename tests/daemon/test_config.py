@@ -10,7 +10,7 @@ from deepseek_flash.errors import ConfigError
 
 def test_defaults_cover_every_design_key():
     cfg = FlashConfig()
-    assert cfg.prefetch_window == 2
+    assert cfg.prefetch_window == "auto"
     assert cfg.block_eviction_policy == "lru"
     assert cfg.eviction_threshold == 0.9
     assert cfg.unified_memory_ratio == 0.8
@@ -23,10 +23,11 @@ def test_defaults_cover_every_design_key():
 
 
 @pytest.mark.parametrize("key, value, allowed", [
-    ("prefetch_window", 65, "0..64"),
-    ("prefetch_window", -1, "0..64"),
-    ("prefetch_window", "2", "0..64"),
-    ("prefetch_window", True, "0..64"),
+    ("prefetch_window", 65, '"auto" | 0..64'),
+    ("prefetch_window", -1, '"auto" | 0..64'),
+    ("prefetch_window", "2", '"auto" | 0..64'),
+    ("prefetch_window", "Auto", '"auto" | 0..64'),
+    ("prefetch_window", True, '"auto" | 0..64'),
     ("block_eviction_policy", "fifo", ["lru", "access_frequency_weighted"]),
     ("eviction_threshold", 1.5, "0 <= x <= 1"),
     ("unified_memory_ratio", 0, "0 < r <= 1"),

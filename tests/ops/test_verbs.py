@@ -87,7 +87,7 @@ def test_verbs_through_the_daemon(tmp_path, capsys):
         assert rc == 0 and out.splitlines()[1].split()[:3] == ["tiny", "open", loaded["blocks"]]
 
         rc, out, _ = run(capsys, "set", "prefetch_window", "32", *sock)
-        assert rc == 0 and out == "prefetch_window: 2 -> 32\n"
+        assert rc == 0 and out == "prefetch_window: auto -> 32\n"
         assert_eventually(lambda: daemon.status_file("tunables").get("prefetch_window") == "32",
                           what="prefetch_window: 32 in the tree")
         rc, out, err = run(capsys, "set", "prefetch_window", "999", *sock)
