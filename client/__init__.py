@@ -155,7 +155,7 @@ class Client:
         self._callbacks = []
         self._host_tensor = None             # the host arena as a tensor (this mapping)
         self._pinned_arena = None            # the arena mapping page-locked by this client
-        self._gpu_arenas: dict = {}          # CUDA index -> the daemon's arena, opened once
+        self._gpu_arenas: dict = {}          # CUDA index -> the daemon's arena segments (DeviceMemory)
         if embedded:
             self._backend = self._embedded(config)
             return
@@ -265,8 +265,10 @@ class Client:
 
         if self._host_tensor is None:
             self._host_tensor = torch.frombuffer(self.arena, dtype=torch.uint8)
-        if pinned and self._pinned_arena is None and self.mode == "daemon":
-            # Embedded: the controller's fabric pinned this very mapping already.
+        if pinned and self.mode == "embedded":
+            # The controller's fabric pins this very mapping (at start, in the background).
+            self._backend.fabric.pin_host()
+        elif pinned and self._pinned_arena is None:
             if register_host_memory(self.arena.address, self.arena.size):
                 self._pinned_arena = self.arena
         return self._host_tensor
@@ -277,12 +279,12 @@ class Client:
             return self.host_tensor(), None
         if self.mode == "embedded":
             load = self._backend.attachments.by_control_offset(desc["control_offset"])
-            return self._backend.fabric.arenas[device].tensor, load.placement.events
+            return self._backend.fabric.arenas[device].memory, load.placement.events
         import torch
 
-        arena = self._gpu_arenas.get(device)
-        if arena is None:
-            arena = self._gpu_arenas[device] = open_gpu_arena(desc["gpu_arena"])
+        # Segments this process has not opened yet are opened (once each); released ones dropped.
+        arena = self._gpu_arenas[device] = open_gpu_arena(desc["gpu_arena"],
+                                                          self._gpu_arenas.get(device))
         events = [torch.cuda.Event.from_ipc_handle(device, bytes(h)) for h in desc["events"]]
         return arena, events
 

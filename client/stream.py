@@ -137,6 +137,7 @@ class StreamRuntime:
         self._timing: deque = deque()       # (start, end) timing events in flight, oldest first
         self._timing_pool: list = []
         self._reporter = None
+        self.host_side = None                # StreamedHost (daemon mode on a GPU), else None
         self.close_hooks: list = []          # run once at close (the host leases go back)
         self._slot_layout = {}
         for layer in self.layers:
@@ -148,13 +149,14 @@ class StreamRuntime:
         self._bind(model)
         self.link = LinkSampler(int(device), self.completed_bytes).start() if self.is_cuda else None
         self._hooks = []
-        _, decoder_layers, _, _ = decoder_parts(model)
+        embed, decoder_layers, _, _ = decoder_parts(model)
+        # The first copies are issued when a pass starts (at the embeddings), not here: an
+        # attach never waits for the streamed blocks' host leases or their disk reads.
+        self._hooks.append(embed.register_forward_pre_hook(self._start_hook))
         for idx, layer in enumerate(self.layers):
             module = decoder_layers[layer]
             self._hooks.append(module.register_forward_pre_hook(self._pre_hook(idx)))
             self._hooks.append(module.register_forward_hook(self._post_hook(idx)))
-        with self._lock:
-            self._fill(0)
 
     # --- binding ---------------------------------------------------------------------------------
     def _bind(self, model) -> None:
@@ -200,6 +202,12 @@ class StreamRuntime:
             if self._slot_busy[self._slot_of(seq)]:
                 break
             self._issue(seq)
+
+    def _start_hook(self, module, args):
+        """A pass starts: copies up to the window ahead of the next streamed layer (normally
+        issued already by the previous pass's last layers; on the first pass, here)."""
+        with self._lock:
+            self._fill(self._next - 1)
 
     def _pre_hook(self, idx: int):
         def pre(module, args):
@@ -431,29 +439,129 @@ def _sm_clock_mhz() -> int:
         return NOMINAL_CLOCK_MHZ
 
 
+class StreamedHost:
+    """The host side of one streaming client in daemon mode: leases of the streamed blocks and
+    the page-locking of *their* ranges in this process, both off the attach path.
+
+    ``load_model`` must not page-lock the daemon's whole host arena (seconds, growing with the
+    host cache). Instead a background thread takes each streamed layer's lease in forward order
+    and page-locks just those blocks' ranges (merged where adjacent); until a range is pinned
+    its copies run from pageable memory (correct, slower), after that at link speed. The
+    runtime's first pass asks for a layer through ``fetch`` too; each layer is leased once.
+    ``close`` stops the thread, unpins what it pinned, and releases the leases.
+    """
+
+    def __init__(self, client, model: str, plan: Plan, blocks: dict, host_address: int,
+                 register=None, unregister=None):
+        from ..cuda import register_host_range, unregister_host_memory
+
+        self.client, self.model, self.plan, self.blocks = client, model, plan, blocks
+        self.address = host_address
+        self._register = register or register_host_range
+        self._unregister = unregister or unregister_host_memory
+        self._leases: dict[int, object] = {}         # layer -> lease
+        self._layer_locks = {layer: threading.Lock() for layer in plan.streamed_layers}
+        self._pinned: list[int] = []                  # addresses this object registered
+        self._stop = threading.Event()
+        self.pinned_bytes = 0
+        self.pin_seconds: float | None = None         # time to pin every streamed range
+        self._thread = threading.Thread(target=self._run, daemon=True, name="flash-stream-pin")
+
+    def start(self) -> StreamedHost:
+        self._thread.start()
+        return self
+
+    def fetch(self, layer: int) -> dict:
+        """The layer's ``{block id: host offset}`` under a lease (taken once)."""
+        with self._layer_locks[layer]:
+            lease = self._leases.get(layer)
+            if lease is None:
+                lease = self._leases[layer] = self.client.acquire(
+                    self.model, blocks=self.plan.stream_blocks[layer])
+            return lease.blocks
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        try:
+            for layer in self.plan.streamed_layers:
+                if self._stop.is_set():
+                    return
+                for begin, end in _merged_ranges(self.fetch(layer), self.blocks):
+                    if self._stop.is_set():
+                        return
+                    if self._register(self.address + begin, end - begin):
+                        self._pinned.append(self.address + begin)
+                        self.pinned_bytes += end - begin
+            self.pin_seconds = time.monotonic() - start
+            log.debug("streamed host ranges page-locked: %d bytes in %.2f s", self.pinned_bytes,
+                      self.pin_seconds)
+        except Exception as exc:   # noqa: BLE001 -- copies stay pageable (slower), never wrong
+            log.warning("page-locking the streamed host ranges stopped: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for address in self._pinned:
+            self._unregister(address)
+        self._pinned = []
+        for lease in self._leases.values():
+            try:
+                self.client.release(lease)
+            except FlashError as exc:   # the daemon went away: its leases went with it
+                log.debug("releasing a streamed lease: %s", exc)
+        self._leases = {}
+
+
+def _merged_ranges(offsets: dict, blocks: dict) -> list[tuple[int, int]]:
+    """Page-aligned ``[begin, end)`` host ranges covering the blocks, adjacent ones merged (each
+    block starts 4 KiB-aligned in the arena and owns the pages up to the next 4 KiB)."""
+    ranges: list[list[int]] = []
+    for bid, off in sorted(offsets.items(), key=lambda kv: kv[1]):
+        end = off + align_up(blocks[bid].length, 4096)
+        if ranges and ranges[-1][1] == off:
+            ranges[-1][1] = end
+        else:
+            ranges.append([off, end])
+    return [(a, b) for a, b in ranges]
+
+
 def start_streaming(model, handle, plan: Plan, desc: dict, memory, target) -> StreamRuntime:
     """The streamed part of an attach (``load_model`` bound the resident part): slots, host
-    leases of the streamed blocks (taken per layer on the first pass, after a prefetch hint that
-    starts their disk reads now), the runtime, and its counter reports."""
+    leases of the streamed blocks (after a prefetch hint that starts their disk reads now), the
+    runtime, and its counter reports. In daemon mode on a GPU the leases and the page-locking
+    of the streamed ranges run in the background (``StreamedHost``); embedded, the controller
+    pinned the whole arena already."""
     import torch
 
     client, info = handle.client, handle.info
+    blocks = {b.id: b for b in info.blocks}
     if target == "cpu":
         slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8) for _ in range(plan.n_slots)]
     else:
         slots = [memory[off:off + plan.slot_bytes] for off in desc["slots"]]
-    host = client.host_tensor(pinned=target != "cpu")
     client.prefetch(info.name, layers=plan.streamed_layers)
-    leases = []
+    if target != "cpu" and client.mode == "daemon":
+        host = client.host_tensor()
+        side = StreamedHost(client, info.name, plan, blocks, client.arena.address)
+        fetch_host, close = side.fetch, side.close
+        side.start()
+    else:
+        host = client.host_tensor(pinned=target != "cpu")
+        side = None
+        leases = []
 
-    def fetch_host(layer: int) -> dict:
-        lease = client.acquire(info.name, blocks=plan.stream_blocks[layer])
-        leases.append(lease)
-        return lease.blocks
+        def fetch_host(layer: int) -> dict:
+            lease = client.acquire(info.name, blocks=plan.stream_blocks[layer])
+            leases.append(lease)
+            return lease.blocks
 
-    runtime = StreamRuntime(model, plan, {b.id: b for b in info.blocks}, host, {}, slots, target,
-                            plan.window, fetch_host)
+        def close():
+            for lease in leases:
+                client.release(lease)
+
+    runtime = StreamRuntime(model, plan, blocks, host, {}, slots, target, plan.window, fetch_host)
+    runtime.host_side = side
     runtime.start_reporting(lambda stats: client.call(
         "report_stream", {"model": info.name, "stats": stats}))
-    runtime.close_hooks.append(lambda: [client.release(lease) for lease in leases])
+    runtime.close_hooks.append(close)
     return runtime

@@ -170,7 +170,7 @@ KEYS: dict[str, Key] = {
     "eviction_threshold": Key(0.9, _fraction(False), "0 <= x <= 1", "daemon", True,
                               "evict unleased blocks when used > threshold * host_cache_bytes"),
     "unified_memory_ratio": Key(0.8, _fraction(True), "0 < r <= 1", "daemon", False,
-                                "share of each GPU's memory the device arena may take"),
+                                "ceiling on the share of each GPU's memory the device arena grows to"),
     "quantization_granularity": Key("per_tensor", _choice("per_tensor", "per_block"),
                                     "per_tensor | per_block", "model", False,
                                     "scale granularity of a quantized scheme"),

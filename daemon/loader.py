@@ -335,14 +335,15 @@ class Attachments:
         out = load.describe()
         out["plan"] = plan.to_wire()
         if device != "cpu":
-            if ipc:
-                out["gpu_arena"] = self.fabric.arena(int(device)).ipc_descriptor()
             if plan.streaming:
                 with self._slots_lock:
                     self._free_slots(client_id, info.name)
                     out["slots"] = self.loader.with_room(int(device), lambda: self.fabric.alloc_slots(
                         (client_id, info.name), int(device), plan.n_slots, plan.slot_bytes))
                     self._slots[(client_id, info.name)] = int(device)
+            if ipc:
+                # After the slots: the descriptor lists every segment the reply's offsets are in.
+                out["gpu_arena"] = self.fabric.arena(int(device)).ipc_descriptor()
         self.manager.set_plan(info.name, {**info.plan, "device": str(device),
                                           **{k: v for k, v in plan.to_wire().items()
                                              if k not in ("resident", "stream_blocks")},
@@ -387,7 +388,7 @@ class Attachments:
             placement.events[gate].synchronize()
             off = placement.offsets[block.id]
             torch.frombuffer(dest, dtype=torch.uint8).copy_(
-                placement.arena.tensor[off:off + block.length])
+                placement.arena[off:off + block.length])
             return True
         return False
 

@@ -149,3 +149,44 @@ def test_link_sampler_thread_reads_our_own_copies_as_ours():
         assert sampler.load is not None and sampler.load < 0.05
     finally:
         sampler.stop()
+
+
+def test_streamed_host_leases_each_layer_once_and_pins_only_its_ranges():
+    """Daemon mode on a GPU: attach page-locks nothing; a background thread leases the streamed
+    layers and page-locks just their blocks' ranges (adjacent blocks merged), which close
+    unpins and releases."""
+    import threading
+    from types import SimpleNamespace
+
+    from deepseek_flash.client.stream import StreamedHost
+    from deepseek_flash.wire import Plan
+
+    blocks = {10: SimpleNamespace(length=5000), 11: SimpleNamespace(length=8192),
+              20: SimpleNamespace(length=100), 21: SimpleNamespace(length=4096)}
+    offsets = {3: {10: 0, 11: 8192}, 4: {20: 65536, 21: 1 << 20}}
+    calls, released = [], []
+    lock = threading.Lock()
+
+    class FakeClient:
+        def acquire(self, model, blocks):
+            layer = 3 if blocks == [10, 11] else 4
+            with lock:
+                calls.append(layer)
+            return SimpleNamespace(id=layer, blocks=offsets[layer])
+
+        def release(self, lease):
+            released.append(lease.id)
+
+    registered, unregistered = [], []
+    plan = Plan(budget=0, resident=[], streamed_layers=[3, 4], stream_blocks={3: [10, 11], 4: [20, 21]},
+                slot_bytes=16384, n_slots=2)
+    side = StreamedHost(FakeClient(), "m", plan, blocks, 1 << 40,
+                        register=lambda a, n: registered.append((a - (1 << 40), n)) or True,
+                        unregister=lambda a: unregistered.append(a - (1 << 40))).start()
+    assert side.fetch(3) == offsets[3]          # the runtime's first pass asks as well
+    side._thread.join(timeout=10)
+    assert sorted(calls) == [3, 4]              # one lease per layer, whoever asked first
+    assert registered == [(0, 16384), (65536, 4096), (1 << 20, 4096)]
+    assert side.pinned_bytes == 24576 and side.pin_seconds is not None
+    side.close()
+    assert unregistered == [0, 65536, 1 << 20] and sorted(released) == [3, 4]

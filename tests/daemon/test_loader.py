@@ -56,7 +56,7 @@ def test_gpu_copy_serves_as_a_recovery_source(controller, tiny_store):
     order = ForwardOrder(info.blocks, info.num_layers)
     gate = next(g for g, ids in enumerate(order.stages) if block.id in ids)
     gates = np.zeros(len(order.stages), dtype=np.uint32)
-    placement = SimpleNamespace(offsets={block.id: 4096}, arena=SimpleNamespace(tensor=device),
+    placement = SimpleNamespace(offsets={block.id: 4096}, arena=device,
                                 events=[SimpleNamespace(synchronize=lambda: None)] * len(gates))
     load = SimpleNamespace(placement=placement, info=info, order=order, gates=gates)
     loader = Loader(manager, arena)
