@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--accelerate-tokens", type=int, default=4)
     parser.add_argument("--skip-ttft", action="store_true", help="skip the cold time-to-first-token")
     parser.add_argument("--cleanup", action="store_true", help="delete the checkpoint and store after")
+    parser.add_argument("--prepare-only", action="store_true", help="write and pack the model, then stop")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
 
@@ -79,6 +80,9 @@ def main(argv=None) -> int:
     if not (store_dir / "flash_metadata.bin").exists():
         pack(src, store_dir)
     store = Store.open(store_dir)
+    if args.prepare_only:
+        print(f"{args.arch}: {store.total_bytes} bytes packed in {time.perf_counter() - t0:.1f} s")
+        return 0
     budget = parse_size("budget", args.budget)
     batches = [int(b) for b in args.batches.split(",")]
     res = {"benchmark": "stream", "arch": args.arch, "date": datetime.date.today().isoformat(),

@@ -300,9 +300,11 @@ class Attachments:
                ipc: bool = True) -> dict | Future:
         """The attach reply, or a Future of it: a CPU attach answers once the blocks are read;
         the first attach to a device whose arena does not exist yet runs on its own thread (it
-        page-locks the host arena and allocates the device arena: seconds on a large arena),
-        so the daemon's loop keeps serving everyone else meanwhile."""
+        waits for CUDA to start in the daemon: importing torch and making the context take ~1.5 s
+        on the H200 machine), so the daemon's loop keeps serving everyone else meanwhile, and
+        the model's first blocks are read from disk in the meantime (``read_ahead``)."""
         if device != "cpu" and self.fabric is not None and not self.fabric.ready(int(device)):
+            self.read_ahead(client_id, model)
             future: Future = Future()
 
             def run():
@@ -321,6 +323,25 @@ class Attachments:
             threading.Thread(target=run, daemon=True, name=f"flash-attach-cuda:{device}").start()
             return future
         return self._attach(client_id, model, device, weight_budget, ipc)
+
+    def read_ahead(self, client_id: int, model: str) -> int:
+        """Start reading the model's first blocks in forward order, up to half the host arena
+        (what a GPU load keeps in flight), while the device is not ready yet; the load then finds
+        them read or in flight. Advisory: returns the reads started, 0 on any refusal (the
+        attach itself reports errors)."""
+        try:
+            info = self.manager.open_model(client_id, model)
+            length = {b.id: b.length for b in info.blocks}
+            room, ids = self.loader.arena.size // 2, []
+            for bid in (b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage):
+                room -= length[bid]
+                if room < 0:
+                    break
+                ids.append(bid)
+            return self.manager.prefetch(info.name, blocks=ids, client_id=client_id) if ids else 0
+        except FlashError as exc:
+            log.debug("read-ahead of %s before the device is ready: %s", model, exc)
+            return 0
 
     def _attach(self, client_id: int, model: str, device, weight_budget, ipc: bool) -> dict | Future:
         from .planner import plan_residency

@@ -266,3 +266,28 @@ def test_devices_outside_the_configuration_are_refused(monkeypatch):
         f.arena(1)
     assert exc.value.code == 220 and "cuda:1" in str(exc.value) and exc.value.allowed == [0]
     assert fabric_mod.Fabric(_core.HostArena(1 << 20), 0.5).prepare() is None   # nothing configured
+
+
+def test_read_ahead_starts_the_first_blocks_in_forward_order(controller, tiny_store):
+    """Before the device is ready (CUDA starting in the daemon), a first attach reads the model's
+    first blocks, up to half the host arena, so the load finds them read or in flight."""
+    manager, arena = controller
+    cid = manager.connect({"name": "t"})
+    info = manager.open_model(cid, str(tiny_store))
+    attachments = Attachments(manager, Loader(manager, arena))
+    started = attachments.read_ahead(cid, info.name)
+    order = [b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage]
+    length = {b.id: b.length for b in info.blocks}
+    fits, room = 0, arena.size // 2
+    for bid in order:
+        room -= length[bid]
+        if room < 0:
+            break
+        fits += 1
+    assert started == fits > 0
+    assert manager.stats()["prefetch_issued"] == fits
+    # The blocks read ahead are the ones the load asks for first.
+    lease = manager.acquire(cid, info.name, blocks=order[:fits])
+    assert set(lease.blocks) == set(order[:fits])
+    manager.release(cid, lease.id)
+    assert attachments.read_ahead(cid, "no-such-model") == 0
