@@ -65,6 +65,7 @@ class Fabric:
         self._pin_tried = False
         self._pin_lock = threading.Lock()
         self._prepare_thread: threading.Thread | None = None
+        self._pin_thread: threading.Thread | None = None
         self._host_tensor = None
         self._lock = threading.Lock()
         self.bytes_h2d = 0
@@ -113,14 +114,32 @@ class Fabric:
             self.arenas[device] = arena
             return arena
 
-    def pin_host(self) -> bool:
+    def pin_host(self, wait: bool = True) -> bool:
         """Page-lock the host arena once for every device (``cudaHostRegister``, portable); a
-        caller that comes while another thread pins waits for it. True when pinned."""
+        caller that comes while another thread pins waits for it. True when pinned.
+
+        ``wait=False`` (a load's copies): never wait -- start the pinning on its own thread if
+        nobody has, and answer whether it is done; until it is, copies run from pageable memory
+        (~6.6 GB/s on the H200 machine, still above the disk), so a load right after start is not
+        held up by page-locking a large host arena (40 GiB: ~25 s there)."""
         if self.host_pinned or self._pin_tried:
             return self.host_pinned
+        if not wait:
+            with self._lock:
+                if self._pin_thread is None:
+                    self._pin_thread = threading.Thread(target=self.pin_host, daemon=True,
+                                                        name="flash-host-pin")
+                    self._pin_thread.start()
+            return False
         with self._pin_lock:
             if not self._pin_tried:
                 start = time.monotonic()
+                # Fault the pages in first, outside CUDA: cudaHostRegister of populated memory
+                # is ~4x faster (0.56 s vs 2.6 s for 4 GiB on the H200 machine), and the driver
+                # appears to hold other CUDA calls of this process while it registers.
+                populate = getattr(self.host_arena, "populate", None)
+                if populate is not None:
+                    populate()
                 self.host_pinned = register_host_memory(self.host_arena.address, self.host_arena.size)
                 self._pin_tried = True
                 log.info("host arena of %d bytes %s in %.2f s", self.host_arena.size,
@@ -156,8 +175,8 @@ class Fabric:
         import torch
 
         arena = placement.arena
-        # The first load's reads are already in flight; only its copies wait for the pinning.
-        pinned = self.pin_host()
+        # Never waits for the page-locking (see pin_host): pageable copies until it is done.
+        pinned = self.pin_host(wait=False)
         host = self.host_tensor()
         with torch.cuda.stream(arena.copy_stream):
             for block_id in placement.stages[gate]:
@@ -170,8 +189,8 @@ class Fabric:
         """At start, on a background thread: the CUDA context and arena (a ceiling, nothing
         allocated) of every served device, then the host arena page-locked -- seconds for a large
         host cache, done before the first client asks instead of in its request. A load that comes
-        meanwhile starts its disk reads at once; only its first copy waits for the pinning. Where
-        no NVIDIA driver is present nothing is imported or started."""
+        meanwhile starts its disk reads at once and copies from pageable memory until the pinning
+        is done. Where no NVIDIA driver is present nothing is imported or started."""
         if not nvidia_driver_present():
             return None
 
@@ -218,9 +237,10 @@ class Fabric:
         """Free every device arena and unpin the host arena (before the host arena is unmapped:
         a registration left behind would make later allocations at that address fail); waits for
         the preparation thread first, which may be registering it."""
-        if self._prepare_thread is not None:
-            self._prepare_thread.join()
-            self._prepare_thread = None
+        for thread in (self._prepare_thread, self._pin_thread):
+            if thread is not None:
+                thread.join()
+        self._prepare_thread = self._pin_thread = None
         for arena in self.arenas.values():
             arena.copy_stream.synchronize()
             arena.close()

@@ -170,6 +170,36 @@ def test_the_host_arena_is_page_locked_once_and_late_callers_wait(monkeypatch):
     assert calls == [(4096, 1 << 20)] and results == [True, True, True] and fabric.host_pinned
 
 
+def test_a_loads_copies_never_wait_for_the_page_locking(monkeypatch):
+    """``pin_host(wait=False)`` (what copy_gate asks) answers at once: False while the pinning
+    runs on its own thread (copies then run pageable), True once it is done; close joins it."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import deepseek_flash.daemon.fabric as fabric_mod
+
+    release, calls = threading.Event(), []
+
+    def blocked_register(address, size):
+        calls.append(size)
+        release.wait(10)
+        return True
+
+    monkeypatch.setattr(fabric_mod, "register_host_memory", blocked_register)
+    monkeypatch.setattr(fabric_mod, "unregister_host_memory", lambda address: calls.append(-1))
+    fabric = fabric_mod.Fabric(SimpleNamespace(address=4096, size=1 << 20), 0.8)
+    fabric._available = False
+    t = time.monotonic()
+    assert fabric.pin_host(wait=False) is False and fabric.pin_host(wait=False) is False
+    assert time.monotonic() - t < 1.0
+    release.set()
+    fabric._pin_thread.join(10)
+    assert fabric.pin_host(wait=False) is True and calls == [1 << 20]
+    fabric.close()
+    assert calls == [1 << 20, -1] and not fabric.host_pinned
+
+
 def test_prepare_starts_nothing_without_an_nvidia_driver(monkeypatch):
     from types import SimpleNamespace
 
