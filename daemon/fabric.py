@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 from ..cuda import cuda_available, nvidia_driver_present, register_host_memory, unregister_host_memory
 from ..errors import DeviceError
@@ -28,9 +27,6 @@ from ..prefetch import ForwardOrder
 from .gpu_arena import GpuArena
 
 log = logging.getLogger("deepseek_flash.fabric")
-
-# Tensors inside a block only need 256-byte alignment; blocks of one model are packed tight.
-BLOCK_ALIGNMENT = 4096
 
 
 class DevicePlacement:
