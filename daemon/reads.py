@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 
-from ..errors import BlockChecksumError, FlashError, FlashIOError, UnknownClient
+from ..errors import BlockChecksumError, FlashError, FlashIOError, StoreTruncated, UnknownClient
 from .host_state import RESIDENT, BlockState, HostState, Ticket, resolve_futures
 
 log = logging.getLogger("deepseek_flash.block_manager")
@@ -103,16 +103,18 @@ class ReadPipeline:
         if block is None:
             return None
         info, path = block.info, str(block.model.store.data_path(block.info))
+        if completion.eof or (completion.status == 0 and completion.bytes < info.length):
+            # The file ends early: the store is corrupt (truncated, a bad copy), not the device.
+            return StoreTruncated(f"{path}: the data file is shorter than its metadata says: block "
+                                  f"{info.id} ({info.role}, layer {info.layer}) of model "
+                                  f"{block.model.name} needs {info.length} bytes at offset "
+                                  f"{info.offset}", path=path, block_id=info.id, offset=info.offset,
+                                  length=info.length, model=block.model.name)
         if completion.status < 0:
             err = -completion.status
             return FlashIOError(f"{path}: reading block {info.id} ({info.role}, layer {info.layer}) of "
                                 f"model {block.model.name}: {os.strerror(err)}", errno=err, path=path,
                                 offset=info.offset, block_id=info.id, model=block.model.name)
-        if completion.bytes != info.length and completion.status == 0 and completion.bytes < info.length:
-            return FlashIOError(f"{path}: block {info.id} of model {block.model.name} truncated: "
-                                f"{completion.bytes} of {info.length} bytes at offset {info.offset}",
-                                errno=0, path=path, offset=info.offset, block_id=info.id,
-                                model=block.model.name)
         if not completion.crc_ok:
             return BlockChecksumError(f"{path}: block {info.id} ({info.role}, layer {info.layer}) of "
                                       f"model {block.model.name} failed its crc32c check "

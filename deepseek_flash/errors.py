@@ -194,6 +194,13 @@ class RepairIncomplete(StoreError):
     code = 111
 
 
+class StoreTruncated(StoreError):
+    """A data file ends before a block its metadata places there (``path``, ``block_id``,
+    ``offset``, ``length``): the store is corrupt, its device is not at fault."""
+
+    code = 112
+
+
 def _all_subclasses(cls):
     for sub in cls.__subclasses__():
         yield sub
