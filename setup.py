@@ -10,6 +10,7 @@ The repository's top-level folders are the subpackages of one import name, ``dee
     ext/              -> deepseek_flash._core      C++ data plane (pybind11): IO engine, host arena, crc32c
     systemd/, etc/    -> package data              unit files and the default config
 """
+import os
 from glob import glob
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -25,10 +26,16 @@ PACKAGE_DIRS = {
     "deepseek_flash.sysfs_shim": "sysfs_shim",
 }
 
+# Fault injection (IOEngine.inject_fault) is compiled in only for test builds: CI builds with
+# DEEPSEEK_FLASH_FAULT_INJECTION=1; an ordinary install -- the daemon's -- has no way to fail a
+# read on purpose.
+FAULT_INJECTION = os.environ.get("DEEPSEEK_FLASH_FAULT_INJECTION") == "1"
+
 core = Pybind11Extension(
     "deepseek_flash._core",
     sorted(glob("ext/*.cpp")),
     include_dirs=["ext"],
+    define_macros=[("FLASH_FAULT_INJECTION", "1")] if FAULT_INJECTION else [],
     cxx_std=17,
     extra_compile_args=["-O3", "-Wall", "-Wextra", "-fvisibility=hidden"],
     libraries=["pthread"],

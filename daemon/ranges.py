@@ -14,6 +14,7 @@ import bisect
 import threading
 
 from ..errors import ArenaFull
+from ..fsutil import align_up
 
 
 class RangeAllocator:
@@ -30,7 +31,7 @@ class RangeAllocator:
         self._lock = threading.Lock()
 
     def _round(self, nbytes: int) -> int:
-        return max(self.alignment, -(-nbytes // self.alignment) * self.alignment)
+        return max(self.alignment, align_up(nbytes, self.alignment))
 
     def alloc(self, nbytes: int) -> int:
         with self._lock:

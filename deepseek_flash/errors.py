@@ -83,6 +83,19 @@ class FlashIOError(FlashError):
     code = 200
 
 
+class ClosedError(FlashIOError):
+    """A call on a native object after ``close()`` (``errno`` EBADF; ``path`` its file, if any)."""
+
+    code = 201
+
+
+class InvalidArgument(FlashError, ValueError):
+    """A bad argument to a native call (``errno`` EINVAL; ``path`` the file concerned, if any).
+    Also a ValueError, as Python's own bad arguments are."""
+
+    code = 202
+
+
 class ArenaError(FlashError):
     code = 210
 
