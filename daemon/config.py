@@ -3,8 +3,9 @@
 One table (``KEYS``) holds each key's default, parser, allowed values, scope, whether it can be
 changed at run time (``tunable``) and whether only a restart changes it (``restart``: a SIGHUP
 keeps the running value), so the loader, the per-model overrides, the ``set_tunable`` op, the
-reload and the docs all read the same facts. Invalid values raise ``ConfigError`` naming the key, the value and what
-is allowed; unknown keys are rejected (a typo must not silently fall back to a default).
+reload and the docs all read the same facts. Invalid values raise ``ConfigError`` naming the
+key, the value and what is allowed; unknown keys are rejected (a typo must not silently fall
+back to a default).
 
 Scopes:
 * ``daemon`` -- one value for the whole controller (arena size, sockets, limits, eviction);

@@ -8,7 +8,6 @@ import types
 
 import torch
 
-from deepseek_flash.daemon import fabric as fabric_mod
 from deepseek_flash.daemon.fabric import DevicePlacement, Fabric, GpuArena
 from deepseek_flash.daemon.ranges import RangeAllocator
 from deepseek_flash.errors import BudgetTooSmall, DeviceError
