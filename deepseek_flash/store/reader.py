@@ -116,4 +116,6 @@ class Store:
         """A copy of one tensor (tests, tools); the hot path uses views.block_tensors."""
         from .views import block_tensors
         block, _ = self.find(hf_name)
-        return block_tensors(block, bytearray(self.read_block(block.id)))[hf_name].clone()
+        tensor = block_tensors(block, bytearray(self.read_block(block.id)))[hf_name]
+        # A quantized weight comes back dequantized to the dtype it is computed in.
+        return tensor.dequantize() if hasattr(tensor, "dequantize") else tensor.clone()
