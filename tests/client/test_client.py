@@ -90,6 +90,34 @@ def test_reconnect_after_daemon_restart(daemon_factory, tiny_store):
     c.close()
 
 
+def test_reconnect_drops_the_old_daemons_mappings(daemon_factory, tiny_store, monkeypatch):
+    """After a restart the host tensor, its page-locking and the GPU arenas belong to the old
+    daemon: they are dropped at reconnect (the old registration undone) and remade on use."""
+    import deepseek_flash.client as client_mod
+
+    pinned, unpinned, opened = [], [], []
+    monkeypatch.setattr(client_mod, "register_host_memory", lambda a, n: pinned.append(a) or True)
+    monkeypatch.setattr(client_mod, "unregister_host_memory", unpinned.append)
+    monkeypatch.setattr(client_mod, "open_gpu_arena", lambda desc: opened.append(object()) or opened[-1])
+    d = daemon_factory(config_for(tiny_store)).start()
+    c = Client(d.socket, embedded=False, reconnect_timeout=30)
+    old = c.arena.address
+    assert c.host_tensor(pinned=True).data_ptr() == old and pinned == [old]
+    desc = {"gpu_arena": {}, "events": []}
+    first, _ = c.device_memory(0, desc)
+    assert c.device_memory(0, desc)[0] is first                # opened once per daemon
+    assert d.stop() == 0
+    d.start()
+    c.stats()                                                  # reconnects
+    new = c.arena.address
+    assert new != old and unpinned == [old]
+    assert c.host_tensor(pinned=True).data_ptr() == new and pinned == [old, new]
+    second, _ = c.device_memory(0, desc)
+    assert second is not first and len(opened) == 2
+    c.close()
+    assert unpinned == [old, new]
+
+
 def test_reconnect_gives_up_with_daemon_not_running(daemon_factory, tiny_store):
     d = daemon_factory(config_for(tiny_store)).start()
     c = Client(d.socket, embedded=False, reconnect_timeout=0.5)
@@ -98,13 +126,10 @@ def test_reconnect_gives_up_with_daemon_not_running(daemon_factory, tiny_store):
         c.stats()
 
 
-def test_registered_operations_reach_both_modes(tiny_store):
+def test_unknown_operation_is_typed_in_embedded_mode(tiny_store):
     from deepseek_flash.errors import UnknownOperation
     c = Client(embedded=True, config=config_for(tiny_store))
-    c._backend.ops.register("echo", lambda cid, args: {"client": cid, **args})
-    assert c.call("echo", {"x": 1}) == {"client": c._backend.client_id, "x": 1}
-    with pytest.raises(UnknownOperation):
+    with pytest.raises(UnknownOperation) as err:
         c.call("nope")
-    with pytest.raises(ValueError):
-        c._backend.ops.register("acquire", lambda cid, args: None)
+    assert err.value.code == 304 and err.value.fields["op"] == "nope"
     c.close()

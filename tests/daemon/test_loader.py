@@ -8,9 +8,9 @@ import pytest
 import torch
 from deepseek_flash.daemon.block_manager import BlockManager
 from deepseek_flash.daemon.config import FlashConfig
-from deepseek_flash.daemon.fabric import GATE_READY
-from deepseek_flash.daemon.loader import Attachments, Loader, control_views
-from deepseek_flash.daemon.prefetch import ForwardOrder
+from deepseek_flash.daemon.loader import Attachments, Loader
+from deepseek_flash.wire import GATE_READY, control_views
+from deepseek_flash.prefetch import ForwardOrder
 
 from deepseek_flash import _core
 from deepseek_flash.store import Store
@@ -75,8 +75,8 @@ def test_device_tier_registers_its_hooks(controller):
 
     manager, arena = controller
     attachments = build_device_tier(manager, arena, manager.config)
-    assert attachments.copy_source in manager._copy_sources
-    assert attachments.detach in manager._disconnect_hooks
+    assert attachments.copy_source in manager.state.copy_sources
+    assert attachments.detach in manager.state.disconnect_hooks
     attachments.close()
 
 
