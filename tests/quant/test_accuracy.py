@@ -1,8 +1,9 @@
 """The int4 per_block g128 accuracy goal on the shared trained model (issue goal: <= +2.0 %
 perplexity; plain round-to-nearest costs +2.7 % on the full 12 windows).
 
-CI runs the first 3 windows of 1024 tokens instead of the bench's 12 to stay fast; the goal holds on
-them as on the 12 (docs/benchmarks.md has both). bench/accuracy.py is the full measurement.
+The same 12 windows of 1024 tokens as bench/accuracy.py (about 15 s on two idle cores): fewer do
+not do -- the first 3 alone give +2.66 % (their unquantized perplexity is 11.52, harder text than
+the average), so a shorter test would measure a different thing than the goal.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from deepseek_flash.quant import QuantSpec
 from deepseek_flash.quant.accuracy import QUANTIZED_WEIGHT, perplexity, quantized_state, window_losses
 
 MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "pycode-llama"
-WINDOWS, CONTEXT = 3, 1024
+WINDOWS, CONTEXT = 12, 1024
 
 
 def test_int4_g128_within_two_percent_of_the_unquantized_model():
