@@ -88,3 +88,34 @@ class QuantSpec:
     @classmethod
     def from_dict(cls, d: dict) -> QuantSpec:
         return cls(d["scheme"], d["granularity"], int(d.get("group_size") or 0) or DEFAULT_GROUP_SIZE)
+
+
+def check_served(store_quant: dict | None, scheme: str, granularity: str, model: str) -> None:
+    """The ``quantization_scheme``/``quantization_granularity`` keys of a model against how its
+    store was packed (``store_quant``: the blocks' ``quant`` map, None when unquantized).
+
+    ``none`` serves the store as packed. A scheme must match the store's scheme and granularity;
+    otherwise ConfigError names both. A scheme for an unquantized store would mean quantizing the
+    blocks as they enter the host tier, which this release does not do: ConfigError says so and
+    how to pack the store quantized instead.
+    """
+    from ..errors import ConfigError
+
+    if scheme == "none":
+        return
+    if store_quant is None:
+        raise ConfigError(
+            f"model {model}: quantization_scheme {scheme!r} asks for quantized weights, but the "
+            f"store is packed unquantized; quantizing blocks as they enter the host tier is not "
+            f"implemented -- pack it quantized: deepseek-flash pack SRC DST --quantize {scheme} "
+            f"--granularity {granularity}, or set quantization_scheme to 'none'",
+            key="quantization_scheme", value=scheme, allowed=["none"])
+    packed = QuantSpec.from_dict(store_quant)
+    if (packed.scheme, packed.granularity) != (scheme, granularity):
+        raise ConfigError(
+            f"model {model}: the store is packed {packed.label()}, but the configuration asks for "
+            f"quantization_scheme {scheme!r}, quantization_granularity {granularity!r}; they must "
+            f"agree (set them to {packed.scheme!r} and {packed.granularity!r}, or to 'none', or "
+            f"repack)", key="quantization_scheme" if packed.scheme != scheme else
+            "quantization_granularity", value=scheme if packed.scheme != scheme else granularity,
+            allowed=[packed.scheme if packed.scheme != scheme else packed.granularity, "none"])

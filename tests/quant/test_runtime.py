@@ -127,3 +127,25 @@ def test_cuda_kernel_against_float32_reference_and_streamed_bit_exact(stores, ca
         assert torch.equal(a, b), "greedy tokens differ from the float32 reference"
         streamed.flash.close()
         model.flash.close()
+
+
+def test_config_keys_checked_and_quantization_in_the_model_listing(stores):
+    from deepseek_flash.errors import ConfigError
+
+    src, store = stores[("llama", "bfloat16", "int4-g32")]
+    with Client(embedded=True, config=CONFIG) as client:
+        with pytest.raises(ConfigError, match="packed int4_symmetric per_block g32, but the "
+                                              "configuration asks for quantization_scheme "
+                                              "'int8_symmetric'"):
+            client.open_model(store, {"quantization_scheme": "int8_symmetric"})
+        model = load_model(store, device="cpu", client=client,
+                           flash_context={"quantization_scheme": "int4_symmetric"})
+        (entry,) = client.list_models()
+        assert (entry["quantization_scheme"], entry["quantization_granularity"],
+                entry["quantization_group_size"]) == ("int4_symmetric", "per_block", 32)
+        assert entry["total_bytes"] == Store.open(store).total_bytes
+        model.flash.close()
+    plain = Path(str(store).replace("llama-int4-g32", "plain"))
+    with Client(embedded=True, config={**CONFIG, "quantization_scheme": "int4_symmetric"}) as client:
+        with pytest.raises(ConfigError, match="packed unquantized"):
+            client.open_model(pack(src, plain))
