@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import paths
 from ..errors import ConfigError
-from ..sysfs_shim.publisher import atomic_write
+from ..fsutil import atomic_write
 
 HELP = "install deepseek-flash.service/.socket and /etc/deepseek-flash/flash.json"
 DESCRIPTION = """Write deepseek-flash.service and deepseek-flash.socket to --prefix, with ExecStart= set to
