@@ -120,7 +120,8 @@ def peer_model(src, device: str):
     import transformers
     from torch import nn
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(device)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16,
+                                                              device_map=device)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child_name != "lm_head":
