@@ -163,13 +163,14 @@ KEYS: dict[str, Key] = {
                               "evict unleased blocks when used > threshold * host_cache_bytes"),
     "unified_memory_ratio": Key(0.8, _fraction(True), "0 < r <= 1", "daemon", False,
                                 "share of each GPU's memory the device arena may take", restart=True),
-    "quantization_granularity": Key("per_tensor", _choice("per_tensor", "per_block"),
+    "quantization_granularity": Key("per_block", _choice("per_tensor", "per_block"),
                                     "per_tensor | per_block", "model", False,
-                                    "scale granularity of a quantized scheme"),
-    "quantization_scheme": Key("none", _choice("none", "int8_symmetric", "int4_symmetric",
-                                               implemented=("none",)),
-                               "none (int8_symmetric, int4_symmetric: not implemented)", "model", False,
-                               "weight quantization of served blocks"),
+                                    "scale granularity of a quantized scheme (checked against the "
+                                    "store's when quantization_scheme is not none)"),
+    "quantization_scheme": Key("none", _choice("none", "int8_symmetric", "int4_symmetric"),
+                               "none | int8_symmetric | int4_symmetric", "model", False,
+                               "weight quantization expected of the store: none serves it as "
+                               "packed; a scheme must match a store packed with --quantize"),
     "error_recovery_mode": Key("strict", _choice("strict", "graceful"), "strict | graceful", "model",
                                True, "strict: a failed block fails its model until it is unloaded; "
                                      "graceful: the read is retried and the model keeps serving"),
