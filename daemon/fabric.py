@@ -22,7 +22,7 @@ import threading
 import time
 
 from ..cuda import cuda_available, nvidia_driver_present, register_host_memory, unregister_host_memory
-from ..errors import DeviceError
+from ..errors import DeviceError, FlashError
 from ..prefetch import ForwardOrder
 from .gpu_arena import GpuArena
 
@@ -63,9 +63,11 @@ class Fabric:
         self._prepare_thread: threading.Thread | None = None
         self._pin_thread: threading.Thread | None = None
         self._host_tensor = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()            # arena creation
+        self._count_lock = threading.Lock()      # bytes_h2d: every load thread adds to it
         self.bytes_h2d = 0
         self._available: bool | None = None
+        self._closing = threading.Event()
 
     @property
     def available(self) -> bool:
@@ -174,12 +176,15 @@ class Fabric:
         # Never waits for the page-locking (see pin_host): pageable copies until it is done.
         pinned = self.pin_host(wait=False)
         host = self.host_tensor()
+        copied = 0
         with torch.cuda.stream(arena.copy_stream):
             for block_id in placement.stages[gate]:
                 src, dst, n = host_offsets[block_id], placement.offsets[block_id], lengths[block_id]
                 arena[dst:dst + n].copy_(host[src:src + n], non_blocking=pinned)
-                self.bytes_h2d += n
+                copied += n
             placement.events[gate].record(arena.copy_stream)
+        with self._count_lock:
+            self.bytes_h2d += copied
 
     def prepare(self) -> threading.Thread | None:
         """At start, on a background thread: the CUDA context and arena (a ceiling, nothing
@@ -198,17 +203,23 @@ class Fabric:
                     return
                 devices = self.devices if self.devices is not None else range(self.device_count())
                 for device in devices:
+                    if self._closing.is_set():
+                        return
                     try:
                         self.arena(device)
-                    except DeviceError as exc:
-                        log.error("%s", exc)
-                self.pin_host()
+                    except FlashError as exc:
+                        # One device that does not exist must not keep the others from being
+                        # prepared; a client asking for it gets the same error, typed.
+                        log.error("preparing cuda:%s: %s", device, exc)
+                if not self._closing.is_set():
+                    self.pin_host()
             except Exception:   # noqa: BLE001 -- a failed preparation only costs the first client time
                 log.exception("preparing the GPU fabric at start failed; the first load does it")
 
-        self._prepare_thread = threading.Thread(target=run, daemon=True, name="flash-fabric-prepare")
-        self._prepare_thread.start()
-        return self._prepare_thread
+        thread = self._prepare_thread = threading.Thread(target=run, daemon=True,
+                                                         name="flash-fabric-prepare")
+        thread.start()
+        return thread
 
     def alloc_slots(self, owner, device: int, n_slots: int, slot_bytes: int) -> list[int]:
         """A client's ring of streaming slots in the arena (freed by ``free_slots``)."""
@@ -231,8 +242,9 @@ class Fabric:
 
     def close(self) -> None:
         """Free every device arena and unpin the host arena (before the host arena is unmapped:
-        a registration left behind would make later allocations at that address fail); waits for
-        the preparation thread first, which may be registering it."""
+        a registration left behind would make later allocations at that address fail). Waits
+        for the prepare thread (which starts nothing more once closing) and any pinning thread."""
+        self._closing.set()
         for thread in (self._prepare_thread, self._pin_thread):
             if thread is not None:
                 thread.join()
@@ -259,7 +271,8 @@ class Fabric:
             out[f"cuda:{device}"] = {"arena_bytes": arena.size, "arena_used_bytes": arena.used,
                                      "arena_ceiling_bytes": arena.ceiling,
                                      "arena_segments": len(arena.memory)}
-        out.update(nvml_telemetry())
+        for name, fields in nvml_telemetry().items():
+            out.setdefault(name, {}).update(fields)
         return out
 
 
