@@ -7,6 +7,7 @@ The repository's top-level folders are the subpackages of one import name, ``dee
     client/           -> deepseek_flash.client     client library (socket + embedded), model loader
     daemon/           -> deepseek_flash.daemon     the controller: block manager, prefetch, fabric, server
     sysfs_shim/       -> deepseek_flash.sysfs_shim status tree publisher (/run/deepseek_flash)
+    serve/            -> deepseek_flash.serve      OpenAI-compatible server, continuous batching, scheduler
     ext/              -> deepseek_flash._core      C++ data plane (pybind11): IO engine, host arena, crc32c
     systemd/, etc/    -> package data              unit files and the default config
 """
@@ -23,6 +24,7 @@ PACKAGE_DIRS = {
     "deepseek_flash.client": "client",
     "deepseek_flash.daemon": "daemon",
     "deepseek_flash.sysfs_shim": "sysfs_shim",
+    "deepseek_flash.serve": "serve",
 }
 
 core = Pybind11Extension(
