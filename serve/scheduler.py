@@ -48,7 +48,7 @@ def default_l1_weight(request) -> int:
     return max(1, int(request.max_new_tokens) // 64)
 
 
-@dataclass
+@dataclass(eq=False)
 class SchedRequest:
     """What the scheduler knows of a request. The engine keeps ``generated`` current and reads the
     (possibly degraded) sampling fields back at every step."""
