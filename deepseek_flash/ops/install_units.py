@@ -2,9 +2,10 @@
 
 The unit files and ``flash.json`` ship once, as package data (``deepseek_flash/data``; the
 repository's ``systemd/`` and ``etc/`` link to them). Installing rewrites two lines: ``ExecStart=``
-runs the ``deepseek-flashd`` of the Python environment doing the install (a venv or pyenv is not
-on systemd's PATH), and ``SocketGroup=`` names the group allowed on the control socket. An
-existing ``flash.json`` is never overwritten: it is the operator's.
+runs the ``deepseek-flashd`` (the daemon) or ``deepseek-flash serve`` (the HTTP server template
+unit) of the Python environment doing the install (a venv or pyenv is not on systemd's PATH), and
+``SocketGroup=`` names the group allowed on the control socket. An existing ``flash.json`` is never
+overwritten: it is the operator's.
 """
 from __future__ import annotations
 
@@ -20,13 +21,17 @@ from .. import paths
 from ..errors import ConfigError
 from ..sysfs_shim.publisher import atomic_write
 
-HELP = "install deepseek-flash.service/.socket and /etc/deepseek-flash/flash.json"
-DESCRIPTION = """Write deepseek-flash.service and deepseek-flash.socket to --prefix, with ExecStart= set to
-the deepseek-flashd of this Python environment (or of --python), create the socket group when it
-is missing, install the default flash.json unless one exists, and run `systemctl daemon-reload`.
-Then: systemctl enable --now deepseek-flash.socket deepseek-flash.service"""
+HELP = "install deepseek-flash.service/.socket, deepseek-flash-serve@.service and /etc/deepseek-flash/flash.json"
+DESCRIPTION = """Write deepseek-flash.service, deepseek-flash.socket and deepseek-flash-serve@.service to
+--prefix, with ExecStart= set to the deepseek-flashd / deepseek-flash of this Python environment (or
+of --python), create the socket group when it is missing, install the default flash.json unless one
+exists, and run `systemctl daemon-reload`.
+Then: systemctl enable --now deepseek-flash.socket deepseek-flash.service
+and, to serve a model over HTTP: systemctl enable --now deepseek-flash-serve@MODEL"""
 
-UNITS = ("deepseek-flash.service", "deepseek-flash.socket")
+UNITS = ("deepseek-flash.service", "deepseek-flash.socket", "deepseek-flash-serve@.service")
+# ExecStart= of the template unit after the executable: the instance is the model name.
+SERVE_ARGS = "serve %I $SERVE_ARGS"
 CONFIG_NAME = "flash.json"
 DEFAULT_GROUP = "deepseek-flash"
 
@@ -47,11 +52,12 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    exec_start = daemon_command(args.python)
+    exec_start = {"deepseek-flash.service": daemon_command(args.python),
+                  "deepseek-flash-serve@.service": f"{cli_command(args.python)} {SERVE_ARGS}"}
     ensure_group(args.socket_group)
     args.prefix.mkdir(parents=True, exist_ok=True)
     for name in UNITS:
-        text = unit_text(name, exec_start=exec_start, socket_group=args.socket_group)
+        text = unit_text(name, exec_start=exec_start.get(name), socket_group=args.socket_group)
         target = args.prefix / name
         atomic_write(target, text.encode())
         print(f"installed {target}")
@@ -66,6 +72,8 @@ def run(args) -> int:
         subprocess.run(["systemctl", "daemon-reload"], check=True)
         print("ran systemctl daemon-reload")
     print("start with: systemctl enable --now deepseek-flash.socket deepseek-flash.service")
+    print("serve a model over HTTP: systemctl enable --now deepseek-flash-serve@MODEL "
+          "(options in /etc/deepseek-flash/serve-MODEL.env: SERVE_ARGS=--port 8000 ...)")
     return 0
 
 
@@ -74,7 +82,17 @@ def data_text(name: str) -> str:
 
 
 def daemon_command(python: str) -> str:
-    """The ExecStart= command line: the environment's ``deepseek-flashd`` script, else ``python -m``."""
+    """The daemon's ExecStart= command line: the environment's ``deepseek-flashd`` script, else
+    ``python -m``."""
+    return _environment_command(python, "deepseek-flashd", "deepseek_flash.daemon.app")
+
+
+def cli_command(python: str) -> str:
+    """The environment's ``deepseek-flash`` script, else ``python -m deepseek_flash``."""
+    return _environment_command(python, "deepseek-flash", "deepseek_flash")
+
+
+def _environment_command(python: str, script_name: str, module: str) -> str:
     python_path = Path(python)
     if not python_path.is_absolute():
         found = shutil.which(python)
@@ -86,13 +104,13 @@ def daemon_command(python: str) -> str:
         raise ConfigError(f"--python {python}: not an executable", key="python", value=python,
                           allowed="path of a Python interpreter")
     # Not resolved: a venv's bin/python is a symlink whose location selects the venv.
-    script = python_path.parent / "deepseek-flashd"
+    script = python_path.parent / script_name
     if os.access(script, os.X_OK):
         return _quote(str(script))
-    return " ".join(_quote(part) for part in (str(python_path), "-m", "deepseek_flash.daemon.app"))
+    return " ".join(_quote(part) for part in (str(python_path), "-m", module))
 
 
-def unit_text(name: str, *, exec_start: str, socket_group: str) -> str:
+def unit_text(name: str, *, exec_start: str | None, socket_group: str) -> str:
     replacements = {"ExecStart": exec_start} if name.endswith(".service") else {"SocketGroup": socket_group}
     out = []
     seen = set()
