@@ -20,7 +20,7 @@ def tiny_config(arch: str = "llama", *, hidden_size: int = 64, num_layers: int =
     common = dict(hidden_size=hidden_size, num_hidden_layers=num_layers,
                   intermediate_size=intermediate_size, num_attention_heads=num_heads,
                   num_key_value_heads=num_kv_heads, vocab_size=vocab_size,
-                  max_position_embeddings=512, **extra)
+                  max_position_embeddings=extra.pop("max_position_embeddings", 512), **extra)
     if arch == "llama":
         cfg = transformers.LlamaConfig(
             tie_word_embeddings=bool(tie_word_embeddings), **common)
@@ -92,10 +92,12 @@ def assert_same_outputs(model, reference, ids, new_tokens: int = 4) -> None:
 TINY_EOS = "<|endoftext|>"
 
 
-def make_tiny_tokenizer(path, chat_template: str | None = None) -> Path:
+def make_tiny_tokenizer(path, chat_template: str | None = None, eos: bool = True) -> Path:
     """A byte-level tokenizer built locally (no download) into ``path``: ids 0..255 are the bytes,
-    256 is ``<|endoftext|>`` (eos). Pair it with ``make_tiny_model(..., vocab_size=260,
-    eos_token_id=256)``. Without ``chat_template`` the tokenizer has none."""
+    256 is ``<|endoftext|>`` (eos; left out with ``eos=False``, e.g. so that benchmark requests
+    always run to their max_tokens). Pair it with ``make_tiny_model(..., vocab_size=260,
+    eos_token_id=256)``; ids the tokenizer does not know decode to nothing. Without
+    ``chat_template`` the tokenizer has none."""
     import tokenizers
     import transformers
     from tokenizers import decoders, models, pre_tokenizers
@@ -106,8 +108,9 @@ def make_tiny_tokenizer(path, chat_template: str | None = None) -> Path:
     tok = tokenizers.Tokenizer(models.BPE(vocab=table, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([TINY_EOS])
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=TINY_EOS)
+    if eos:
+        tok.add_special_tokens([TINY_EOS])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=TINY_EOS if eos else None)
     if chat_template is not None:
         fast.chat_template = chat_template
     path = Path(path)

@@ -186,12 +186,15 @@ class ServeState:
 
     # -- running ----------------------------------------------------------------------------------
     def submit(self, prompt_ids: list, max_new: int, opts: dict):
-        """Queue a generation; returns (generation, asyncio queue of engine events)."""
+        """Queue a generation; returns (generation, asyncio queue of engine events). Without
+        ``opts["stream"]`` only the last event (done or error) is queued."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        stream = opts["stream"]
 
         def on_event(kind, data):
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, data))
+            if stream or kind != "token":
+                loop.call_soon_threadsafe(queue.put_nowait, (kind, data))
 
         req = SchedRequest(id=uuid.uuid4().hex, priority_class=opts["priority_class"], max_new_tokens=max_new,
                            temperature=opts["temperature"], top_p=opts["top_p"], priority=opts["priority"])
@@ -362,16 +365,17 @@ def create_app(state: ServeState):
 
     async def wait_done(request: Request, gen, queue):
         """The last engine event, watching for the client going away meanwhile (frees the row)."""
-        while True:
-            try:
-                kind, data = await asyncio.wait_for(queue.get(), timeout=0.25)
-            except asyncio.TimeoutError:
+        last = asyncio.ensure_future(queue.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({last}, timeout=0.25)
+                if done:
+                    return last.result()
                 if await request.is_disconnected():
                     state.engine.cancel(gen)
-                    raise ApiError(499, "client closed the request", code="client_closed") from None
-                continue
-            if kind != "token":
-                return kind, data
+                    raise ApiError(499, "client closed the request", code="client_closed")
+        finally:
+            last.cancel()
 
     def to_api_error(exc) -> ApiError:
         if isinstance(exc, FlashError):

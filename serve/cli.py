@@ -41,44 +41,70 @@ def add_arguments(parser):
                         help="flash: L0/L1/L2 classes (default); fifo: arrival order, for comparison")
     parser.add_argument("--embedded", action="store_true",
                         help="run the controller in this process even when a daemon answers")
+    parser.add_argument("--torch-threads", type=bounded(int, 1), default=None,
+                        help="torch intra-op threads (default: torch's). On a CPU device shared with other "
+                             "busy processes, fewer threads keep torch's spinning workers from starving "
+                             "the HTTP thread")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
 def build(model_ref, *, device=None, weight_budget=None, max_batch=8, max_model_len=None,
           served_model_name=None, l0_capacity=50, scheduler="flash", embedded=None, gpu_busy=None):
-    """Load the model and build the application: returns (FastAPI app, ServeState)."""
+    """Load the model and build the application: returns (FastAPI app, ServeState). The model is
+    detached when the application shuts down."""
+    from .app import create_app
+
+    model, tokenizer = load(model_ref, device=device, weight_budget=weight_budget, embedded=embedded)
+    try:
+        state = make_state(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len,
+                           served_model_name=served_model_name, l0_capacity=l0_capacity,
+                           scheduler=scheduler, gpu_busy=gpu_busy)
+    except BaseException:
+        model.flash.close()
+        raise
+    state.closer = model.flash.close
+    return create_app(state), state
+
+
+def load(model_ref, *, device=None, weight_budget=None, embedded=None):
+    """``load_model`` on ``device`` (default cuda:0 when visible, else cpu) and the store's tokenizer."""
     import torch
     import transformers
 
     from ..client.model import load_model
-    from .app import ServeState, create_app
-    from .engine import Engine
-    from .scheduler import FifoScheduler, FlashScheduler
 
     if device is None:
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
     model = load_model(model_ref, device=device, weight_budget=weight_budget, embedded=embedded)
+    path = model.flash.info.path
     try:
-        info = model.flash.info
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(info.path)
-        except (OSError, ValueError) as exc:
-            from ..errors import UnsupportedModel
-
-            raise UnsupportedModel(f"no usable tokenizer in the store {info.path}: {exc}", path=info.path) from None
-        if gpu_busy is None and torch.device(device).type == "cuda":
-            gpu_busy = nvml_busy(torch.device(device).index or 0)
-        if scheduler == "fifo":
-            sched = FifoScheduler(slots=max_batch)
-        else:
-            sched = FlashScheduler(l0_capacity=l0_capacity, slots=max_batch, gpu_busy=gpu_busy)
-        limit = max_model_len or min(4096, model.config.max_position_embeddings)
-        engine = Engine(model, tokenizer, sched, max_batch=max_batch, max_model_len=limit).start()
-    except BaseException:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
         model.flash.close()
-        raise
-    state = ServeState(engine, tokenizer, served_model_name or info.name, closer=model.flash.close)
-    return create_app(state), state
+        from ..errors import UnsupportedModel
+
+        raise UnsupportedModel(f"no usable tokenizer in the store {path}: {exc}", path=path) from None
+    return model, tokenizer
+
+
+def make_state(model, tokenizer, *, max_batch=8, max_model_len=None, served_model_name=None,
+               l0_capacity=50, scheduler="flash", gpu_busy=None):
+    """A started engine over ``model`` (a ``load_model`` model) with its scheduler, wrapped in the
+    routes' ``ServeState``."""
+    from .app import ServeState
+    from .engine import Engine
+    from .scheduler import FifoScheduler, FlashScheduler
+
+    device = next(model.parameters()).device
+    if gpu_busy is None and device.type == "cuda":
+        gpu_busy = nvml_busy(device.index or 0)
+    if scheduler == "fifo":
+        sched = FifoScheduler(slots=max_batch)
+    else:
+        sched = FlashScheduler(l0_capacity=l0_capacity, slots=max_batch, gpu_busy=gpu_busy)
+    limit = max_model_len or min(4096, model.config.max_position_embeddings)
+    engine = Engine(model, tokenizer, sched, max_batch=max_batch, max_model_len=limit).start()
+    return ServeState(engine, tokenizer, served_model_name or model.flash.info.name)
 
 
 def nvml_busy(index: int):
@@ -130,6 +156,10 @@ def run(args) -> int:
     from ..daemon.notify import Notifier
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     sock = listen(args.host, args.port)
     app, state = build(args.model, device=args.device, weight_budget=args.weight_budget,
                        max_batch=args.max_batch, max_model_len=args.max_model_len,

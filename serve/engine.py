@@ -318,11 +318,12 @@ class Engine:
             self.stats["ttft_ms"][gen.sched.priority_class].append((now - gen.sched.arrival) * 1e3)
             del self.stats["ttft_ms"][gen.sched.priority_class][:-4096]
         reason = None
-        if token in gen.stop_ids or token in self.eos_ids:
-            reason = "stop"
-        else:
+        appended = token not in gen.stop_ids and token not in self.eos_ids
+        if appended:
             gen.output_ids.append(token)
             self.stats["generated_tokens"] += 1
+        else:
+            reason = "stop"
         gen.sched.generated = len(gen.output_ids)
         if reason is None:
             gen.text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
@@ -341,7 +342,9 @@ class Engine:
                 ready = len(gen.text.rstrip("\ufffd"))
             hold = max((len(s) - 1 for s in gen.stop_strings), default=0)
             ready = max(gen.sent, ready - hold)
-        if ready > gen.sent:
+        # One event per generated token (its text may be empty while held back), so a stream shows
+        # progress -- and the time to the first token -- even before the text is printable.
+        if ready > gen.sent or appended:
             gen.on_event("token", {"text": gen.text[gen.sent: ready], "token": token})
             gen.sent = ready
         if reason is not None:

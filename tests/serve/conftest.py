@@ -6,6 +6,18 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread while these tests run: on the shared CI CPU, torch's spinning workers
+    otherwise starve the server's event-loop thread (tenfold slower answers)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     from deepseek_flash.testing import make_tiny_model, make_tiny_tokenizer
