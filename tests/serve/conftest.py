@@ -1,6 +1,5 @@
 """A tiny random fp32 Llama with a locally built byte-level tokenizer (no download), shared by the
 serve tests: the raw checkpoint for the engine, a packed store for the server."""
-import threading
 from pathlib import Path
 
 import pytest
@@ -40,24 +39,3 @@ def tiny_tokenizer(tiny_checkpoint):
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(tiny_checkpoint)
-
-
-class Collector:
-    """An engine ``on_event`` that records events and signals the end."""
-
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def __call__(self, kind, data):
-        self.events.append((kind, data))
-        if kind in ("done", "error"):
-            self.done.set()
-
-    @property
-    def text(self) -> str:
-        return "".join(d["text"] for k, d in self.events if k == "token")
-
-    def result(self, timeout=60.0):
-        assert self.done.wait(timeout), "generation did not finish"
-        return self.events[-1]

@@ -4,7 +4,7 @@ import time
 
 import pytest
 import torch
-from conftest import Collector
+from serve_helpers import Collector
 
 from deepseek_flash.serve.engine import Engine, Generation
 from deepseek_flash.serve.scheduler import FlashScheduler, SchedRequest
