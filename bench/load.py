@@ -146,7 +146,7 @@ def measure_loads(res, args, src, store_dir, store, data, nbytes) -> None:
     # transformers class is imported first (one skeleton built): loads measure IO, not imports.
     import json
 
-    from deepseek_flash.client.model import build_skeleton
+    from deepseek_flash.client.skeleton import build_skeleton
 
     build_skeleton(json.loads((src / "config.json").read_text()))
     config = {"host_cache_bytes": args.host_cache, "unified_memory_ratio": 0.5}

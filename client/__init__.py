@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 from .. import paths, protocol
-from ..daemon.block_manager import Lease, ModelInfo
+from ..cuda import open_gpu_arena, register_host_memory, unregister_host_memory
 from ..errors import DaemonNotRunning, FlashError, PermissionDenied, ProtocolError, ShuttingDown
+from ..wire import Lease, ModelInfo
 
 log = logging.getLogger("deepseek_flash.client")
 
@@ -152,8 +153,8 @@ class Client:
         self._models: dict[str, tuple[str, dict]] = {}    # name -> (what was opened, context)
         self._leases: dict[int, tuple[Lease, dict]] = {}  # id(lease) -> (lease, acquire args)
         self._callbacks = []
-        self._host_tensor = None
-        self._host_pinned = False
+        self._host_tensor = None             # the host arena as a tensor (this mapping)
+        self._pinned_arena = None            # the arena mapping page-locked by this client
         self._gpu_arenas: dict = {}          # CUDA index -> the daemon's arena, opened once
         if embedded:
             self._backend = self._embedded(config)
@@ -198,7 +199,7 @@ class Client:
     def open_model(self, name_or_path, flash_context: dict | None = None) -> ModelInfo:
         what = str(name_or_path)
         wire = self._backend.call("open_model", {"model": what, "flash_context": flash_context or {}})
-        info = _model_from_wire(wire)
+        info = ModelInfo.from_wire(wire)
         self._models[info.name] = (what, dict(flash_context or {}))
         return info
 
@@ -210,7 +211,7 @@ class Client:
         if layer is not None:
             args["layer"] = layer
         wire = self._backend.call("acquire", args)
-        lease = Lease(wire["lease"], wire["model"], wire["blocks"])
+        lease = Lease.from_wire(wire)
         self._leases[id(lease)] = (lease, args)
         return lease
 
@@ -264,11 +265,10 @@ class Client:
 
         if self._host_tensor is None:
             self._host_tensor = torch.frombuffer(self.arena, dtype=torch.uint8)
-        if pinned and not self._host_pinned and self.mode == "daemon":
+        if pinned and self._pinned_arena is None and self.mode == "daemon":
             # Embedded: the controller's fabric pinned this very mapping already.
-            from ..daemon.fabric import register_host_memory
-
-            self._host_pinned = register_host_memory(self.arena.address, self.arena.size)
+            if register_host_memory(self.arena.address, self.arena.size):
+                self._pinned_arena = self.arena
         return self._host_tensor
 
     def device_memory(self, device, desc: dict):
@@ -279,8 +279,6 @@ class Client:
             load = self._backend.attachments.by_control_offset(desc["control_offset"])
             return self._backend.fabric.arenas[device].tensor, load.placement.events
         import torch
-
-        from ..daemon.fabric import open_gpu_arena
 
         arena = self._gpu_arenas.get(device)
         if arena is None:
@@ -304,18 +302,21 @@ class Client:
         return self._backend.call("list_models", {})
 
     def call(self, op: str, args: dict | None = None):
-        """Send any operation (one registered with ``Operations.register`` too); its result."""
+        """Send any operation by name (``wire.OPS``); its result."""
         return self._backend.call(op, args or {})
 
     def close(self) -> None:
-        if self._host_pinned:
-            from ..daemon.fabric import unregister_host_memory
+        self._drop_mappings()
+        self._backend.close()
 
-            unregister_host_memory(self.arena.address)
-            self._host_pinned = False
+    def _drop_mappings(self) -> None:
+        """Forget this process's views of the controller's memory: the host tensor, the
+        page-locking of the arena mapping it covers, the GPU arenas opened by IPC."""
+        if self._pinned_arena is not None:
+            unregister_host_memory(self._pinned_arena.address)
+            self._pinned_arena = None
         self._host_tensor = None
         self._gpu_arenas.clear()
-        self._backend.close()
 
     def __enter__(self):
         return self
@@ -325,6 +326,9 @@ class Client:
 
     # --- after a daemon restart --------------------------------------------------------------------
     def _restore(self) -> None:
+        # The new daemon has a new host arena (mapped at another address) and new GPU arenas:
+        # what was mapped or page-locked for the old one is dropped, and remade on first use.
+        self._drop_mappings()
         for name, (what, context) in list(self._models.items()):
             try:
                 self._backend.call("open_model", {"model": what, "flash_context": context})
@@ -347,10 +351,3 @@ class Client:
 def _name(model) -> str:
     return model.name if isinstance(model, ModelInfo) else str(model)
 
-
-def _model_from_wire(wire: dict) -> ModelInfo:
-    return ModelInfo(name=wire["name"], path=wire["path"], config=wire["config"],
-                     blocks=[protocol.block_from_wire(b) for b in wire["blocks"]],
-                     num_layers=wire["num_layers"], total_bytes=wire["total_bytes"],
-                     flash_config=wire["flash_config"], plan=wire["plan"],
-                     ignored_overrides=wire["ignored_overrides"])

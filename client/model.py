@@ -9,92 +9,22 @@ to bytes that are already there.
 While a load is still in flight, *gates* (one per decoder layer, plus embeddings and head) hold a
 layer back until its bytes are there; once every gate has opened, the hooks remove themselves and
 the forward pass runs as plain ``transformers`` code. Streamed layers (a weight budget below the
-model size) are handled by ``client.stream``.
+model size) are handled by ``client.stream``; the skeleton and the binding by ``client.skeleton``.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 
-from ..daemon.fabric import GATE_FAILED, GATE_PENDING, GATE_READY
+from ..errors import FlashIOError
+from ..sizes import parse_size
+from ..store.views import block_tensors
+from ..wire import GATE_FAILED, GATE_PENDING, GATE_READY, Plan, control_views
+from .skeleton import bind_parameters, build_skeleton, decoder_parts
+from .stream import start_streaming
 
 log = logging.getLogger("deepseek_flash.model")
-
-
-@contextlib.contextmanager
-def _meta_parameters():
-    """Create parameters on the meta device, buffers (rotary tables) for real.
-
-    Buffers are computed from the config in float32 exactly as ``from_pretrained`` computes them,
-    which is what keeps logits bit-identical to a plain ``transformers`` load.
-    """
-    import torch
-
-    original = torch.nn.Module.register_parameter
-
-    def register(module, name, param):
-        if param is not None:
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=False)
-        original(module, name, param)
-
-    torch.nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = original
-
-
-def _no_weight_init():
-    """transformers' switch that skips initializing weights (they are all replaced by views):
-    three quarters of building an 8B skeleton otherwise, even on meta."""
-    try:
-        from transformers.initialization import no_init_weights     # transformers >= 5
-    except ImportError:
-        try:
-            from transformers.modeling_utils import no_init_weights  # transformers 4.x
-        except ImportError:
-            return contextlib.nullcontext()
-    return no_init_weights()
-
-
-def build_skeleton(config_dict: dict):
-    """A ``transformers`` causal LM of the stored config with all parameters on meta."""
-    import transformers
-
-    config = transformers.AutoConfig.for_model(**config_dict)
-    with _meta_parameters(), _no_weight_init():
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    model.eval()
-    return model
-
-
-def bind_parameters(model, tensors: dict, complete: bool = True) -> None:
-    """Make each named parameter of ``model`` the given tensor (a view; never copied).
-
-    With ``complete`` every parameter must be bound afterwards (none left on meta).
-    """
-    import torch
-
-    for name, tensor in tensors.items():
-        module_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if leaf not in module._parameters:
-            raise KeyError(f"the model has no parameter {name!r}")
-        module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
-    if not complete:
-        return
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise KeyError(f"parameters not served by the store: {missing[:8]}"
-                       f"{' ...' if len(missing) > 8 else ''}")
-
-
-def decoder_parts(model):
-    """(embeddings, decoder layers, final norm, lm_head) of a Llama-family causal LM."""
-    inner = model.model
-    return inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head
 
 
 class Gates:
@@ -129,16 +59,12 @@ class Gates:
         pause = 20e-6
         while self.control[gate] == GATE_PENDING:
             if time.monotonic() > deadline:
-                from ..errors import FlashIOError
-
                 raise FlashIOError(f"gate {gate} not loaded after {timeout:.0f} s", gate=gate)
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
         if self.control[gate] == GATE_FAILED:
             if self.on_failure is not None:
                 self.on_failure(gate)
-            from ..errors import FlashIOError
-
             raise FlashIOError(f"loading gate {gate} failed; see the daemon log", gate=gate)
         if self.events is not None:
             import torch
@@ -206,7 +132,6 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
     """
     import torch
 
-    from ..daemon.config import parse_size
     from . import Client
 
     owns_client = client is None
@@ -259,10 +184,6 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
 def _bind(model, handle, target, lap) -> None:
     """Bind the resident blocks of the controller's answer to ``attach`` (``handle.desc``), start
     streaming the rest if the plan says so, and gate layers still loading."""
-    from ..daemon.loader import control_views
-    from ..daemon.planner import Plan
-    from ..store.views import block_tensors
-
     client, info, desc = handle.client, handle.info, handle.desc
     plan = Plan.from_wire(desc["plan"])
     memory, events = client.device_memory(target, desc)
@@ -277,8 +198,6 @@ def _bind(model, handle, target, lap) -> None:
             tensors.update(block_tensors(block, memory[off:off + block.length]))
     bind_parameters(model, tensors, complete=not plan.streaming)
     if plan.streaming:
-        from .stream import start_streaming
-
         handle.stream = start_streaming(model, handle, plan, desc, memory, target)
     if not bool((gates == GATE_READY).all()):
         handle.gates = Gates(model, gates, events)

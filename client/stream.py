@@ -1,7 +1,7 @@
 """Streamed execution: decoder layers whose MLP does not fit the weight budget pass through slots.
 
-The plan (``daemon.planner``) keeps anchors resident and streams the MLP blocks of a tail of
-layers through a ring of ``N`` slots. Streamed layer ``idx`` (in forward order) is bound for good
+The plan (``wire.Plan``, computed by the daemon's planner) keeps anchors resident and streams the
+MLP blocks of a tail of layers through a ring of ``N`` slots. Streamed layer ``idx`` (in forward order) is bound for good
 to slot ``idx % N``: its parameters are views into that slot, so nothing is rebound per token.
 
 Per streamed layer, two hooks on the decoder layer (never per tensor) keep the ring moving:
@@ -26,10 +26,12 @@ import threading
 import time
 from collections import deque
 
-from ..daemon.planner import SLOT_ALIGNMENT, Plan
 from ..errors import FlashError
+from ..fsutil import align_up
+from ..prefetch import WindowController
 from ..store.views import block_tensors
-from .model import bind_parameters, decoder_parts
+from ..wire import SLOT_ALIGNMENT, Plan
+from .skeleton import bind_parameters, decoder_parts
 
 log = logging.getLogger("deepseek_flash.stream")
 
@@ -37,47 +39,6 @@ log = logging.getLogger("deepseek_flash.stream")
 STALL_THRESHOLD_US = 20.0
 # Nominal clock for fabric_stall_cycles where NVML cannot tell the SM clock.
 NOMINAL_CLOCK_MHZ = 1000
-
-
-class WindowController:
-    """Adapts the prefetch window within ``[low, high]`` once per forward pass.
-
-    * grows while the compute stream stalls on copies (miss rate above ``grow_at``);
-    * shrinks while the PCIe link is busy with other work (``other_load`` above ``busy_at``
-      of the link), so streaming yields to the traffic it did not cause;
-    * shrinks by one after ``calm_passes`` passes in a row with every layer prefetched and none
-      stalled (hit rate 100 %): copies then land earlier than needed, and a smaller window puts
-      fewer bytes on a link other clients share; a stall grows it back;
-    * otherwise holds. Every change is kept in ``decisions`` with its reason.
-    """
-
-    def __init__(self, window: int, low: int, high: int, grow_at: float = 0.05, busy_at: float = 0.5,
-                 calm_passes: int = 32):
-        self.low, self.high = low, max(low, high)
-        self.window = min(max(window, self.low), self.high)
-        self.grow_at = grow_at
-        self.busy_at = busy_at
-        self.calm_passes = calm_passes
-        self._calm = 0                      # passes in a row without a miss or a stall
-        self.decisions: list[dict] = []
-
-    def update(self, misses: int, layers: int, other_load: float | None = None) -> int:
-        miss_rate = misses / layers if layers else 0.0
-        self._calm = self._calm + 1 if misses == 0 else 0
-        if other_load is not None and other_load > self.busy_at and self.window > self.low:
-            self._set(self.window - 1, f"link busy with other work ({other_load:.0%})")
-        elif miss_rate > self.grow_at and self.window < self.high:
-            self._set(self.window + 1, f"stalls on {miss_rate:.0%} of streamed layers")
-        elif self._calm >= self.calm_passes and self.window > self.low:
-            self._set(self.window - 1, f"hit rate 100% without stalls for {self._calm} passes")
-        return self.window
-
-    def _set(self, window: int, reason: str) -> None:
-        self.decisions.append({"time": time.time(), "from": self.window, "to": window, "reason": reason})
-        del self.decisions[:-32]
-        log.info("prefetch window %d -> %d: %s", self.window, window, reason)
-        self.window = window
-        self._calm = 0
 
 
 class _CpuOps:
@@ -178,7 +139,7 @@ class StreamRuntime:
             offset, layout = 0, []
             for bid in plan.stream_blocks[layer]:
                 layout.append((bid, offset))
-                offset += -(-blocks[bid].length // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+                offset += align_up(blocks[bid].length, SLOT_ALIGNMENT)
             self._slot_layout[layer] = layout
         self._bind(model)
         self.link = LinkSampler(int(device), lambda: self.bytes_streamed).start() if self.is_cuda else None

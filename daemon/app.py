@@ -58,6 +58,7 @@ class Application:
         self.arena = self.engine = self.manager = self.server = None
         self._lock = None
         self._bound_path: Path | None = None
+        self.socket_name = str(self.socket_path)
         self._status_thread = None
         self._published_generation = -1
         self._status_wake = threading.Event()
@@ -93,12 +94,15 @@ class Application:
                 self._lock = None
                 raise
             self._bound_path = self.socket_path
+        self.socket_name = _socket_name(listeners, self.socket_path)
         try:
+            self._mark_tree()
             self._build(listeners)
         except BaseException:
             for sock in listeners:
                 sock.close()
             self._release_socket()
+            self.publisher.remove()
             raise
         self.state = "ACTIVE"
         self.publish()
@@ -107,6 +111,14 @@ class Application:
         where = self._bound_path or "systemd-activated socket"
         log.info("deepseek-flashd %s serving on %s (pid %d)", __version__, where, os.getpid())
         self.notifier.ready(status=f"serving on {where}")
+
+    def _mark_tree(self) -> None:
+        """Claim the status tree before the slow part of the start: a dead predecessor's files go,
+        and ``status`` names this process (STARTING, pid, socket), so no reader takes a killed
+        daemon's tree for a running one (docs/operations.md, "Is it running?")."""
+        self.publisher.reset()
+        self.publisher.publish({"status": {"controller_state": "STARTING", "pid": os.getpid(),
+                                           "socket": self.socket_name, "version": __version__}})
 
     def _build(self, listeners) -> None:
         from .._core import HostArena, IOEngine
@@ -135,13 +147,18 @@ class Application:
         if status.get("host_only_models"):
             # A model whose device is gone is served from the host tier alone.
             status["unified_memory_fabric"] = "HOST_ONLY"
+        if not fabric.available:
+            # No GPU tier: every model is served from the host tier, whatever its own state says.
+            for model in snap["models"].values():
+                model["unified_memory_fabric"] = "HOST_ONLY"
         snap["devices"] = fabric.telemetry()
         snap["stats"]["bytes_h2d"] = fabric.bytes_h2d + snap["stats"].get("bytes_streamed", 0)
         snap["stats"]["device_evictions"] = self.attachments.loader.evictions
         if self.state != "ACTIVE":
             status["controller_state"] = self.state
         status.update(config_state=self.config_state, last_reload_error=self.last_reload_error,
-                      config_path=str(self.config_path), pid=os.getpid(), version=__version__)
+                      config_path=str(self.config_path), pid=os.getpid(), socket=self.socket_name,
+                      version=__version__)
         for hook in self.snapshot_hooks:
             hook(snap)
         return snap
@@ -258,18 +275,28 @@ class Application:
         log.info("stopped")
 
 
+def _socket_name(listeners, bound: Path) -> str:
+    """The path clients connect to: the socket bound here, or the one systemd passed."""
+    for sock in listeners:
+        name = sock.getsockname()
+        if isinstance(name, str) and name:
+            return name
+    return str(bound)
+
+
 # --- command line -------------------------------------------------------------------------------------
 
 def setup_logging(level: str, environ=os.environ) -> None:
     root = logging.getLogger()
     root.setLevel(level.upper())
     handler = None
+    missing_binding = False
     if environ.get("JOURNAL_STREAM"):
         # Started by systemd: structured journal fields instead of a text stream.
         try:
             from systemd.journal import JournalHandler
         except ImportError:
-            handler = None
+            missing_binding = True
         else:
             handler = JournalHandler(SYSLOG_IDENTIFIER="deepseek-flashd")
             handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
@@ -277,6 +304,10 @@ def setup_logging(level: str, environ=os.environ) -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.handlers[:] = [handler]
+    if missing_binding:
+        log.info("systemd-python is not installed: logging to stderr, which the journal records as "
+                 "plain lines (for structured fields: pip install 'deepseek-flash[journal]', which "
+                 "needs libsystemd-dev and pkg-config)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,6 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import (
@@ -42,9 +41,10 @@ from ..errors import (
     UnknownClient,
     UnknownModel,
 )
+from ..prefetch import ForwardOrder
+from ..wire import Lease, ModelInfo
 from .config import _NAME as MODEL_NAME_RE
 from .config import FlashConfig
-from .prefetch import ForwardOrder
 
 log = logging.getLogger("deepseek_flash.block_manager")
 
@@ -72,31 +72,6 @@ def fmt_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
-
-
-@dataclass
-class ModelInfo:
-    """What a client learns when it opens a model."""
-
-    name: str
-    path: str
-    config: dict
-    blocks: list
-    num_layers: int
-    total_bytes: int
-    flash_config: dict
-    plan: dict = field(default_factory=dict)
-    ignored_overrides: list = field(default_factory=list)
-
-
-@dataclass
-class Lease:
-    """Blocks a client holds: ``blocks`` maps block id -> offset in the host arena."""
-
-    id: int
-    model: str
-    blocks: dict
-    client: int = DAEMON_CLIENT
 
 
 class _Block:

@@ -21,62 +21,18 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from ..cuda import cuda_available, register_host_memory, unregister_host_memory
 from ..errors import BudgetTooSmall, DeviceError
-from .prefetch import ForwardOrder
+from ..prefetch import ForwardOrder
 from .ranges import RangeAllocator
 
 log = logging.getLogger("deepseek_flash.fabric")
 
-GATE_PENDING, GATE_READY, GATE_FAILED = 0, 1, 2
-CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 # Device allocations are 2 MiB aligned: the allocation granularity of CUDA, so a block never
 # straddles two physical pages it does not need.
 DEVICE_ALIGNMENT = 2 << 20
 # Tensors inside a block only need 256-byte alignment; blocks of one model are packed tight.
 BLOCK_ALIGNMENT = 4096
-
-
-def cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-def register_host_memory(address: int, size: int) -> bool:
-    """Page-lock ``[address, address+size)`` for the GPU once (cudaHostRegister, portable).
-
-    Returns False (and logs why) where CUDA is absent or refuses; copies then run from pageable
-    memory, slower but correct.
-    """
-    if not cuda_available():
-        return False
-    import torch
-
-    cudart = torch.cuda.cudart()
-    # cudaHostRegisterPortable: pinned for every device context, not just the current one.
-    err = cudart.cudaHostRegister(address, size, 1)
-    code = int(getattr(err, "value", err))
-    if code != 0:
-        # A failed runtime call leaves its error as the thread's "last error", which torch would
-        # then report at its next, unrelated kernel launch: consume it here.
-        clear = getattr(cudart, "cudaGetLastError", None)
-        if clear is not None:
-            clear()
-    if code == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
-        return True
-    if code != 0:
-        log.warning("cudaHostRegister of %d bytes at %#x failed (cudaError %d); host->GPU copies "
-                    "will be pageable", size, address, code)
-        return False
-    return True
-
-
-def unregister_host_memory(address: int) -> None:
-    import torch
-
-    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 @dataclass
@@ -107,7 +63,7 @@ class GpuArena:
                    copy_stream=stream)
 
     def ipc_descriptor(self) -> dict:
-        """What a client needs to open this arena once (see ``open_gpu_arena``)."""
+        """What a client needs to open this arena once (see ``deepseek_flash.cuda.open_gpu_arena``)."""
         storage = self.tensor.untyped_storage()
         (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset,
          event_handle, event_sync) = storage._share_cuda_()
@@ -115,19 +71,6 @@ class GpuArena:
                 "offset": int(offset_bytes), "ref_handle": bytes(ref_handle),
                 "ref_offset": int(ref_offset), "event_handle": bytes(event_handle or b""),
                 "event_sync": bool(event_sync), "arena_size": self.size}
-
-
-def open_gpu_arena(desc: dict):
-    """Client side: map a daemon's GPU arena (one cudaIpcOpenMemHandle) as a uint8 tensor."""
-    import torch
-
-    torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(
-        desc["device"], desc["handle"], desc["size"], desc["offset"], desc["ref_handle"],
-        desc["ref_offset"], desc["event_handle"] or None, desc["event_sync"])
-    tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{desc['device']}")
-    tensor.set_(storage, 0, (desc["arena_size"],), (1,))
-    return tensor
 
 
 class DevicePlacement:

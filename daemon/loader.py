@@ -1,10 +1,7 @@
 """Device loads: fill a model's memory on one device in forward order, gate by gate.
 
 A *load* is what ``load_model`` attaches to. It owns a small *control page* in the shared host
-arena:
-
-    uint32 gate_state[G]        G = layers + 2 (stage 0 embeddings, 1..L layers, G-1 head)
-    uint64 block_offset[B]      per block (store order): its offset in the device's memory
+arena (gate states and block offsets; the layout is ``deepseek_flash.wire``'s).
 
 The loader thread walks the stages in forward order. For each stage it takes the host blocks
 (the block manager reads them from NVMe, many stages in flight at once so the disk queue stays
@@ -30,30 +27,12 @@ from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
-import numpy as np
-
 from ..errors import ArenaFull, BudgetTooSmall, DeviceError, FlashError, StoreInUse
+from ..prefetch import ForwardOrder
+from ..wire import GATE_FAILED, GATE_READY, control_page_size, control_views
 from .block_manager import DAEMON_CLIENT
-from .fabric import GATE_FAILED, GATE_READY
-from .prefetch import ForwardOrder
 
 log = logging.getLogger("deepseek_flash.loader")
-
-
-def control_page_size(num_gates: int, num_blocks: int) -> int:
-    return _offsets_start(num_gates) + 8 * num_blocks
-
-
-def _offsets_start(num_gates: int) -> int:
-    return (4 * num_gates + 7) // 8 * 8
-
-
-def control_views(buffer, offset: int, num_gates: int, num_blocks: int):
-    """(gate states uint32[G], block offsets uint64[B]) over a control page in ``buffer``."""
-    gates = np.frombuffer(buffer, dtype=np.uint32, count=num_gates, offset=offset)
-    offsets = np.frombuffer(buffer, dtype=np.uint64, count=num_blocks,
-                            offset=offset + _offsets_start(num_gates))
-    return gates, offsets
 
 
 class Load:

@@ -11,47 +11,16 @@ and ``models/<name>/plan`` in the status tree) and the client executes it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from ..errors import BudgetTooSmall
+from ..fsutil import align_up
+from ..wire import SLOT_ALIGNMENT, Plan
 
 STREAM_ROLES = ("mlp_gate_up", "mlp_down")
-SLOT_ALIGNMENT = 4096
 MIN_SLOTS = 2
 
 
 def _aligned(n: int) -> int:
-    return -(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
-
-
-@dataclass
-class Plan:
-    budget: int
-    resident: list[int]                 # block ids kept on the device
-    streamed_layers: list[int]          # decoder layers whose MLP streams, in forward order
-    stream_blocks: dict[int, list[int]] = field(default_factory=dict)   # layer -> block ids
-    slot_bytes: int = 0
-    n_slots: int = 0
-    resident_bytes: int = 0
-
-    @property
-    def streaming(self) -> bool:
-        return bool(self.streamed_layers)
-
-    def to_wire(self) -> dict:
-        return {"budget": self.budget, "resident": self.resident,
-                "streamed_layers": self.streamed_layers,
-                "stream_blocks": {str(k): v for k, v in self.stream_blocks.items()},
-                "slot_bytes": self.slot_bytes, "n_slots": self.n_slots,
-                "resident_bytes": self.resident_bytes}
-
-    @classmethod
-    def from_wire(cls, w: dict) -> Plan:
-        return cls(budget=w["budget"], resident=list(w["resident"]),
-                   streamed_layers=list(w["streamed_layers"]),
-                   stream_blocks={int(k): list(v) for k, v in w["stream_blocks"].items()},
-                   slot_bytes=w["slot_bytes"], n_slots=w["n_slots"],
-                   resident_bytes=w["resident_bytes"])
+    return align_up(n, SLOT_ALIGNMENT)
 
 
 def _split(blocks):

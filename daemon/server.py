@@ -39,16 +39,9 @@ from ..errors import (
     UnknownOperation,
     VersionMismatch,
 )
-from ..protocol import (
-    OPS,
-    PROTOCOL_VERSION,
-    FrameDecoder,
-    block_to_wire,
-    parse_request,
-    reply_error,
-    reply_ok,
-)
-from .block_manager import BlockManager, Lease, ModelInfo
+from ..protocol import PROTOCOL_VERSION, FrameDecoder, parse_request, reply_error, reply_ok
+from ..wire import OPS, Lease
+from .block_manager import BlockManager
 
 log = logging.getLogger("deepseek_flash.server")
 
@@ -70,17 +63,6 @@ def _arg(op: str, args: dict, name: str, kind, required: bool = True, default=No
         raise MalformedFrame(f"{op}: argument {name!r} has the wrong type ({type(value).__name__})",
                              op=op, argument=name)
     return value
-
-
-def model_to_wire(info: ModelInfo) -> dict:
-    return {"name": info.name, "path": info.path, "config": info.config,
-            "blocks": [block_to_wire(b) for b in info.blocks], "num_layers": info.num_layers,
-            "total_bytes": info.total_bytes, "flash_config": info.flash_config, "plan": info.plan,
-            "ignored_overrides": info.ignored_overrides}
-
-
-def lease_to_wire(lease: Lease) -> dict:
-    return {"lease": lease.id, "model": lease.model, "blocks": lease.blocks}
 
 
 class Operations:
@@ -114,7 +96,7 @@ class Operations:
     def op_open_model(self, cid, args):
         name = _arg("open_model", args, "model", str)
         context = _arg("open_model", args, "flash_context", dict, required=False, default={})
-        return model_to_wire(self.manager.open_model(cid, name, context))
+        return self.manager.open_model(cid, name, context).to_wire()
 
     def op_close_model(self, cid, args):
         return {"released": self.manager.close_model(cid, _arg("close_model", args, "model", str))}
@@ -127,8 +109,8 @@ class Operations:
         wait = _arg("acquire", args, "wait", bool, required=False, default=True)
         future = self.manager.acquire_async(cid, model, blocks, layer, priority, wait)
         if future.done():
-            return lease_to_wire(future.result())
-        return _chain(future, lease_to_wire)
+            return future.result().to_wire()
+        return _chain(future, Lease.to_wire)
 
     def op_release(self, cid, args):
         self.manager.release(cid, _arg("release", args, "lease", int))

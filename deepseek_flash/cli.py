@@ -99,6 +99,7 @@ repair_main = tool_main("repair", "deepseek-flash-repair")
 health_main = tool_main("health", "ssd-health-checker")
 defrag_main = tool_main("defrag", "deepseek-flash-defrag")
 profiler_main = tool_main("profile", "flash-profiler")
+prune_main = tool_main("prune", "deepseek-flash-prune")
 
 if __name__ == "__main__":
     sys.exit(main())

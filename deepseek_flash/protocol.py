@@ -30,11 +30,6 @@ HEADER = struct.Struct(">2sBBI")
 HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 1 << 20
 
-OPS = ("hello", "list_models", "open_model", "close_model", "acquire", "release", "prefetch",
-       "status", "stats", "get_tunable", "set_tunable", "load", "unload", "attach", "detach",
-       "report_stream", "profile")
-
-
 def pack_payload(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
@@ -204,15 +199,3 @@ class MessageReader:
                 except BlockingIOError:
                     continue
         return self.sock.recv(1 << 16)
-
-
-# --- block metadata on the wire ---------------------------------------------------------------------
-
-def block_to_wire(block) -> dict:
-    return block.to_dict()
-
-
-def block_from_wire(data: dict):
-    from .store import BlockInfo
-
-    return BlockInfo.from_dict(data)

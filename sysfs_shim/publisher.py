@@ -36,6 +36,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 CONTROLLER_STATES = ("ACTIVE", "DEGRADED", "STARTING", "STOPPING")
+# The files of the tree's fixed sections (a daemon's extensions may add more).
+TREE_FILES = ("status", "stats", "devices", "tunables", "metrics.prom")
 FABRIC_MODES = ("ENABLED", "HOST_ONLY", "DISABLED")
 
 # Field tables: the order fields appear in, and the HELP text of their metric. Fields a snapshot
@@ -48,6 +50,7 @@ STATUS_FIELDS: dict[str, str] = {
     "config_state": "Configuration state.",
     "last_reload_error": "Error of the last failed configuration reload.",
     "pid": "Process id of deepseek-flashd.",
+    "socket": "Control socket of deepseek-flashd.",
 }
 
 # name: (Prometheus type, HELP)
@@ -119,6 +122,17 @@ class StatusTree:
             if entry.name not in keep and entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
 
+    def reset(self) -> None:
+        """Delete the tree files any daemon writes (``TREE_FILES``, ``models/*``), this publisher's
+        or a dead predecessor's, before a new daemon publishes its first status."""
+        with self._lock:
+            for name in TREE_FILES:
+                (self.root / name).unlink(missing_ok=True)
+            self._written.clear()
+            models = self.root / "models"
+            if models.is_dir():
+                self._remove_stale_models(set())
+
     def remove(self) -> None:
         """Delete every file this tree published (a clean shutdown leaves no stale state)."""
         with self._lock:
@@ -156,7 +170,7 @@ def render_metrics(snapshot: Mapping) -> str:
     families: dict[str, tuple[str, str, list[tuple[dict, float]]]] = {}
 
     def add(name: str, kind: str, help_text: str, labels: dict, value) -> None:
-        metric = _PREFIX + _NAME_BAD.sub("_", name)
+        metric = metric_name(name, kind)
         samples = families.setdefault(metric, (kind, help_text, []))[2]
         # A field in both status and stats (prefetch_hit_rate) is one series, not two.
         if all(existing != labels for existing, _ in samples):
@@ -210,6 +224,16 @@ def render_metrics(snapshot: Mapping) -> str:
             out.append(f"{metric}{{{label_text}}} {_number(value)}" if label_text
                        else f"{metric} {_number(value)}")
     return "\n".join(out) + "\n" if out else ""
+
+
+def metric_name(field: str, kind: str) -> str:
+    """The Prometheus name of a tree field: counters end in ``_total`` (``prefetch_miss_count`` ->
+    ``deepseek_flash_prefetch_miss_count_total``), and a gauge never does (``host_bytes_total``
+    -> ``deepseek_flash_host_bytes_capacity``), so ``rate()`` is only ever applied to counters."""
+    name = _PREFIX + _NAME_BAD.sub("_", field)
+    if kind == "counter":
+        return name if name.endswith("_total") else name + "_total"
+    return name[:-len("_total")] + "_capacity" if name.endswith("_total") else name
 
 
 def format_fields(fields: Mapping, *, status: bool = False) -> str:

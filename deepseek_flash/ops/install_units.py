@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import grp
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,8 @@ and, to serve a model over HTTP: systemctl enable --now deepseek-flash-serve@MOD
 UNITS = ("deepseek-flash.service", "deepseek-flash.socket", "deepseek-flash-serve@.service")
 # ExecStart= of the template unit after the executable: the instance is the model name.
 SERVE_ARGS = "serve %I $SERVE_ARGS"
+PRIVATE_TMP_DROPIN = "private-tmp.conf"
+TMP_ROOTS = (Path("/tmp"), Path("/var/tmp"))
 CONFIG_NAME = "flash.json"
 DEFAULT_GROUP = "deepseek-flash"
 
@@ -49,18 +52,38 @@ def add_arguments(parser):
                              "service reads it through ConfigurationDirectory=)")
     parser.add_argument("--no-reload", action="store_true",
                         help="do not run `systemctl daemon-reload`")
+    parser.add_argument("--allow-tmp", action="store_true",
+                        help="the environment lies under /tmp or /var/tmp: install a drop-in with "
+                             "PrivateTmp=no so the service can see it (default: refuse, naming the path)")
 
 
 def run(args) -> int:
-    exec_start = {"deepseek-flash.service": daemon_command(args.python),
-                  "deepseek-flash-serve@.service": f"{cli_command(args.python)} {SERVE_ARGS}"}
+    exec_start = daemon_command(args.python)
+    hidden = paths_in_private_tmp(args.python, exec_start)
+    if hidden and not args.allow_tmp:
+        raise ConfigError(
+            f"{hidden[0]} lies under {_tmp_root(hidden[0])}, which deepseek-flash.service cannot see "
+            f"(PrivateTmp=yes gives it its own empty /tmp and /var/tmp: the unit would fail with "
+            f"status 203/EXEC). Install deepseek-flash into an environment elsewhere, e.g. "
+            f"`python3 -m venv /opt/deepseek-flash && /opt/deepseek-flash/bin/pip install "
+            f"deepseek-flash`, and run install-units from it; or pass --allow-tmp to install a "
+            f"drop-in with PrivateTmp=no", key="python", value=str(hidden[0]),
+            allowed="an environment outside /tmp and /var/tmp, or --allow-tmp")
     ensure_group(args.socket_group)
     args.prefix.mkdir(parents=True, exist_ok=True)
+    commands = {"deepseek-flash.service": exec_start,
+                "deepseek-flash-serve@.service": f"{cli_command(args.python)} {SERVE_ARGS}"}
     for name in UNITS:
-        text = unit_text(name, exec_start=exec_start.get(name), socket_group=args.socket_group)
+        text = unit_text(name, exec_start=commands.get(name), socket_group=args.socket_group)
         target = args.prefix / name
         atomic_write(target, text.encode())
         print(f"installed {target}")
+    for unit in (name for name in UNITS if hidden and name.endswith(".service")):
+        dropin = args.prefix / f"{unit}.d" / PRIVATE_TMP_DROPIN
+        dropin.parent.mkdir(exist_ok=True)
+        atomic_write(dropin, f"# {hidden[0]} lies under {_tmp_root(hidden[0])} (install-units "
+                             f"--allow-tmp)\n[Service]\nPrivateTmp=no\n".encode())
+        print(f"installed {dropin} (PrivateTmp=no: {hidden[0]} is under {_tmp_root(hidden[0])})")
     config = args.config_dir / CONFIG_NAME
     if config.exists():
         print(f"kept existing {config}")
@@ -108,6 +131,29 @@ def _environment_command(python: str, script_name: str, module: str) -> str:
     if os.access(script, os.X_OK):
         return _quote(str(script))
     return " ".join(_quote(part) for part in (str(python_path), "-m", module))
+
+
+def paths_in_private_tmp(python: str, exec_start: str) -> list[Path]:
+    """The paths the service needs that PrivateTmp= hides: the ExecStart= program (as written and
+    resolved), and this package's code when ``python`` is the interpreter running install-units."""
+    program = Path(shlex.split(exec_start.replace("%%", "%"))[0])
+    candidates = [program, program.resolve()]
+    if _same_file(python, sys.executable):
+        from .. import __file__ as package_init
+
+        candidates.append(Path(package_init).resolve().parent)
+    return [p for p in candidates if _tmp_root(p) is not None]
+
+
+def _tmp_root(path: Path) -> Path | None:
+    return next((root for root in TMP_ROOTS if root == path or root in path.parents), None)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(shutil.which(a) or a, b)
+    except OSError:
+        return False
 
 
 def unit_text(name: str, *, exec_start: str | None, socket_group: str) -> str:

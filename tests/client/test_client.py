@@ -90,6 +90,34 @@ def test_reconnect_after_daemon_restart(daemon_factory, tiny_store):
     c.close()
 
 
+def test_reconnect_drops_the_old_daemons_mappings(daemon_factory, tiny_store, monkeypatch):
+    """After a restart the host tensor, its page-locking and the GPU arenas belong to the old
+    daemon: they are dropped at reconnect (the old registration undone) and remade on use."""
+    import deepseek_flash.client as client_mod
+
+    pinned, unpinned, opened = [], [], []
+    monkeypatch.setattr(client_mod, "register_host_memory", lambda a, n: pinned.append(a) or True)
+    monkeypatch.setattr(client_mod, "unregister_host_memory", unpinned.append)
+    monkeypatch.setattr(client_mod, "open_gpu_arena", lambda desc: opened.append(object()) or opened[-1])
+    d = daemon_factory(config_for(tiny_store)).start()
+    c = Client(d.socket, embedded=False, reconnect_timeout=30)
+    old = c.arena.address
+    assert c.host_tensor(pinned=True).data_ptr() == old and pinned == [old]
+    desc = {"gpu_arena": {}, "events": []}
+    first, _ = c.device_memory(0, desc)
+    assert c.device_memory(0, desc)[0] is first                # opened once per daemon
+    assert d.stop() == 0
+    d.start()
+    c.stats()                                                  # reconnects
+    new = c.arena.address
+    assert new != old and unpinned == [old]
+    assert c.host_tensor(pinned=True).data_ptr() == new and pinned == [old, new]
+    second, _ = c.device_memory(0, desc)
+    assert second is not first and len(opened) == 2
+    c.close()
+    assert unpinned == [old, new]
+
+
 def test_reconnect_gives_up_with_daemon_not_running(daemon_factory, tiny_store):
     d = daemon_factory(config_for(tiny_store)).start()
     c = Client(d.socket, embedded=False, reconnect_timeout=0.5)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from deepseek_flash.client.model import bind_parameters, build_skeleton
-from deepseek_flash.client.stream import StreamRuntime, WindowController
-from deepseek_flash.daemon.planner import SLOT_ALIGNMENT, plan_residency, resident_minimum
+from deepseek_flash.client.skeleton import bind_parameters, build_skeleton
+from deepseek_flash.client.stream import StreamRuntime
+from deepseek_flash.daemon.planner import plan_residency, resident_minimum
+from deepseek_flash.wire import SLOT_ALIGNMENT
 
 from deepseek_flash.store import Store, pack
 from deepseek_flash.store.views import block_tensors
@@ -88,17 +89,6 @@ def test_aborted_pass_resynchronises(packed):
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
-def test_window_controller_grows_on_stalls_and_yields_to_a_busy_link():
-    c = WindowController(1, low=1, high=3)
-    assert c.update(misses=0, layers=10) == 1
-    assert c.update(misses=3, layers=10) == 2
-    assert c.update(misses=3, layers=10) == 3
-    assert c.update(misses=9, layers=10) == 3          # bounded
-    assert c.update(misses=0, layers=10, other_load=0.8) == 2
-    assert [d["to"] for d in c.decisions] == [2, 3, 2]
-    assert "busy" in c.decisions[-1]["reason"] and "stalls" in c.decisions[0]["reason"]
-
-
 @pytest.mark.parametrize("speed, width, gbps", [
     (5, 16, 63.015), (4, 16, 31.508), (3, 8, 7.877), (1, 16, 4.0),   # NVML's enum (gen 5, 4, 3, 1)
     (32000, 16, 63.015),                                                # a plain Mbit/s answer
@@ -111,25 +101,6 @@ def test_pcie_capacity_reads_nvml_link_speed_codes(speed, width, gbps):
     nvml = SimpleNamespace(nvmlDeviceGetPcieLinkMaxSpeed=lambda h: speed,
                            nvmlDeviceGetMaxPcieLinkWidth=lambda h: width)
     assert round(pcie_capacity(nvml, None) / 1e9, 3) == gbps
-
-
-def test_window_controller_shrinks_after_sustained_full_hit_rate_and_regrows_on_a_stall():
-    c = WindowController(3, low=1, high=3, calm_passes=4)
-    for _ in range(3):
-        assert c.update(misses=0, layers=10) == 3
-    assert c.update(misses=0, layers=10) == 2          # the 4th clean pass in a row
-    assert "hit rate 100%" in c.decisions[-1]["reason"]
-    # The count restarts after a change, and a miss resets it.
-    for _ in range(3):
-        assert c.update(misses=0, layers=10) == 2
-    assert c.update(misses=1, layers=100) == 2          # below grow_at: holds, but not calm
-    for _ in range(3):
-        assert c.update(misses=0, layers=10) == 2
-    assert c.update(misses=0, layers=10) == 1
-    for _ in range(8):
-        assert c.update(misses=0, layers=10) == 1       # bounded below
-    assert c.update(misses=2, layers=10) == 2           # a stall grows it back
-    assert [d["to"] for d in c.decisions] == [2, 1, 2]
 
 
 def test_link_sampler_counts_only_traffic_that_is_not_ours():

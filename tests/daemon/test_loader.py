@@ -8,9 +8,9 @@ import pytest
 import torch
 from deepseek_flash.daemon.block_manager import BlockManager
 from deepseek_flash.daemon.config import FlashConfig
-from deepseek_flash.daemon.fabric import GATE_READY
-from deepseek_flash.daemon.loader import Attachments, Loader, control_views
-from deepseek_flash.daemon.prefetch import ForwardOrder
+from deepseek_flash.daemon.loader import Attachments, Loader
+from deepseek_flash.wire import GATE_READY, control_views
+from deepseek_flash.prefetch import ForwardOrder
 
 from deepseek_flash import _core
 from deepseek_flash.store import Store

@@ -4,7 +4,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from deepseek_flash.daemon.planner import SLOT_ALIGNMENT, plan_residency
+from deepseek_flash.daemon.planner import plan_residency
+from deepseek_flash.wire import SLOT_ALIGNMENT
 
 from deepseek_flash.errors import BudgetTooSmall
 
@@ -71,7 +72,7 @@ def test_large_window_is_capped_by_the_budget():
 
 
 def test_plan_round_trips_through_the_wire():
-    from deepseek_flash.daemon.planner import Plan
+    from deepseek_flash.wire import Plan
 
     bs = blocks()
     anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))

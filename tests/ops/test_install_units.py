@@ -39,7 +39,7 @@ def install(tmp_path, *extra) -> int:
 
 def test_installs_units_that_differ_from_the_package_only_in_exec_and_group(tmp_path, capsys):
     python = fake_python(tmp_path / "venv" / "bin", with_script=True)
-    assert install(tmp_path, "--python", str(python)) == 0
+    assert install(tmp_path, "--python", str(python), "--allow-tmp") == 0
     service = (tmp_path / "units" / "deepseek-flash.service").read_text()
     socket_unit = (tmp_path / "units" / "deepseek-flash.socket").read_text()
     want_service = packaged("deepseek-flash.service").replace(
@@ -51,6 +51,40 @@ def test_installs_units_that_differ_from_the_package_only_in_exec_and_group(tmp_
     out = capsys.readouterr().out
     assert f"installed {tmp_path}/units/deepseek-flash.service" in out
     assert "systemctl enable --now deepseek-flash.socket deepseek-flash.service" in out
+
+
+def test_an_environment_under_tmp_is_refused_naming_private_tmp(tmp_path, capsys):
+    # tmp_path lies under /tmp: the service (PrivateTmp=yes) would fail with 203/EXEC.
+    assert tmp_path.is_relative_to("/tmp")
+    python = fake_python(tmp_path / "venv" / "bin", with_script=True)
+    assert install(tmp_path, "--python", str(python)) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/venv/bin/deepseek-flashd lies under /tmp, which deepseek-flash.service cannot see" in err
+    assert "PrivateTmp=yes" in err and "203/EXEC" in err and "--allow-tmp" in err
+    assert "[ConfigError, code 500]" in err
+    assert not (tmp_path / "units").exists()
+
+
+def test_allow_tmp_installs_a_private_tmp_drop_in(tmp_path, capsys):
+    python = fake_python(tmp_path / "venv" / "bin", with_script=True)
+    assert install(tmp_path, "--python", str(python), "--allow-tmp") == 0
+    dropin = tmp_path / "units" / "deepseek-flash.service.d" / "private-tmp.conf"
+    assert dropin.read_text().splitlines()[1:] == ["[Service]", "PrivateTmp=no"]
+    assert f"installed {dropin} (PrivateTmp=no: {tmp_path}/venv/bin/deepseek-flashd is under /tmp)" in (
+        capsys.readouterr().out)
+
+
+def test_an_environment_outside_tmp_gets_no_drop_in(tmp_path, monkeypatch):
+    # Resolved and literal paths both count: a link from /var/tmp to a program elsewhere is fine
+    # only when neither path is under /tmp.
+    monkeypatch.setattr(install_units, "TMP_ROOTS", (Path("/nonexistent-tmp"),))
+    python = fake_python(tmp_path / "venv" / "bin", with_script=True)
+    assert install(tmp_path, "--python", str(python)) == 0
+    assert not (tmp_path / "units" / "deepseek-flash.service.d").exists()
+    assert install_units.paths_in_private_tmp(str(python), f"{tmp_path}/venv/bin/deepseek-flashd") == []
+    monkeypatch.setattr(install_units, "TMP_ROOTS", (tmp_path,))
+    assert install_units.paths_in_private_tmp(str(python), f"{tmp_path}/venv/bin/deepseek-flashd") == [
+        tmp_path / "venv" / "bin" / "deepseek-flashd"] * 2
 
 
 def test_without_a_deepseek_flashd_script_the_unit_runs_the_module(tmp_path):
@@ -69,12 +103,13 @@ def test_bad_python_is_a_config_error(tmp_path):
 
 
 def test_default_config_is_installed_once_and_then_kept(tmp_path, capsys):
-    assert install(tmp_path) == 0
+    # --allow-tmp: this checkout may itself lie under /tmp (see the PrivateTmp tests below).
+    assert install(tmp_path, "--allow-tmp") == 0
     config = tmp_path / "etc" / "flash.json"
     installed = json.loads(config.read_text())
     assert installed["socket_group"] == "root"
     config.write_text('{"prefetch_window": 8}')
-    assert install(tmp_path) == 0
+    assert install(tmp_path, "--allow-tmp") == 0
     assert config.read_text() == '{"prefetch_window": 8}'
     assert f"kept existing {config}" in capsys.readouterr().out
 
@@ -105,7 +140,7 @@ def test_service_unit_has_the_required_settings():
     for setting in ["Type=notify", "NotifyAccess=main", "ExecReload=/bin/kill -HUP $MAINPID",
                     "WatchdogSec=30", "RuntimeDirectory=deepseek_flash", "RuntimeDirectoryPreserve=yes",
                     "ConfigurationDirectory=deepseek-flash", "StateDirectory=deepseek-flash",
-                    "Restart=on-failure", "LimitMEMLOCK=infinity", "ProtectSystem=strict",
+                    "Restart=on-failure", "RestartPreventExitStatus=2", "LimitMEMLOCK=infinity", "ProtectSystem=strict",
                     "ProtectHome=read-only", "PrivateTmp=yes", "NoNewPrivileges=yes",
                     "RestrictAddressFamilies=AF_UNIX AF_NETLINK", "DevicePolicy=closed",
                     "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=char-nvidia-uvm rw",
@@ -122,8 +157,10 @@ def test_installs_the_serve_template_unit_running_this_environments_cli(tmp_path
     python = fake_python(tmp_path / "venv" / "bin", with_script=True)
     (tmp_path / "venv" / "bin" / "deepseek-flash").write_text("#!/bin/sh\n")
     (tmp_path / "venv" / "bin" / "deepseek-flash").chmod(0o755)
-    assert install(tmp_path, "--python", str(python)) == 0
+    assert install(tmp_path, "--python", str(python), "--allow-tmp") == 0
     serve = (tmp_path / "units" / "deepseek-flash-serve@.service").read_text()
+    # The environment lies under /tmp: the server unit gets the PrivateTmp=no drop-in too.
+    assert "PrivateTmp=no" in (tmp_path / "units" / "deepseek-flash-serve@.service.d" / "private-tmp.conf").read_text()
     assert serve == packaged("deepseek-flash-serve@.service").replace(
         "ExecStart=/usr/bin/env deepseek-flash serve %I $SERVE_ARGS",
         f"ExecStart={tmp_path}/venv/bin/deepseek-flash serve %I $SERVE_ARGS")

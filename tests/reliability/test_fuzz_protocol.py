@@ -14,7 +14,7 @@ from flashd_harness import raw_connection
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepseek_flash import protocol
+from deepseek_flash import protocol, wire
 from deepseek_flash.errors import LimitExceeded
 
 MAX_FRAME = 8192
@@ -60,7 +60,7 @@ values = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1)
                       lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8),
                                                                                   inner, max_size=4),
                       max_leaves=8)
-ops = st.sampled_from([o for o in protocol.OPS if o != "hello"]) | st.text(max_size=12)
+ops = st.sampled_from([o for o in wire.OPS if o != "hello"]) | st.text(max_size=12)
 arg_names = st.sampled_from(["model", "blocks", "layer", "priority", "wait", "lease", "layers", "key",
                              "value", "flash_context", "tier", "device", "weight_budget", "stats"])
 requests = st.builds(lambda op, args, model: {"op": op, "args": {**args, **model}},

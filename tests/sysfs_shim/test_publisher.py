@@ -105,7 +105,7 @@ def test_block_manager_shape_top_level_status_and_residency_list():
     assert "deepseek_flash_prefetch_hit_rate 1.0" in metrics
     # The stats copy of prefetch_hit_rate does not make a second series.
     assert sum(line.startswith("deepseek_flash_prefetch_hit_rate ") for line in metrics) == 1
-    assert "# TYPE deepseek_flash_hits counter" in metrics
+    assert "# TYPE deepseek_flash_hits_total counter" in metrics
     assert "# TYPE deepseek_flash_host_bytes_used gauge" in metrics
     assert 'deepseek_flash_model_residency_resident_bytes{model="m"} 4096' in metrics
 
@@ -145,10 +145,10 @@ def test_metrics_text_format():
     ]
     assert "deepseek_flash_prefetch_hit_rate 0.927" in lines
     assert 'deepseek_flash_unified_memory_fabric{mode="HOST_ONLY"} 1' in lines
-    assert "# TYPE deepseek_flash_prefetch_miss_count counter" in lines
-    assert "deepseek_flash_prefetch_miss_count 7" in lines
+    assert "# TYPE deepseek_flash_prefetch_miss_count_total counter" in lines
+    assert "deepseek_flash_prefetch_miss_count_total 7" in lines
     assert "# TYPE deepseek_flash_active_leases gauge" in lines
-    assert "deepseek_flash_bytes_read_nvme 1073741824" in lines
+    assert "deepseek_flash_bytes_read_nvme_total 1073741824" in lines
     assert 'deepseek_flash_device_arena_bytes{device="cuda:0"} 1048576' in lines
     assert 'deepseek_flash_model_total_bytes{model="tiny-llama"} 98304' in lines
     assert 'deepseek_flash_model_blocks{model="tiny-llama"} 2' in lines
@@ -266,3 +266,19 @@ def test_concurrent_reader_never_sees_a_partial_file(tmp_path):
     assert reads[0] > 10
     assert bad == []
     assert parse((tmp_path / "status").read_text())["semantic_block_count"] == "79"
+
+
+def test_counters_end_in_total_and_gauges_never_do():
+    # Prometheus naming: rate() belongs to counters, and a counter is recognised by "_total".
+    snap = snapshot()
+    snap["stats"].update(host_bytes_total=4096, hits=3, evictions_total=2)
+    lines = render_metrics(snap).splitlines()
+    types = dict(line.split()[2:4] for line in lines if line.startswith("# TYPE"))
+    assert types["deepseek_flash_hits_total"] == "counter"
+    assert types["deepseek_flash_evictions_total"] == "counter"        # not ..._total_total
+    assert types["deepseek_flash_host_bytes_capacity"] == "gauge"
+    assert "deepseek_flash_host_bytes_capacity 4096" in lines
+    counters = [name for name, kind in types.items() if kind == "counter"]
+    assert len(counters) >= 4
+    assert all(name.endswith("_total") for name in counters), counters
+    assert not [name for name, kind in types.items() if kind != "counter" and name.endswith("_total")]

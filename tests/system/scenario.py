@@ -83,30 +83,32 @@ def write_config(base: dict, store: str, **extra) -> None:
     CONFIG.write_text(json.dumps(config, indent=2))
 
 
-def private_tmp_hides_code(out: Path) -> None:
-    """A checkout or Python under /tmp (some CI runners) is invisible behind PrivateTmp=; only
-    then, and saying so in the log, the test turns PrivateTmp off with a drop-in."""
+def code_in_tmp() -> bool:
+    """A checkout or Python under /tmp (some CI runners) is invisible behind PrivateTmp=:
+    install-units refuses it unless --allow-tmp, which adds a PrivateTmp=no drop-in."""
     import deepseek_flash
 
     code = [Path(sys.prefix), Path(deepseek_flash.__file__).resolve().parent]
-    if any(Path(tmp) in path.parents for path in code for tmp in ("/tmp", "/var/tmp")):
-        dropin = UNIT_DIR / "deepseek-flash.service.d"
-        dropin.mkdir(exist_ok=True)
-        (dropin / "code-in-tmp.conf").write_text("[Service]\nPrivateTmp=no\n")
-        log(out, f"NOTE: code under /tmp ({code}); PrivateTmp=no for this test")
-        sh(out, "systemctl", "daemon-reload")
+    return any(Path(tmp) in path.parents for path in code for tmp in ("/tmp", "/var/tmp"))
 
 
 def scenario(store: str, out: Path) -> None:
     log(out, "## install-units")
-    cli(out, "install-units", "--socket-group", GROUP)
+    if code_in_tmp():
+        refused = cli(out, "install-units", "--socket-group", GROUP, check=False)
+        expect(refused.returncode == 2 and "PrivateTmp=yes" in refused.stderr,
+               f"install-units accepted code under /tmp: {refused.stderr}")
+        cli(out, "install-units", "--socket-group", GROUP, "--allow-tmp")
+        expect("PrivateTmp=no" in (UNIT_DIR / "deepseek-flash.service.d" / "private-tmp.conf").read_text(),
+               "install-units --allow-tmp wrote no PrivateTmp=no drop-in")
+    else:
+        cli(out, "install-units", "--socket-group", GROUP)
     service = (UNIT_DIR / "deepseek-flash.service").read_text()
     exec_start = next(line for line in service.splitlines() if line.startswith("ExecStart="))
     expect(exec_start.split("=", 1)[1].split()[0].startswith(sys.prefix),
            f"ExecStart does not run this environment's Python ({sys.prefix}): {exec_start}")
     expect(f"SocketGroup={GROUP}" in (UNIT_DIR / "deepseek-flash.socket").read_text(),
            "socket unit lacks SocketGroup=")
-    private_tmp_hides_code(out)
     base = json.loads(CONFIG.read_text())
     expect(base["socket_group"] == GROUP, "flash.json socket_group not set")
     write_config(base, store)
@@ -214,6 +216,22 @@ def scenario(store: str, out: Path) -> None:
     sh(out, "systemctl", "daemon-reload")
     security = sh(out, "systemd-analyze", "security", "--no-pager", "deepseek-flash", check=False)
     (out / "security.txt").write_text(security.stdout + security.stderr)
+
+    log(out, "## a bad flash.json at start: failed, not restarted (RestartPreventExitStatus=2)")
+    write_config(base, store, prefetch_window=-1)
+    restart = sh(out, "systemctl", "restart", "deepseek-flash", check=False)
+    expect(restart.returncode != 0, "systemctl restart with a bad flash.json succeeded")
+    # Two RestartSec=2 periods: Restart=on-failure alone would have started it twice by now.
+    time.sleep(4.5)
+    expect(prop(out, "deepseek-flash", "ActiveState") == "failed",
+           f"service {prop(out, 'deepseek-flash', 'ActiveState')} after a bad config, want failed")
+    expect(prop(out, "deepseek-flash", "ExecMainStatus") == "2", "a config error did not exit 2")
+    expect(prop(out, "deepseek-flash", "NRestarts") == "0", "systemd restarted a daemon with a bad config")
+    journal = sh(out, "journalctl", "--no-pager", "-u", "deepseek-flash").stdout
+    expect("invalid configuration" in journal and "prefetch_window" in journal,
+           "the journal does not name the bad key")
+    write_config(base, store)
+    sh(out, "systemctl", "reset-failed", "deepseek-flash")
 
     log(out, "## final stop")
     sh(out, "systemctl", "stop", "deepseek-flash.socket", "deepseek-flash")

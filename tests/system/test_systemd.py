@@ -7,7 +7,9 @@ their own paths. A tiny model packed here is bound at /srv/deepseek-flash-test/t
 /tmp: the service has PrivateTmp=). On failure the scenario log, the journal and the container
 console are printed.
 
-Root only. In CI (``CI=true``) a missing harness or a missing root is a failure, not a skip.
+Root only. Outside CI a missing root or harness skips with a message saying how to run it
+(``DEEPSEEK_FLASH_SYSD_HARNESS`` points at a harness elsewhere); in CI (``CI=true``) either is a
+failure, not a skip.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-HARNESS = REPO.parent / "shared" / "systemd-harness" / "harness.sh"
+HARNESS = Path(os.environ.get("DEEPSEEK_FLASH_SYSD_HARNESS",
+                              REPO.parent / "shared" / "systemd-harness" / "harness.sh"))
 CACHE = Path(os.environ.get("DEEPSEEK_FLASH_SYSD_CACHE", "/var/cache/deepseek-flash-sysd"))
 # The pyenv/python.org builds link these; minbase Debian lacks them.
 PACKAGES = "python3,libffi8,libssl3"
@@ -47,16 +50,41 @@ def python_binds() -> list[str]:
     return [str(p) for p in outer]
 
 
+def find_harness(harness: Path = HARNESS, in_ci: bool = IN_CI) -> Path:
+    """The harness script; outside CI a missing root or harness skips (saying how to run the
+    test), in CI (CI=true) it fails."""
+    how = (f"to run it: as root, with a systemd-nspawn harness at {harness} (the shared repository "
+           f"cloned beside this one, or DEEPSEEK_FLASH_SYSD_HARNESS=/path/to/harness.sh)")
+    if os.geteuid() != 0:
+        if in_ci:
+            pytest.fail("the systemd test needs root in CI (it boots a container with systemd-nspawn)")
+        pytest.skip(f"boots a systemd container: root only; {how}")
+    if not harness.is_file():
+        if in_ci:
+            pytest.fail(f"systemd harness not found at {harness}: clone the shared repository beside "
+                        f"this one (../shared) so that systemd-harness/harness.sh exists")
+        pytest.skip(f"no systemd harness at {harness}; {how}")
+    return harness
+
+
 @pytest.fixture(scope="module")
 def harness():
+    return find_harness()
+
+
+def test_missing_harness_skips_outside_ci_and_fails_in_ci(tmp_path):
+    missing = tmp_path / "shared" / "systemd-harness" / "harness.sh"
     if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("the systemd test needs root in CI (it boots a container with systemd-nspawn)")
-        pytest.skip("boots a systemd container: root only")
-    if not HARNESS.is_file():
-        pytest.fail(f"systemd harness not found at {HARNESS}: clone the shared repository beside "
-                    f"this one (../shared) so that systemd-harness/harness.sh exists")
-    return HARNESS
+        with pytest.raises(pytest.fail.Exception, match="needs root in CI"):
+            find_harness(missing, in_ci=True)
+        return
+    with pytest.raises(pytest.skip.Exception, match=f"no systemd harness at {missing}; to run it: as root"):
+        find_harness(missing, in_ci=False)
+    with pytest.raises(pytest.fail.Exception, match=f"systemd harness not found at {missing}"):
+        find_harness(missing, in_ci=True)
+    missing.parent.mkdir(parents=True)
+    missing.write_text("#!/bin/sh\n")
+    assert find_harness(missing, in_ci=True) == missing
 
 
 @pytest.fixture(scope="module")

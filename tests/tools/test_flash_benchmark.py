@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "daemon"))
 
-from deepseek_flash.daemon.planner import SLOT_ALIGNMENT
+from deepseek_flash.wire import SLOT_ALIGNMENT
 from flashd_harness import Daemon, packed_model
 
 from deepseek_flash.cli import main

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from deepseek_flash.client.model import bind_parameters, build_skeleton
+from deepseek_flash.client.skeleton import bind_parameters, build_skeleton
 
 from deepseek_flash import cli
 from deepseek_flash.errors import NotAModelDirectory, NotAStore, StoreExists
