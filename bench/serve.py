@@ -41,14 +41,15 @@ from _common import emit, save
 
 WAVES = (("short", 32), ("medium", 128), ("long", 512))
 L0_TOKENS = 16
-# A ~1.1B Llama (TinyLlama's shape): big enough for the GPU to matter, small enough to make here.
+# ~0.5B models: big enough for the GPU to matter, quick to make here (the scheduler, not the
+# weights, is what this bench measures).
 GPU_SHAPES = {
-    "llama": dict(arch="llama", hidden_size=2048, num_layers=22, intermediate_size=5632, num_heads=32,
+    "llama": dict(arch="llama", hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12,
                   num_kv_heads=4),
-    "qwen2": dict(arch="qwen2", hidden_size=1536, num_layers=28, intermediate_size=8960, num_heads=12,
+    "qwen2": dict(arch="qwen2", hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12,
                   num_kv_heads=2),
-    "mistral": dict(arch="mistral", hidden_size=2048, num_layers=22, intermediate_size=5632, num_heads=32,
-                    num_kv_heads=8),
+    "mistral": dict(arch="mistral", hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12,
+                    num_kv_heads=4),
 }
 
 
