@@ -13,7 +13,8 @@ Phases, each against the same model loaded once through ``load_model`` (default 
    90 %, both times ``--load`` (0.9).
 
 Every request is streamed over HTTP (the server runs in this process on 127.0.0.1 with uvicorn;
-the load generator is an asyncio client); TTFT is the first server-sent event, latency the last.
+the load generator is an asyncio client in a child process, so its parsing does not take the
+server's interpreter lock); TTFT is the first server-sent event, latency the last.
 Checks printed beside the results: L0 P99 TTFT <= 2x unloaded and < 150 ms (and FIFO's ratio), L1
 completion time per token by weight (fairness), L2 degrade rate < 5 %, 16 concurrent >= 8x one
 request, nothing lost (every request answered or refused with a status). JSON to ``--output``, a
@@ -121,6 +122,15 @@ async def one(http, base, model, cls, max_tokens, prompt, t0):
     except Exception as exc:  # noqa: BLE001 -- a lost request is a result, recorded as such
         rec["status"] = f"lost: {type(exc).__name__}: {exc}"
     return rec
+
+
+def _run_async(fn, *args):
+    return asyncio.run(fn(*args))
+
+
+def client(pool, fn, *args):
+    """Run the load generator ``fn(*args)`` in the client process and return its result."""
+    return pool.submit(_run_async, fn, *args).result()
 
 
 def quantile(values, q):
@@ -289,6 +299,9 @@ def main(argv=None) -> int:
     parser.add_argument("--png-dir")
     args = parser.parse_args(argv)
 
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     import torch
 
     from deepseek_flash.serve.cli import load, make_state
@@ -315,6 +328,7 @@ def main(argv=None) -> int:
     result["load_model_s"] = round(time.perf_counter() - t, 2)
     max_len = args.prompt_len + max(size for _, size in WAVES) // scale + 8
     results = {}
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
         for mode in ("flash", "fifo"):
             state = make_state(model, tokenizer, max_batch=args.max_batch, max_model_len=max_len, scheduler=mode)
@@ -323,11 +337,11 @@ def main(argv=None) -> int:
                 name = state.model_name
                 if mode == "flash":
                     # Warm-up (allocator, kernels), then the references.
-                    asyncio.run(throughput(base, name, args.max_batch, 4, args.prompt_len))
-                    result["unloaded"] = asyncio.run(unloaded(base, name, args.unloaded_requests, args.prompt_len))
+                    client(pool, throughput, base, name, args.max_batch, 4, args.prompt_len)
+                    result["unloaded"] = client(pool, unloaded, base, name, args.unloaded_requests, args.prompt_len)
                     tokens = max(8, 128 // scale)
-                    one_tp = asyncio.run(throughput(base, name, 1, tokens, args.prompt_len))
-                    full_tp = asyncio.run(throughput(base, name, args.max_batch, tokens, args.prompt_len))
+                    one_tp = client(pool, throughput, base, name, 1, tokens, args.prompt_len)
+                    full_tp = client(pool, throughput, base, name, args.max_batch, tokens, args.prompt_len)
                     result["throughput"] = {"one": one_tp, "full": full_tp,
                                             "ratio": round(full_tp["tokens_per_s"] / one_tp["tokens_per_s"], 2)}
                     # Capacity per request size: requests/s with a full batch of that size (prefill,
@@ -335,13 +349,13 @@ def main(argv=None) -> int:
                     sizes = sorted({max(1, L0_TOKENS // scale)} | {max(1, n // scale) for _, n in WAVES})
                     capacity = {}
                     for size in sizes:
-                        tp = asyncio.run(throughput(base, name, args.max_batch, size, args.prompt_len))
+                        tp = client(pool, throughput, base, name, args.max_batch, size, args.prompt_len)
                         capacity[size] = round(args.max_batch / tp["seconds"], 3)
                     result["capacity_rps"] = {str(k): v for k, v in capacity.items()}
                     arrivals = schedule(capacity, args.load, args.wave_seconds, scale, args.seed)
                     result["arrivals"] = len(arrivals)
                     save(result, args.output)
-                recs, wall = asyncio.run(run_load(base, name, arrivals, args.prompt_len, 10 * args.wave_seconds))
+                recs, wall = client(pool, run_load, base, name, arrivals, args.prompt_len, 10 * args.wave_seconds)
                 results[mode] = {"records": recs, "wall_s": round(wall, 2),
                                  "summary": summarize(recs, result["unloaded"]["ttft_p99_ms"]),
                                  "metrics_degrade": state.engine.scheduler.snapshot()["degrade_steps"]}
@@ -352,6 +366,7 @@ def main(argv=None) -> int:
                 srv.should_exit = True
                 thread.join(120)
     finally:
+        pool.shutdown()
         model.flash.close()
     flash_l0, fifo_l0 = result["flash"]["checks"]["l0_p99_ttft_ms"], result["fifo"]["checks"]["l0_p99_ttft_ms"]
     result["fifo_l0_p99_over_flash"] = round(fifo_l0 / flash_l0, 2) if flash_l0 and fifo_l0 else None

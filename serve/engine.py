@@ -276,7 +276,6 @@ class Engine:
         with self._lock:
             batch = [g for g in self._rows if g is not None]
         self._apply_window(batch)
-        produced: list[tuple[Generation, int]] = []
         # Newcomers (and prompts longer than one chunk): one chunk each.
         for gen in [g for g in batch if g.prefilled < len(g.prompt_ids)]:
             start = gen.prefilled
@@ -289,7 +288,11 @@ class Engine:
             self.stats["prefill_chunks"] += 1
             self.stats["prompt_tokens"] += len(chunk)
             if end == len(gen.prompt_ids):
-                produced.append((gen, _sample(torch, logits, [gen])[0]))
+                # The first token goes out now, not after the batch's decode: TTFT is one prefill.
+                token = _sample(torch, logits, [gen])[0]
+                with self._lock:
+                    if not gen.cancelled:
+                        self._accept(gen, token, time.monotonic())
         # One batched decode over every row whose last token is not yet in the cache.
         decoding = [g for g in batch if g.prefilled == len(g.prompt_ids) and g.output_ids
                     and g.finish_reason is None]
@@ -299,16 +302,17 @@ class Engine:
             lengths = [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding]
             pos = torch.tensor(lengths, device=self.device)[:, None]
             logits = self._forward(rows, ids, pos, max(lengths) + 1)
-            produced += list(zip(decoding, _sample(torch, logits, decoding)))
+            produced = list(zip(decoding, _sample(torch, logits, decoding)))
             self.stats["decode_steps"] += 1
             self.stats["batch_rows_sum"] += len(decoding)
+        else:
+            produced = []
         self.stats["steps"] += 1
         now = time.monotonic()
         with self._lock:
             for gen, token in produced:
-                if gen.cancelled:
-                    continue
-                self._accept(gen, token, now)
+                if not gen.cancelled:
+                    self._accept(gen, token, now)
             self.scheduler.tick()
 
     def _accept(self, gen: Generation, token: int, now: float) -> None:

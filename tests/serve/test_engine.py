@@ -101,7 +101,9 @@ def test_degrade_steps_reach_sampling_and_the_response(engine):
     kind, stats = g.on_event.result()
     assert stats["degrade_steps"] == ["temperature", "top_p", "max_new_tokens"]
     assert (g.sched.temperature, g.sched.top_p) == (0.1, 0.85)
-    assert g.sched.max_new_tokens == 3 + int(97 * 0.7)
+    # Step 1 sends the prefill's token and decodes the next, steps 2 and 3 one more each: the cut
+    # at the third tick leaves 4 + 70 % of the 96 left.
+    assert g.sched.max_new_tokens == 4 + int(96 * 0.7)
     assert len(g.output_ids) == g.sched.max_new_tokens and g.finish_reason == "length"
     assert sched.snapshot()["degrade_steps"] == {"temperature": 1, "top_p": 1, "max_new_tokens": 1}
 
