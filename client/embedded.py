@@ -15,7 +15,7 @@ from .. import paths
 from ..daemon.block_manager import BlockManager
 from ..daemon.config import FlashConfig
 from ..daemon.loader import build_device_tier
-from ..daemon.server import Operations
+from ..daemon.operations import Operations
 
 log = logging.getLogger("deepseek_flash.embedded")
 

@@ -30,7 +30,9 @@ from .block_manager import BlockManager
 from .config import FlashConfig
 from .loader import build_device_tier
 from .recovery import DeviceWatch
-from .server import Operations, Server, SocketLock, activation_sockets, bind_socket, resolve_group
+from .operations import Operations
+from .server import Server
+from .sockets import SocketLock, activation_sockets, bind_socket, resolve_group
 
 log = logging.getLogger("deepseek_flash.daemon")
 

@@ -30,7 +30,7 @@ from concurrent.futures import wait as futures_wait
 from ..errors import ArenaFull, BudgetTooSmall, DeviceError, FlashError, StoreInUse
 from ..prefetch import ForwardOrder
 from ..wire import GATE_FAILED, GATE_READY, control_page_size, control_views
-from .block_manager import DAEMON_CLIENT
+from .host_state import DAEMON_CLIENT
 
 log = logging.getLogger("deepseek_flash.loader")
 

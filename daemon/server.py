@@ -5,43 +5,32 @@ sockets are non-blocking, and an acquire that must wait for disk IO returns a Fu
 block manager's completion thread resolves; the done-callback queues the reply and wakes the loop
 through a pipe (the same pipe ``signal.set_wakeup_fd`` writes to, so signals wake it too).
 
-``Operations`` turns wire requests into ``BlockManager`` calls and results into wire maps; the
-embedded client runs the very same object in its own process, so both modes answer alike.
-Socket setup lives here as well: systemd socket activation (``LISTEN_FDS``), else binding the
-path with the configured mode and group, refusing to start when another daemon serves it.
+Requests go to the op table (``daemon.operations``); socket setup and peer credentials live in
+``daemon.sockets``.
 """
 from __future__ import annotations
 
 import collections
-import errno
-import fcntl
-import grp
 import logging
 import os
 import select
 import socket
-import struct
 import time
 from concurrent.futures import Future
-from pathlib import Path
 
 from .. import __version__
 from ..errors import (
-    ConfigError,
-    DaemonAlreadyRunning,
     FlashError,
     LimitExceeded,
     MalformedFrame,
     PermissionDenied,
     ProtocolError,
     ShuttingDown,
-    UnknownClient,
-    UnknownOperation,
     VersionMismatch,
 )
 from ..protocol import PROTOCOL_VERSION, FrameDecoder, parse_request, reply_error, reply_ok
-from ..wire import OPS, Lease
-from .block_manager import BlockManager
+from .operations import Operations
+from .sockets import peer_allowed, peer_credentials
 
 log = logging.getLogger("deepseek_flash.server")
 
@@ -52,303 +41,6 @@ _READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDH
 # backlog cannot grow the daemon without bound.
 MAX_WRITE_BACKLOG = 64 << 20
 
-
-def _arg(op: str, args: dict, name: str, kind, required: bool = True, default=None):
-    if name not in args or args[name] is None:
-        if required:
-            raise MalformedFrame(f"{op}: argument {name!r} is missing", op=op, argument=name)
-        return default
-    value = args[name]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise MalformedFrame(f"{op}: argument {name!r} has the wrong type ({type(value).__name__})",
-                             op=op, argument=name)
-    return value
-
-
-class Operations:
-    """The op table: ``call(client_id, op, args)`` -> a wire result, or a Future of one."""
-
-    def __init__(self, manager: BlockManager, status=None, on_tunable=None, attachments=None):
-        self.manager = manager
-        self.attachments = attachments
-        self._status = status or manager.snapshot
-        self._on_tunable = on_tunable
-        self._table = {op: getattr(self, "op_" + op) for op in OPS if op != "hello"}
-
-    def register(self, op: str, handler) -> None:
-        """Add an operation served by ``handler(client_id, args) -> result | Future`` (the tiers
-        above the host tier -- GPU fabric, model attach -- plug in here; both modes see it)."""
-        if op in self._table or op == "hello":
-            raise ValueError(f"operation {op!r} is already defined")
-        self._table[op] = handler
-
-    def call(self, client_id: int, op: str, args: dict):
-        try:
-            handler = self._table[op]
-        except KeyError:
-            raise UnknownOperation(f"unknown operation {op!r}; known: hello, {', '.join(self._table)}",
-                                   op=op) from None
-        return handler(client_id, args)
-
-    def op_list_models(self, cid, args):
-        return self.manager.list_models()
-
-    def op_open_model(self, cid, args):
-        name = _arg("open_model", args, "model", str)
-        context = _arg("open_model", args, "flash_context", dict, required=False, default={})
-        return self.manager.open_model(cid, name, context).to_wire()
-
-    def op_close_model(self, cid, args):
-        return {"released": self.manager.close_model(cid, _arg("close_model", args, "model", str))}
-
-    def op_acquire(self, cid, args):
-        model = _arg("acquire", args, "model", str)
-        blocks = _arg("acquire", args, "blocks", list, required=False)
-        layer = _arg("acquire", args, "layer", int, required=False)
-        priority = _arg("acquire", args, "priority", int, required=False, default=0)
-        wait = _arg("acquire", args, "wait", bool, required=False, default=True)
-        future = self.manager.acquire_async(cid, model, blocks, layer, priority, wait)
-        if future.done():
-            return future.result().to_wire()
-        return _chain(future, Lease.to_wire)
-
-    def op_release(self, cid, args):
-        self.manager.release(cid, _arg("release", args, "lease", int))
-
-    def op_prefetch(self, cid, args):
-        model = _arg("prefetch", args, "model", str)
-        layers = _arg("prefetch", args, "layers", list, required=False, default=[])
-        blocks = _arg("prefetch", args, "blocks", list, required=False, default=[])
-        return {"scheduled": self.manager.prefetch(model, layers, blocks, client_id=cid)}
-
-    def op_status(self, cid, args):
-        return self._status()
-
-    def op_stats(self, cid, args):
-        return self.manager.stats()
-
-    def op_get_tunable(self, cid, args):
-        key = _arg("get_tunable", args, "key", str, required=False)
-        tunables = self.manager.config.tunables()
-        if key is None:
-            return tunables
-        if key not in tunables:
-            raise ConfigError(f"unknown tunable {key!r}; tunables: {', '.join(tunables)}", key=key,
-                              value=None, allowed=list(tunables))
-        return tunables[key]
-
-    def op_set_tunable(self, cid, args):
-        key = _arg("set_tunable", args, "key", str)
-        if "value" not in args:
-            raise MalformedFrame("set_tunable: argument 'value' is missing", op="set_tunable",
-                                 argument="value")
-        old, new = self.manager.set_tunable(key, args["value"])
-        log.info("tunable %s: %r -> %r (client %s)", key, old, new, cid)
-        if self._on_tunable:
-            self._on_tunable(key, new)
-        return {"key": key, "old": old, "new": new}
-
-    def op_load(self, cid, args):
-        name = _arg("load", args, "model", str)
-        wait = _arg("load", args, "wait", bool, required=False, default=True)
-        info = self.manager.open_model(cid, name, None)
-        future = self.manager.load(info.name, client_id=cid)
-        if future.done() or not wait:
-            return future.result() if future.done() else {"model": info.name, "started": True}
-        return future
-
-    def op_unload(self, cid, args):
-        model = _arg("unload", args, "model", str)
-        tier = _arg("unload", args, "tier", str, required=False, default="all")
-        if tier not in ("all", "device"):
-            raise MalformedFrame(f"unload: tier must be 'all' or 'device', not {tier!r}",
-                                 op="unload", argument="tier")
-        freed = self.attachments.unload(model) if self.attachments is not None else 0
-        if tier == "device":
-            return {"model": model, "freed_device_bytes": freed}
-        return {**self.manager.unload(model), "freed_device_bytes": freed}
-
-    def op_attach(self, cid, args):
-        """A model's memory on a device for this client (see ``daemon.loader.Attachments``)."""
-        model = _arg("attach", args, "model", str)
-        device = args.get("device", "cpu")
-        if device != "cpu" and (not isinstance(device, int) or isinstance(device, bool) or device < 0):
-            raise MalformedFrame(f"attach: device must be 'cpu' or a CUDA index, not {device!r}",
-                                 op="attach", argument="device")
-        budget = _arg("attach", args, "weight_budget", int, required=False)
-        ipc = _arg("attach", args, "ipc", bool, required=False, default=True)
-        if self.attachments is None:
-            raise UnknownOperation("attach: this controller has no device tier", op="attach")
-        return self.attachments.attach(cid, model, device, budget, ipc=ipc)
-
-    def op_detach(self, cid, args):
-        if self.attachments is not None:
-            self.attachments.detach(cid, _arg("detach", args, "model", str, required=False))
-
-    def op_profile(self, cid, args):
-        """Completed block loads requested by process ``pid`` (flash-profiler): those after
-        sequence ``after`` and wall time ``since``; ``require_connected`` (default true) makes a
-        pid with no connected client an UnknownClient error. ``last_seq``: the newest sequence
-        number recorded for anyone (where a new window starts)."""
-        pid = _arg("profile", args, "pid", int)
-        after = _arg("profile", args, "after", int, required=False, default=0)
-        since = args.get("since", 0.0)
-        if isinstance(since, bool) or not isinstance(since, (int, float)):
-            raise MalformedFrame("profile: argument 'since' must be a number", op="profile",
-                                 argument="since")
-        limit = _arg("profile", args, "limit", int, required=False, default=10_000)
-        clients = self.manager.clients_of_pid(pid)
-        if not clients and _arg("profile", args, "require_connected", bool, required=False, default=True):
-            raise UnknownClient(f"no client of pid {pid} is connected to this controller", pid=pid)
-        fields = ("seq", "time", "client", "pid", "model", "block", "layer", "role", "latency_us",
-                  "bytes")
-        ring = self.manager.load_log
-        return {"now": time.time(), "clients": clients, "fields": list(fields),
-                "last_seq": ring[-1][0] if ring else 0,
-                "samples": [list(s) for s in self.manager.load_samples(pid, after, float(since), limit)]}
-
-    def op_report_stream(self, cid, args):
-        """A streaming client's prefetch counters (hits, misses, stalls, window, decisions)."""
-        model = _arg("report_stream", args, "model", str)
-        stats = _arg("report_stream", args, "stats", dict)
-        self.manager.report_stream(cid, model, stats)
-
-
-def _chain(future: Future, convert) -> Future:
-    out: Future = Future()
-
-    def done(f):
-        exc = f.exception()
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(convert(f.result()))
-    future.add_done_callback(done)
-    return out
-
-
-# --- peer credentials ------------------------------------------------------------------------------
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end (SO_PEERCRED)."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", raw)
-
-
-def resolve_group(group) -> int:
-    """The gid of ``socket_group`` (name or number); the daemon's own gid when null."""
-    if group is None:
-        return os.getgid()
-    if isinstance(group, int):
-        return group
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise ConfigError(f"socket_group: no group named {group!r} on this system", key="socket_group",
-                          value=group, allowed="an existing group") from None
-
-
-def _supplementary_groups(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return {int(g) for g in line.split()[1:]}
-    except OSError:
-        pass
-    return set()
-
-
-def peer_allowed(pid: int, uid: int, gid: int, allowed_gid: int) -> bool:
-    """Root and the daemon's own user always; others when the configured group is theirs
-    (primary, or supplementary as the kernel reports it for that process)."""
-    if uid == 0 or uid == os.getuid():
-        return True
-    return gid == allowed_gid or allowed_gid in _supplementary_groups(pid)
-
-
-# --- listening sockets ------------------------------------------------------------------------------
-
-def activation_sockets(environ=os.environ) -> list[socket.socket]:
-    """Sockets passed by systemd (``LISTEN_FDS`` for this pid), or an empty list."""
-    if environ.get("LISTEN_PID") != str(os.getpid()):
-        return []
-    count = int(environ.get("LISTEN_FDS", "0") or 0)
-    socks = []
-    for fd in range(3, 3 + count):
-        os.set_inheritable(fd, False)
-        sock = socket.socket(fileno=fd)
-        sock.setblocking(False)
-        socks.append(sock)
-    for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
-        environ.pop(key, None)
-    return socks
-
-
-class SocketLock:
-    """An flock beside the socket path: held for the daemon's life, so two daemons starting at
-    once cannot both decide the socket is stale."""
-
-    def __init__(self, socket_path: Path):
-        self.path = Path(str(socket_path) + ".lock")
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise DaemonAlreadyRunning(f"another deepseek-flashd holds {self.path} (it serves "
-                                       f"{socket_path})", socket=str(socket_path)) from None
-
-    def release(self):
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        os.close(self.fd)
-
-
-def bind_socket(path: Path, mode: int, gid: int | None) -> socket.socket:
-    """Bind the control socket at ``path``; DaemonAlreadyRunning if a live daemon answers there,
-    a stale socket file is removed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or path.is_symlink():
-        if not path.is_socket():
-            raise DaemonAlreadyRunning(f"{path} exists and is not a socket; refusing to replace it",
-                                       socket=str(path))
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(1.0)
-            probe.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            log.info("removing stale socket %s", path)
-            path.unlink(missing_ok=True)
-        except OSError as exc:
-            raise DaemonAlreadyRunning(f"{path}: cannot tell whether a daemon serves it ({exc})",
-                                       socket=str(path)) from None
-        else:
-            raise DaemonAlreadyRunning(f"another deepseek-flashd is serving {path}", socket=str(path))
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-    old = os.umask(0o177)   # no window in which the socket is wider than its final mode
-    try:
-        sock.bind(str(path))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise DaemonAlreadyRunning(f"another deepseek-flashd is serving {path}", socket=str(path)) from None
-        raise
-    finally:
-        os.umask(old)
-    if gid is not None and gid != os.getgid():
-        os.chown(path, -1, gid)
-    os.chmod(path, mode)
-    sock.listen(256)
-    return sock
-
-
-# --- the event loop ---------------------------------------------------------------------------------
 
 class _Conn:
     __slots__ = (

@@ -126,13 +126,10 @@ def test_reconnect_gives_up_with_daemon_not_running(daemon_factory, tiny_store):
         c.stats()
 
 
-def test_registered_operations_reach_both_modes(tiny_store):
+def test_unknown_operation_is_typed_in_embedded_mode(tiny_store):
     from deepseek_flash.errors import UnknownOperation
     c = Client(embedded=True, config=config_for(tiny_store))
-    c._backend.ops.register("echo", lambda cid, args: {"client": cid, **args})
-    assert c.call("echo", {"x": 1}) == {"client": c._backend.client_id, "x": 1}
-    with pytest.raises(UnknownOperation):
+    with pytest.raises(UnknownOperation) as err:
         c.call("nope")
-    with pytest.raises(ValueError):
-        c._backend.ops.register("acquire", lambda cid, args: None)
+    assert err.value.code == 304 and err.value.fields["op"] == "nope"
     c.close()

@@ -4,7 +4,8 @@ import shutil
 import threading
 
 import pytest
-from deepseek_flash.daemon.block_manager import ABSENT, RESIDENT, BlockManager
+from deepseek_flash.daemon.block_manager import BlockManager
+from deepseek_flash.daemon.host_state import ABSENT, RESIDENT
 from deepseek_flash.daemon.config import FlashConfig
 
 from deepseek_flash._core import HostArena, IOEngine

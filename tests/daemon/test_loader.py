@@ -75,8 +75,8 @@ def test_device_tier_registers_its_hooks(controller):
 
     manager, arena = controller
     attachments = build_device_tier(manager, arena, manager.config)
-    assert attachments.copy_source in manager._copy_sources
-    assert attachments.detach in manager._disconnect_hooks
+    assert attachments.copy_source in manager.state.copy_sources
+    assert attachments.detach in manager.state.disconnect_hooks
     attachments.close()
 
 

@@ -1,0 +1,195 @@
+"""Where a block is read into the host tier: one IO batch per request, one completion thread.
+
+``submit_locked`` hands the blocks that ``leases`` allocated to the ``IOEngine`` in file order (a
+cold load is one sequential sweep; crc32c is checked by the engine as each extent lands). The
+completion thread waits on the engine with the GIL released, turns each completion into success
+or a typed error, and under the lock marks blocks resident or hands failures to the recovery
+policy (``read_errors``); futures are resolved outside the lock, so the server's done-callback
+(its wake-up) never runs under it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+
+from ..errors import BlockChecksumError, FlashError, FlashIOError, UnknownClient
+from .host_state import RESIDENT, BlockState, HostState, Ticket, resolve_futures
+
+log = logging.getLogger("deepseek_flash.block_manager")
+
+
+class ReadPipeline:
+    """Submits block reads and completes them on its own thread (``flash-io-completion``)."""
+
+    def __init__(self, state: HostState, residency, recovery, telemetry):
+        self.s = state
+        self.residency = residency
+        self.recovery = recovery
+        self.telemetry = telemetry
+        self._batches: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._completion_loop, name="flash-io-completion",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the completion thread (after in-flight reads finish)."""
+        self._batches.put(None)
+        self._thread.join()
+
+    def submit_locked(self, blocks, client_id: int | None = None) -> None:
+        """Read ``blocks`` in one engine batch on behalf of ``client_id`` (None: a retry, which
+        keeps the block's original requester)."""
+        if not blocks:
+            return
+        from .._core import ReadRequest
+
+        s = self.s
+        if client_id is not None:
+            client = s.clients.get(client_id)
+            requester = (client_id, client.info.get("pid") if client is not None else None)
+        now = time.monotonic_ns()
+
+        # Forward (file) order turns a cold load into one sequential sweep.
+        blocks = sorted(blocks, key=lambda b: (b.model.path, b.info.file, b.info.offset))
+        requests, tokens = [], []
+        for b in blocks:
+            token = next(s.token_ids)
+            b.token = token
+            b.submitted_ns = now
+            if client_id is not None:
+                b.requester = requester
+            s.tokens[token] = b
+            tokens.append(token)
+            requests.append(ReadRequest(path=str(b.model.store.data_path(b.info)), offset=b.info.offset,
+                                        length=b.info.length,
+                                        dest=s.arena.view(b.offset, b.info.length), dest_offset=0,
+                                        block_id=token, expected_crc=b.info.crc32c))
+        try:
+            batch = s.engine.submit(requests)
+        except FlashError as exc:
+            self._batches.put(("failed", tokens, exc))
+            return
+        self._batches.put((batch, tokens, None))
+
+    def _completion_loop(self) -> None:
+        engine = self.s.engine
+        while True:
+            item = self._batches.get()
+            if item is None:
+                return
+            batch, tokens, error = item
+            results: dict[int, FlashError | None] = {}
+            if error is None:
+                try:
+                    completions = engine.wait(batch)
+                except FlashError as exc:
+                    error = exc
+                except Exception as exc:  # noqa: BLE001 -- never leave the batch's waiters hanging
+                    error = FlashIOError(f"IO engine failed waiting for batch {batch}: {exc!r}",
+                                         errno=0, path="", offset=-1, block_id=-1)
+                else:
+                    for c in completions:
+                        results[c.block_id] = results.get(c.block_id) or self._error_of(c)
+            try:
+                self._complete(tokens, results, error)
+            except Exception:  # a bug here must not kill the only completion thread
+                log.exception("completing IO batch %s failed", batch)
+
+    def _error_of(self, completion) -> FlashError | None:
+        block = self.s.tokens.get(completion.block_id)
+        if block is None:
+            return None
+        info, path = block.info, str(block.model.store.data_path(block.info))
+        if completion.status < 0:
+            err = -completion.status
+            return FlashIOError(f"{path}: reading block {info.id} ({info.role}, layer {info.layer}) of "
+                                f"model {block.model.name}: {os.strerror(err)}", errno=err, path=path,
+                                offset=info.offset, block_id=info.id, model=block.model.name)
+        if completion.bytes != info.length and completion.status == 0 and completion.bytes < info.length:
+            return FlashIOError(f"{path}: block {info.id} of model {block.model.name} truncated: "
+                                f"{completion.bytes} of {info.length} bytes at offset {info.offset}",
+                                errno=0, path=path, offset=info.offset, block_id=info.id,
+                                model=block.model.name)
+        if not completion.crc_ok:
+            return BlockChecksumError(f"{path}: block {info.id} ({info.role}, layer {info.layer}) of "
+                                      f"model {block.model.name} failed its crc32c check "
+                                      f"(expected {info.crc32c:#010x})", block_id=info.id, path=path,
+                                      expected=info.crc32c, model=block.model.name)
+        return None
+
+    def _complete(self, tokens, results, batch_error) -> None:
+        s = self.s
+        resolved = []
+        retry = []
+        device_errors = []
+        with s.lock:
+            for token in tokens:
+                block = s.tokens.pop(token, None)
+                if block is None:
+                    continue
+                if token not in results and batch_error is None:
+                    info = block.info
+                    results[token] = FlashIOError(f"block {info.id} of model {block.model.name}: the IO "
+                                                  f"engine reported no completion", errno=0,
+                                                  path=info.file, offset=info.offset, block_id=info.id)
+                error = batch_error or results.get(token)
+                if error is None:
+                    block.state = RESIDENT
+                    block.retries = 0
+                    s.counters["bytes_read_nvme"] += block.info.length
+                    self.telemetry.record_load_locked(block)
+                    self.wake_waiters_locked(block, resolved)
+                    continue
+                outcome = self.recovery.failed_read_locked(block, error, device_errors)
+                if outcome == "retry":
+                    retry.append(block)
+                elif outcome == "served":
+                    self.wake_waiters_locked(block, resolved)
+                else:
+                    self._fail_waiters_locked(block, error, resolved)
+            self.submit_locked(retry)
+            self.residency.evict_to_threshold()
+            s.generation += 1
+        resolve_futures(resolved)
+        for name, error in device_errors:
+            for hook in s.device_error_hooks:
+                try:
+                    hook(name, error)
+                except Exception:
+                    log.exception("device error hook %r failed for model %s", hook, name)
+
+    def _fail_waiters_locked(self, block: BlockState, error, resolved: list) -> None:
+        waiters, block.waiters = block.waiters, []
+        for ticket in waiters:
+            if not ticket.done:
+                ticket.done = True
+                self.s.counters["failed_requests"] += 1
+                self.residency.unpin(ticket.model, [b.info.id for b in ticket.pinned])
+                resolved.append((ticket.future, error))
+
+    def wake_waiters_locked(self, block: BlockState, resolved: list) -> None:
+        """``block`` is resident: tickets waiting for nothing else are finished."""
+        waiters, block.waiters = block.waiters, []
+        for ticket in waiters:
+            ticket.remaining -= 1
+            if ticket.remaining == 0 and not ticket.done:
+                resolved.append((ticket.future, self.finish_locked(ticket)))
+
+    def finish_locked(self, ticket: Ticket):
+        """The lease (or load summary) of a ticket whose blocks are all resident."""
+        ticket.done = True
+        m = ticket.model
+        if not ticket.make_lease:
+            resident = [b for b in m.blocks.values() if b.state == RESIDENT]
+            return {"model": m.name, "blocks": len(m.blocks), "resident_blocks": len(resident),
+                    "resident_bytes": sum(b.info.length for b in resident),
+                    "total_bytes": m.store.total_bytes}
+        client = ticket.client
+        if not client.connected or m.name not in self.s.models:
+            self.residency.unpin(m, [b.info.id for b in ticket.pinned])
+            return UnknownClient(f"client {client.id} disconnected before its acquire finished",
+                                 client=client.id)
+        return self.residency.grant(client, m, ticket.pinned)

@@ -1,0 +1,173 @@
+"""What the host tier tells operators: counters, the load log, streaming reports, the snapshot.
+
+Reads only: every figure comes from ``HostState`` in one consistent read under its lock. The
+load log (the profiler's source) is appended on the IO completion thread; streaming clients'
+cumulative counters arrive through ``report_stream`` and are folded into totals when they leave.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import time
+
+from .host_state import DAEMON_CLIENT, RESIDENT, BlockState, HostState
+
+# Counters a streaming client reports (cumulative per client and model).
+STREAM_COUNTERS = ("prefetch_hits", "prefetch_miss_count_stream", "fabric_stall_cycles",
+                   "fabric_stall_us", "bytes_streamed")
+# Completed block loads kept for `profile` (flash-profiler): ~100 B each, so ~10 MiB at most.
+LOAD_LOG_SIZE = 100_000
+LOAD_FIELDS = ("seq", "time", "client", "pid", "model", "block", "layer", "role", "latency_us", "bytes")
+
+
+class Telemetry:
+    """Counters, load log and snapshots of one host tier."""
+
+    def __init__(self, state: HostState, degraded_locked):
+        self.s = state
+        self._degraded_locked = degraded_locked      # () -> reasons, under the lock
+        # Streaming clients report their slot-ring counters: (client, model) -> latest report,
+        # plus the totals of clients that are gone.
+        self.streams: dict[tuple, dict] = {}
+        self._stream_totals = dict.fromkeys(STREAM_COUNTERS, 0)
+        # Completed reads, oldest first (see ``load_samples``); appended on the completion thread.
+        self.load_log: collections.deque = collections.deque(maxlen=LOAD_LOG_SIZE)
+        self._load_seq = itertools.count(1)
+
+    # --- load profile (flash-profiler) ----------------------------------------------------------
+    def record_load_locked(self, block: BlockState) -> None:
+        cid, pid = block.requester
+        info = block.info
+        self.load_log.append((next(self._load_seq), time.time(), cid, os.getpid() if pid is None else pid,
+                              block.model.name, info.id, info.layer, info.role,
+                              (time.monotonic_ns() - block.submitted_ns) // 1000, info.length))
+
+    def clients_of_pid(self, pid: int) -> list[int]:
+        """Ids of the connected clients whose process is ``pid`` (SO_PEERCRED at connect; clients
+        without a peer pid -- the embedded one, the daemon's own -- count as this process)."""
+        with self.s.lock:
+            return sorted(c.id for c in self.s.clients.values()
+                          if c.id != DAEMON_CLIENT and c.info.get("pid", os.getpid()) == pid)
+
+    def load_samples(self, pid: int | None = None, after: int = 0, since: float = 0.0,
+                     limit: int = 10_000) -> list[tuple]:
+        """Completed block loads with sequence number > ``after`` and wall time > ``since``
+        (for ``pid``'s requests, or everyone's): tuples ``LOAD_FIELDS``, oldest first, at most
+        ``limit``. Latency is submit to the engine -> completion seen by the completion thread."""
+        with self.s.lock:
+            if self.load_log and self.load_log[-1][0] <= after:
+                return []
+            log_copy = list(self.load_log)
+        out = [s for s in log_copy if s[0] > after and s[1] > since and (pid is None or s[3] == pid)]
+        return out[:limit]
+
+    # --- streaming reports ------------------------------------------------------------------------
+    def report_stream(self, client_id: int, model: str, stats: dict) -> None:
+        """Record a streaming client's cumulative counters (see ``client.stream``)."""
+        with self.s.lock:
+            self.s.client(client_id)
+            self.s.model(model)
+            counts = dict(stats, prefetch_miss_count_stream=stats.get("prefetch_miss_count", 0))
+            self.streams[(client_id, model)] = {
+                **{k: int(counts.get(k, 0)) for k in STREAM_COUNTERS},
+                "prefetch_window": int(stats.get("prefetch_window", 0)),
+                "decisions": list(stats.get("decisions", []))[-8:]}
+            self.s.generation += 1
+
+    def client_gone_locked(self, client_id: int) -> None:
+        """Fold a departed client's streaming reports into the totals."""
+        for key in [k for k in self.streams if k[0] == client_id]:
+            report = self.streams.pop(key)
+            for k in STREAM_COUNTERS:
+                self._stream_totals[k] += report[k]
+
+    def _stream_counts(self) -> dict:
+        out = dict(self._stream_totals)
+        for report in self.streams.values():
+            for k in STREAM_COUNTERS:
+                out[k] += report[k]
+        return out
+
+    # --- introspection ------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self.s.lock:
+            return self.stats_locked()
+
+    def stats_locked(self) -> dict:
+        s = self.s
+        c = dict(s.counters)
+        stream = self._stream_counts()
+        c.update(stream)
+        # Host-tier acquires and GPU slot prefetches both count: a hit is data that was there
+        # before it was needed.
+        hits = c["hits"] + stream["prefetch_hits"]
+        misses = c["misses"] + stream["prefetch_miss_count_stream"]
+        c["prefetch_hit_rate"] = hits / (hits + misses) if hits + misses else 1.0
+        c["prefetch_miss_count"] = misses
+        c["block_eviction_count"] = c["evictions"]
+        c["active_leases"] = sum(len(cl.leases) for cl in s.clients.values())
+        c["connected_clients"] = len(s.clients) - 1
+        c["host_bytes_used"] = s.arena.used
+        c["host_bytes_total"] = s.arena.size
+        c["resident_blocks"] = sum(1 for m in s.models.values() for b in m.blocks.values()
+                                   if b.state == RESIDENT)
+        c["loading_blocks"] = len(s.tokens)
+        c["open_models"] = len(s.models)
+        c["quarantined_blocks"] = sum(1 for m in s.models.values() for b in m.blocks.values()
+                                      if b.quarantined)
+        c["host_only_models"] = sum(1 for m in s.models.values() if m.host_only is not None)
+        return c
+
+    def list_models(self) -> list[dict]:
+        with self.s.lock:
+            return [self._model_summary(m) for m in self.s.models.values()]
+
+    def _model_summary(self, m) -> dict:
+        resident = [b for b in m.blocks.values() if b.state == RESIDENT]
+        streams = [r for (cid, name), r in self.streams.items() if name == m.name]
+        return {"plan": dict(m.plan),
+                "streaming_clients": len(streams),
+                "prefetch_window": max((r["prefetch_window"] for r in streams), default=None),
+                "prefetch_decisions": streams[-1]["decisions"] if streams else [],
+                "name": m.name, "path": m.path, "state": "failed" if m.failed else "open",
+                "blocks": len(m.blocks), "resident_blocks": len(resident),
+                "resident_bytes": sum(b.info.length for b in resident),
+                "total_bytes": m.store.total_bytes, "num_layers": m.store.num_layers,
+                "leased_blocks": sum(1 for b in m.blocks.values() if b.refs),
+                "clients": sorted(c.id for c in self.s.clients.values() if m.name in c.handles),
+                "error": str(m.failed) if m.failed else None,
+                "error_recovery_mode": m.config.error_recovery_mode,
+                "quarantined_blocks": sorted(b.info.id for b in m.blocks.values() if b.quarantined),
+                "unified_memory_fabric": "HOST_ONLY" if m.host_only is not None else "ENABLED",
+                "host_only_reason": m.host_only,
+                **{f"device_{k}": v for k, v in m.device.items()}}
+
+    def residency(self, name: str) -> dict[int, str]:
+        """block id -> "absent" | "loading" | "resident" for one open model."""
+        with self.s.lock:
+            return {bid: b.state for bid, b in self.s.model(name).blocks.items()}
+
+    def snapshot(self) -> dict:
+        """Everything the status tree shows, in one consistent read: the sections ``status``,
+        ``stats``, ``devices``, ``models``, ``tunables`` (the StatusTree publisher's layout)."""
+        with self.s.lock:
+            stats = self.stats_locked()
+            models = {}
+            for m in self.s.models.values():
+                summary = self._model_summary(m)
+                summary["residency"] = [
+                    {"id": b.info.id, "role": b.info.role, "layer": b.info.layer, "state": b.state,
+                     "bytes": b.info.length, "refs": b.refs, "uses": b.uses, "hot": b.info.hot}
+                    for b in m.blocks.values()]
+                models[m.name] = summary
+            degraded = self._degraded_locked()
+            status = {"controller_state": "DEGRADED" if degraded else "ACTIVE",
+                      "degraded_reason": "; ".join(degraded),
+                      "host_only_models": stats["host_only_models"],
+                      "prefetch_hit_rate": stats["prefetch_hit_rate"],
+                      "semantic_block_count": sum(len(m.blocks) for m in self.s.models.values()),
+                      # The GPU tier registers itself above the host tier; alone this is host-only.
+                      "unified_memory_fabric": "HOST_ONLY"}
+            return {"status": status, "stats": stats, "devices": {}, "models": models,
+                    "tunables": self.s.config.tunables()}
