@@ -431,7 +431,8 @@ def start_streaming(model, handle, plan: Plan, desc: dict, memory, target) -> St
     leases = []
 
     def fetch_host(layer: int) -> dict:
-        lease = client.acquire(info.name, blocks=plan.stream_blocks[layer])
+        lease = client.acquire(info.name, blocks=plan.stream_blocks[layer],
+                               priority=handle.priority)
         leases.append(lease)
         return lease.blocks
 

@@ -39,7 +39,7 @@ class Load:
     """One model's memory on one device, and the thread that fills it."""
 
     def __init__(self, manager, arena, info, device, owner: int, resident: list[int],
-                 placement=None, requester: int | None = None):
+                 placement=None, requester: int | None = None, priority: int = 0):
         self.manager = manager
         self.arena = arena
         self.info = info
@@ -47,6 +47,7 @@ class Load:
         self.owner = owner                       # client whose leases keep host blocks (cpu)
         self.requester = owner if requester is None else requester   # whose reads (profiler)
         self.placement = placement
+        self.priority = priority                 # of the reads (the attach that started it)
         self.resident = frozenset(resident)      # the blocks this load puts on the device
         self.order = ForwardOrder([b for b in info.blocks if b.id in self.resident],
                                   info.num_layers)
@@ -95,7 +96,7 @@ class Load:
                     if stages[submitted]:
                         futures[submitted] = self.manager.acquire_async(
                             self.owner, self.info.name, blocks=list(stages[submitted]),
-                            requester=self.requester)
+                            priority=self.priority, requester=self.requester)
                         inflight += stage_bytes[submitted]
                     submitted += 1
                 if not stages[gate]:
@@ -171,7 +172,7 @@ class Loader:
         self._serial = itertools.count(1)
         self.evictions = 0                       # idle GPU loads dropped to make room
 
-    def attach(self, client_id: int, info, device, resident: list[int]) -> Load:
+    def attach(self, client_id: int, info, device, resident: list[int], priority: int = 0) -> Load:
         """A load of ``resident`` blocks of the model on ``device`` for this client.
 
         CPU loads are per client (its leases keep the host blocks). A GPU load is shared: a client
@@ -189,7 +190,8 @@ class Loader:
                     load = None
                 if load is None:
                     load = self._loads[key] = Load(self.manager, self.arena, info, "cpu",
-                                                   owner=client_id, resident=resident).start()
+                                                   owner=client_id, resident=resident,
+                                                   priority=priority).start()
             else:
                 device = int(device)
                 for key, load in list(self._loads.items()):
@@ -207,7 +209,8 @@ class Loader:
                     placement = self.with_room(device, lambda: self.fabric.place(key, device, blocks))
                     load = self._loads[key] = Load(self.manager, self.arena, info, device,
                                                    owner=DAEMON_CLIENT, resident=resident,
-                                                   placement=placement, requester=client_id).start()
+                                                   placement=placement, requester=client_id,
+                                                   priority=priority).start()
             load.clients.add(client_id)
             load.last_used = time.monotonic()
             return load
@@ -297,7 +300,7 @@ class Attachments:
         self._slots_lock = threading.Lock()
 
     def attach(self, client_id: int, model: str, device, weight_budget=None,
-               ipc: bool = True) -> dict | Future:
+               ipc: bool = True, priority: int = 0) -> dict | Future:
         """The attach reply, or a Future of it: a CPU attach answers once the blocks are read;
         the first attach to a device whose arena does not exist yet runs on its own thread (it
         page-locks the host arena and allocates the device arena: seconds on a large arena),
@@ -309,7 +312,7 @@ class Attachments:
                 try:
                     # Outside the loader's lock, which other clients' attaches need meanwhile.
                     self.fabric.arena(int(device))
-                    out = self._attach(client_id, model, device, weight_budget, ipc)
+                    out = self._attach(client_id, model, device, weight_budget, ipc, priority)
                 except BaseException as exc:   # noqa: BLE001 -- delivered to the client, typed
                     future.set_exception(exc)
                     return
@@ -320,15 +323,16 @@ class Attachments:
 
             threading.Thread(target=run, daemon=True, name=f"flash-attach-cuda:{device}").start()
             return future
-        return self._attach(client_id, model, device, weight_budget, ipc)
+        return self._attach(client_id, model, device, weight_budget, ipc, priority)
 
-    def _attach(self, client_id: int, model: str, device, weight_budget, ipc: bool) -> dict | Future:
+    def _attach(self, client_id: int, model: str, device, weight_budget, ipc: bool,
+                priority: int = 0) -> dict | Future:
         from .planner import plan_residency
 
         info = self.manager.open_model(client_id, model)
         plan = plan_residency(info.blocks, weight_budget, info.flash_config["prefetch_window"],
                               info.name)
-        load = self.loader.attach(client_id, info, device, plan.resident)
+        load = self.loader.attach(client_id, info, device, plan.resident, priority)
         out = load.describe()
         out["plan"] = plan.to_wire()
         if device != "cpu":

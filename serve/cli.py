@@ -39,6 +39,9 @@ def add_arguments(parser):
                         help="L0 requests admitted at once (queued + running; default 50)")
     parser.add_argument("--scheduler", choices=("flash", "fifo"), default="flash",
                         help="flash: L0/L1/L2 classes (default); fifo: arrival order, for comparison")
+    parser.add_argument("--read-priority", type=int, default=0,
+                        help="priority of this model's disk reads in the controller (its load, streamed "
+                             "layers): higher goes before other models' waiting reads (default 0)")
     parser.add_argument("--embedded", action="store_true",
                         help="run the controller in this process even when a daemon answers")
     parser.add_argument("--torch-threads", type=bounded(int, 1), default=None,
@@ -49,12 +52,14 @@ def add_arguments(parser):
 
 
 def build(model_ref, *, device=None, weight_budget=None, max_batch=8, max_model_len=None,
-          served_model_name=None, l0_capacity=50, scheduler="flash", embedded=None, gpu_busy=None):
+          served_model_name=None, l0_capacity=50, scheduler="flash", embedded=None, gpu_busy=None,
+          read_priority=0):
     """Load the model and build the application: returns (FastAPI app, ServeState). The model is
     detached when the application shuts down."""
     from .app import create_app
 
-    model, tokenizer = load(model_ref, device=device, weight_budget=weight_budget, embedded=embedded)
+    model, tokenizer = load(model_ref, device=device, weight_budget=weight_budget, embedded=embedded,
+                            priority=read_priority)
     try:
         state = make_state(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len,
                            served_model_name=served_model_name, l0_capacity=l0_capacity,
@@ -66,7 +71,7 @@ def build(model_ref, *, device=None, weight_budget=None, max_batch=8, max_model_
     return create_app(state), state
 
 
-def load(model_ref, *, device=None, weight_budget=None, embedded=None):
+def load(model_ref, *, device=None, weight_budget=None, embedded=None, priority=0):
     """``load_model`` on ``device`` (default cuda:0 when visible, else cpu) and the store's tokenizer."""
     import torch
     import transformers
@@ -75,7 +80,8 @@ def load(model_ref, *, device=None, weight_budget=None, embedded=None):
 
     if device is None:
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    model = load_model(model_ref, device=device, weight_budget=weight_budget, embedded=embedded)
+    model = load_model(model_ref, device=device, weight_budget=weight_budget, embedded=embedded,
+                       priority=priority)
     path = model.flash.info.path
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -164,7 +170,8 @@ def run(args) -> int:
     app, state = build(args.model, device=args.device, weight_budget=args.weight_budget,
                        max_batch=args.max_batch, max_model_len=args.max_model_len,
                        served_model_name=args.served_model_name, l0_capacity=args.l0_capacity,
-                       scheduler=args.scheduler, embedded=True if args.embedded else None)
+                       scheduler=args.scheduler, embedded=True if args.embedded else None,
+                       read_priority=args.read_priority)
     host, port = sock.getsockname()[:2]
     log.info("serving %s on http://%s:%d (max batch %d, scheduler %s)", state.model_name, host, port,
              args.max_batch, args.scheduler)
