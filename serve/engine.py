@@ -362,7 +362,7 @@ class Engine:
         asked = [g.prefetch_window for g in batch if g.prefetch_window is not None]
         if asked:
             ctl = self.stream.controller
-            ctl.window = min(max(max(asked), ctl.low), ctl.high)
+            ctl.window = ctl.policy.clamp(max(asked))
 
     # -- reporting --------------------------------------------------------------------------------
     def flash_stats(self, gen: Generation) -> dict:

@@ -120,3 +120,30 @@ def test_stop_strings_and_eos_end_generation(engine, tiny_reference):
     stopped.on_event.result()
     assert stopped.output_ids == free.output_ids[: free.output_ids.index(stop_at)]
     assert stopped.finish_reason == "stop"
+
+
+def test_a_streamed_model_gives_the_same_tokens_and_reports_its_stream(tiny_tokenizer, tmp_path):
+    from deepseek_flash.client.model import load_model
+    from deepseek_flash.daemon.planner import resident_minimum
+    from deepseek_flash.store import Store, pack
+    from deepseek_flash.testing import load_reference, make_tiny_model
+
+    src = make_tiny_model(tmp_path / "src", num_layers=5, vocab_size=260, eos_token_id=256, bos_token_id=None,
+                          pad_token_id=None)
+    store_path = pack(src, tmp_path / "store")
+    budget = resident_minimum(Store.open(store_path).blocks)
+    model = load_model(str(store_path), device="cpu", weight_budget=budget, embedded=True)
+    try:
+        assert model.flash.stream is not None                      # MLPs stream through slots
+        eng = Engine(model, tiny_tokenizer, max_batch=2).start()
+        try:
+            g = generation([5, 6, 7], 6, prefetch_window=1)
+            assert eng.submit(g).admitted
+            kind, stats = g.on_event.result()
+            assert kind == "done" and g.output_ids == alone(load_reference(src), [5, 6, 7], 6)
+            assert stats["prefetch_window"] == 1 and stats["bytes_streamed"] > 0
+            assert 0.0 <= stats["prefetch_hit_rate"] <= 1.0
+        finally:
+            eng.close(timeout=5)
+    finally:
+        model.flash.close()
