@@ -1,7 +1,8 @@
-"""The controller inside the caller's process: the daemon's BlockManager and op table, no socket.
+"""The controller inside the caller's process: the daemon's parts and op table, no socket.
 
-``Client(embedded=True)`` (and ``Client()`` where no daemon answers) runs this. It builds the same
-``BlockManager`` and ``Operations`` objects the daemon builds, so requests are validated, answered
+``Client(embedded=True)`` (and ``Client()`` where no daemon answers) runs this. Its controller
+comes from ``daemon.factory.build_controller``, the factory ``deepseek-flashd`` uses, so it has the
+same parts (block manager, device watch, device tier, op table): requests are validated, answered
 and fail with the same typed errors in both modes; only the transport differs. The arena is this
 process's own; nothing is shared with other processes.
 """
@@ -9,26 +10,10 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from pathlib import Path
 
-from .. import paths
-from ..daemon.block_manager import BlockManager
-from ..daemon.config import FlashConfig
-from ..daemon.loader import build_device_tier
-from ..daemon.operations import Operations
+from ..daemon.factory import build_controller
 
 log = logging.getLogger("deepseek_flash.embedded")
-
-
-def make_config(config) -> FlashConfig:
-    """A FlashConfig from None (the system config file, or defaults), a dict, a path or itself."""
-    if config is None:
-        return FlashConfig.load(paths.config_path())
-    if isinstance(config, FlashConfig):
-        return config
-    if isinstance(config, dict):
-        return FlashConfig.from_dict(config)
-    return FlashConfig.load(Path(config))
 
 
 class EmbeddedController:
@@ -36,18 +21,14 @@ class EmbeddedController:
 
     mode = "embedded"
 
-    def __init__(self, config=None, extensions=()):
-        from .._core import HostArena, IOEngine
-
-        self.config = make_config(config)
-        self.arena = HostArena(self.config.host_cache_bytes, "deepseek-flash-embedded")
-        self.engine = IOEngine()
-        self.manager = BlockManager(self.config, self.arena, self.engine)
-        self.attachments = build_device_tier(self.manager, self.arena, self.config)
-        self.fabric = self.attachments.fabric
-        self.ops = Operations(self.manager, attachments=self.attachments)
-        for extend in extensions:
-            extend(self)            # the same hooks as daemon.app.Application's
+    def __init__(self, config=None):
+        self.controller = build_controller(config, arena_name="deepseek-flash-embedded")
+        self.config = self.controller.config
+        self.arena = self.controller.arena
+        self.manager = self.controller.manager
+        self.attachments = self.controller.attachments
+        self.fabric = self.controller.fabric
+        self.ops = self.controller.ops
         self.client_id = self.manager.connect({"name": "embedded"})
         self.generation = 0
 
@@ -61,8 +42,5 @@ class EmbeddedController:
         if self.manager is None:
             return
         self.manager.disconnect(self.client_id)
-        self.attachments.close()
-        self.manager.save_access_counts()
-        self.manager.close()
-        self.engine.close()
+        self.controller.close()
         self.manager = None

@@ -1,8 +1,9 @@
 """Composition root of the controller and the ``deepseek-flashd`` entry point.
 
-``Application`` builds every part once and passes it in -- config, host arena, IO engine, block
-manager, status publisher, sd_notify notifier, socket server -- so nothing is a module-level
-singleton and tests can hand in their own. ``main()`` parses the command line, sets up logging
+``Application`` takes the controller from ``daemon.factory.build_controller`` (the same parts
+embedded mode runs) and adds what a daemon process has on top -- status publisher, sd_notify
+notifier, socket server -- passing each in, so nothing is a module-level singleton and tests can
+hand in their own. ``main()`` parses the command line, sets up logging
 (the journal under systemd, stderr otherwise), installs signal handlers that only set flags (the
 wake-up fd breaks the event loop's select), and runs the loop:
 
@@ -26,11 +27,8 @@ from pathlib import Path
 
 from .. import __version__, paths
 from ..errors import ConfigError, DaemonAlreadyRunning, FlashError
-from .block_manager import BlockManager
-from .config import FlashConfig
-from .loader import build_device_tier
-from .recovery import DeviceWatch
-from .operations import Operations
+from .config import RESTART_ONLY, FlashConfig
+from .factory import build_controller
 from .server import Server
 from .sockets import SocketLock, activation_sockets, bind_socket, resolve_group
 
@@ -44,7 +42,7 @@ class Application:
     """The controller of one daemon process (or of a test)."""
 
     def __init__(self, config_path: Path, socket_path: Path, runtime_dir: Path, *, notifier=None,
-                 publisher=None, environ=None, extensions=(), udev_monitor=None):
+                 publisher=None, environ=None, udev_monitor=None):
         self.config_path = Path(config_path)
         self.socket_path = Path(socket_path)
         self.runtime_dir = Path(runtime_dir)
@@ -57,22 +55,15 @@ class Application:
         self.stop_requested = threading.Event()
         self.reload_requested = threading.Event()
         self.config: FlashConfig | None = None
-        self.arena = self.engine = self.manager = self.server = None
+        self.controller = self.manager = self.server = None
         self._lock = None
         self._bound_path: Path | None = None
         self.socket_name = str(self.socket_path)
         self._status_thread = None
         self._published_generation = -1
         self._status_wake = threading.Event()
-        # callables(app) run once the manager and op table exist, before serving: how the tiers
-        # above the host tier (GPU fabric, model attach) add their ops and disconnect hooks.
-        self.extensions = list(extensions)
-        self.ops = None
-        # callables(snapshot) that add their tier's state (devices, unified_memory_fabric, ...)
-        self.snapshot_hooks: list = []
         # The udev event source of the device watch (None: pyudev's netlink monitor if reachable).
         self._udev_monitor = udev_monitor
-        self.recovery = None
         self._last_controller_state = None
 
     # --- start ---------------------------------------------------------------------------------
@@ -123,46 +114,27 @@ class Application:
                                            "socket": self.socket_name, "version": __version__}})
 
     def _build(self, listeners) -> None:
-        from .._core import HostArena, IOEngine
-
-        self.arena = HostArena(self.config.host_cache_bytes, "deepseek-flash")
-        self.engine = IOEngine()
-        log.info("host arena %d bytes (memfd %d), IO engine %s", self.arena.size, self.arena.fd,
-                 self.engine.backend)
-        self.manager = BlockManager(self.config, self.arena, self.engine)
-        self.recovery = DeviceWatch(self.manager, monitor=self._udev_monitor)
-        self.attachments = build_device_tier(self.manager, self.arena, self.config)
-        self.attachments.fabric.prepare()
-        self.ops = ops = Operations(self.manager, status=self.snapshot, attachments=self.attachments)
-        for extend in self.extensions:
-            extend(self)
-        self.server = Server(ops, listeners, self.arena, self.config.max_frame_bytes,
-                             resolve_group(self.config.socket_group),
-                             max_outstanding=lambda: self.manager.config.max_outstanding_requests_per_client)
+        self.controller = build_controller(self.config, status=self.snapshot,
+                                           udev_monitor=self._udev_monitor)
+        self.manager = self.controller.manager
+        try:
+            self.server = Server(self.controller.ops, listeners, self.controller.arena,
+                                 self.config.max_frame_bytes, resolve_group(self.config.socket_group),
+                                 max_outstanding=lambda: self.manager.config.max_outstanding_requests_per_client)
+        except BaseException:
+            self.controller.close()
+            raise
 
     # --- status --------------------------------------------------------------------------------
     def snapshot(self) -> dict:
-        snap = self.manager.snapshot()
+        """The controller's snapshot plus this process's own state (the ``status`` op and tree)."""
+        snap = self.controller.snapshot()
         status = snap["status"]
-        fabric = self.attachments.fabric
-        status["unified_memory_fabric"] = "ENABLED" if fabric.available else "HOST_ONLY"
-        if status.get("host_only_models"):
-            # A model whose device is gone is served from the host tier alone.
-            status["unified_memory_fabric"] = "HOST_ONLY"
-        if not fabric.available:
-            # No GPU tier: every model is served from the host tier, whatever its own state says.
-            for model in snap["models"].values():
-                model["unified_memory_fabric"] = "HOST_ONLY"
-        snap["devices"] = fabric.telemetry()
-        snap["stats"]["bytes_h2d"] = fabric.bytes_h2d + snap["stats"].get("bytes_streamed", 0)
-        snap["stats"]["device_evictions"] = self.attachments.loader.evictions
         if self.state != "ACTIVE":
             status["controller_state"] = self.state
         status.update(config_state=self.config_state, last_reload_error=self.last_reload_error,
                       config_path=str(self.config_path), pid=os.getpid(), socket=self.socket_name,
                       version=__version__)
-        for hook in self.snapshot_hooks:
-            hook(snap)
         return snap
 
     def publish(self) -> None:
@@ -230,8 +202,7 @@ class Application:
             self.publish()
             self.notifier.ready(status=f"config reload failed, old config kept: {exc}")
             return False
-        fixed = [k for k in ("host_cache_bytes", "devices", "socket_mode", "max_frame_bytes",
-                             "unified_memory_ratio") if new[k] != self.config[k]]
+        fixed = [k for k in RESTART_ONLY if new[k] != self.config[k]]
         if fixed:
             log.warning("config keys %s change only at restart; running values kept", ", ".join(fixed))
             new = new.override({k: self.config[k] for k in fixed})
@@ -267,11 +238,7 @@ class Application:
         if self._status_thread is not None:
             self._status_thread.join()
         self.publish()
-        self.recovery.close()
-        self.attachments.close()
-        self.manager.save_access_counts()
-        self.manager.close()
-        self.engine.close()
+        self.controller.close()
         self.server.close()
         self.publisher.remove()
         log.info("stopped")

@@ -1,8 +1,9 @@
 """The controller's configuration: every key, its default, its validation, and where it may be set.
 
-One table (``KEYS``) holds each key's default, parser, allowed values, scope and whether it can be
-changed at run time, so the loader, the per-model overrides, the ``set_tunable`` op and the docs
-all read the same facts. Invalid values raise ``ConfigError`` naming the key, the value and what
+One table (``KEYS``) holds each key's default, parser, allowed values, scope, whether it can be
+changed at run time (``tunable``) and whether only a restart changes it (``restart``: a SIGHUP
+keeps the running value), so the loader, the per-model overrides, the ``set_tunable`` op, the
+reload and the docs all read the same facts. Invalid values raise ``ConfigError`` naming the key, the value and what
 is allowed; unknown keys are rejected (a typo must not silently fall back to a default).
 
 Scopes:
@@ -144,6 +145,7 @@ class Key:
     scope: str            # "daemon" | "model"
     tunable: bool         # may be changed at run time through set_tunable
     help: str
+    restart: bool = False  # fixed until a restart: SIGHUP keeps the running value (logged)
 
 
 def _default_store_roots():
@@ -159,7 +161,7 @@ KEYS: dict[str, Key] = {
     "eviction_threshold": Key(0.9, _fraction(False), "0 <= x <= 1", "daemon", True,
                               "evict unleased blocks when used > threshold * host_cache_bytes"),
     "unified_memory_ratio": Key(0.8, _fraction(True), "0 < r <= 1", "daemon", False,
-                                "share of each GPU's memory the device arena may take"),
+                                "share of each GPU's memory the device arena may take", restart=True),
     "quantization_granularity": Key("per_tensor", _choice("per_tensor", "per_block"),
                                     "per_tensor | per_block", "model", False,
                                     "scale granularity of a quantized scheme"),
@@ -171,15 +173,15 @@ KEYS: dict[str, Key] = {
                                True, "strict: a failed block fails its model until it is unloaded; "
                                      "graceful: the read is retried and the model keeps serving"),
     "host_cache_bytes": Key(4 << 30, _host_cache, ">= 1MiB (int or \"8GiB\")", "daemon", False,
-                            "size of the shared host arena (the host tier budget)"),
+                            "size of the shared host arena (the host tier budget)", restart=True),
     "devices": Key(None, _devices, "null | [int | \"cuda:N\"]", "daemon", False,
-                   "CUDA devices served (null: every visible device)"),
+                   "CUDA devices served (null: every visible device)", restart=True),
     "socket_mode": Key(0o660, _socket_mode, "octal file mode", "daemon", False,
-                       "mode of the control socket file"),
+                       "mode of the control socket file", restart=True),
     "socket_group": Key(None, _group, "group name | gid | null", "daemon", False,
                         "group allowed to connect (null: the daemon's own group)"),
     "max_frame_bytes": Key(1 << 20, _frame_bytes, "4KiB..256MiB", "daemon", False,
-                           "largest protocol frame accepted or sent"),
+                           "largest protocol frame accepted or sent", restart=True),
     "max_outstanding_requests_per_client": Key(64, _int_range(1, 65536), "1..65536", "daemon", True,
                                                "requests one client may have in flight"),
     "max_leases_per_client": Key(65536, _int_range(1, 1 << 24), "1..16777216", "daemon", True,
@@ -191,6 +193,7 @@ KEYS: dict[str, Key] = {
 }
 
 TUNABLE = tuple(k for k, spec in KEYS.items() if spec.tunable)
+RESTART_ONLY = tuple(k for k, spec in KEYS.items() if spec.restart)
 MODEL_SCOPE = tuple(k for k, spec in KEYS.items() if spec.scope == "model")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 from pathlib import Path
 
@@ -137,6 +138,9 @@ class DeviceWatch:
         self._lost: dict[str, str] = {}        # disk devnum -> why (from udev)
         self._stop = threading.Event()
         self._wake = threading.Event()
+        # Wakes a select() on the udev monitor's fd: close() and read errors need not wait out a
+        # poll interval.
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.events_seen = 0
         manager.on_open(self._opened)
         manager.on_device_error(self._read_error)
@@ -145,8 +149,17 @@ class DeviceWatch:
 
     def close(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self._poke()
         self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _poke(self) -> None:
+        self._wake.set()
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass   # already due to wake
 
     # --- hooks from the block manager ---------------------------------------------------------
     def _opened(self, name: str, path: str) -> None:
@@ -158,7 +171,7 @@ class DeviceWatch:
             self.manager.set_host_only(name, self._lost[disk])
 
     def _read_error(self, name: str, error) -> None:
-        self._wake.set()   # probe soon: the device may be back already
+        self._poke()   # probe soon: the device may be back already
 
     # --- udev ------------------------------------------------------------------------------------
     def handle_event(self, device) -> list[str]:
@@ -190,7 +203,7 @@ class DeviceWatch:
         while not self._stop.is_set():
             if self._monitor is not None:
                 try:
-                    device = self._monitor.poll(timeout=self.probe_interval)
+                    device = self._next_event()
                 except Exception as exc:   # noqa: BLE001 -- a broken monitor: fall back to probing
                     log.warning("udev monitor failed (%s); probing only", exc)
                     self._monitor = None
@@ -205,6 +218,21 @@ class DeviceWatch:
                 self._wake.wait(self.probe_interval)
                 self._wake.clear()
             self.probe()
+
+    def _next_event(self):
+        """The next udev event, or None after ``probe_interval`` or a wake-up. A monitor with a
+        ``fileno`` (pyudev's) is waited on beside the wake pipe; others through ``poll(timeout)``."""
+        fileno = getattr(self._monitor, "fileno", None)
+        if fileno is None:
+            return self._monitor.poll(timeout=self.probe_interval)
+        ready, _, _ = select.select([fileno(), self._wake_r], [], [], self.probe_interval)
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 64):
+                    pass
+            except BlockingIOError:
+                pass
+        return self._monitor.poll(timeout=0) if fileno() in ready else None
 
     def probe(self) -> list[str]:
         """Re-read one block of every model made host-only by read errors (not by udev); switch

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+from deepseek_flash.daemon import app as app_module
 from deepseek_flash.daemon.app import Application, setup_logging
 from deepseek_flash.sysfs_shim.publisher import StatusTree, parse
 
@@ -33,7 +34,7 @@ def test_without_the_journal_binding_the_daemon_logs_to_stderr_and_says_so(monke
     assert "pip install 'deepseek-flash[journal]'" in err and "libsystemd-dev" in err
 
 
-def test_start_claims_the_tree_before_building(tmp_path):
+def test_start_claims_the_tree_before_building(tmp_path, monkeypatch):
     runtime = tmp_path / "rt"
     # A killed predecessor's tree: its pid is gone, its files stayed.
     StatusTree(runtime).publish({"status": {"controller_state": "ACTIVE", "pid": dead_pid()},
@@ -43,13 +44,18 @@ def test_start_claims_the_tree_before_building(tmp_path):
     config.write_text('{"host_cache_bytes": "16MiB"}')
     seen = {}
 
-    def probe(app):
-        # Runs inside the start, after the arenas exist and before READY.
+    build = app_module.build_controller
+
+    def probe(*args, **kwargs):
+        # Runs inside the start, once the arenas exist and before READY.
+        controller = build(*args, **kwargs)
         seen["status"] = parse((runtime / "status").read_text())
         seen["files"] = sorted(p.name for p in runtime.iterdir() if not p.name.startswith("."))
         seen["models"] = sorted(p.name for p in (runtime / "models").iterdir())
+        return controller
 
-    app = Application(config, tmp_path / "s.sock", runtime, environ={}, extensions=[probe])
+    monkeypatch.setattr(app_module, "build_controller", probe)
+    app = Application(config, tmp_path / "s.sock", runtime, environ={})
     app.start()
     try:
         assert seen["status"] == {"controller_state": "STARTING", "pid": str(os.getpid()),

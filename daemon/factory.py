@@ -1,0 +1,113 @@
+"""The one place the controller's object graph is built, for ``deepseek-flashd`` and embedded mode.
+
+``build_controller(config)`` makes the host arena, the IO engine, the block manager, the device
+watch (recovery), the device tier (GPU fabric, loader, attachments) and the op table, wires
+their hooks, and returns them as one ``Controller`` that also knows how to take them down in
+order. ``daemon.app.Application`` adds the socket server, status tree and sd_notify around it;
+``client.embedded.EmbeddedController`` calls ops on it in-process. Both therefore run the same
+parts. This module is the only daemon module the client imports.
+
+Arguments that differ between the two callers, and why:
+
+* ``arena_name``: the memfd's name, so ``/proc/<pid>/fd`` tells a daemon arena from an embedded one;
+* ``status``: the daemon's status op adds its own state (config reload, pid, version) to the
+  controller's snapshot;
+* ``udev_monitor``: tests hand the device watch a fake event source; ``use_udev=False`` leaves
+  it probing only (no netlink socket), for callers that must not open one.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import paths
+from .block_manager import BlockManager
+from .config import FlashConfig
+from .loader import Attachments, build_device_tier
+from .operations import Operations
+from .recovery import DeviceWatch
+
+log = logging.getLogger("deepseek_flash.daemon")
+
+
+def make_config(config) -> FlashConfig:
+    """A FlashConfig from None (the system config file, or defaults), a dict, a path or itself."""
+    if config is None:
+        return FlashConfig.load(paths.config_path())
+    if isinstance(config, FlashConfig):
+        return config
+    if isinstance(config, dict):
+        return FlashConfig.from_dict(config)
+    return FlashConfig.load(Path(config))
+
+
+@dataclass
+class Controller:
+    """One controller's parts (see the module docstring); ``close()`` ends them in order."""
+
+    config: FlashConfig
+    arena: object
+    engine: object
+    manager: BlockManager
+    recovery: DeviceWatch
+    attachments: Attachments
+    ops: Operations = field(repr=False)
+
+    @property
+    def fabric(self):
+        return self.attachments.fabric
+
+    def snapshot(self) -> dict:
+        """The host tier's snapshot with the device tier's state merged in (what ``status``
+        answers and the status tree shows)."""
+        snap = self.manager.snapshot()
+        status = snap["status"]
+        fabric = self.attachments.fabric
+        status["unified_memory_fabric"] = "ENABLED" if fabric.available else "HOST_ONLY"
+        if status.get("host_only_models"):
+            # A model whose device is gone is served from the host tier alone.
+            status["unified_memory_fabric"] = "HOST_ONLY"
+        if not fabric.available:
+            # No GPU tier: every model is served from the host tier, whatever its own state says.
+            for model in snap["models"].values():
+                model["unified_memory_fabric"] = "HOST_ONLY"
+        snap["devices"] = fabric.telemetry()
+        snap["stats"]["bytes_h2d"] = fabric.bytes_h2d + snap["stats"].get("bytes_streamed", 0)
+        snap["stats"]["device_evictions"] = self.attachments.loader.evictions
+        return snap
+
+    def close(self) -> None:
+        """Stop the device watch, end every load and free device memory, save the access counts,
+        stop the completion thread, close the IO engine (the arena goes with the last ref)."""
+        self.recovery.close()
+        self.attachments.close()
+        self.manager.save_access_counts()
+        self.manager.close()
+        self.engine.close()
+
+
+def build_controller(config, *, arena_name: str = "deepseek-flash", status=None,
+                     udev_monitor=None, use_udev: bool = True) -> Controller:
+    """Build every part of a controller from ``config`` (anything ``make_config`` takes)."""
+    from .._core import HostArena, IOEngine
+
+    config = make_config(config)
+    arena = HostArena(config.host_cache_bytes, arena_name)
+    engine = IOEngine()
+    log.info("host arena %d bytes (memfd %d), IO engine %s", arena.size, arena.fd, engine.backend)
+    manager = BlockManager(config, arena, engine)
+    recovery = attachments = None
+    try:
+        recovery = DeviceWatch(manager, monitor=udev_monitor, use_udev=use_udev)
+        attachments = build_device_tier(manager, arena, config)
+        attachments.fabric.prepare()
+    except BaseException:
+        for part in (recovery, attachments, manager, engine):
+            if part is not None:
+                part.close()
+        raise
+    controller = Controller(config=config, arena=arena, engine=engine, manager=manager,
+                            recovery=recovery, attachments=attachments, ops=None)
+    controller.ops = Operations(manager, status=status or controller.snapshot, attachments=attachments)
+    return controller
