@@ -58,7 +58,11 @@ class ReadPipeline:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the completion thread (after in-flight reads finish)."""
+        """Stop the completion thread once every read asked for has finished (the waiting chunks
+        go to the engine now, so no acquire or load is left without an answer)."""
+        with self.s.lock:
+            self.inflight_bytes = float("inf")
+            self._pump_locked()
         self._batches.put(None)
         self._thread.join()
 
