@@ -8,9 +8,11 @@ The repository's top-level folders are the subpackages of one import name, ``dee
     daemon/           -> deepseek_flash.daemon     the controller: block manager, prefetch, fabric, server
     sysfs_shim/       -> deepseek_flash.sysfs_shim status tree publisher (/run/deepseek_flash)
     serve/            -> deepseek_flash.serve      OpenAI-compatible server, continuous batching, scheduler
+    decode/           -> deepseek_flash.decode     static KV cache and CUDA-graph decode (generate())
     ext/              -> deepseek_flash._core      C++ data plane (pybind11): IO engine, host arena, crc32c
     systemd/, etc/    -> package data              unit files and the default config
 """
+import os
 from glob import glob
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -25,12 +27,19 @@ PACKAGE_DIRS = {
     "deepseek_flash.daemon": "daemon",
     "deepseek_flash.sysfs_shim": "sysfs_shim",
     "deepseek_flash.serve": "serve",
+    "deepseek_flash.decode": "decode",
 }
+
+# Fault injection (IOEngine.inject_fault) is compiled in only for test builds: CI builds with
+# DEEPSEEK_FLASH_FAULT_INJECTION=1; an ordinary install -- the daemon's -- has no way to fail a
+# read on purpose.
+FAULT_INJECTION = os.environ.get("DEEPSEEK_FLASH_FAULT_INJECTION") == "1"
 
 core = Pybind11Extension(
     "deepseek_flash._core",
     sorted(glob("ext/*.cpp")),
     include_dirs=["ext"],
+    define_macros=[("FLASH_FAULT_INJECTION", "1")] if FAULT_INJECTION else [],
     cxx_std=17,
     extra_compile_args=["-O3", "-Wall", "-Wextra", "-fvisibility=hidden"],
     libraries=["pthread"],

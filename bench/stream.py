@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     import transformers
     from deepseek_flash.client import Client
     from deepseek_flash.client.model import load_model
-    from deepseek_flash.daemon.config import parse_size
+    from deepseek_flash.sizes import parse_size
 
     from deepseek_flash.store import Store, pack
 

@@ -99,6 +99,7 @@ class FlashModelHandle:
         self.desc = desc
         self.gates = None
         self.stream = None
+        self.decoder = None                     # decode.GraphDecoder with decode="graphs"
         self.timings: dict[str, float] = {}     # load_model's phases, ms
         self.priority = 0                       # of this model's reads in the controller
         self._owns_client = owns_client
@@ -118,7 +119,8 @@ class FlashModelHandle:
 
 
 def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, flash_context=None,
-               *, client=None, socket_path=None, config=None, priority: int = 0):
+               *, client=None, socket_path=None, config=None, decode="eager", decode_capacity=None,
+               priority: int = 0):
     """A ``transformers`` causal LM whose weights are views into the controller's memory.
 
     ``name_or_path``: a registered model name or a store directory (``deepseek-flash pack``).
@@ -129,14 +131,20 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
     ``flash_context``: ``flash_config`` overrides for this model (e.g. ``prefetch_window``).
     ``priority``: of this model's disk reads in the controller (its load, its streamed layers):
     higher goes before waiting reads of other models, e.g. another model's cold load.
+    ``decode``: ``"eager"`` (transformers' ``generate``) or ``"graphs"``: ``generate()`` decodes
+    each token as one CUDA-graph replay over a static KV cache of ``decode_capacity`` tokens per
+    sequence (prompt + new; default ``min(4096, max_position_embeddings)``), see
+    ``deepseek_flash.decode``; where capture is impossible it says why in the log and runs eagerly.
 
     The call may return before a GPU load has finished: a forward pass waits, per layer, only
     where that layer's bytes are not there yet. ``model.generate()`` works unchanged.
     """
     import torch
 
+    from ..decode.engine import check_mode, for_loaded_model
     from . import Client
 
+    check_mode(decode)
     owns_client = client is None
     if client is None:
         client = Client(socket_path=socket_path, embedded=embedded, config=config)
@@ -172,6 +180,7 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
         lap("skeleton_ms")
         _bind(model, handle, target, lap)
         model.flash = handle
+        for_loaded_model(model, handle, decode, decode_capacity)
         timings["total_ms"] = round(sum(timings.values()), 3)
         return model
     except BaseException:

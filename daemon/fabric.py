@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ..cuda import cuda_available, register_host_memory, unregister_host_memory
 from ..errors import BudgetTooSmall, DeviceError
+from ..fsutil import align_up
 from ..prefetch import ForwardOrder
 from .ranges import RangeAllocator
 
@@ -165,7 +166,7 @@ class Fabric:
         """
         model = key[0]
         arena = self.arena(device)
-        need = sum(-(-b.length // BLOCK_ALIGNMENT) * BLOCK_ALIGNMENT for b in blocks)
+        need = sum(align_up(b.length, BLOCK_ALIGNMENT) for b in blocks)
         if need > arena.allocator.free_bytes():
             raise BudgetTooSmall(
                 f"model {model!r} needs {need} bytes resident on cuda:{device}, the arena has "

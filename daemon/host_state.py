@@ -12,6 +12,7 @@ import threading
 from concurrent.futures import Future
 
 from ..errors import FlashError, UnknownClient, UnknownModel
+from ..fsutil import align_up
 from ..prefetch import ForwardOrder
 from ..wire import Lease
 from .config import FlashConfig
@@ -27,7 +28,7 @@ COUNTERS = ("hits", "misses", "evictions", "bytes_read_nvme", "prefetch_issued",
 
 def aligned(n: int) -> int:
     """Bytes a block of ``n`` bytes takes in the host arena (4 KiB granules, at least one)."""
-    return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
+    return max(ALIGN, align_up(n, ALIGN))
 
 
 def fmt_bytes(n: int) -> str:

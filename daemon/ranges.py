@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 
 from ..errors import ArenaFull
+from ..fsutil import align_up
 
 
 class RangeAllocator:
@@ -24,7 +25,7 @@ class RangeAllocator:
         self.used = 0
 
     def _round(self, nbytes: int) -> int:
-        return max(self.alignment, -(-nbytes // self.alignment) * self.alignment)
+        return max(self.alignment, align_up(nbytes, self.alignment))
 
     def alloc(self, nbytes: int) -> int:
         length = self._round(nbytes)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
 
-from ..errors import BlockChecksumError, FlashError, FlashIOError, UnknownClient
+from ..errors import FlashError, FlashIOError, UnknownClient
+from ..io import error_of
 from .host_state import RESIDENT, BlockState, HostState, Ticket, resolve_futures
 
 log = logging.getLogger("deepseek_flash.block_manager")
@@ -141,26 +141,14 @@ class ReadPipeline:
                 log.exception("completing IO batch %s failed", batch)
 
     def _error_of(self, completion) -> FlashError | None:
+        """The native mapping's exception (``deepseek_flash.io``), naming the block and its model
+        (requests carry a token as their block id)."""
         block = self.s.tokens.get(completion.block_id)
         if block is None:
             return None
-        info, path = block.info, str(block.model.store.data_path(block.info))
-        if completion.status < 0:
-            err = -completion.status
-            return FlashIOError(f"{path}: reading block {info.id} ({info.role}, layer {info.layer}) of "
-                                f"model {block.model.name}: {os.strerror(err)}", errno=err, path=path,
-                                offset=info.offset, block_id=info.id, model=block.model.name)
-        if completion.bytes != info.length and completion.status == 0 and completion.bytes < info.length:
-            return FlashIOError(f"{path}: block {info.id} of model {block.model.name} truncated: "
-                                f"{completion.bytes} of {info.length} bytes at offset {info.offset}",
-                                errno=0, path=path, offset=info.offset, block_id=info.id,
-                                model=block.model.name)
-        if not completion.crc_ok:
-            return BlockChecksumError(f"{path}: block {info.id} ({info.role}, layer {info.layer}) of "
-                                      f"model {block.model.name} failed its crc32c check "
-                                      f"(expected {info.crc32c:#010x})", block_id=info.id, path=path,
-                                      expected=info.crc32c, model=block.model.name)
-        return None
+        info, model = block.info, block.model.name
+        return error_of(completion, info.id, f"model {model}, block {info.id} ({info.role}, layer "
+                                             f"{info.layer})", model=model)
 
     def _complete(self, tokens, results, batch_error, size: int = 0) -> None:
         s = self.s

@@ -1,6 +1,7 @@
 """Type stub of the C++ data plane ``deepseek_flash._core`` (ext/): crc32c, AlignedWriter,
 HostArena, IOEngine. Failures raise deepseek_flash.errors classes (FlashIOError, BlockChecksumError,
-ArenaError, ArenaFull); bad arguments raise ValueError; nothing aborts the process."""
+ArenaError, ArenaFull); bad arguments raise InvalidArgument (errno EINVAL, also a ValueError) and
+calls after close() raise ClosedError (errno EBADF, path); nothing aborts the process."""
 
 from collections.abc import Buffer
 from types import TracebackType
@@ -15,6 +16,10 @@ def crc32c_sw(data: Buffer, value: int = 0) -> int:
 
 def hw_crc32c() -> bool:
     """True when crc32c uses the SSE4.2 instruction."""
+
+fault_injection: bool
+"""True in a test build (DEEPSEEK_FLASH_FAULT_INJECTION=1 when building): only then does IOEngine
+have inject_fault/clear_faults."""
 
 class AlignedWriter:
     """Sequential writer: O_DIRECT in large aligned chunks written by a background thread (double
@@ -119,8 +124,11 @@ class Completion:
     """status == 0 and crc_ok."""
 
     def raise_if_failed(self) -> None:
-        """Raise FlashIOError (errno, path, offset, block_id) or BlockChecksumError (block_id, path,
-        expected, actual); no-op when ok."""
+        """Raise FlashIOError (errno, path, offset, block_id; eof=True for a short file) or
+        BlockChecksumError (block_id, path, expected, actual); no-op when ok."""
+    def error(self, block_id: int | None = None) -> Exception | None:
+        """The exception raise_if_failed() would raise, not raised; None when ok. `block_id` names
+        the block in it where the request's block_id was a routing token."""
 
 class IOEngine:
     """Batched reads: io_uring through raw syscalls (one ring thread) or a pool of preadv threads;
@@ -145,8 +153,8 @@ class IOEngine:
         completions, not exceptions."""
     def wait(self, batch: int, timeout: float | None = None) -> list[Completion]:
         """Block (GIL released) until the batch is complete; its completions not yet returned by
-        poll(), in request order. TimeoutError leaves the batch pending; ValueError for an unknown
-        or already collected batch."""
+        poll(), in request order. TimeoutError leaves the batch pending; InvalidArgument for an
+        unknown or already collected batch."""
     def poll(self) -> list[Completion]:
         """Completions finished since the last call, any batch, without blocking."""
     def cancel(self, batch: int) -> int:
@@ -155,8 +163,8 @@ class IOEngine:
              block_id: int = -1, expected_crc: int | None = None) -> None:
         """Synchronous read (GIL released). Raises FlashIOError or BlockChecksumError."""
     def inject_fault(self, block_id: int, errno: int = 0, short: int = 0, count: int = 1) -> None:
-        """Test hook: the next `count` reads of `block_id` fail with `errno` or return at most
-        `short` bytes (the engine continues the read)."""
+        """Test builds only (``fault_injection``): the next `count` reads of `block_id` fail with
+        `errno` or return at most `short` bytes (the engine continues the read)."""
     def clear_faults(self) -> None: ...
     def forget_files(self) -> None:
         """Close cached descriptors; paths reopen on next use."""

@@ -83,6 +83,19 @@ class FlashIOError(FlashError):
     code = 200
 
 
+class ClosedError(FlashIOError):
+    """A call on a native object after ``close()`` (``errno`` EBADF; ``path`` its file, if any)."""
+
+    code = 201
+
+
+class InvalidArgument(FlashError, ValueError):
+    """A bad argument to a native call (``errno`` EINVAL; ``path`` the file concerned, if any).
+    Also a ValueError, as Python's own bad arguments are."""
+
+    code = 202
+
+
 class ArenaError(FlashError):
     code = 210
 
@@ -192,6 +205,18 @@ class RepairIncomplete(StoreError):
     """``repair`` could not recover every block; ``bad_blocks`` lists them."""
 
     code = 111
+
+
+# --- decode (8xx) ------------------------------------------------------------------------------
+class DecodeError(FlashError):
+    code = 800
+
+
+class DecodeCapacityExceeded(DecodeError):
+    """A generate() call needs more tokens than the static KV cache holds (``prompt``,
+    ``new_tokens``, ``capacity``)."""
+
+    code = 801
 
 
 def _all_subclasses(cls):

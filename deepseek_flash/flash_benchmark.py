@@ -188,7 +188,7 @@ def benchmark(args) -> dict:
 
 
 def _budget_bytes(value):
-    from .daemon.config import parse_size
+    from .sizes import parse_size
 
     return None if value is None else parse_size("weight_budget", value)
 

@@ -158,7 +158,7 @@ void AlignedWriter::append(const void* data, size_t len) {
 
 uint64_t AlignedWriter::write(const void* data, size_t len) {
     std::lock_guard<std::mutex> api(api_mu_);
-    if (fd_ < 0) throw std::runtime_error("AlignedWriter is closed: " + path_);
+    if (fd_ < 0) throw closed_failure("AlignedWriter", path_);
     rethrow_if_failed();
     uint64_t start = offset_;
     append(data, len);
@@ -166,9 +166,9 @@ uint64_t AlignedWriter::write(const void* data, size_t len) {
 }
 
 uint64_t AlignedWriter::pad_to(size_t alignment) {
-    if (alignment == 0) throw std::invalid_argument("pad_to: alignment must be positive");
+    if (alignment == 0) throw argument_failure("pad_to: alignment must be positive", path_);
     std::lock_guard<std::mutex> api(api_mu_);
-    if (fd_ < 0) throw std::runtime_error("AlignedWriter is closed: " + path_);
+    if (fd_ < 0) throw closed_failure("AlignedWriter", path_);
     rethrow_if_failed();
     static const char zeros[kAlign] = {};
     size_t pad = (alignment - offset_ % alignment) % alignment;

@@ -34,7 +34,7 @@ Failure arena_error(int err, const std::string& what) {
 }  // namespace
 
 HostArena::HostArena(size_t size, const std::string& name) {
-    if (size == 0 || size % kAlign) throw std::invalid_argument("HostArena size must be a positive multiple of 4096");
+    if (size == 0 || size % kAlign) throw argument_failure("HostArena size must be a positive multiple of 4096, not " + std::to_string(size));
     fd_ = ::memfd_create(name.c_str(), MFD_CLOEXEC);
     if (fd_ < 0) throw arena_error(errno, "memfd_create(" + name + ")");
     if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) {
@@ -51,7 +51,7 @@ HostArena* HostArena::attach(int fd, size_t size) {
     struct stat st;
     if (::fstat(fd, &st) != 0) throw arena_error(errno, "fstat arena fd " + std::to_string(fd));
     if (size == 0 || static_cast<uint64_t>(st.st_size) < size)
-        throw std::invalid_argument("attach: fd " + std::to_string(fd) + " holds " + std::to_string(st.st_size) +
+        throw argument_failure("attach: fd " + std::to_string(fd) + " holds " + std::to_string(st.st_size) +
                                     " bytes, asked to map " + std::to_string(size));
     auto* a = new HostArena();
     a->fd_ = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
@@ -104,7 +104,7 @@ void HostArena::erase_free(std::map<uint64_t, size_t>::iterator it) {
 
 uint64_t HostArena::alloc(size_t nbytes) {
     if (attached_) throw simple_failure("ArenaError", "alloc on an attached arena: the creating process allocates");
-    if (nbytes == 0) throw std::invalid_argument("alloc: nbytes must be positive");
+    if (nbytes == 0) throw argument_failure("alloc: nbytes must be positive");
     size_t len = (nbytes + kAlign - 1) / kAlign * kAlign;
     std::lock_guard<std::mutex> lk(mu_);
     auto fit = free_by_size_.lower_bound({len, 0});

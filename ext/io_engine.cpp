@@ -220,10 +220,10 @@ struct IOEngine::Ring {
 IOEngine::IOEngine(const std::string& backend, unsigned queue_depth, size_t request_size, bool direct)
     : queue_depth_(queue_depth), request_size_(request_size), direct_(direct) {
     if (backend != "auto" && backend != "io_uring" && backend != "threads")
-        throw std::invalid_argument("backend must be 'auto', 'io_uring' or 'threads', not '" + backend + "'");
-    if (queue_depth < 1 || queue_depth > 4096) throw std::invalid_argument("queue_depth must be in 1..4096");
+        throw argument_failure("backend must be 'auto', 'io_uring' or 'threads', not '" + backend + "'");
+    if (queue_depth < 1 || queue_depth > 4096) throw argument_failure("queue_depth must be in 1..4096");
     if (request_size < kAlign || request_size % kAlign)
-        throw std::invalid_argument("request_size must be a positive multiple of 4096");
+        throw argument_failure("request_size must be a positive multiple of 4096");
     for (unsigned i = 0; i < queue_depth; i++) {
         auto c = std::make_unique<Chunk>();
         if (posix_memalign(reinterpret_cast<void**>(&c->bounce_page), kAlign, kAlign) != 0) throw std::bad_alloc();
@@ -272,7 +272,7 @@ void IOEngine::close() {
 }
 
 uint64_t IOEngine::submit(std::vector<ReadSpec> specs) {
-    if (closed_) throw std::runtime_error("IOEngine is closed");
+    if (closed_) throw closed_failure("IOEngine");
     auto batch = std::make_unique<Batch>();
     std::vector<Extent*> failed;
     std::unordered_map<std::string, std::pair<std::shared_ptr<File>, int>> opened;
@@ -301,7 +301,7 @@ uint64_t IOEngine::submit(std::vector<ReadSpec> specs) {
     uint64_t id;
     {
         std::lock_guard<std::mutex> lk(mu_);
-        if (stop_) throw std::runtime_error("IOEngine is closed");
+        if (stop_) throw closed_failure("IOEngine");
         id = next_batch_++;
         batch->remaining = batch->undelivered = batch->extents.size();
         for (auto& e : batch->extents) {
@@ -368,6 +368,7 @@ void IOEngine::fail_extent(Extent* e, int err, int64_t at, bool eof) {
 bool IOEngine::on_result(Chunk* c, ssize_t res, std::vector<Extent*>& finished) {
     Extent* e = c->ext;
     stats_.reads_issued++;
+#ifdef FLASH_FAULT_INJECTION
     if (!faults_.empty()) {
         auto f = faults_.find(e->spec.block_id);
         if (f != faults_.end() && f->second.count > 0) {
@@ -377,6 +378,7 @@ bool IOEngine::on_result(Chunk* c, ssize_t res, std::vector<Extent*>& finished) 
             if (--f->second.count == 0) faults_.erase(f);
         }
     }
+#endif
     int64_t at = static_cast<int64_t>(e->spec.offset + c->rel + c->done);
     bool chunk_done = true;
     if (res < 0) {
@@ -533,7 +535,7 @@ void IOEngine::thread_loop(Chunk* c) {
 bool IOEngine::wait(uint64_t batch, double timeout_s, std::vector<CompletionRec>& out) {
     std::unique_lock<std::mutex> lk(mu_);
     auto it = batches_.find(batch);
-    if (it == batches_.end()) throw std::invalid_argument("unknown or already collected batch " + std::to_string(batch));
+    if (it == batches_.end()) throw argument_failure("unknown or already collected batch " + std::to_string(batch));
     Batch* b = it->second.get();
     auto ready = [&] { return b->remaining == 0; };
     if (timeout_s < 0) done_cv_.wait(lk, ready);
@@ -578,6 +580,7 @@ size_t IOEngine::cancel(uint64_t batch) {
     return n;
 }
 
+#ifdef FLASH_FAULT_INJECTION
 void IOEngine::inject_fault(int64_t block_id, int err, size_t short_bytes, int count) {
     std::lock_guard<std::mutex> lk(mu_);
     if (count <= 0) faults_.erase(block_id);
@@ -588,6 +591,7 @@ void IOEngine::clear_faults() {
     std::lock_guard<std::mutex> lk(mu_);
     faults_.clear();
 }
+#endif
 
 EngineStats IOEngine::stats() const {
     EngineStats s;
@@ -611,6 +615,7 @@ Failure completion_failure(const CompletionRec& r) {
             Failure f = io_failure(EIO, r.path, at, r.block_id, "unexpected end of file reading");
             f.message += " (extent of " + std::to_string(r.length) + " bytes at offset " + std::to_string(r.offset) +
                          " ends past the file)";
+            f.eof = true;
             return f;
         }
         return io_failure(-r.status, r.path, at, r.block_id, r.status == -ECANCELED ? "cancelled read of" : "cannot read");

@@ -85,10 +85,12 @@ public:
     bool wait(uint64_t batch, double timeout_s, std::vector<CompletionRec>& out);
     void poll(std::vector<CompletionRec>& out);
     size_t cancel(uint64_t batch);
-    // The next `count` reads of `block_id` fail with `err` (when nonzero) or return at most
-    // `short_bytes` (when nonzero). For tests of the error and short-read paths.
+#ifdef FLASH_FAULT_INJECTION
+    // Test builds only (DEEPSEEK_FLASH_FAULT_INJECTION=1 at build time): the next `count` reads of
+    // `block_id` fail with `err` (when nonzero) or return at most `short_bytes` (when nonzero).
     void inject_fault(int64_t block_id, int err, size_t short_bytes, int count);
     void clear_faults();
+#endif
     EngineStats stats() const;
     // Closes cached files no extent in flight uses; the next read reopens them.
     void forget_files();
@@ -129,12 +131,14 @@ private:
     uint64_t next_batch_ = 1;
     std::deque<Extent*> queue_;         // extents with chunks left to issue
     std::map<uint64_t, std::unique_ptr<Batch>> batches_;
+#ifdef FLASH_FAULT_INJECTION
     struct Fault {
         int err;
         size_t short_bytes;
         int count;
     };
     std::unordered_map<int64_t, Fault> faults_;
+#endif
     EngineStats stats_;
 
     std::vector<std::unique_ptr<Chunk>> chunks_;

@@ -27,7 +27,8 @@ namespace {
 // Buffers at least this large are checksummed with the GIL released.
 constexpr size_t kReleaseGil = 256 * 1024;
 
-void translate_failure(const flash::Failure& f) {
+// The deepseek_flash.errors exception for a failure (not raised).
+py::object exception_of(const flash::Failure& f) {
     py::object errors = py::module_::import("deepseek_flash.errors");
     py::object cls = errors.attr(f.cls.c_str());
     py::dict kw;
@@ -39,14 +40,22 @@ void translate_failure(const flash::Failure& f) {
     } else if (f.cls == "ArenaFull") {
         kw["requested"] = f.expected;
         kw["largest_free"] = f.actual;
-    } else if (f.cls == "FlashIOError") {
+    } else if (f.cls == "FlashIOError" || f.cls == "ClosedError") {
         kw["errno"] = f.err;
         kw["path"] = f.path;
         kw["offset"] = f.offset;
         kw["block_id"] = f.block_id;
+        if (f.eof) kw["eof"] = true;
+    } else if (f.cls == "InvalidArgument") {
+        kw["errno"] = f.err;
+        kw["path"] = f.path;
     }
-    py::object exc = cls(f.message, **kw);
-    PyErr_SetObject(cls.ptr(), exc.ptr());
+    return cls(f.message, **kw);
+}
+
+void translate_failure(const flash::Failure& f) {
+    py::object exc = exception_of(f);
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
 }
 
 uint32_t crc_of(py::handle data, uint32_t value, uint32_t (*fn)(const void*, size_t, uint32_t)) {
@@ -78,8 +87,9 @@ std::shared_ptr<void> hold_dest(const ReadRequest& r, char*& dest) {
         delete static_cast<PyBuffer*>(p);
     });
     if (r.dest_offset > buf->size() || r.length > buf->size() - r.dest_offset)
-        throw py::value_error("dest holds " + std::to_string(buf->size()) + " bytes; the read needs " +
-                              std::to_string(r.length) + " at dest_offset " + std::to_string(r.dest_offset));
+        throw flash::argument_failure("dest holds " + std::to_string(buf->size()) + " bytes; the read needs " +
+                                      std::to_string(r.length) + " at dest_offset " + std::to_string(r.dest_offset),
+                                      r.path);
     dest = buf->data() + r.dest_offset;
     return hold;
 }
@@ -151,6 +161,12 @@ PYBIND11_MODULE(_core, m) {
                 translate_failure(f);
             } catch (py::error_already_set& e) {
                 e.restore();  // deepseek_flash.errors failed to import: report that instead
+            }
+        } catch (const std::invalid_argument& e) {
+            try {
+                translate_failure(flash::argument_failure(e.what()));
+            } catch (py::error_already_set& err) {
+                err.restore();
             }
         }
     });
@@ -241,8 +257,8 @@ PYBIND11_MODULE(_core, m) {
             [](py::object self, size_t offset, size_t length) {
                 auto& a = self.cast<flash::HostArena&>();
                 if (offset > a.size() || length > a.size() - offset)
-                    throw py::value_error("view [" + std::to_string(offset) + ", +" + std::to_string(length) +
-                                          ") is outside the arena of " + std::to_string(a.size()) + " bytes");
+                    throw flash::argument_failure("view [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                                                  ") is outside the arena of " + std::to_string(a.size()) + " bytes");
                 // A slice of a memoryview of the arena: it keeps the arena (and its mapping) alive.
                 py::memoryview whole(self);
                 return py::memoryview(whole[py::slice(static_cast<py::ssize_t>(offset),
@@ -295,16 +311,29 @@ PYBIND11_MODULE(_core, m) {
             [](const flash::CompletionRec& r) {
                 if (r.status != 0 || !r.crc_ok) throw flash::completion_failure(r);
             },
-            "Raise FlashIOError (errno, path, offset, block_id) or BlockChecksumError; no-op when ok.")
+            "Raise FlashIOError (errno, path, offset, block_id; eof for a short file) or "
+            "BlockChecksumError (block_id, path, expected, actual); no-op when ok.")
+        .def(
+            "error",
+            [](const flash::CompletionRec& r, std::optional<int64_t> block_id) -> py::object {
+                if (r.status == 0 && r.crc_ok) return py::none();
+                flash::CompletionRec named = r;
+                if (block_id) named.block_id = *block_id;
+                return exception_of(flash::completion_failure(named));
+            },
+            py::arg("block_id") = py::none(),
+            "The exception raise_if_failed() would raise, not raised; None when ok. `block_id` "
+            "names the block in it where the request's block_id was a routing token.")
         .def("__repr__", [](const flash::CompletionRec& r) {
             return "<Completion block_id=" + std::to_string(r.block_id) + " status=" + std::to_string(r.status) +
                    " bytes=" + std::to_string(r.bytes) + " crc_ok=" + (r.crc_ok ? "True" : "False") + ">";
         });
 
-    py::class_<flash::IOEngine>(m, "IOEngine",
+    py::class_<flash::IOEngine> engine(m, "IOEngine",
                                 "Batched reads of file extents into caller buffers: io_uring (raw syscalls) "
                                 "or a preadv thread pool, O_DIRECT where aligned, queue_depth reads in "
-                                "flight, extents split into request_size chunks.")
+                                "flight, extents split into request_size chunks.");
+    engine
         .def(py::init<const std::string&, unsigned, size_t, bool>(), py::arg("backend") = "auto",
              py::arg("queue_depth") = 32, py::arg("request_size") = size_t(1) << 20, py::arg("direct") = true,
              "backend: 'auto' (io_uring, else threads), 'io_uring' (raises FlashIOError when the kernel "
@@ -374,16 +403,6 @@ PYBIND11_MODULE(_core, m) {
             py::arg("path"), py::arg("offset"), py::arg("length"), py::arg("dest"), py::arg("dest_offset") = 0,
             py::arg("block_id") = -1, py::arg("expected_crc") = py::none(),
             "Read one extent synchronously (GIL released). Raises FlashIOError or BlockChecksumError.")
-        .def(
-            "inject_fault",
-            [](flash::IOEngine& e, int64_t block_id, int err, size_t short_bytes, int count) {
-                if (!err && !short_bytes) throw py::value_error("inject_fault needs errno or short");
-                e.inject_fault(block_id, err, short_bytes, count);
-            },
-            py::arg("block_id"), py::arg("errno") = 0, py::arg("short") = 0, py::arg("count") = 1,
-            "Test hook: the next `count` reads of `block_id` fail with `errno`, or return at most "
-            "`short` bytes (then the engine continues the read).")
-        .def("clear_faults", &flash::IOEngine::clear_faults, "Remove every injected fault.")
         .def("forget_files", &flash::IOEngine::forget_files,
              "Close the cached file descriptors (reads in flight keep theirs); paths reopen on next use.")
         .def("stats", &engine_stats,
@@ -399,4 +418,23 @@ PYBIND11_MODULE(_core, m) {
                 e.close();
             },
             py::arg("exc_type"), py::arg("exc"), py::arg("tb"), "Close.");
+
+#ifdef FLASH_FAULT_INJECTION
+    // Test builds only (DEEPSEEK_FLASH_FAULT_INJECTION=1 when building): nothing in a production
+    // build -- the daemon's -- can make a read fail on purpose.
+    m.attr("fault_injection") = true;
+    engine
+        .def(
+            "inject_fault",
+            [](flash::IOEngine& e, int64_t block_id, int err, size_t short_bytes, int count) {
+                if (!err && !short_bytes) throw flash::argument_failure("inject_fault needs errno or short");
+                e.inject_fault(block_id, err, short_bytes, count);
+            },
+            py::arg("block_id"), py::arg("errno") = 0, py::arg("short") = 0, py::arg("count") = 1,
+            "Test builds only: the next `count` reads of `block_id` fail with `errno`, or return at most "
+            "`short` bytes (then the engine continues the read).")
+        .def("clear_faults", &flash::IOEngine::clear_faults, "Remove every injected fault.");
+#else
+    m.attr("fault_injection") = false;
+#endif
 }

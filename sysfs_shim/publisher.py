@@ -20,7 +20,7 @@ a mapping with the sections ``status``, ``stats``, ``devices`` and ``models``
 section ``X`` becomes the file ``X``. Nested mappings flatten to ``outer.inner`` keys.
 
 Readers never see a partial file: each file is written to a temp file in the same directory,
-fsynced and renamed over the old one. A file is rewritten only when its bytes changed, so a
+fsynced and renamed over the old one (``fsutil.atomic_write``). A file is rewritten only when its bytes changed, so a
 daemon that publishes every second costs nothing while it is idle. A model or section missing
 from the snapshot loses its file or directory.
 """
@@ -30,10 +30,11 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+
+from ..fsutil import atomic_write
 
 CONTROLLER_STATES = ("ACTIVE", "DEGRADED", "STARTING", "STOPPING")
 # The files of the tree's fixed sections (a daemon's extensions may add more).
@@ -423,25 +424,3 @@ def _check_file_name(name, what: str) -> None:
     if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
             or "\0" in name or name.startswith(".")):
         raise ValueError(f"status tree {what} name {name!r} cannot be a file name")
-
-
-# --- files ----------------------------------------------------------------------------------------
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` (mode 0644) so that a reader sees the old or the new bytes."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp makes 0600; the tree is for every local reader, like /sys.
-        os.fchmod(fd, 0o644)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, path)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        os.unlink(tmp)
-        raise

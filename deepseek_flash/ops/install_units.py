@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import paths
 from ..errors import ConfigError
-from ..sysfs_shim.publisher import atomic_write
+from ..fsutil import atomic_write
 
 HELP = "install deepseek-flash.service/.socket, deepseek-flash-serve@.service and /etc/deepseek-flash/flash.json"
 DESCRIPTION = """Write deepseek-flash.service, deepseek-flash.socket and deepseek-flash-serve@.service to

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from ..errors import MetadataError
+from ..fsutil import align_up
 
 FORMAT_VERSION = 1
 
@@ -46,10 +47,6 @@ EXACT_ROLES = frozenset({"embed", "norms", "final_norm", "lm_head"})
 def crc32c(data, value: int = 0) -> int:
     from .. import _core
     return _core.crc32c(data, value)
-
-
-def align_up(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
 
 
 @dataclass

@@ -10,7 +10,8 @@ import re
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModel
-from .format import DTYPE_SIZES, EXACT_ROLES, TENSOR_ALIGN, BlockInfo, TensorInfo, align_up
+from ..fsutil import align_up
+from .format import DTYPE_SIZES, EXACT_ROLES, TENSOR_ALIGN, BlockInfo, TensorInfo
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",

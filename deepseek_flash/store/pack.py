@@ -29,6 +29,7 @@ from ..errors import (
     StoreExists,
     UnsupportedModel,
 )
+from ..fsutil import fsync_dir, fsync_path, write_synced
 from .format import (
     BLOCK_ALIGN,
     DATA_FILE,
@@ -276,14 +277,6 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     raise OSError(err, os.strerror(err), str(dst))
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _is_store_or_empty(path: Path) -> bool:
     if not path.is_dir():
         return False
@@ -297,13 +290,6 @@ def _remove_stale_temps(out: Path) -> None:
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # --- the packer -------------------------------------------------------------------------------
@@ -391,12 +377,11 @@ def pack(src, out, *, force: bool = False, progress=None) -> Path:
         tmp.mkdir()
         _write_blocks(shards, blocks, tmp / DATA_FILE, progress)
         model = model_summary(config, arch, blocks)
-        _write_file(tmp / METADATA_FILE, encode_metadata(blocks, model))
+        write_synced(tmp / METADATA_FILE, encode_metadata(blocks, model))
         for aux in sorted(src.iterdir()):
             if aux.is_file() and AUX_PATTERNS.fullmatch(aux.name):
                 shutil.copyfile(aux, tmp / aux.name)
-                with open(tmp / aux.name, "rb+") as f:
-                    os.fsync(f.fileno())
+                fsync_path(tmp / aux.name)
         fsync_dir(tmp)
         _install(tmp, out, force)
     except (OSError, FlashIOError) as exc:

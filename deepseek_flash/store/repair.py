@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MetadataError, NotAStore
+from ..fsutil import align_up, atomic_write
 from .format import (
     BLOCK_ALIGN,
     BLOCK_FIXED,
@@ -21,14 +22,13 @@ from .format import (
     METADATA_FILE,
     BadHeader,
     BlockInfo,
-    align_up,
     crc32c,
     decode_block_header,
     encode_metadata,
     header_size_at,
 )
 from .layout import architecture
-from .pack import fsync_dir, model_summary
+from .pack import model_summary
 from .reader import read_metadata
 from .verify import read_sequential
 
@@ -110,18 +110,7 @@ def _model_from_config(path: Path, blocks: list) -> dict:
 
 def write_metadata_atomic(path: Path, data: bytes) -> None:
     """Replace ``path/flash_metadata.bin`` by ``data``: temp file, fsync, rename, directory fsync."""
-    final = path / METADATA_FILE
-    tmp = path / f".{METADATA_FILE}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    fsync_dir(path)
+    atomic_write(path / METADATA_FILE, data)
 
 
 def repair(path, force_rebuild: bool = False, progress=None) -> RepairReport:

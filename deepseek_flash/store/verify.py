@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import FlashIOError
-from .format import BadHeader, BlockInfo, align_up, crc32c, decode_block_header
+from ..fsutil import align_up
+from .format import BadHeader, BlockInfo, crc32c, decode_block_header
 from .readahead import read_ahead
 from .reader import Store
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..cli import bounded
+from ..fsutil import atomic_write
 
 SECONDS = bounded(float, 0, exclusive=True, what=" seconds")
 PID = bounded(int, 1, what="", noun="a process id")
@@ -52,15 +53,6 @@ def _check_writable(flag: str, path: Path) -> str | None:
     return None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def run(args) -> int:
     from tqdm import tqdm
 
@@ -91,7 +83,7 @@ def run(args) -> int:
         with bar:
             window = collect(client, args.pid, args.duration, on_poll=on_poll, on_start=on_start)
     profile = summarize(window)
-    _write_atomic(args.output, json.dumps(profile, indent=1).encode())
+    atomic_write(args.output, json.dumps(profile, indent=1).encode())
     if args.plot is not None:
         plot(profile, args.plot)
     overall = profile["overall_latency_us"]

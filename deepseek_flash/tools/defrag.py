@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import BlockChecksumError, StoreInUse
+from ..fsutil import fsync_dir
 from ..store.format import BLOCK_ALIGN, BlockInfo, encode_metadata
 from ..store.maintenance import lock_store
-from ..store.pack import fsync_dir
 from ..store.reader import Store
 from ..store.repair import write_metadata_atomic
 

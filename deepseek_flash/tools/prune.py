@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import NotAModelDirectory, StoreExists
+from ..fsutil import align_up, fsync_dir, fsync_path, write_synced
 from ..store.format import (
     BLOCK_ALIGN,
     DATA_FILE,
@@ -37,12 +38,11 @@ from ..store.format import (
     TENSOR_ALIGN,
     BlockInfo,
     TensorInfo,
-    align_up,
     crc32c,
     encode_block_header,
     encode_metadata,
 )
-from ..store.pack import AUX_PATTERNS, fsync_dir
+from ..store.pack import AUX_PATTERNS
 from ..store.reader import Store
 
 
@@ -219,11 +219,11 @@ def apply(store: Store, report: PruneReport, out, progress=None) -> Path:
                     progress(old.length)
         blocks = [nb for _o, _k, nb in plan]
         model = dict(store.model, total_bytes=sum(b.length for b in blocks))
-        _write_synced(tmp / METADATA_FILE, encode_metadata(blocks, model))
+        write_synced(tmp / METADATA_FILE, encode_metadata(blocks, model))
         for p in store.path.iterdir():
             if p.is_file() and AUX_PATTERNS.fullmatch(p.name):
                 shutil.copyfile(p, tmp / p.name)
-                _fsync_file(tmp / p.name)
+                fsync_path(tmp / p.name)
         fsync_dir(tmp)
         if out.exists():
             raise StoreExists(f"{out}: appeared while pruning; left untouched", path=str(out))
@@ -233,18 +233,3 @@ def apply(store: Store, report: PruneReport, out, progress=None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())

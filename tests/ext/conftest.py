@@ -65,3 +65,13 @@ def nodirect_dir(_nodirect_root):
 def any_dir(request):
     """Each test using this runs once with O_DIRECT available and once where it is refused."""
     yield request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.fixture
+def faults():
+    """For tests that inject read faults: they need a test build of the native core."""
+    from deepseek_flash import _core
+
+    if not _core.fault_injection:
+        pytest.fail("IOEngine.inject_fault is compiled only into test builds: rebuild with "
+                    "DEEPSEEK_FLASH_FAULT_INJECTION=1 pip install --no-build-isolation -e .")

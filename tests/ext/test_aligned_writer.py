@@ -1,13 +1,14 @@
 """AlignedWriter: exact bytes and length on O_DIRECT and buffered files, offsets, padding, errors."""
 from __future__ import annotations
 
+import errno
 import os
 import random
 
 import pytest
 
 from deepseek_flash import _core
-from deepseek_flash.errors import FlashIOError
+from deepseek_flash.errors import ClosedError, FlashIOError, InvalidArgument
 
 
 def _write_pattern(path, chunks, direct=True, buffer_size=1 << 20):
@@ -74,9 +75,21 @@ def test_close_is_idempotent_and_write_after_close_fails(disk_dir):
     w.close()
     w.close()
     assert w.closed
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(ClosedError) as exc:
         w.write(b"x")
+    assert exc.value.code == 201 and exc.value.errno == errno.EBADF
+    assert exc.value.path == str(disk_dir / "c") and str(disk_dir / "c") in str(exc.value)
+    with pytest.raises(ClosedError):
+        w.pad_to(4096)
     assert (disk_dir / "c").read_bytes() == b"abc"
+
+
+def test_bad_alignment_is_an_invalid_argument_naming_the_file(disk_dir):
+    with _core.AlignedWriter(str(disk_dir / "p")) as w:
+        with pytest.raises(InvalidArgument) as exc:
+            w.pad_to(0)
+    assert exc.value.code == 202 and exc.value.errno == errno.EINVAL
+    assert exc.value.path == str(disk_dir / "p") and isinstance(exc.value, ValueError)
 
 
 def test_create_failure_is_typed(disk_dir):

@@ -16,6 +16,8 @@ def _stub_names():
     for node in tree.body:
         if isinstance(node, ast.FunctionDef):
             names[node.name] = set()
+        elif isinstance(node, ast.AnnAssign):        # module constants (fault_injection)
+            names[node.target.id] = set()
         elif isinstance(node, ast.ClassDef):
             members = set()
             for item in node.body:

@@ -2,6 +2,7 @@
 protocol, and memory shared with another process through the exported fd."""
 from __future__ import annotations
 
+import errno
 import os
 import random
 import socket
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from deepseek_flash import _core
-from deepseek_flash.errors import ArenaError, ArenaFull
+from deepseek_flash.errors import ArenaError, ArenaFull, InvalidArgument
 
 MiB = 1 << 20
 
@@ -34,10 +35,13 @@ def test_full_and_errors_are_typed():
     assert ei.value.code == 211 and ei.value.requested == 8192 and ei.value.largest_free == 4096
     with pytest.raises(ArenaError):
         a.free(12345)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgument) as exc:
         _core.HostArena(1000)
-    with pytest.raises(ValueError):
+    assert exc.value.errno == errno.EINVAL and "1000" in str(exc.value)
+    with pytest.raises(InvalidArgument):
         a.view(MiB - 10, 11)
+    with pytest.raises(InvalidArgument):
+        a.alloc(0)
 
 
 def test_coalescing_both_sides():
@@ -161,5 +165,5 @@ def test_attached_arena_cannot_allocate():
     b = _core.HostArena.attach(a.fd, MiB)
     with pytest.raises(ArenaError):
         b.alloc(4096)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgument):
         _core.HostArena.attach(a.fd, 2 * MiB)

@@ -49,6 +49,9 @@ class FaultyEngine:
     path, exactly as a media error would."""
 
     def __init__(self, engine):
+        if not hasattr(engine, "inject_fault"):
+            raise RuntimeError("IOEngine.inject_fault is compiled only into test builds: rebuild with "
+                               "DEEPSEEK_FLASH_FAULT_INJECTION=1 pip install --no-build-isolation -e .")
         self.engine = engine
         self.failing: dict[tuple[str, int], list] = {}   # (path, offset) -> [errno, reads left]
         self.injected = 0

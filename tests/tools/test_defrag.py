@@ -202,12 +202,12 @@ if phase == "mid-copy":
 elif phase == "before-commit":
     d.write_metadata_atomic = die
 elif phase == "during-commit":
-    real_rename = os.rename
-    def rename(src, dst):
+    real_replace = os.replace          # fsutil.atomic_write's rename
+    def replace(src, dst):
         if str(dst).endswith("flash_metadata.bin"):
             die()
-        return real_rename(src, dst)
-    os.rename = rename
+        return real_replace(src, dst)
+    os.replace = replace
 elif phase == "before-delete":
     real_commit = d.write_metadata_atomic
     def commit(*a, **k):

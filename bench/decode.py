@@ -1,0 +1,343 @@
+"""Benchmark: decode tok/s of a resident model with ``decode="graphs"`` against the HBM bound.
+
+An 8B-shaped model of ``--arch`` (random bf16 weights on the GPU), 128-token prompt, 256 new
+tokens, batch 1 and 8, all in one run:
+
+* the HBM bound: weight bytes read per step (every parameter but the input embedding table, of
+  which a step reads one row per sequence) / device-to-device copy bandwidth measured in this run
+  (bytes read + written per second, as a copy moves them);
+* ``decode.enable`` (what ``load_model(..., decode="graphs")`` installs): tok/s, time to capture,
+  memory the graphs hold, and the same with transformers' own attention (``packed_attention``
+  off) to show what the packed grouped-query attention buys;
+* transformers' eager ``generate()`` (dynamic cache; fewer new tokens, ``--eager-tokens``: its
+  rate is flat per token) and the compiled peer: ``generate(cache_implementation="static")``,
+  which compiles the decode step with ``torch.compile(mode="reduce-overhead")`` (transformers'
+  documented compile path), warmed up before timing;
+* greedy tokens of the graphs vs eager ``generate()`` over 64 steps, and the largest logit
+  difference over the steps where both saw the same tokens;
+* one step under the torch profiler: kernels per step, GPU time by kernel, step time.
+
+Decode tok/s = batch x (N - 1) / (t(generate N) - t(generate 1)): decode steps only, prefill out.
+
+    python bench/decode.py [--arch llama] [--batches 1,8] [--output decode.json]
+    python bench/decode.py --smoke        # CPU, a tiny model: the same code paths, no bound
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+
+from _common import emit, save
+
+SHAPES = {
+    "llama": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, vocab_size=128256,
+                  num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
+    "qwen2": dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944, vocab_size=152064,
+                  num_attention_heads=28, num_key_value_heads=4),
+    "mistral": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, vocab_size=32768,
+                    num_attention_heads=32, num_key_value_heads=8, sliding_window=None),
+}
+SMOKE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def build(arch: str, shape: dict, device, dtype, layers: int | None = None):
+    """A random model made directly on ``device`` (no checkpoint): normal(0, 0.02) weights, unit
+    norms, rotary tables computed from the config as ``from_pretrained`` computes them."""
+    import torch
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[arch]
+    shape = dict(shape)
+    if layers:
+        shape["num_hidden_layers"] = layers
+    config = cls(max_position_embeddings=4096, tie_word_embeddings=False, **shape)
+    config.eos_token_id = None                      # random weights: decode every requested token
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to_empty(device=device)
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=model.config).to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def weight_bytes_per_step(model) -> int:
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total if embed.data_ptr() == head.data_ptr() else total - embed.numel() * embed.element_size()
+
+
+def copy_bandwidth(torch, nbytes=4 << 30, repeat=5) -> float:
+    """Device-to-device copy, bytes read + written per second (best of ``repeat``)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / best
+
+
+def timed(torch, fn, cuda: bool):
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+
+
+def decode_rate(torch, generate, ids, mask, new: int, cuda: bool, **kw):
+    """(tok/s of decode steps, output of the long call): batch x (new-1) / (t(new) - t(1))."""
+    def run(n):
+        return timed(torch, lambda: generate(ids, attention_mask=mask, max_new_tokens=n,
+                                             do_sample=False, **kw), cuda)
+    t1 = min(run(1)[0] for _ in range(3))
+    tn, out = run(new)
+    return ids.shape[0] * (new - 1) / max(tn - t1, 1e-9), out, tn
+
+
+def step_profile(torch, decoder, batch: int, out_dir) -> dict:
+    """Three replays of the last captured graph of ``batch`` under the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    keys = [k for k in decoder.graphs if k[0] == batch]
+    if not keys:
+        return {"error": "no graph captured"}
+    graph = decoder.graphs[keys[-1]]
+    st = decoder.states[batch]
+    with torch.inference_mode():            # the state tensors were made in inference mode
+        saved = st.snapshot()
+        st.slot.fill_(keys[-1][1] - 4)      # replays advance the slot: stay inside the graph's window
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+        st.restore(saved)
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(e, "self_cuda_time_total", 0)
+        if dev:
+            rows.append((e.key, e.count / 3, dev / 3))
+    rows.sort(key=lambda r: -r[2])
+    kernels = sum(r[1] for r in rows)
+    gpu_us = sum(r[2] for r in rows)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+    if out_dir:
+        (out_dir / f"profile_b{batch}.txt").write_text(table)
+    return {"kernels_per_step": round(kernels), "kernel_time_us_per_step": round(gpu_us, 1),
+            "top": [{"kernel": k[:90], "per_step": round(c, 1), "us": round(us, 1)}
+                    for k, c, us in rows[:12]]}
+
+
+def logit_parity(torch, decoder, ids, mask, steps: int) -> dict:
+    """Greedy tokens of the graphs vs eager generate() for ``steps`` steps, and the largest logit
+    difference over the steps where both had the same input tokens."""
+    eager = decoder.transformers_generate(
+        ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, output_logits=True,
+        return_dict_in_generate=True)
+    eager_logits = torch.stack(eager.logits, dim=1).float()          # (batch, steps, vocab)
+    ours_tokens, ours_logits = decoder.generate_with_logits(
+        ids, attention_mask=mask, max_new_tokens=steps, do_sample=False)
+    new_eager = eager.sequences[:, ids.shape[1]:]
+    new_ours = ours_tokens[:, ids.shape[1]:]
+    same = (new_eager == new_ours)
+    first_diff = [int((~row).nonzero()[0]) if (~row).any() else steps for row in same]
+    diffs = []
+    for row, k in enumerate(first_diff):
+        upto = min(k + 1, steps)                  # step k still had the same inputs
+        diffs.append((eager_logits[row, :upto] - ours_logits[row, :upto]).abs().max().item())
+    return {"steps": steps, "tokens_identical": bool(same.all()), "first_divergent_step": first_diff,
+            "max_logit_diff": max(diffs), "logit_scale": eager_logits.abs().max().item()}
+
+
+def guarded(fn, *args):
+    """A diagnostic phase whose failure is recorded, not fatal to the figures around it."""
+    try:
+        return fn(*args)
+    except Exception as exc:   # noqa: BLE001 -- recorded in the JSON
+        return {"error": f"{type(exc).__name__}: {exc}"[:400]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="llama", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the 8B shape")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--eager-tokens", type=int, default=64)
+    parser.add_argument("--parity-steps", type=int, default=64)
+    parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--only-peer", action="store_true", help="the compiled peer alone")
+    parser.add_argument("--peer-budget-s", type=float, default=240.0,
+                        help="skip the compiled peer for further batches once it has used this long")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few tokens")
+    parser.add_argument("--output")
+    parser.add_argument("--out-dir", help="profile tables go here")
+    args = parser.parse_args(argv)
+
+    import pathlib
+
+    import torch
+    import transformers
+
+    from deepseek_flash.decode import enable
+    from deepseek_flash.decode.engine import batch_bucket
+
+    out_dir = pathlib.Path(args.out_dir) if args.out_dir else None
+    cuda = not args.smoke
+    if args.smoke:
+        device, dtype, shape = torch.device("cpu"), torch.float32, SMOKE
+        args.prompt, args.new, args.eager_tokens, args.parity_steps = 8, 16, 16, 16
+        args.skip_peer = True
+    else:
+        if not torch.cuda.is_available():
+            print("bench/decode.py needs a CUDA device (or --smoke)", file=sys.stderr)
+            return 2
+        device, dtype, shape = torch.device("cuda:0"), torch.bfloat16, SHAPES[args.arch]
+    batches = [int(b) for b in args.batches.split(",")]
+    res = {"benchmark": "decode", "arch": args.arch, "date": datetime.date.today().isoformat(),
+           "host": platform.node(), "smoke": args.smoke, "prompt": args.prompt, "new_tokens": args.new,
+           "eager_new_tokens": args.eager_tokens, "torch": torch.__version__,
+           "transformers": transformers.__version__}
+    if cuda:
+        res["gpu"] = torch.cuda.get_device_name(0)
+        res["copy_bandwidth_gbps"] = round(copy_bandwidth(torch) / 1e9, 1)
+    t = time.perf_counter()
+    model = build(args.arch, shape, device, dtype, args.layers)
+    res["build_s"] = round(time.perf_counter() - t, 2)
+    res["weight_bytes_per_step"] = weight_bytes_per_step(model)
+    if cuda:
+        res["hbm_bound_tok_s_per_seq"] = round(
+            res["copy_bandwidth_gbps"] * 1e9 / res["weight_bytes_per_step"], 1)
+    save(res, args.output)
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = {b: torch.randint(1, shape["vocab_size"], (b, args.prompt), generator=gen).to(device)
+               for b in batches}
+    capacity = args.prompt + args.new
+    decoder = None
+    variants = (("graphs", {}), ("graphs_transformers_attention", {"packed_attention": False}),
+                ("graphs_transformers_norm", {"fused_norm": False}))
+    for variant, options in variants if not args.only_peer else ():
+        if variant != "graphs" and args.smoke:
+            continue
+        if decoder is not None:
+            decoder.reset()
+        decoder = enable(model, capacity=capacity, **options)
+        for b in batches:
+            ids = prompts[b]
+            mask = torch.ones_like(ids)
+            reserved = torch.cuda.memory_reserved() if cuda else 0
+            t_first, _ = timed(torch, lambda: model.generate(ids, attention_mask=mask,
+                                                             max_new_tokens=args.new,
+                                                             do_sample=False), cuda)
+            rate, out, tn = decode_rate(torch, model.generate, ids, mask, args.new, cuda)
+            stats = decoder.stats()
+            entry = {"tok_s": round(rate, 2), "generate_s": round(tn, 3), "first_call_s": round(t_first, 3),
+                     "mode": stats["mode"], "eager_reason": stats["eager_reason"]}
+            if variant == "graphs":
+                entry.update(captures=stats["captures"], capture_s=round(stats["capture_s"], 3),
+                             graph_pool_bytes=stats["graph_pool_bytes"], kv_bytes=stats["kv_bytes"],
+                             memory_growth_bytes=(torch.cuda.memory_reserved() - reserved) if cuda else 0)
+                if cuda:
+                    entry["vs_hbm_bound"] = round(rate / (b * res["hbm_bound_tok_s_per_seq"]), 3)
+                    entry["bandwidth_gbps"] = round(rate / b * res["weight_bytes_per_step"] / 1e9, 1)
+            res.setdefault(variant, {})[b] = entry
+            save(res, args.output)
+            if variant == "graphs":
+                if cuda:
+                    res.setdefault("profile", {})[b] = guarded(step_profile, torch, decoder,
+                                                               batch_bucket(b), out_dir)
+                res.setdefault("parity", {})[b] = guarded(logit_parity, torch, decoder, ids, mask,
+                                                          args.parity_steps)
+                save(res, args.output)
+    if decoder is not None:
+        decoder.reset()
+    decoder = enable(model, capacity=capacity)
+
+    for b in batches if not args.only_peer else ():
+        ids = prompts[b]
+        mask = torch.ones_like(ids)
+        rate, _, _ = decode_rate(torch, decoder.transformers_generate, ids, mask, args.eager_tokens, cuda)
+        res.setdefault("eager_generate", {})[b] = {"tok_s": round(rate, 2)}
+        save(res, args.output)
+
+    if not args.skip_peer:
+        spent = 0.0
+        for b in batches:
+            if spent > args.peer_budget_s:
+                res.setdefault("compiled_peer", {})[b] = {"skipped": f"peer budget spent ({spent:.0f} s)"}
+                continue
+            ids = prompts[b]
+            mask = torch.ones_like(ids)
+            kw = {"cache_implementation": "static"}
+            t0 = time.perf_counter()
+            try:
+                for _ in range(2):      # compile + record the graphs at this shape
+                    decoder.transformers_generate(ids, attention_mask=mask, max_new_tokens=args.new,
+                                                  do_sample=False, **kw)
+                warm = time.perf_counter() - t0
+                started = time.time()
+                rate, out, _ = decode_rate(torch, decoder.transformers_generate, ids, mask, args.new,
+                                           cuda, **kw)
+                res.setdefault("compiled_peer", {})[b] = {"tok_s": round(rate, 2), "warmup_s": round(warm, 1),
+                                                          "timed_from": started, "timed_to": time.time()}
+            except Exception as exc:   # noqa: BLE001 -- the peer's failure is a result to record
+                res.setdefault("compiled_peer", {})[b] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            spent += time.perf_counter() - t0
+            save(res, args.output)
+
+    if args.only_peer:
+        emit(res, args.output)
+        return 0
+    summary = {}
+    for b in batches:
+        ours = res["graphs"][b]["tok_s"]
+        row = {"graphs_tok_s": ours, "eager_tok_s": res["eager_generate"][b]["tok_s"],
+               "vs_eager": round(ours / res["eager_generate"][b]["tok_s"], 2)}
+        peer = res.get("compiled_peer", {}).get(b, {})
+        if "tok_s" in peer:
+            row["peer_tok_s"] = peer["tok_s"]
+            row["vs_peer"] = round(ours / peer["tok_s"], 2)
+        if cuda:
+            row["vs_hbm_bound"] = res["graphs"][b]["vs_hbm_bound"]
+        summary[b] = row
+    res["summary"] = summary
+    if cuda:
+        res["goals"] = {"batch1>=0.6*hbm_bound": res["graphs"][batches[0]]["vs_hbm_bound"] >= 0.6,
+                        "ahead_of_compiled_peer": all(r.get("vs_peer", 0) > 1 for r in summary.values())}
+    emit(res, args.output)
+    print(json.dumps(summary), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

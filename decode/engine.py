@@ -1,0 +1,438 @@
+"""``GraphDecoder``: prefill once, then one CUDA-graph replay per token over a static KV cache.
+
+Shapes are bucketed so that graphs are few and reused: the batch rounds up to a power of two
+(rows beyond the real batch decode a pad token and are dropped), and the attention reads the first
+``visible`` slots of the cache, ``visible`` a multiple of ``LENGTH_BUCKET`` tokens that grows with
+the sequence. A graph is keyed by (batch bucket, visible, sampling kind); a new prompt length, a
+new ``max_new_tokens`` or new temperature/top-p values within the capacity replay the same graphs.
+``capacity`` (tokens per sequence, prompt + new) sizes the cache once; a request beyond it raises
+``DecodeCapacityExceeded`` before any work.
+
+State the step reads and writes lives in fixed device tensors (``_State``): the last token, each
+row's first real slot, the slot written next, the output index, the finished flags and the output
+buffer. Before capturing, the step runs twice eagerly on a side stream (as CUDA graphs require)
+and the scalars it advanced are put back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from ..errors import DecodeCapacityExceeded
+from . import request as requests
+from .cache import Cursor, KVStore
+from .step import (PACKED_ATTENTION, MaskSpec, StepModules, cache_keyword, choose, decode_allowed,
+                   forward_last, prefill_allowed, register_attention, rms_norms, unsupported)
+
+log = logging.getLogger("deepseek_flash.decode")
+
+DEFAULT_CAPACITY = 4096
+LENGTH_BUCKET = 256
+# With eos ids, the host looks at the finished flags once per this many steps (one sync).
+CHECK_EVERY = 32
+
+
+def batch_bucket(batch: int) -> int:
+    return 1 << (batch - 1).bit_length()
+
+
+def length_bucket(tokens: int, capacity: int, step: int = LENGTH_BUCKET) -> int:
+    return min(capacity, -(-tokens // step) * step)
+
+
+def _is_eos(tokens, eos):
+    """``torch.isin`` without its sorting path, which syncs with the host (a capture breaker)."""
+    return (tokens[:, None] == eos[None, :]).any(dim=-1)
+
+
+def _records_logits(kind) -> bool:
+    return isinstance(kind, tuple) and kind[-1] == "logits"
+
+
+class _State:
+    """The fixed tensors one batch bucket's graphs read and write."""
+
+    def __init__(self, batch: int, capacity: int, device, torch):
+        i64 = dict(dtype=torch.int64, device=device)
+        self.batch = batch
+        self.tokens = torch.zeros(batch, **i64)
+        self.valid_from = torch.zeros(batch, **i64)
+        self.slot = torch.zeros(1, **i64)
+        self.step = torch.zeros(1, **i64)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.out = torch.zeros(batch, capacity, **i64)
+        self.done = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.eos = torch.full((requests.MAX_EOS,), -1, **i64)
+        self.pad = torch.zeros(1, **i64)
+        self.temperature = torch.ones(1, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(1, dtype=torch.float32, device=device)
+        self.key_slots = torch.arange(capacity, **i64)
+        self.logits = None          # (batch, steps, vocab) float32 while generate_with_logits runs
+
+    def scalars(self):
+        return (self.tokens, self.slot, self.step, self.finished)
+
+    def snapshot(self):
+        return [t.clone() for t in self.scalars()]
+
+    def restore(self, saved) -> None:
+        for t, s in zip(self.scalars(), saved):
+            t.copy_(s)
+
+
+class GraphDecoder:
+    """Owns a model's static cache and decode graphs; ``generate`` is the model's new ``generate``.
+
+    ``capacity``: tokens per sequence (prompt + new tokens) the cache holds; default
+    ``min(4096, max_position_embeddings)``. ``graphs``: False runs the same step eagerly.
+    ``before_capture``: called once before the first capture (``load_model`` waits there for a
+    load still in flight). ``hooks_ok``: modules whose forward hooks are known to be graph-safe.
+    ``packed_attention``: single-token attention over grouped key/value heads without repeating
+    the cache (``step.packed_gqa_attention``; models using sdpa). ``fused_norm``: RMSNorm
+    statistics in one kernel (``step.fused_rms_norm``). ``length_step``: the visible length grows
+    in steps of this many tokens.
+    """
+
+    def __init__(self, model, capacity: int | None = None, graphs: bool = True, before_capture=None,
+                 hooks_ok=(), packed_attention: bool = True, fused_norm: bool = True,
+                 length_step: int = LENGTH_BUCKET):
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.transformers_generate = type(model).generate.__get__(model)
+        config = model.config
+        limit = getattr(config, "max_position_embeddings", None) or DEFAULT_CAPACITY
+        self.capacity = int(capacity) if capacity is not None else min(DEFAULT_CAPACITY, limit)
+        if self.capacity <= 0:
+            raise ValueError(f"decode capacity must be a positive number of tokens, not {capacity}")
+        self.before_capture = before_capture
+        self.hooks_ok = set(map(id, hooks_ok))
+        self.unsupported = unsupported(model)
+        self.device = next(p.device for p in model.parameters() if not p.is_meta)
+        self.eager_reason = None if graphs else "graphs=False"
+        if self.eager_reason is None and self.device.type != "cuda":
+            self.eager_reason = f"CUDA graphs need a CUDA device (model on {self.device.type})"
+        self.length_step = int(length_step)
+        self.attention = None
+        if self.unsupported is None:
+            self.cache_kw = cache_keyword(model)
+            self.masks = MaskSpec(model)
+            if packed_attention and config._attn_implementation == "sdpa":
+                register_attention()
+                self.attention = PACKED_ATTENTION
+            self.swaps = StepModules(config, self.attention, rms_norms(model) if fused_norm else ())
+        self.store: KVStore | None = None
+        self.states: dict[int, _State] = {}
+        self.graphs: dict[tuple, object] = {}
+        self.pool = None
+        self.cursor = Cursor()
+        self._logged: set[str] = set()
+        self.counters = {"generate_calls": 0, "fallback_calls": 0, "captures": 0, "capture_s": 0.0,
+                         "replays": 0, "eager_steps": 0, "graph_pool_bytes": 0}
+        self.last_fallback: str | None = None
+
+    # --- public ----------------------------------------------------------------------------------
+    def generate(self, *args, **kwargs):
+        """``model.generate`` with the same arguments and the same result (a tensor of prompt +
+        new ids); calls the step cannot implement go to transformers' ``generate``."""
+        reason = self.unsupported
+        req = None
+        if reason is None:
+            req = requests.parse(self.model, args, kwargs)
+            if isinstance(req, requests.Fallback):
+                reason, req = req.reason, None
+        if req is None:
+            self.counters["fallback_calls"] += 1
+            self.last_fallback = reason
+            self._log_once(f"decoding through transformers' generate(): {reason}")
+            return self.transformers_generate(*args, **kwargs)
+        self._check_capacity(req)
+        self.counters["generate_calls"] += 1
+        with self.torch.inference_mode():
+            return self._run(req)
+
+    def generate_with_logits(self, *args, **kwargs):
+        """(tokens, float32 logits of every step (batch, new, vocab)): a diagnostic for parity
+        measurements; its graphs are captured for the call and dropped after it."""
+        req = requests.parse(self.model, args, kwargs)
+        if isinstance(req, requests.Fallback):
+            raise ValueError(f"generate_with_logits: {req.reason}")
+        self._check_capacity(req)
+        with self.torch.inference_mode():
+            st = self._state(batch_bucket(req.batch))
+            st.logits = self.torch.zeros(st.batch, req.new_tokens, self.model.config.vocab_size,
+                                         dtype=self.torch.float32, device=self.device)
+            try:
+                tokens = self._run(req)
+            finally:
+                logits = st.logits
+                st.logits = None
+                for key in [k for k in self.graphs if _records_logits(k[-1])]:
+                    del self.graphs[key]
+        return tokens, logits[:req.batch, :tokens.shape[1] - req.prompt]
+
+    def _check_capacity(self, req) -> None:
+        if req.prompt + req.new_tokens > self.capacity:
+            raise DecodeCapacityExceeded(
+                f"prompt of {req.prompt} tokens + {req.new_tokens} new tokens exceeds the decode "
+                f"capacity of {self.capacity} tokens (load_model(..., decode_capacity=N) or "
+                f"decode.enable(model, capacity=N))", prompt=req.prompt, new_tokens=req.new_tokens,
+                capacity=self.capacity)
+
+    def stats(self) -> dict:
+        return {"mode": self.mode, "capacity": self.capacity, "attention": self.attention or "model's",
+                "fused_norms": len(self.swaps.norms) if self.unsupported is None else 0,
+                "eager_reason": self.eager_reason,
+                "unsupported": self.unsupported, "last_fallback": self.last_fallback,
+                "graphs": len(self.graphs), "kv_bytes": self.store.nbytes if self.store else 0,
+                "batch_rows": self.store.batch if self.store else 0, **self.counters}
+
+    @property
+    def mode(self) -> str:
+        if self.unsupported is not None:
+            return "transformers"
+        return "eager" if self.eager_reason else "graphs"
+
+    def reset(self) -> None:
+        """Drop the cache and graphs (memory back to the allocator); the next call rebuilds them."""
+        self.graphs.clear()
+        self.states.clear()
+        self.store = None
+        self.pool = None
+
+    # --- decode ----------------------------------------------------------------------------------
+    def _run(self, req):
+        torch = self.torch
+        bucket = batch_bucket(req.batch)
+        st = self._state(bucket)
+        sampling_kind = None if not req.do_sample else (req.top_k, req.top_p < 1.0)
+        st.eos.fill_(-1)
+        if req.eos:
+            st.eos[:len(req.eos)] = torch.tensor(req.eos, dtype=torch.int64)
+        st.pad.fill_(req.pad)
+        st.temperature.fill_(req.temperature)
+        st.top_p.fill_(req.top_p)
+
+        if st.logits is not None:
+            sampling_kind = (sampling_kind, "logits")
+        first = self._prefill(st, req, sampling_kind)
+        b, prompt = req.batch, req.prompt
+        st.tokens.fill_(req.pad)
+        st.tokens[:b] = first
+        st.valid_from.zero_()
+        st.valid_from[:b] = req.valid_from
+        st.finished.fill_(True)
+        st.finished[:b] = _is_eos(first, st.eos)
+        st.out[:, 0] = st.tokens
+        st.done[0] = st.finished.all()
+        st.slot.fill_(prompt)
+        st.step.fill_(1)
+
+        steps = 1
+        while steps < req.new_tokens:
+            if req.eos and steps % CHECK_EVERY == 0 and bool(st.done[steps - 1]):
+                break
+            visible = length_bucket(prompt + steps, self.capacity, self.length_step)
+            self._advance(st, visible, sampling_kind)
+            steps += 1
+        new = st.out[:b, :steps]
+        if req.eos:
+            done = st.done[:steps].nonzero()
+            if done.numel():
+                new = new[:, :int(done[0, 0]) + 1]
+        return torch.cat([req.input_ids, new.to(req.input_ids.dtype)], dim=1)
+
+    def _prefill(self, st, req, sampling_kind):
+        torch = self.torch
+        b, prompt = req.batch, req.prompt
+        cursor = self.cursor
+        cursor.index = torch.arange(prompt, device=self.device)
+        cursor.visible = length_bucket(prompt, self.capacity, self.length_step)
+        cursor.length = 0
+        cache = self.store.cache(b, cursor)
+        valid_from = req.valid_from
+        positions = (torch.arange(prompt, device=self.device)[None, :] - valid_from[:, None]).clamp(min=0)
+        mask = self.masks.build(lambda w: prefill_allowed(prompt, cursor.visible, valid_from, w))
+        logits = forward_last(self.model, self.cache_kw, req.input_ids, positions, mask, cache,
+                              self.swaps)
+        cursor.length = prompt
+        if st.logits is not None:
+            st.logits[:b, 0] = logits
+        return choose(logits, self._sampling(st, sampling_kind))
+
+    def _sampling(self, st, kind):
+        if _records_logits(kind):
+            kind = kind[0]
+        if kind is None:
+            return None
+        top_k, use_top_p = kind
+        return (st.temperature, top_k, st.top_p if use_top_p else None)
+
+    def _step(self, st, visible: int, sampling_kind) -> None:
+        """One token for every row of the bucket: the function each graph captures."""
+        torch = self.torch
+        cursor = self.cursor
+        cursor.index = st.slot
+        cursor.visible = visible
+        positions = (st.slot - st.valid_from).clamp(min=0)[:, None]
+        mask = self.masks.build(lambda w: decode_allowed(st.slot, visible, st.valid_from, st.key_slots, w))
+        cache = self._caches[st.batch]
+        logits = forward_last(self.model, self.cache_kw, st.tokens[:, None], positions, mask, cache,
+                              self.swaps)
+        if st.logits is not None:
+            st.logits.index_copy_(1, st.step, logits[:, None])
+        nxt = choose(logits, self._sampling(st, sampling_kind))
+        nxt = torch.where(st.finished, st.pad, nxt)
+        st.finished |= _is_eos(nxt, st.eos)
+        st.out.index_copy_(1, st.step, nxt[:, None])
+        st.done.index_copy_(0, st.step, st.finished.all()[None])
+        st.tokens.copy_(nxt)
+        st.slot += 1
+        st.step += 1
+
+    def _advance(self, st, visible: int, sampling_kind) -> None:
+        if self.eager_reason is None:
+            graph = self.graphs.get((st.batch, visible, sampling_kind))
+            if graph is None:
+                graph = self._capture(st, visible, sampling_kind)
+            if graph is not None:
+                graph.replay()
+                self.counters["replays"] += 1
+                return
+        self._step(st, visible, sampling_kind)
+        self.counters["eager_steps"] += 1
+
+    # --- capture ---------------------------------------------------------------------------------
+    def _capture(self, st, visible: int, sampling_kind):
+        torch = self.torch
+        reason = self._capture_blocker()
+        if reason is not None:
+            self._to_eager(reason)
+            return None
+        if self.before_capture is not None:
+            self.before_capture()
+            self.before_capture = None
+        t0 = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device)
+        saved = st.snapshot()
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(st, visible, sampling_kind)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        st.restore(saved)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._step(st, visible, sampling_kind)
+        except Exception as exc:   # noqa: BLE001 -- any capture failure means: run eagerly, say why
+            torch.cuda.synchronize(self.device)
+            st.restore(saved)
+            self._to_eager(f"capture failed: {type(exc).__name__}: {exc}".splitlines()[0][:300])
+            return None
+        st.restore(saved)
+        self.graphs[(st.batch, visible, sampling_kind)] = graph
+        self.counters["captures"] += 1
+        self.counters["capture_s"] += time.perf_counter() - t0
+        self.counters["graph_pool_bytes"] += torch.cuda.memory_reserved(self.device) - reserved
+        return graph
+
+    def _capture_blocker(self) -> str | None:
+        """A reason the step cannot be captured faithfully (None: it can)."""
+        torch = self.torch
+        hooks = torch.nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return "global forward hooks are registered (a graph would run them once)"
+        for name, module in self.model.named_modules():
+            if id(module) in self.hooks_ok:
+                continue
+            if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+                name = name or type(module).__name__
+                return f"module {name} has forward hooks (a graph would run them once)"
+        return None
+
+    def _to_eager(self, reason: str) -> None:
+        self.eager_reason = reason
+        self.graphs.clear()
+        self._log_once(f"decode steps run eagerly over the static cache: {reason}")
+
+    # --- buffers ---------------------------------------------------------------------------------
+    def _state(self, bucket: int) -> _State:
+        if self.store is None or self.store.batch < bucket:
+            if self.store is not None:
+                log.info("decode cache grows from %d to %d rows; graphs are captured again",
+                         self.store.batch, bucket)
+            self.reset()
+            config = self.model.config
+            heads = config.num_attention_heads
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            self.store = KVStore(config.num_hidden_layers, bucket, kv_heads, self.capacity, head_dim,
+                                 self.model.dtype, self.device)
+            self._caches = {}
+        st = self.states.get(bucket)
+        if st is None:
+            st = self.states[bucket] = _State(bucket, self.capacity, self.device, self.torch)
+            self._caches[bucket] = self.store.cache(bucket, self.cursor)
+        return st
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.warning(message)
+
+
+def enable(model, capacity: int | None = None, graphs: bool = True, **options) -> GraphDecoder:
+    """Give ``model`` a ``generate`` that decodes with a static cache and CUDA graphs; returns the
+    decoder (also ``model.flash_decoder``). ``capacity``: tokens per sequence, prompt + new."""
+    decoder = GraphDecoder(model, capacity=capacity, graphs=graphs, **options)
+    model.generate = decoder.generate
+    model.flash_decoder = decoder
+    if decoder.unsupported is not None:
+        decoder._log_once(f"decoding through transformers' generate(): {decoder.unsupported}")
+    elif decoder.eager_reason is not None:
+        decoder._log_once(f"decode steps run eagerly over the static cache: {decoder.eager_reason}")
+    return decoder
+
+
+DECODE_MODES = ("eager", "graphs")
+STREAMED_REASON = "streamed layers: the copies into the slot ring are not captured in the graph yet"
+
+
+def check_mode(mode: str) -> None:
+    from ..errors import ConfigError
+
+    if mode not in DECODE_MODES:
+        raise ConfigError(f"decode: {mode!r} is not one of {', '.join(DECODE_MODES)}", key="decode",
+                          value=mode, allowed=list(DECODE_MODES))
+
+
+def for_loaded_model(model, handle, mode: str, capacity: int | None) -> GraphDecoder | None:
+    """``load_model``'s hook: ``mode`` ``"eager"`` leaves transformers' ``generate``; ``"graphs"``
+    installs a ``GraphDecoder`` that first waits for a load still in flight (the gates' hooks
+    remove themselves once every layer is there, so nothing per layer is left to capture)."""
+    check_mode(mode)
+    if mode == "eager":
+        return None
+
+    def wait_for_load():
+        gates = handle.gates
+        if gates is not None and gates.active:
+            for gate in range(len(gates.control)):
+                if not gates.opened[gate]:
+                    gates.wait(gate)
+
+    if handle.stream is not None:
+        # The ring's per-layer hooks issue copies and events from Python; a graph would run them
+        # once. Each step still runs over the static cache, eagerly, with the hooks as they are.
+        decoder = enable(model, capacity=capacity, graphs=False)
+        decoder.eager_reason = STREAMED_REASON
+        decoder._log_once(f"decode steps run eagerly over the static cache: {STREAMED_REASON}")
+    else:
+        decoder = enable(model, capacity=capacity, before_capture=wait_for_load)
+    handle.decoder = decoder
+    return decoder

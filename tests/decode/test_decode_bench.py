@@ -1,0 +1,22 @@
+"""bench/decode.py --smoke: the benchmark's code paths on the CPU, JSON out, tokens identical."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).parents[2] / "bench" / "decode.py"
+
+
+def test_smoke_mode_runs_and_reports(tmp_path):
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--batches", "1,3", "--output", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    for b in ("1", "3"):
+        assert res["graphs"][b]["mode"] == "eager" and "CUDA" in res["graphs"][b]["eager_reason"]
+        assert res["graphs"][b]["tok_s"] > 0 and res["eager_generate"][b]["tok_s"] > 0
+        assert res["parity"][b]["tokens_identical"] is True
+        assert res["parity"][b]["max_logit_diff"] < 1e-4
+    assert res["weight_bytes_per_step"] == sum(  # norms + layers + head, the input embedding apart
+        n * 4 for n in [2 * (2 * 64 + 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128), 64, 256 * 64])

@@ -1,0 +1,173 @@
+"""GraphDecoder: generate() gives transformers' tokens, 64 steps, fp32 tiny models -- the static
+cache path on the CPU in CI, the captured graphs on CUDA (marked ``gpu``)."""
+import logging
+
+import pytest
+import torch
+from decode_models import DEVICES, left_padded, tiny_model
+
+from deepseek_flash.decode import enable
+from deepseek_flash.errors import DecodeCapacityExceeded
+
+STEPS = 64
+
+
+def reference(model, ids, mask, **kw):
+    return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch, config", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 24})],
+                         ids=["llama", "qwen2", "mistral-window24"])
+def test_greedy_tokens_identical_for_64_steps(arch, config, device):
+    model = tiny_model(arch, device=device, **config)
+    ids, mask = left_padded(3, 9, device)
+    want = reference(model, ids, mask, max_new_tokens=STEPS)
+    # Visible length grows 16 tokens at a time: five graphs per batch bucket over 73 tokens.
+    decoder = enable(model, capacity=96, length_step=16)
+    got = reference(model, ids, mask, max_new_tokens=STEPS)
+    assert torch.equal(got, want), (got != want).nonzero()[:4].tolist()
+    stats = decoder.stats()
+    assert stats["generate_calls"] == 1 and stats["fallback_calls"] == 0 and stats["batch_rows"] == 4
+    if device == "cpu":
+        assert stats["mode"] == "eager" and stats["eager_steps"] == STEPS - 1
+    else:
+        assert stats["mode"] == "graphs" and stats["replays"] == STEPS - 1 and stats["graphs"] == 5
+    # Another prompt length and batch within the capacity: same graphs, same tokens as transformers.
+    ids1, mask1 = left_padded(1, 20, device, seed=1)
+    got1 = reference(model, ids1, mask1, max_new_tokens=40)
+    want1 = decoder.transformers_generate(ids1, attention_mask=mask1, do_sample=False, pad_token_id=0,
+                                          max_new_tokens=40)
+    assert torch.equal(got1, want1)
+    if device != "cpu":
+        assert decoder.stats()["captures"] == 5 + 3      # batch bucket 1: visible 32, 48, 64
+
+
+def test_logits_of_prefill_match_transformers():
+    model = tiny_model("qwen2")
+    ids, mask = left_padded(2, 7)
+    decoder = enable(model, capacity=32)
+    from deepseek_flash.decode.request import parse
+
+    req = parse(model, (ids,), {"attention_mask": mask, "max_new_tokens": 1})
+    with torch.inference_mode():
+        st = decoder._state(2)
+        decoder._prefill(st, req, None)
+        ours = _last_logits(decoder, req)
+        theirs = model(ids, attention_mask=mask).logits[:, -1].float()
+    assert (ours - theirs).abs().max().item() < 1e-5
+
+
+def _last_logits(decoder, req):
+    from deepseek_flash.decode.step import forward_last, prefill_allowed
+
+    cursor = decoder.cursor
+    cursor.index = torch.arange(req.prompt)
+    cursor.visible = 32
+    positions = (torch.arange(req.prompt)[None] - req.valid_from[:, None]).clamp(min=0)
+    mask = decoder.masks.build(lambda w: prefill_allowed(req.prompt, 32, req.valid_from, w))
+    return forward_last(decoder.model, decoder.cache_kw, req.input_ids, positions, mask,
+                        decoder.store.cache(req.batch, cursor), decoder.swaps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eos_stops_and_pads_like_generate(device):
+    model = tiny_model("llama", seed=3, device=device)
+    ids, mask = left_padded(2, 5, device, seed=2)
+    free = reference(model, ids, mask, max_new_tokens=40)
+    eos = int(free[0, 5 + 6])             # the 7th token of row 0 becomes an eos
+    want = reference(model, ids, mask, max_new_tokens=40, eos_token_id=eos)
+    enable(model, capacity=64)
+    got = reference(model, ids, mask, max_new_tokens=40, eos_token_id=eos)
+    assert torch.equal(got, want)
+    assert got.shape[1] <= free.shape[1]
+
+
+def test_sampling_with_top_k_1_is_greedy():
+    model = tiny_model("mistral", seed=4)
+    ids, mask = left_padded(2, 6)
+    want = reference(model, ids, mask, max_new_tokens=12)
+    enable(model, capacity=32)
+    got = model.generate(ids, attention_mask=mask, do_sample=True, top_k=1, temperature=0.5,
+                         max_new_tokens=12, pad_token_id=0)
+    assert torch.equal(got, want)
+
+
+def test_capacity_is_checked_before_any_work():
+    model = tiny_model("llama")
+    decoder = enable(model, capacity=16)
+    ids, mask = left_padded(1, 10)
+    with pytest.raises(DecodeCapacityExceeded) as err:
+        model.generate(ids, attention_mask=mask, max_new_tokens=7)
+    assert (err.value.prompt, err.value.new_tokens, err.value.capacity) == (10, 7, 16)
+    assert err.value.code == 801 and decoder.store is None
+    assert model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False).shape == (1, 16)
+
+
+def test_unsupported_calls_go_to_transformers_with_a_logged_reason(caplog):
+    model = tiny_model("llama")
+    ids, mask = left_padded(1, 6)
+    want = reference(model, ids, mask, max_new_tokens=5, num_beams=2)
+    decoder = enable(model, capacity=32)
+    with caplog.at_level(logging.WARNING, logger="deepseek_flash.decode"):
+        got = reference(model, ids, mask, max_new_tokens=5, num_beams=2)
+    assert torch.equal(got, want)
+    assert decoder.stats()["fallback_calls"] == 1 and "num_beams=2" in decoder.last_fallback
+    assert any("num_beams=2" in r.getMessage() for r in caplog.records)
+
+
+def test_unsupported_architecture_keeps_transformers_generate(caplog):
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 64, (1, 4))
+    want = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with caplog.at_level(logging.WARNING, logger="deepseek_flash.decode"):
+        decoder = enable(model)
+    assert decoder.mode == "transformers" and "gpt2" in decoder.unsupported
+    assert any("gpt2" in r.getMessage() for r in caplog.records)
+    assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_forward_hooks_make_steps_eager_with_the_reason(caplog):
+    model = tiny_model("llama", device="cuda:0")
+    seen = []
+    model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: seen.append(1))
+    ids, mask = left_padded(2, 6, "cuda:0")
+    want = reference(model, ids, mask, max_new_tokens=10)
+    decoder = enable(model, capacity=32)
+    with caplog.at_level(logging.WARNING, logger="deepseek_flash.decode"):
+        got = reference(model, ids, mask, max_new_tokens=10)
+    assert torch.equal(got, want)
+    assert decoder.mode == "eager" and "model.layers.1.mlp has forward hooks" in decoder.eager_reason
+    assert decoder.stats()["replays"] == 0 and len(seen) == 2 * 10      # the hook ran every step
+
+
+class _HostSync(torch.nn.Module):
+    """A module a graph cannot hold: it reads a value on the host in every forward."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        if x.abs().sum().item() < 0:
+            return x
+        return self.inner(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_failed_capture_falls_back_to_eager_and_stays_exact():
+    model = tiny_model("qwen2", device="cuda:0")
+    ids, mask = left_padded(2, 6, "cuda:0")
+    want = reference(model, ids, mask, max_new_tokens=12)
+    model.model.layers[0].mlp.down_proj = _HostSync(model.model.layers[0].mlp.down_proj)
+    decoder = enable(model, capacity=32)
+    got = reference(model, ids, mask, max_new_tokens=12)
+    assert torch.equal(got, want)
+    assert decoder.mode == "eager" and decoder.eager_reason.startswith("capture failed")
