@@ -3,8 +3,9 @@
 One table (``KEYS``) holds each key's default, parser, allowed values, scope, whether it can be
 changed at run time (``tunable``) and whether only a restart changes it (``restart``: a SIGHUP
 keeps the running value), so the loader, the per-model overrides, the ``set_tunable`` op, the
-reload and the docs all read the same facts. Invalid values raise ``ConfigError`` naming the key, the value and what
-is allowed; unknown keys are rejected (a typo must not silently fall back to a default).
+reload and the docs all read the same facts. Invalid values raise ``ConfigError`` naming the
+key, the value and what is allowed; unknown keys are rejected (a typo must not silently fall
+back to a default).
 
 Scopes:
 * ``daemon`` -- one value for the whole controller (arena size, sockets, limits, eviction);
@@ -162,13 +163,14 @@ KEYS: dict[str, Key] = {
                               "evict unleased blocks when used > threshold * host_cache_bytes"),
     "unified_memory_ratio": Key(0.8, _fraction(True), "0 < r <= 1", "daemon", False,
                                 "share of each GPU's memory the device arena may take", restart=True),
-    "quantization_granularity": Key("per_tensor", _choice("per_tensor", "per_block"),
+    "quantization_granularity": Key("per_block", _choice("per_tensor", "per_block"),
                                     "per_tensor | per_block", "model", False,
-                                    "scale granularity of a quantized scheme"),
-    "quantization_scheme": Key("none", _choice("none", "int8_symmetric", "int4_symmetric",
-                                               implemented=("none",)),
-                               "none (int8_symmetric, int4_symmetric: not implemented)", "model", False,
-                               "weight quantization of served blocks"),
+                                    "scale granularity of a quantized scheme (checked against the "
+                                    "store's when quantization_scheme is not none)"),
+    "quantization_scheme": Key("none", _choice("none", "int8_symmetric", "int4_symmetric"),
+                               "none | int8_symmetric | int4_symmetric", "model", False,
+                               "weight quantization expected of the store: none serves it as "
+                               "packed; a scheme must match a store packed with --quantize"),
     "error_recovery_mode": Key("strict", _choice("strict", "graceful"), "strict | graceful", "model",
                                True, "strict: a failed block fails its model until it is unloaded; "
                                      "graceful: the read is retried and the model keeps serving"),

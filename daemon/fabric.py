@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..cuda import cuda_available, register_host_memory, unregister_host_memory
-from ..errors import BudgetTooSmall, DeviceError
+from ..errors import BudgetTooSmall, DeviceError, FlashError
 from ..fsutil import align_up
 from ..prefetch import ForwardOrder
 from .ranges import RangeAllocator
@@ -104,9 +104,12 @@ class Fabric:
         self.slots: dict[tuple, list[int]] = {}      # (client, device) -> slot offsets
         self.host_pinned = False
         self._host_tensor = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()            # arena creation (seconds: page-locking)
+        self._count_lock = threading.Lock()      # bytes_h2d: every load thread adds to it
         self.bytes_h2d = 0
         self._available: bool | None = None
+        self._prepare_thread: threading.Thread | None = None
+        self._closing = threading.Event()
 
     @property
     def available(self) -> bool:
@@ -187,12 +190,15 @@ class Fabric:
 
         arena = placement.arena
         host = self.host_tensor()
+        copied = 0
         with torch.cuda.stream(arena.copy_stream):
             for block_id in placement.stages[gate]:
                 src, dst, n = host_offsets[block_id], placement.offsets[block_id], lengths[block_id]
                 arena.tensor[dst:dst + n].copy_(host[src:src + n], non_blocking=self.host_pinned)
-                self.bytes_h2d += n
+                copied += n
             placement.events[gate].record(arena.copy_stream)
+        with self._count_lock:
+            self.bytes_h2d += copied
 
     def prepare(self) -> threading.Thread | None:
         """With ``devices`` configured, pin the host arena and create their arenas now, on a
@@ -205,12 +211,19 @@ class Fabric:
                 log.warning("devices %s configured but CUDA is not available", self.devices)
                 return
             for device in self.devices:
+                if self._closing.is_set():
+                    return
                 try:
                     self.arena(device)
-                except DeviceError as exc:
-                    log.error("%s", exc)
+                except FlashError as exc:
+                    # One device that does not exist or has no room must not keep the others
+                    # from being prepared; a client asking for it gets the same error, typed.
+                    log.error("preparing cuda:%s: %s", device, exc)
+                except Exception:   # a bug here must not leave later devices unprepared
+                    log.exception("preparing cuda:%s failed", device)
 
-        thread = threading.Thread(target=run, daemon=True, name="flash-fabric-prepare")
+        thread = self._prepare_thread = threading.Thread(target=run, daemon=True,
+                                                         name="flash-fabric-prepare")
         thread.start()
         return thread
 
@@ -235,7 +248,12 @@ class Fabric:
 
     def close(self) -> None:
         """Free every device arena and unpin the host arena (before the host arena is unmapped:
-        a registration left behind would make later allocations at that address fail)."""
+        a registration left behind would make later allocations at that address fail). Waits
+        for the prepare thread, which creates no further arena once closing."""
+        self._closing.set()
+        if self._prepare_thread is not None:
+            self._prepare_thread.join()
+            self._prepare_thread = None
         for arena in self.arenas.values():
             arena.copy_stream.synchronize()
         self.placements.clear()
@@ -255,7 +273,8 @@ class Fabric:
         out = {}
         for device, arena in self.arenas.items():
             out[f"cuda:{device}"] = {"arena_bytes": arena.size, "arena_used_bytes": arena.allocator.used}
-        out.update(nvml_telemetry())
+        for name, fields in nvml_telemetry().items():
+            out.setdefault(name, {}).update(fields)
         return out
 
 

@@ -27,7 +27,15 @@ from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
-from ..errors import ArenaFull, BudgetTooSmall, DeviceError, FlashError, StoreInUse
+from ..errors import (
+    ArenaFull,
+    BudgetTooSmall,
+    DeviceError,
+    FlashError,
+    LeaseError,
+    StoreInUse,
+    UnknownClient,
+)
 from ..prefetch import ForwardOrder
 from ..wire import GATE_FAILED, GATE_READY, control_page_size, control_views
 from .host_state import DAEMON_CLIENT
@@ -61,6 +69,7 @@ class Load:
         self.last_used = time.monotonic()
         self.error: FlashError | None = None
         self.finished: Future = Future()        # resolved (or failed) when the walk ends
+        self._stop: FlashError | None = None     # set by close(): the walk ends at its next stage
         if placement is not None:
             for bid, off in placement.offsets.items():
                 self.offsets[self.index[bid]] = off
@@ -90,6 +99,8 @@ class Load:
         copied: deque = deque()
         try:
             for gate in range(self.num_gates):
+                if self._stop is not None:
+                    raise self._stop
                 while submitted < self.num_gates and (
                         submitted <= gate or window is None or inflight + stage_bytes[submitted] <= window):
                     if stages[submitted]:
@@ -130,7 +141,10 @@ class Load:
                                   device=str(self.device))
             self.error = exc
             self.gates[self.gates != GATE_READY] = GATE_FAILED
-            log.error("loading %s onto %s failed: %s", self.info.name, self.device, exc)
+            if exc is self._stop:
+                log.info("loading %s onto %s stopped: %s", self.info.name, self.device, exc)
+            else:
+                log.error("loading %s onto %s failed: %s", self.info.name, self.device, exc)
             for fut in futures.values():
                 fut.add_done_callback(self._release_future)
         finally:
@@ -145,11 +159,26 @@ class Load:
 
     def _release_future(self, fut) -> None:
         if fut.exception() is None:
-            self.manager.release(self.owner, fut.result().id)
+            try:
+                self.manager.release(self.owner, fut.result().id)
+            except FlashError:
+                pass   # the owner already disconnected: its leases went with it
 
-    def close(self) -> None:
-        """Release the host leases and the control page (the load must be finished)."""
+    def close(self, why: FlashError | None = None) -> None:
+        """End the load and give back its host leases and control page.
+
+        With ``why`` (a CPU load whose client detached or left) the walk stops at its next stage
+        and the caller does not wait: the leases and the control page are given back on the load
+        thread when it ends, so the server's loop is not held up by a cold read. Without it the
+        load is waited for (a GPU load: its device ranges are freed right after)."""
+        if why is not None:
+            self._stop = why
+            self.finished.add_done_callback(lambda _f: self._give_back())
+            return
         futures_wait([self.finished])
+        self._give_back()
+
+    def _give_back(self) -> None:
         for lease_id in list(self.leases):
             try:
                 self._release(lease_id)
@@ -185,7 +214,9 @@ class Loader:
                 key = (info.name, "cpu", client_id)
                 load = self._loads.get(key)
                 if load is not None and load.resident != wanted:
-                    self._drop(key)
+                    self._drop(key, LeaseError(f"client {client_id} attached {info.name} again with "
+                                               f"another plan; the earlier load was ended",
+                                               client=client_id, model=info.name))
                     load = None
                 if load is None:
                     load = self._loads[key] = Load(self.manager, self.arena, info, "cpu",
@@ -240,7 +271,9 @@ class Loader:
                 load.clients.discard(client_id)
                 load.last_used = time.monotonic()
                 if load.device == "cpu" and load.owner == client_id:
-                    self._drop(key)
+                    self._drop(key, UnknownClient(f"client {client_id} detached from {key[0]} (or left) "
+                                                  f"before its load finished", client=client_id,
+                                                  model=key[0]))
 
     def unload(self, model: str) -> int:
         """End every load of ``model``; returns device bytes freed."""
@@ -250,11 +283,13 @@ class Loader:
                 freed += self._drop(key)
             return freed
 
-    def _drop(self, key) -> int:
+    def _drop(self, key, why: FlashError | None = None) -> int:
+        """End one load; ``why`` lets a CPU load end without waiting (see ``Load.close``)."""
         load = self._loads.pop(key)
-        load.close()
         if load.placement is not None:
+            load.close()
             return self.fabric.evict(key)
+        load.close(why)
         return 0
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 
-from ..errors import FlashError, FlashIOError, UnknownClient
+from ..errors import FlashError, FlashIOError, StoreTruncated, UnknownClient
 from ..io import error_of
 from .host_state import RESIDENT, BlockState, HostState, Ticket, resolve_futures
 
@@ -105,8 +105,14 @@ class ReadPipeline:
         if block is None:
             return None
         info, model = block.info, block.model.name
-        return error_of(completion, info.id, f"model {model}, block {info.id} ({info.role}, layer "
-                                             f"{info.layer})", model=model)
+        err = error_of(completion, info.id, f"model {model}, block {info.id} ({info.role}, layer "
+                                            f"{info.layer})", model=model)
+        if err is not None and getattr(err, "eof", False):
+            # The file ends before the block does: the store is corrupt, its device is not at fault.
+            fields = {k: v for k, v in err.fields.items() if k not in ("errno", "eof")}
+            return StoreTruncated(f"{err.message}: the data file is shorter than its metadata says",
+                                  **{**fields, "length": info.length})
+        return err
 
     def _complete(self, tokens, results, batch_error) -> None:
         s = self.s

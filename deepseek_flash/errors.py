@@ -207,6 +207,47 @@ class RepairIncomplete(StoreError):
     code = 111
 
 
+class StoreTruncated(StoreError):
+    """A data file ends before a block its metadata places there (``path``, ``block_id``,
+    ``offset``, ``length``): the store is corrupt, its device is not at fault."""
+
+    code = 112
+
+
+# --- KV cache (7xx) ----------------------------------------------------------------------------
+class KVError(FlashError):
+    """A tiered KV cache (``deepseek_flash.kv``) could not do what was asked."""
+
+    code = 700
+
+
+class KVCacheMismatch(KVError):
+    """A ``TieredCache`` was given to a model (or an attention layer) it was not built for."""
+
+    code = 701
+
+
+class KVPageCorrupt(KVError):
+    """A spilled KV page failed its crc32c: ``path``, ``layer``, ``page``, ``row``, ``expected``,
+    ``actual`` name it."""
+
+    code = 702
+
+
+class KVSpillFailed(KVError):
+    """Pages could not be written to the spill directory (``path``, ``errno``): full, missing or
+    read-only. The pages stay on the host tier; the cache is still whole."""
+
+    code = 703
+
+
+class KVUnsupported(KVError):
+    """A model the tiered KV cache cannot serve (sliding-window attention, missing attention
+    interface); the message names what is missing."""
+
+    code = 704
+
+
 # --- decode (8xx) ------------------------------------------------------------------------------
 class DecodeError(FlashError):
     code = 800

@@ -14,7 +14,7 @@ def test_defaults_cover_every_design_key():
     assert cfg.block_eviction_policy == "lru"
     assert cfg.eviction_threshold == 0.9
     assert cfg.unified_memory_ratio == 0.8
-    assert cfg.quantization_granularity == "per_tensor"
+    assert cfg.quantization_granularity == "per_block"
     assert cfg.quantization_scheme == "none"
     assert cfg.error_recovery_mode == "strict"
     assert cfg.socket_mode == 0o660 and cfg.socket_group is None
@@ -47,10 +47,9 @@ def test_invalid_values_name_key_value_allowed(key, value, allowed):
 
 
 @pytest.mark.parametrize("scheme", ["int8_symmetric", "int4_symmetric"])
-def test_quantization_schemes_rejected_as_not_implemented(scheme):
-    with pytest.raises(ConfigError, match="not implemented") as info:
-        FlashConfig.from_dict({"quantization_scheme": scheme})
-    assert info.value.key == "quantization_scheme"
+def test_quantization_schemes_accepted(scheme):
+    cfg = FlashConfig.from_dict({"quantization_scheme": scheme, "quantization_granularity": "per_tensor"})
+    assert cfg.quantization_scheme == scheme and cfg.quantization_granularity == "per_tensor"
 
 
 def test_unknown_key_rejected():

@@ -1,0 +1,256 @@
+"""Benchmark: the tiered KV cache on the GPU against a full ``DynamicCache`` and the PCIe bound.
+
+Batch 1, random-weight model of the ``--arch`` 7-8B shape (bf16, resident), contexts ``--contexts``
+(8K, 32K, 128K). Per context, in one run:
+
+* GPU bytes held by KV: ``DynamicCache`` vs ``TieredCache`` with the default settings
+  (sinks + 512 recent tokens + page summaries; pages fetched for one step are transient and
+  reported apart as ``tiered_peak_extra_bytes``, the step's peak allocation above the steady state);
+* decode tok/s: full ``DynamicCache`` on the GPU vs top-K 25 % of the pages vs lossless (every page
+  fetched from the host each step) vs ``DynamicCache(offloading=True)`` (transformers' own
+  layer-by-layer offload, up to ``--peer-max`` tokens);
+* the PCIe bound of the lossless mode: host->GPU bytes per token (every page of every layer) over
+  the pinned host->GPU rate measured in this run;
+* time to first token (one forward over the prompt) vs ``DynamicCache``.
+
+``--smoke`` runs a tiny shape on the CPU (what the test suite runs).
+
+    python bench/kv.py [--arch llama] [--contexts 8192 32768 131072] [--output kv.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    "llama": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                  vocab_size=128256, num_attention_heads=32, num_key_value_heads=8,
+                  rope_theta=500000.0),
+    "qwen2": dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
+                  vocab_size=152064, num_attention_heads=28, num_key_value_heads=4,
+                  rope_theta=1000000.0),
+    "mistral": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                    vocab_size=32768, num_attention_heads=32, num_key_value_heads=8,
+                    rope_theta=1000000.0, sliding_window=None),
+}
+SMOKE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, vocab_size=256,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def build(arch: str, smoke: bool, max_pos: int, device: str):
+    import torch
+    import transformers
+
+    shape = dict(SMOKE if smoke else SHAPES[arch])
+    if arch == "mistral":
+        shape["sliding_window"] = None
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[arch]
+    cfg = cls(max_position_embeddings=max_pos, tie_word_embeddings=False, **shape)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.no_grad():  # small finite weights: random init can overflow bf16 over 32 layers
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+    return model.eval()
+
+
+def sync(device):
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def prefill(model, ids, cache, device):
+    import torch
+    sync(device)
+    t = time.perf_counter()
+    with torch.no_grad():
+        logits = model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
+    tok = logits.argmax(-1, keepdim=True)
+    sync(device)
+    return tok, time.perf_counter() - t
+
+
+def decode(model, cache, tok, steps, device, warmup=2):
+    import torch
+    with torch.no_grad():
+        for _ in range(warmup):
+            tok = model(tok, cache=cache).logits[:, -1:].argmax(-1)
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(steps):
+            tok = model(tok, cache=cache).logits[:, -1:].argmax(-1)
+        sync(device)
+    return tok, steps / (time.perf_counter() - t)
+
+
+def dynamic_kv_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (layer.keys, layer.values) if t is not None)
+
+
+def h2d_rate(device, nbytes) -> float:
+    """Pinned host->device copy rate, GB/s (best of 3)."""
+    import torch
+    if not device.startswith("cuda"):
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = 0.0
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    del src, dst
+    return round(best, 2)
+
+
+def free(device):
+    import torch
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def run_context(model, T, args, device, h2d):
+    import torch
+    from transformers import DynamicCache
+
+    from deepseek_flash.kv import TieredCache
+
+    cuda = device.startswith("cuda")
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(device)
+    steps = args.decode if T < 100000 else max(4, args.decode // 2)
+    r = {"context": T, "decode_steps": steps}
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    model.set_attn_implementation("sdpa")  # the peers run as transformers runs them
+    dc = DynamicCache(config=model.config)
+    tok, r["ttft_dynamic_s"] = prefill(model, ids, dc, device)
+    _, r["dynamic_tok_s"] = decode(model, dc, tok, steps, device)
+    r["dynamic_kv_bytes"] = dynamic_kv_bytes(dc)  # the same tokens as the tiered stats below
+    if cuda:
+        r["dynamic_peak_bytes"] = torch.cuda.max_memory_allocated()
+    del dc
+    free(device)
+
+    base = torch.cuda.memory_allocated() if cuda else 0
+    cache = TieredCache.for_model(model, top_k_pages=0.25)
+    tok, r["ttft_tiered_s"] = prefill(model, ids, cache, device)
+    steady = (torch.cuda.memory_allocated() - base) if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    fetched = cache.stats()["pages_fetched"]
+    tok, r["topk25_tok_s"] = decode(model, cache, tok, steps, device)
+    s = cache.stats()
+    r["topk25_pages_per_token"] = (s["pages_fetched"] - fetched) / (steps + 2)
+    r["tiered_gpu_bytes"] = s["gpu_bytes"]
+    r["tiered_full_bytes"] = s["full_bytes"]
+    r["tiered_host_bytes"] = s["host_bytes"]
+    r["tiered_steady_bytes"] = steady
+    if cuda:
+        r["tiered_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base - steady
+        r["tiered_peak_bytes"] = torch.cuda.max_memory_allocated()
+    r["gpu_kv_ratio"] = round(s["gpu_bytes"] / r["dynamic_kv_bytes"], 4)
+    cache.top_k_pages = None
+    _, r["lossless_tok_s"] = decode(model, cache, tok, steps, device)
+    s = cache.stats()
+    moved = s["pages"] * s["page_bytes"]  # every page of every layer, each step
+    r["lossless_bytes_per_token"] = moved
+    if h2d:
+        r["lossless_bound_tok_s"] = round(h2d * 1e9 / moved, 3)
+        r["lossless_vs_bound"] = round(r["lossless_tok_s"] / r["lossless_bound_tok_s"], 3)
+    cache.close()
+    del cache
+    free(device)
+
+    if cuda and T <= args.peer_max:
+        model.set_attn_implementation("sdpa")
+        off = DynamicCache(config=model.config, offloading=True)
+        tok, r["ttft_offload_s"] = prefill(model, ids, off, device)
+        _, r["offload_tok_s"] = decode(model, off, tok, steps, device)
+        r["lossless_vs_offload"] = round(r["lossless_tok_s"] / r["offload_tok_s"], 3)
+        del off
+        free(device)
+    r["topk25_vs_dynamic"] = round(r["topk25_tok_s"] / r["dynamic_tok_s"], 3)
+    r["ttft_ratio"] = round(r["ttft_tiered_s"] / r["ttft_dynamic_s"], 3)
+    for k, v in list(r.items()):
+        if isinstance(v, float):
+            r[k] = round(v, 4)
+    return r
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=sorted(SHAPES), default="llama")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--decode", type=int, default=16, help="decode steps timed per mode")
+    ap.add_argument("--peer-max", type=int, default=32768,
+                    help="longest context DynamicCache(offloading=True) is run at")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args(argv)
+    import torch
+    import transformers
+
+    if args.smoke:
+        device = "cpu"
+        if args.contexts == [8192, 32768, 131072]:
+            args.contexts = [600, 1200]
+        args.decode = min(args.decode, 4)
+    else:
+        if not torch.cuda.is_available():
+            print("bench/kv.py: no CUDA device (use --smoke on a CPU)", file=sys.stderr)
+            return 2
+        device = "cuda:0"
+    t = time.perf_counter()
+    model = build(args.arch, args.smoke, max(args.contexts) + 64, device)
+    result = {"bench": "kv", "date": datetime.date.today().isoformat(), "machine": platform.node(),
+              "arch": args.arch, "smoke": args.smoke, "torch": torch.__version__,
+              "transformers": transformers.__version__, "build_s": round(time.perf_counter() - t, 1),
+              "gpu": torch.cuda.get_device_name(0) if device != "cpu" else None,
+              "h2d_gbps": h2d_rate(device, 1 << 30), "contexts": []}
+    for T in args.contexts:
+        r = run_context(model, T, args, device, result["h2d_gbps"])
+        result["contexts"].append(r)
+        print(json.dumps(r), file=sys.stderr, flush=True)
+        if args.output:
+            Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+    by = {r["context"]: r for r in result["contexts"]}
+    if 32768 in by:
+        r = by[32768]
+        result["goals"] = {
+            "gpu_kv_le_15pct_at_32k": r["gpu_kv_ratio"] <= 0.15,
+            "topk25_ge_1x_dynamic_at_32k": r["topk25_vs_dynamic"] >= 1.0,
+            "lossless_ge_0.9x_bound_at_32k": r.get("lossless_vs_bound", 0) >= 0.9,
+            "lossless_ge_2x_offload_at_32k": r.get("lossless_vs_offload", 0) >= 2.0,
+            "ttft_le_1.1x_at_32k": r["ttft_ratio"] <= 1.1,
+        }
+    text = json.dumps(result, indent=1)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    print(text)
+    cols = ["context", "gpu_kv_ratio", "dynamic_tok_s", "topk25_tok_s", "lossless_tok_s",
+            "lossless_bound_tok_s", "offload_tok_s", "ttft_dynamic_s", "ttft_tiered_s"]
+    print(" ".join(f"{c:>14}" for c in cols), file=sys.stderr)
+    for r in result["contexts"]:
+        print(" ".join(f"{str(r.get(c, '-')):>14}" for c in cols), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Which pages a decode step attends to: the pure policy, table-tested (tests/kv/test_select.py).
+
+Every function takes tensors of fixed shape and returns tensors; no state, no copies of pages.
+
+* ``quest_bound``: Quest's upper bound of ``q . k`` over a page from the page's per-channel key
+  minimum and maximum: ``sum_d max(q_d * min_d, q_d * max_d)``, computed as two matmuls.
+* ``page_scores``: one score per (sequence, page) from the bounds of all heads and queries.
+  ``"quest"``: each head's bounds become log-shares (``bound - logsumexp over pages``) and a page
+  scores the best log-share any head gives it -- a page one head needs is kept even when the
+  other heads ignore it. ``"windowed"``: each head's bounds are softmax-normalised inside windows
+  of ``window_pages`` consecutive pages and summed over heads and queries -- an estimate of the
+  attention mass a page receives, relative to its neighbourhood.
+* ``select_pages``: the top ``k`` pages per sequence, in page order.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+SCORES = ("quest", "windowed")
+
+
+def resolve_top_k(top_k_pages: int | float | None, n_pages: int) -> int | None:
+    """Pages to attend out of ``n_pages``: None (all: lossless), an int (at most that many) or a
+    fraction in (0, 1] of the pages (rounded up, at least one)."""
+    if top_k_pages is None:
+        return None
+    if isinstance(top_k_pages, float):
+        k = math.ceil(top_k_pages * n_pages)
+    else:
+        k = int(top_k_pages)
+    k = max(1, k)
+    return None if k >= n_pages else k
+
+
+def quest_bound(queries: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """``queries`` ``[b, kv_heads, g, d]`` (g = query heads per kv head x query positions),
+    ``kmin``/``kmax`` ``[b, kv_heads, n, d]`` -> bounds ``[b, kv_heads, g, n]`` (fp32)."""
+    q = queries.float()
+    return (q.clamp(min=0) @ kmax.float().transpose(-1, -2)
+            + q.clamp(max=0) @ kmin.float().transpose(-1, -2)) * scale
+
+
+def page_scores(bound: torch.Tensor, score: str = "quest", window_pages: int = 64) -> torch.Tensor:
+    """``bound`` ``[b, kv_heads, g, n]`` -> ``[b, n]``; higher is more worth attending."""
+    if score == "quest":
+        share = bound - bound.logsumexp(-1, keepdim=True)
+        return share.amax(dim=(1, 2))
+    if score == "windowed":
+        b, h, g, n = bound.shape
+        w = max(1, int(window_pages))
+        pad = (-n) % w
+        padded = torch.nn.functional.pad(bound, (0, pad), value=float("-inf"))
+        mass = padded.view(b, h, g, -1, w).softmax(-1).view(b, h, g, n + pad)[..., :n]
+        return mass.sum(dim=(1, 2))
+    raise ValueError(f"unknown page score {score!r}; choose from {SCORES}")
+
+
+def select_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices ``[b, k]`` (int64, ascending) of the ``k`` best pages of each sequence."""
+    return scores.topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``query`` ``[b, q_heads, q_len, d]`` -> ``[b, kv_heads, (q_heads / kv_heads) * q_len, d]``:
+    the queries that read each kv head (GQA groups are consecutive query heads)."""
+    b, hq, t, d = query.shape
+    return query.reshape(b, kv_heads, (hq // kv_heads) * t, d)

@@ -1,0 +1,29 @@
+"""Tiny random models and greedy runs shared by the KV cache tests (imported as kvmodels)."""
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from deepseek_flash.testing import tiny_config
+
+
+def tiny_model(arch="llama", seed=0, layers=2, **kw):
+    cfg = tiny_config(arch, num_layers=layers, **kw)
+    cfg.max_position_embeddings = 4096
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def greedy(model, ids, mask, cache, steps):
+    """Greedy tokens and per-step logits (fp32) of ``generate`` with ``cache``."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                             cache=cache, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+    return out.sequences, torch.stack(out.logits)
+
+
+def reference(model, ids, mask, steps):
+    return greedy(model, ids, mask, DynamicCache(config=model.config), steps)
+
+

@@ -1,0 +1,26 @@
+"""bench/kv.py runs end to end on the CPU (--smoke) and its figures are consistent."""
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "kv.py"
+
+
+def test_kv_bench_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_kv", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "kv.json"
+    assert bench.main(["--smoke", "--contexts", "700", "--decode", "2", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (r,) = result["contexts"]
+    assert result["smoke"] and r["context"] == 700
+    # 4 layers, 2 kv heads x 16 channels, fp32: 256 bytes per token and layer
+    tokens = 700 + 2 + 2
+    assert r["dynamic_kv_bytes"] == r["tiered_full_bytes"] == tokens * 4 * 256
+    assert r["gpu_kv_ratio"] == round(r["tiered_gpu_bytes"] / r["dynamic_kv_bytes"], 4) < 1
+    pages = (tokens + 2 + 2 - 4 - 512) // 32  # after the lossless warm-up and steps
+    assert r["lossless_bytes_per_token"] == pages * 4 * 32 * 256
+    assert r["topk25_pages_per_token"] > 0
+    for key in ("dynamic_tok_s", "topk25_tok_s", "lossless_tok_s", "ttft_dynamic_s", "ttft_tiered_s"):
+        assert r[key] > 0

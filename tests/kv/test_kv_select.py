@@ -1,0 +1,65 @@
+"""Page selection policy: bounds, scores and top-K on hand-made tables."""
+import math
+
+import pytest
+import torch
+
+from deepseek_flash.kv.select import (group_queries, page_scores, quest_bound, resolve_top_k,
+                                      select_pages)
+
+
+def test_quest_bound_is_an_upper_bound_of_every_key_in_the_page():
+    torch.manual_seed(1)
+    keys = torch.randn(1, 2, 6, 8, 16)  # [b, h, pages, tokens, d]
+    q = torch.randn(1, 2, 3, 16)
+    bound = quest_bound(q, keys.amin(3), keys.amax(3), scale=1.0)
+    exact = torch.einsum("bhgd,bhntd->bhgnt", q, keys).amax(-1)
+    assert bound.shape == (1, 2, 3, 6)
+    assert bool((bound >= exact - 1e-5).all())
+
+
+def test_quest_bound_exact_table():
+    q = torch.tensor([[[[1.0, -2.0]]]])
+    kmin = torch.tensor([[[[0.0, -1.0], [2.0, 3.0]]]])
+    kmax = torch.tensor([[[[1.0, 1.0], [4.0, 5.0]]]])
+    # page 0: max(0,1)*1 + max(-2*-1, -2*1) = 1 + 2 = 3; page 1: 4 + (-6) = -2
+    assert quest_bound(q, kmin, kmax, scale=0.5).flatten().tolist() == [1.5, -1.0]
+
+
+def test_quest_score_keeps_a_page_one_head_needs():
+    # head 0 likes page 2 strongly, head 1 is flat: quest keeps page 2 on top
+    bound = torch.tensor([[[[0.0, 0.0, 9.0, 0.0]], [[1.0, 1.1, 1.0, 1.0]]]])
+    scores = page_scores(bound, "quest")
+    assert scores.shape == (1, 4)
+    assert select_pages(scores, 1).tolist() == [[2]]
+    assert scores[0, 2].item() == pytest.approx(9.0 - math.log(3 + math.exp(9.0)), abs=1e-5)
+
+
+def test_windowed_score_normalises_inside_windows():
+    bound = torch.tensor([[[[5.0, 5.0, 0.0, 1.0]]]])
+    scores = page_scores(bound, "windowed", window_pages=2)
+    # window [5, 5] -> 0.5, 0.5; window [0, 1] -> 0.269, 0.731
+    assert scores.flatten().tolist() == pytest.approx([0.5, 0.5, 0.26894, 0.73106], abs=1e-4)
+    assert select_pages(scores, 1).tolist() == [[3]]
+    whole = page_scores(bound, "windowed", window_pages=64)
+    assert whole.sum().item() == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError):
+        page_scores(bound, "nope")
+
+
+def test_select_pages_ascending_per_sequence():
+    scores = torch.tensor([[0.1, 0.9, 0.5, 0.7], [0.8, 0.1, 0.2, 0.9]])
+    assert select_pages(scores, 2).tolist() == [[1, 3], [0, 3]]
+
+
+@pytest.mark.parametrize("k,n,want", [(None, 10, None), (3, 10, 3), (10, 10, None), (12, 10, None),
+                                      (0.25, 10, 3), (0.25, 64, 16), (1.0, 8, None), (0.01, 8, 1)])
+def test_resolve_top_k(k, n, want):
+    assert resolve_top_k(k, n) == want
+
+
+def test_group_queries_follows_gqa_head_order():
+    q = torch.arange(4 * 2 * 3, dtype=torch.float32).view(1, 4, 2, 3)  # 4 q heads, 2 positions
+    g = group_queries(q, 2)
+    assert g.shape == (1, 2, 4, 3)
+    assert torch.equal(g[0, 1, 0], q[0, 2, 0]) and torch.equal(g[0, 1, 3], q[0, 3, 1])

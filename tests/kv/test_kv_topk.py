@@ -1,0 +1,81 @@
+"""Top-K page selection in a decode step: the right pages of each sequence are fetched and
+attended together with sinks, recent and new tokens; fewer pages move."""
+import pytest
+import torch
+
+from deepseek_flash.kv import TieredCache
+
+from kvmodels import greedy, reference, tiny_model
+
+H, D, P = 2, 8, 16
+
+
+def _layer_cache(**kw):
+    cache = TieredCache(1, kv_heads=H, head_dim=D, gpu_tokens=P, sink_tokens=2, page_tokens=P,
+                        dense_layers=0, **kw)
+    return cache, cache.layers[0]
+
+
+def _step(layer, q, k, v):
+    layer.update(k, v)
+    return layer.attend(None, q, None, D ** -0.5)
+
+
+def test_topk_attends_the_spiked_page_of_each_sequence():
+    torch.manual_seed(0)
+    b, n_tokens = 2, 2 + 8 * P + P  # sinks, 8 pages, recent
+    keys = torch.randn(b, H, n_tokens, D) * 0.1
+    values = torch.randn(b, H, n_tokens, D)
+    q = torch.zeros(b, 2 * H, 1, D)
+    q[..., 0] = 4.0
+    spike = {0: 3, 1: 5}  # page with keys aligned to q in each sequence
+    for row, page in spike.items():
+        keys[row, :, 2 + page * P:2 + (page + 1) * P, 0] = 3.0
+    cache, layer = _layer_cache(top_k_pages=1)
+    _step(layer, torch.zeros(b, 2 * H, n_tokens, D), keys, values)  # prefill: dense
+    assert layer.n_pages == 8 and layer.recent_k.shape[2] == P
+    k_new, v_new = torch.randn(b, H, 1, D), torch.randn(b, H, 1, D)
+    fetched = cache.counters["pages_fetched"]
+    out = _step(layer, q, k_new, v_new)
+    assert cache.counters["pages_fetched"] - fetched == b * 1
+    for row, page in spike.items():
+        cols = list(range(2)) + list(range(2 + page * P, 2 + (page + 1) * P)) + \
+            list(range(2 + 8 * P, n_tokens))
+        k_all = torch.cat((keys[row:row + 1, :, cols], k_new[row:row + 1]), 2)
+        v_all = torch.cat((values[row:row + 1, :, cols], v_new[row:row + 1]), 2)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[row:row + 1], k_all, v_all, scale=D ** -0.5, enable_gqa=True).transpose(1, 2)
+        assert torch.allclose(out[row:row + 1], want, atol=1e-6)
+
+
+def test_topk_covering_every_page_is_lossless():
+    torch.manual_seed(1)
+    b, n_tokens = 1, 2 + 5 * P + P
+    keys, values = torch.randn(b, H, n_tokens, D), torch.randn(b, H, n_tokens, D)
+    outs = []
+    for k in (None, 5):
+        cache, layer = _layer_cache(top_k_pages=k)
+        _step(layer, torch.randn(b, 2 * H, n_tokens, D), keys, values)
+        torch.manual_seed(2)
+        outs.append(_step(layer, torch.randn(b, 2 * H, 1, D), torch.randn(b, H, 1, D),
+                          torch.randn(b, H, 1, D)))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("score", ["quest", "windowed"])
+def test_generate_with_topk_fetches_a_quarter(score):
+    model = tiny_model("llama", seed=11, layers=3)
+    ids = torch.randint(1, 256, (1, 700))
+    lossless = TieredCache.for_model(model, gpu_tokens=32, page_tokens=16)
+    greedy(model, ids, None, lossless, 4)
+    topk = TieredCache.for_model(model, gpu_tokens=32, page_tokens=16, top_k_pages=0.25,
+                                 score=score, dense_layers=1)
+    tokens, _ = greedy(model, ids, None, topk, 4)
+    assert tokens.shape == (1, 704)
+    a, b = lossless.stats(), topk.stats()
+    assert a["gpu_bytes"] == b["gpu_bytes"] and a["pages"] == b["pages"]
+    pages = (700 - 4 - 32) // 16  # 41 pages per layer, written when the prefill commits
+    # 3 decode steps read pages (the prefill found none yet); the recent window stays < 48
+    assert a["pages_fetched"] == 3 * 3 * pages
+    # the dense layer reads all, the other two ceil(0.25 * 41) = 11 each
+    assert b["pages_fetched"] == 3 * pages + 2 * 3 * 11
