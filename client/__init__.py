@@ -245,14 +245,17 @@ class Client:
         return result
 
     # --- device tier (used by load_model) ---------------------------------------------------------
-    def attach(self, model, device, weight_budget: int | None = None) -> dict:
+    def attach(self, model, device, weight_budget: int | None = None, priority: int = 0) -> dict:
         """The model's memory on ``device`` ("cpu" or a CUDA index) for this client: plan,
-        control page (gates, block offsets), GPU arena and events, streaming slots."""
+        control page (gates, block offsets), GPU arena and events, streaming slots. A load this
+        attach starts reads with ``priority`` (higher goes to the disk first)."""
         # Only a client in another process needs CUDA IPC handles; sharing memory with oneself
         # would pin it in torch's IPC bookkeeping for good.
         args = {"model": _name(model), "device": device, "ipc": self.mode == "daemon"}
         if weight_budget is not None:
             args["weight_budget"] = int(weight_budget)
+        if priority:
+            args["priority"] = int(priority)
         return self._backend.call("attach", args)
 
     def detach(self, model=None) -> None:

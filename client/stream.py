@@ -452,11 +452,12 @@ class StreamedHost:
     """
 
     def __init__(self, client, model: str, plan: Plan, blocks: dict, host_address: int,
-                 register=None, unregister=None):
+                 register=None, unregister=None, priority: int = 0):
         from ..cuda import register_host_range, unregister_host_memory
 
         self.client, self.model, self.plan, self.blocks = client, model, plan, blocks
         self.address = host_address
+        self.priority = priority
         self._register = register or register_host_range
         self._unregister = unregister or unregister_host_memory
         self._leases: dict[int, object] = {}         # layer -> lease
@@ -477,7 +478,7 @@ class StreamedHost:
             lease = self._leases.get(layer)
             if lease is None:
                 lease = self._leases[layer] = self.client.acquire(
-                    self.model, blocks=self.plan.stream_blocks[layer])
+                    self.model, blocks=self.plan.stream_blocks[layer], priority=self.priority)
             return lease.blocks
 
     def _run(self) -> None:
@@ -542,7 +543,8 @@ def start_streaming(model, handle, plan: Plan, desc: dict, memory, target) -> St
     client.prefetch(info.name, layers=plan.streamed_layers)
     if target != "cpu" and client.mode == "daemon":
         host = client.host_tensor()
-        side = StreamedHost(client, info.name, plan, blocks, client.arena.address)
+        side = StreamedHost(client, info.name, plan, blocks, client.arena.address,
+                            priority=handle.priority)
         fetch_host, close = side.fetch, side.close
         side.start()
     else:
@@ -551,7 +553,8 @@ def start_streaming(model, handle, plan: Plan, desc: dict, memory, target) -> St
         leases = []
 
         def fetch_host(layer: int) -> dict:
-            lease = client.acquire(info.name, blocks=plan.stream_blocks[layer])
+            lease = client.acquire(info.name, blocks=plan.stream_blocks[layer],
+                                   priority=handle.priority)
             leases.append(lease)
             return lease.blocks
 

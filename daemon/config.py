@@ -136,6 +136,33 @@ def _dir_list(key, value):
                       value=value, allowed="[\"/path\", ...]")
 
 
+def _kv_page_tokens(key, value):
+    if value == "auto" or (type(value) is int and value in (16, 32, 64, 128)):
+        return value
+    raise ConfigError(f"{key}: {value!r} is not allowed; use \"auto\", 16, 32, 64 or 128", key=key,
+                      value=value, allowed="\"auto\" | 16 | 32 | 64 | 128")
+
+
+def _kv_top_k(key, value):
+    if value is None or (type(value) is int and value >= 1) or (
+            type(value) is float and 0.0 < value <= 1.0):
+        return value
+    raise ConfigError(f"{key}: {value!r} is not allowed; use null (every page: lossless), a number "
+                      f"of pages >= 1 or a fraction in (0, 1]", key=key, value=value,
+                      allowed="null | int >= 1 | 0 < fraction <= 1")
+
+
+def _optional_size(key, value):
+    return None if value is None else parse_size(key, value)
+
+
+def _optional_dir(key, value):
+    if value is None or (isinstance(value, str) and value):
+        return None if value is None else str(Path(value).expanduser())
+    raise ConfigError(f"{key}: {value!r} is not allowed; use null or a directory", key=key,
+                      value=value, allowed="null | \"/path\"")
+
+
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 
 
@@ -204,6 +231,20 @@ KEYS: dict[str, Key] = {
                        "directories where model names are resolved"),
     "models": Key({}, _registry, "{name: path}", "daemon", False,
                   "registered model names and their store paths"),
+    # The tiered KV cache (deepseek_flash.kv) runs in the client; these keys reach it through the
+    # model's effective flash_config, so TieredCache.for_model of a load_model model uses them.
+    "kv_gpu_tokens": Key(512, _int_range(0, 1 << 20), "0..1048576", "model", False,
+                         "recent tokens whose KV a TieredCache keeps on the GPU"),
+    "kv_sink_tokens": Key(4, _int_range(0, 4096), "0..4096", "model", False,
+                          "first tokens whose KV a TieredCache keeps on the GPU for good"),
+    "kv_page_tokens": Key("auto", _kv_page_tokens, "\"auto\" | 16 | 32 | 64 | 128", "model", False,
+                          "tokens per KV page (auto: 32 up to a 4,096-token prompt, else 64)"),
+    "kv_top_k_pages": Key(None, _kv_top_k, "null | int >= 1 | 0 < fraction <= 1", "model", False,
+                          "pages attended per layer and step (null: every page, lossless)"),
+    "kv_host_bytes": Key(None, _optional_size, "null | size (int or \"8GiB\")", "model", False,
+                         "host-tier budget of a TieredCache; pages past it spill to kv_spill_dir"),
+    "kv_spill_dir": Key(None, _optional_dir, "null | directory", "model", False,
+                        "directory for KV pages past kv_host_bytes"),
 }
 
 TUNABLE = tuple(k for k, spec in KEYS.items() if spec.tunable)

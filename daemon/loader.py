@@ -47,7 +47,7 @@ class Load:
     """One model's memory on one device, and the thread that fills it."""
 
     def __init__(self, manager, arena, info, device, owner: int, resident: list[int],
-                 placement=None, requester: int | None = None):
+                 placement=None, requester: int | None = None, priority: int = 0):
         self.manager = manager
         self.arena = arena
         self.info = info
@@ -55,6 +55,7 @@ class Load:
         self.owner = owner                       # client whose leases keep host blocks (cpu)
         self.requester = owner if requester is None else requester   # whose reads (profiler)
         self.placement = placement
+        self.priority = priority                 # of the reads (the attach that started it)
         self.resident = frozenset(resident)      # the blocks this load puts on the device
         self.order = ForwardOrder([b for b in info.blocks if b.id in self.resident],
                                   info.num_layers)
@@ -106,7 +107,7 @@ class Load:
                     if stages[submitted]:
                         futures[submitted] = self.manager.acquire_async(
                             self.owner, self.info.name, blocks=list(stages[submitted]),
-                            requester=self.requester)
+                            priority=self.priority, requester=self.requester)
                         inflight += stage_bytes[submitted]
                     submitted += 1
                 if not stages[gate]:
@@ -200,7 +201,7 @@ class Loader:
         self._serial = itertools.count(1)
         self.evictions = 0                       # idle GPU loads dropped to make room
 
-    def attach(self, client_id: int, info, device, resident: list[int]) -> Load:
+    def attach(self, client_id: int, info, device, resident: list[int], priority: int = 0) -> Load:
         """A load of ``resident`` blocks of the model on ``device`` for this client.
 
         CPU loads are per client (its leases keep the host blocks). A GPU load is shared: a client
@@ -220,7 +221,8 @@ class Loader:
                     load = None
                 if load is None:
                     load = self._loads[key] = Load(self.manager, self.arena, info, "cpu",
-                                                   owner=client_id, resident=resident).start()
+                                                   owner=client_id, resident=resident,
+                                                   priority=priority).start()
             else:
                 device = int(device)
                 for key, load in list(self._loads.items()):
@@ -238,7 +240,8 @@ class Loader:
                     placement = self.with_room(device, lambda: self.fabric.place(key, device, blocks))
                     load = self._loads[key] = Load(self.manager, self.arena, info, device,
                                                    owner=DAEMON_CLIENT, resident=resident,
-                                                   placement=placement, requester=client_id).start()
+                                                   placement=placement, requester=client_id,
+                                                   priority=priority).start()
             load.clients.add(client_id)
             load.last_used = time.monotonic()
             return load
@@ -332,7 +335,7 @@ class Attachments:
         self._slots_lock = threading.Lock()
 
     def attach(self, client_id: int, model: str, device, weight_budget=None,
-               ipc: bool = True) -> dict | Future:
+               ipc: bool = True, priority: int = 0) -> dict | Future:
         """The attach reply, or a Future of it: a CPU attach answers once the blocks are read;
         the first attach to a device whose arena does not exist yet runs on its own thread (it
         waits for CUDA to start in the daemon: importing torch and making the context take ~1.5 s
@@ -346,7 +349,7 @@ class Attachments:
                 try:
                     # Outside the loader's lock, which other clients' attaches need meanwhile.
                     self.fabric.arena(int(device))
-                    out = self._attach(client_id, model, device, weight_budget, ipc)
+                    out = self._attach(client_id, model, device, weight_budget, ipc, priority)
                 except BaseException as exc:   # noqa: BLE001 -- delivered to the client, typed
                     future.set_exception(exc)
                     return
@@ -357,7 +360,7 @@ class Attachments:
 
             threading.Thread(target=run, daemon=True, name=f"flash-attach-cuda:{device}").start()
             return future
-        return self._attach(client_id, model, device, weight_budget, ipc)
+        return self._attach(client_id, model, device, weight_budget, ipc, priority)
 
     def read_ahead(self, client_id: int, model: str) -> int:
         """Start reading the model's first blocks in forward order, up to half the host arena
@@ -378,7 +381,8 @@ class Attachments:
             log.debug("read-ahead of %s before the device is ready: %s", model, exc)
             return 0
 
-    def _attach(self, client_id: int, model: str, device, weight_budget, ipc: bool) -> dict | Future:
+    def _attach(self, client_id: int, model: str, device, weight_budget, ipc: bool,
+                priority: int = 0) -> dict | Future:
         from .planner import plan_residency
 
         info = self.manager.open_model(client_id, model)
@@ -387,7 +391,7 @@ class Attachments:
         link = None if device == "cpu" else link_bytes_per_s(int(device))
         plan = plan_residency(info.blocks, weight_budget, info.flash_config["prefetch_window"],
                               info.name, link)
-        load = self.loader.attach(client_id, info, device, plan.resident)
+        load = self.loader.attach(client_id, info, device, plan.resident, priority)
         out = load.describe()
         out["plan"] = plan.to_wire()
         if device != "cpu":

@@ -16,7 +16,7 @@ from ..errors import FlashError, StoreInUse, UnknownBlock, UnknownModel
 from ..quant.scheme import check_served
 from ..wire import ModelInfo
 from .config import _NAME as MODEL_NAME_RE
-from .config import FlashConfig, check_tunable
+from .config import MODEL_SCOPE, FlashConfig, check_tunable
 from .host_state import (
     LOADING,
     RESIDENT,
@@ -203,9 +203,7 @@ class Registry:
         store = model.store
         return ModelInfo(name=model.name, path=model.path, config=store.config, blocks=store.blocks,
                          num_layers=store.num_layers, total_bytes=store.total_bytes,
-                         flash_config={k: config[k] for k in ("prefetch_window", "error_recovery_mode",
-                                                              "quantization_scheme",
-                                                              "quantization_granularity")},
+                         flash_config={k: config[k] for k in MODEL_SCOPE},
                          plan=dict(model.plan), ignored_overrides=list(model.ignored))
 
     def close_model(self, client_id: int, name: str) -> int:

@@ -168,7 +168,7 @@ def test_streamed_host_leases_each_layer_once_and_pins_only_its_ranges():
     lock = threading.Lock()
 
     class FakeClient:
-        def acquire(self, model, blocks):
+        def acquire(self, model, blocks, priority=0):
             layer = 3 if blocks == [10, 11] else 4
             with lock:
                 calls.append(layer)

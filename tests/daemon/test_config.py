@@ -146,3 +146,29 @@ def test_config_is_immutable():
     cfg = FlashConfig()
     with pytest.raises(AttributeError):
         cfg.prefetch_window = 3
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("kv_gpu_tokens", -1, "0..1048576"),
+    ("kv_sink_tokens", 1.5, "0..4096"),
+    ("kv_page_tokens", 48, "\"auto\" | 16 | 32 | 64 | 128"),
+    ("kv_page_tokens", True, "\"auto\" | 16 | 32 | 64 | 128"),
+    ("kv_top_k_pages", 0, "null | int >= 1 | 0 < fraction <= 1"),
+    ("kv_top_k_pages", 1.5, "null | int >= 1 | 0 < fraction <= 1"),
+    ("kv_spill_dir", "", "null | \"/path\""),
+])
+def test_kv_keys_invalid(key, value, allowed):
+    with pytest.raises(ConfigError) as info:
+        FlashConfig.from_dict({key: value})
+    assert info.value.key == key and info.value.allowed == allowed
+
+
+def test_kv_keys_defaults_and_per_open():
+    cfg = FlashConfig()
+    assert (cfg.kv_gpu_tokens, cfg.kv_sink_tokens, cfg.kv_page_tokens, cfg.kv_top_k_pages,
+            cfg.kv_host_bytes, cfg.kv_spill_dir) == (512, 4, "auto", None, None, None)
+    opened = cfg.override({"kv_top_k_pages": 0.25, "kv_host_bytes": "1GiB", "kv_page_tokens": 64},
+                          scope="model")
+    assert (opened.kv_top_k_pages, opened.kv_host_bytes, opened.kv_page_tokens) == (0.25, 1 << 30, 64)
+    with pytest.raises(ConfigError):
+        FlashConfig.from_dict({"kv_host_bytes": "lots"})
