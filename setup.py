@@ -7,6 +7,8 @@ The repository's top-level folders are the subpackages of one import name, ``dee
     client/           -> deepseek_flash.client     client library (socket + embedded), model loader
     daemon/           -> deepseek_flash.daemon     the controller: block manager, prefetch, fabric, server
     sysfs_shim/       -> deepseek_flash.sysfs_shim status tree publisher (/run/deepseek_flash)
+    serve/            -> deepseek_flash.serve      OpenAI-compatible server, continuous batching, scheduler
+    quant/            -> deepseek_flash.quant      quantized weights: codec, scale search, QuantLinear
     decode/           -> deepseek_flash.decode     static KV cache and CUDA-graph decode (generate())
     kv/               -> deepseek_flash.kv         tiered KV cache: BICL pages, top-K selection, spill
     ext/              -> deepseek_flash._core      C++ data plane (pybind11): IO engine, host arena, crc32c
@@ -26,6 +28,8 @@ PACKAGE_DIRS = {
     "deepseek_flash.client": "client",
     "deepseek_flash.daemon": "daemon",
     "deepseek_flash.sysfs_shim": "sysfs_shim",
+    "deepseek_flash.serve": "serve",
+    "deepseek_flash.quant": "quant",
     "deepseek_flash.decode": "decode",
     "deepseek_flash.kv": "kv",
 }

@@ -15,6 +15,27 @@ PY_CHUNK = 4 << 20
 
 # The 8B Llama shape of the design's measurements.
 LLAMA_8B = dict(hidden=4096, layers=32, intermediate=14336, vocab=128256, heads=32, kv_heads=8)
+# The shapes every GPU benchmark runs (``--arch``): Llama-3-8B, Qwen2-7B (q/k/v biases),
+# Mistral-7B (v0.3 vocabulary).
+ARCH_SHAPES = {
+    "llama": LLAMA_8B,
+    "qwen2": dict(hidden=3584, layers=28, intermediate=18944, vocab=152064, heads=28, kv_heads=4),
+    "mistral": dict(hidden=4096, layers=32, intermediate=14336, vocab=32768, heads=32, kv_heads=8),
+}
+ARCHS = tuple(ARCH_SHAPES)
+
+
+def add_arch_argument(parser) -> None:
+    parser.add_argument("--arch", choices=ARCHS, default="llama",
+                        help="model shape: llama (8B), qwen2 (7B), mistral (7B)")
+
+
+def write_finite_model(path, arch: str = "llama", layers: int | None = None, **kw) -> Path:
+    """``write_finite_llama`` with the 7-8B shape of ``arch`` (``layers`` to cut it short)."""
+    shape = dict(ARCH_SHAPES[arch])
+    if layers:
+        shape["layers"] = layers
+    return write_finite_llama(path, arch=arch, **shape, **kw)
 
 
 def drop_caches() -> bool:

@@ -1,6 +1,8 @@
 """Benchmark: loading a model onto the GPU, and attaching to one that is already there.
 
-On a random 8B-shaped Llama (bf16, ~16 GB) packed in --dir, against limits measured in this run:
+On a random 7-8B-shaped model (``--arch llama|qwen2|mistral``, bf16, ~15-16 GB) packed in --dir,
+with the controller's default configuration (the host cache sized for the machine), against
+limits measured in this run:
 
 * warm load  -- blocks already in the host arena -> GPU arena, GB/s vs a pinned host->GPU copy;
 * cold load  -- page cache dropped, disk -> host arena -> GPU arena, GB/s vs a raw O_DIRECT read
@@ -10,7 +12,7 @@ On a random 8B-shaped Llama (bf16, ~16 GB) packed in --dir, against limits measu
   model the daemon holds on the GPU: call -> usable model, ms; and process start -> first token,
   against ``from_pretrained`` from the page cache.
 
-    python bench/load.py --dir /var/tmp/flash-bench [--output load.json] [--layers 32]
+    python bench/load.py --arch llama --dir /var/tmp/flash-bench [--output load.json] [--layers 32]
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import time
 from pathlib import Path
 
 from _common import (
-    LLAMA_8B,
+    add_arch_argument,
     dd_read,
     drop_caches,
     emit,
@@ -34,7 +36,7 @@ from _common import (
     pinned_h2d,
     python_direct_read,
     save,
-    write_finite_llama,
+    write_finite_model,
 )
 
 # A restarted inference process: torch, transformers and the model's class imported, the CUDA
@@ -43,9 +45,11 @@ ATTACH_SCRIPT = r"""
 import sys, time, json
 t_start = float(sys.argv[3])
 import torch, transformers
-from transformers.models.llama import modeling_llama
 import deepseek_flash
 from deepseek_flash.client.model import load_model
+from deepseek_flash.client.skeleton import build_skeleton
+from deepseek_flash.store import Store
+build_skeleton(Store.open(sys.argv[1]).config)   # the model's transformers class imported
 t_imported = time.perf_counter()
 torch.cuda.init()
 torch.empty(1, device="cuda:0")
@@ -69,7 +73,6 @@ FROM_PRETRAINED_SCRIPT = r"""
 import sys, time, json
 t_start = float(sys.argv[2])
 import torch, transformers
-from transformers.models.llama import modeling_llama
 t_imported = time.perf_counter()
 torch.cuda.init()
 torch.empty(1, device="cuda:0")
@@ -149,10 +152,10 @@ def measure_loads(res, args, src, store_dir, store, data, nbytes) -> None:
     from deepseek_flash.client.skeleton import build_skeleton
 
     build_skeleton(json.loads((src / "config.json").read_text()))
-    config = {"host_cache_bytes": args.host_cache, "unified_memory_ratio": 0.5}
+    config = {"host_cache_bytes": args.host_cache}
     client = Client(embedded=True, config=config)
     t = time.perf_counter()
-    client._backend.fabric.arena(0)          # page-lock the host arena once, as the daemon does at start
+    client._backend.fabric.pin_host()        # page-lock the host arena once, as the daemon does at start
     res["host_arena_register_s"] = round(time.perf_counter() - t, 3)
     res["cache_dropped"] = drop_caches()
     t = time.perf_counter()
@@ -209,8 +212,9 @@ def measure_loads(res, args, src, store_dir, store, data, nbytes) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default="/var/tmp/flash-bench", help="work directory (checkpoint, store)")
-    parser.add_argument("--layers", type=int, default=LLAMA_8B["layers"],
-                        help="decoder layers of the 8B shape (fewer for a quick run)")
+    add_arch_argument(parser)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (fewer than the arch's for a quick run)")
     parser.add_argument("--host-cache", default="20GiB", help="host arena size of the controller")
     parser.add_argument("--only", choices=("all", "attach"), default="all",
                         help="'attach': only the warm-attach measurement (daemon + new processes)")
@@ -221,24 +225,25 @@ def main(argv=None) -> int:
 
     from deepseek_flash.store import Store, pack
 
-    work = Path(args.dir)
-    src = write_finite_llama(work / "src", **{**LLAMA_8B, "layers": args.layers})
+    work = Path(args.dir) / args.arch
+    src = write_finite_model(work / "src", args.arch, args.layers)
     store_dir = work / "store"
     if not (store_dir / "flash_metadata.bin").exists():
         pack(src, store_dir)
     store = Store.open(store_dir)
     data = store.data_path(store.blocks[0])
     nbytes = store.total_bytes
-    res = {"benchmark": "load", "date": datetime.date.today().isoformat(), "host": platform.node(),
-           "gpu": torch.cuda.get_device_name(0), "model_bytes": nbytes, "layers": args.layers}
+    res = {"benchmark": "load", "arch": args.arch, "date": datetime.date.today().isoformat(),
+           "host": platform.node(), "gpu": torch.cuda.get_device_name(0), "model_bytes": nbytes,
+           "layers": store.num_layers}
 
     if args.only == "all":
         measure_loads(res, args, src, store_dir, store, data, nbytes)
-    config = {"host_cache_bytes": args.host_cache, "unified_memory_ratio": 0.5}
+    config = {"host_cache_bytes": args.host_cache}
 
     # Warm attach: the daemon holds the model on the GPU; new processes attach.
     runtime = Path(tempfile.mkdtemp(prefix="flash-bench-"))
-    daemon = start_daemon(runtime, {**config, "devices": [0]})   # pin + arena at start
+    daemon = start_daemon(runtime, config)      # prepares CUDA and the page-locking at start
     try:
         sock = runtime / "control.sock"
         first = run_script(ATTACH_SCRIPT, store_dir, sock)      # loads the model (cold-ish)

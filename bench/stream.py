@@ -1,6 +1,8 @@
 """Benchmark: decoding a model larger than its GPU weight budget, against the PCIe bound.
 
-Random 8B-shaped Llama (bf16, ~16 GB), weight budget 8 GiB (about half of it streams):
+Random 7-8B-shaped model (``--arch llama|qwen2|mistral``, bf16, ~15-16 GB), weight budget 8 GiB
+(about half of it streams), the controller's default configuration (only the host cache is sized
+to hold the model: the one size a user sets for their machine):
 
 * decode tok/s at batch 1 vs the bound: streamed bytes per token / pinned host->GPU rate measured
   in this run (or the fully resident decode rate, if lower), and vs accelerate's
@@ -9,7 +11,7 @@ Random 8B-shaped Llama (bf16, ~16 GB), weight budget 8 GiB (about half of it str
 * prefetch hit rate in steady decode, ``fabric_stall_cycles`` per token;
 * time to first token from a cold model (page cache dropped) vs loading the whole model first.
 
-    python bench/stream.py --dir /var/tmp/flash-bench [--budget 8GiB] [--output stream.json]
+    python bench/stream.py --arch qwen2 --dir /var/tmp/flash-bench [--budget 8GiB] [--output stream.json]
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import platform
 import sys
 import time
 
-from _common import LLAMA_8B, drop_caches, emit, pinned_h2d, save, write_finite_llama
+from _common import add_arch_argument, drop_caches, emit, pinned_h2d, save, write_finite_model
 
 PROMPT = 16
 
@@ -49,13 +51,17 @@ def decode_rate(model, batch: int, tokens: int, device="cuda:0") -> tuple[float,
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default="/var/tmp/flash-bench")
-    parser.add_argument("--layers", type=int, default=LLAMA_8B["layers"])
+    add_arch_argument(parser)
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run")
     parser.add_argument("--budget", default="8GiB", help="weight budget on the GPU")
     parser.add_argument("--tokens", type=int, default=24, help="decode steps per measurement")
     parser.add_argument("--batches", default="1,4,16,32")
     parser.add_argument("--host-cache", default="20GiB")
-    parser.add_argument("--window", type=int, default=2, help="initial prefetch_window")
     parser.add_argument("--skip-accelerate", action="store_true")
+    parser.add_argument("--accelerate-tokens", type=int, default=4)
+    parser.add_argument("--skip-ttft", action="store_true", help="skip the cold time-to-first-token")
+    parser.add_argument("--cleanup", action="store_true", help="delete the checkpoint and store after")
+    parser.add_argument("--prepare-only", action="store_true", help="write and pack the model, then stop")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
 
@@ -67,23 +73,27 @@ def main(argv=None) -> int:
 
     from deepseek_flash.store import Store, pack
 
-    work = __import__("pathlib").Path(args.dir)
-    src = write_finite_llama(work / "src", **{**LLAMA_8B, "layers": args.layers})
+    work = __import__("pathlib").Path(args.dir) / args.arch
+    t0 = time.perf_counter()
+    src = write_finite_model(work / "src", args.arch, args.layers)
     store_dir = work / "store"
     if not (store_dir / "flash_metadata.bin").exists():
         pack(src, store_dir)
     store = Store.open(store_dir)
+    if args.prepare_only:
+        print(f"{args.arch}: {store.total_bytes} bytes packed in {time.perf_counter() - t0:.1f} s")
+        return 0
     budget = parse_size("budget", args.budget)
     batches = [int(b) for b in args.batches.split(",")]
-    res = {"benchmark": "stream", "date": datetime.date.today().isoformat(), "host": platform.node(),
-           "gpu": torch.cuda.get_device_name(0), "model_bytes": store.total_bytes,
-           "budget_bytes": budget, "layers": args.layers}
+    res = {"benchmark": "stream", "arch": args.arch, "date": datetime.date.today().isoformat(),
+           "host": platform.node(), "gpu": torch.cuda.get_device_name(0),
+           "model_bytes": store.total_bytes, "budget_bytes": budget, "layers": store.num_layers,
+           "prepare_s": round(time.perf_counter() - t0, 1)}
     h2d = pinned_h2d()
     res["pinned_h2d_gbps"] = h2d
-    config = {"host_cache_bytes": args.host_cache, "unified_memory_ratio": 0.6,
-              "prefetch_window": args.window}
+    # Defaults everywhere else: prefetch_window "auto", unified_memory_ratio a ceiling.
+    config = {"host_cache_bytes": args.host_cache}
     client = Client(embedded=True, config=config)
-    client._backend.fabric.arena(0)     # page-lock the host arena once, as the daemon does
 
     # Fully resident: the decode rate the GPU itself allows at each batch.
     resident = load_model(store_dir, device="cuda:0", client=client)
@@ -107,6 +117,7 @@ def main(argv=None) -> int:
                     for b in plan.stream_blocks[layer])
     bound1 = min(h2d * 1e9 / per_token, res["resident_tok_s"][1])
     res["plan"] = {"streamed_layers": len(plan.streamed_layers), "slots": plan.n_slots,
+                   "window": plan.window,
                    "slot_bytes": plan.slot_bytes, "resident_bytes": plan.resident_bytes,
                    "streamed_bytes_per_token": per_token}
     res["bound_batch1_tok_s"] = round(bound1, 3)
@@ -121,6 +132,9 @@ def main(argv=None) -> int:
         res["streamed_tok_s"][b] = round(rate, 3)
         res["vs_bound"][b] = round(rate / bound, 3)
         res["tokens_identical_to_resident"][b] = bool(torch.equal(out.cpu(), resident_out[b]))
+        res.setdefault("window_decisions_by_batch", {})[b] = [
+            {k: d[k] for k in ("from", "to", "reason")} for d in after["decisions"]
+            if d not in before["decisions"]]
         if b == 1:
             hits = after["prefetch_hits"] - before["prefetch_hits"]
             misses = after["prefetch_miss_count"] - before["prefetch_miss_count"]
@@ -141,10 +155,11 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
 
     # Time to first token from a cold model: streamed (lazy) vs the whole model loaded first.
-    for name, kwargs in (("streamed_lazy", {"weight_budget": budget}), ("whole_model_first", {})):
+    for name, kwargs in (() if args.skip_ttft else
+                         (("streamed_lazy", {"weight_budget": budget}), ("whole_model_first", {}))):
         drop_caches()
         c = Client(embedded=True, config=config)
-        c._backend.fabric.arena(0)
+        c._backend.fabric.pin_host()
         ids = torch.tensor([[1, 2, 3, 4]], device="cuda:0")
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -169,18 +184,19 @@ def main(argv=None) -> int:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             src, dtype=torch.bfloat16, device_map="auto",
             max_memory={0: budget, "cpu": 200 << 30})
-        rate, _ = decode_rate(model, 1, 4)
+        rate, _ = decode_rate(model, 1, args.accelerate_tokens)
         res["accelerate_tok_s"] = round(rate, 3)
         res["vs_accelerate"] = round(res["streamed_tok_s"][1] / rate, 2)
         del model
         torch.cuda.empty_cache()
     res["goals"] = {
-        "batch1>=0.97*bound": res["vs_bound"][1] >= 0.97,
-        "batches>=0.9*bound": all(v >= 0.9 for v in res["vs_bound"].values()),
+        "every_batch>=0.97*bound": all(v >= 0.97 for v in res["vs_bound"].values()),
         "hit_rate>=0.95": res["steady_prefetch_hit_rate"] >= 0.95,
         "vs_accelerate>=7.5": res.get("vs_accelerate", 0) >= 7.5,
     }
     emit(res, args.output)
+    if args.cleanup:
+        __import__("shutil").rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -206,7 +206,7 @@ class Client:
         self._callbacks = []
         self._host_tensor = None             # the host arena as a tensor (this mapping)
         self._pinned_arena = None            # the arena mapping page-locked by this client
-        self._gpu_arenas: dict = {}          # CUDA index -> the daemon's arena, opened once
+        self._gpu_arenas: dict = {}          # CUDA index -> the daemon's arena segments (DeviceMemory)
         if embedded:
             self._backend = self._embedded(config)
             return
@@ -299,14 +299,17 @@ class Client:
         return result
 
     # --- device tier (used by load_model) ---------------------------------------------------------
-    def attach(self, model, device, weight_budget: int | None = None) -> dict:
+    def attach(self, model, device, weight_budget: int | None = None, priority: int = 0) -> dict:
         """The model's memory on ``device`` ("cpu" or a CUDA index) for this client: plan,
-        control page (gates, block offsets), GPU arena and events, streaming slots."""
+        control page (gates, block offsets), GPU arena and events, streaming slots. A load this
+        attach starts reads with ``priority`` (higher goes to the disk first)."""
         # Only a client in another process needs CUDA IPC handles; sharing memory with oneself
         # would pin it in torch's IPC bookkeeping for good.
         args = {"model": _name(model), "device": device, "ipc": self.mode == "daemon"}
         if weight_budget is not None:
             args["weight_budget"] = int(weight_budget)
+        if priority:
+            args["priority"] = int(priority)
         return self._backend.call("attach", args)
 
     def detach(self, model=None) -> None:
@@ -319,8 +322,10 @@ class Client:
 
         if self._host_tensor is None:
             self._host_tensor = torch.frombuffer(self.arena, dtype=torch.uint8)
-        if pinned and self._pinned_arena is None and self.mode == "daemon":
-            # Embedded: the controller's fabric pinned this very mapping already.
+        if pinned and self.mode == "embedded":
+            # The controller's fabric pins this very mapping (at start, in the background).
+            self._backend.fabric.pin_host()
+        elif pinned and self._pinned_arena is None:
             if register_host_memory(self.arena.address, self.arena.size):
                 self._pinned_arena = self.arena
         return self._host_tensor
@@ -331,12 +336,12 @@ class Client:
             return self.host_tensor(), None
         if self.mode == "embedded":
             load = self._backend.attachments.by_control_offset(desc["control_offset"])
-            return self._backend.fabric.arenas[device].tensor, load.placement.events
+            return self._backend.fabric.arenas[device].memory, load.placement.events
         import torch
 
-        arena = self._gpu_arenas.get(device)
-        if arena is None:
-            arena = self._gpu_arenas[device] = open_gpu_arena(desc["gpu_arena"])
+        # Segments this process has not opened yet are opened (once each); released ones dropped.
+        arena = self._gpu_arenas[device] = open_gpu_arena(desc["gpu_arena"],
+                                                          self._gpu_arenas.get(device))
         events = [torch.cuda.Event.from_ipc_handle(device, bytes(h)) for h in desc["events"]]
         return arena, events
 

@@ -101,6 +101,7 @@ class FlashModelHandle:
         self.stream = None
         self.decoder = None                     # decode.GraphDecoder with decode="graphs"
         self.timings: dict[str, float] = {}     # load_model's phases, ms
+        self.priority = 0                       # of this model's reads in the controller
         self._owns_client = owns_client
         self.closed = False
 
@@ -118,7 +119,8 @@ class FlashModelHandle:
 
 
 def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, flash_context=None,
-               *, client=None, socket_path=None, config=None, decode="eager", decode_capacity=None):
+               *, client=None, socket_path=None, config=None, decode="eager", decode_capacity=None,
+               priority: int = 0):
     """A ``transformers`` causal LM whose weights are views into the controller's memory.
 
     ``name_or_path``: a registered model name or a store directory (``deepseek-flash pack``).
@@ -127,6 +129,8 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
     memory this model may occupy; layers that do not fit are streamed (``client.stream``).
     ``embedded``: None uses the daemon when one answers, else an in-process controller.
     ``flash_context``: ``flash_config`` overrides for this model (e.g. ``prefetch_window``).
+    ``priority``: of this model's disk reads in the controller (its load, its streamed layers):
+    higher goes before waiting reads of other models, e.g. another model's cold load.
     ``decode``: ``"eager"`` (transformers' ``generate``) or ``"graphs"``: ``generate()`` decodes
     each token as one CUDA-graph replay over a static KV cache of ``decode_capacity`` tokens per
     sequence (prompt + new; default ``min(4096, max_position_embeddings)``), see
@@ -163,7 +167,8 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
         handle = FlashModelHandle(client, info, dev, None, owns_client)
         handle.timings = timings
         # Attach first: a cold load starts reading and copying while the skeleton is built.
-        handle.desc = client.attach(info.name, target, weight_budget=budget)
+        handle.priority = priority
+        handle.desc = client.attach(info.name, target, weight_budget=budget, priority=priority)
         lap("attach_ms")
         model = build_skeleton(info.config)
         if dev.type != "cpu":

@@ -81,12 +81,21 @@ def build_skeleton(config_dict: dict):
 def bind_parameters(model, tensors: dict, complete: bool = True) -> None:
     """Make each named parameter of ``model`` the given tensor (a view; never copied).
 
-    With ``complete`` every parameter must be bound afterwards (none left on meta).
+    A quantized weight (``deepseek_flash.quant.QuantizedTensor``, from a quantized store) swaps its
+    ``nn.Linear`` for a ``QuantLinear`` bound to the codes and scales: precision is chosen here,
+    at bind time, never in the forward pass. With ``complete`` every parameter must be bound
+    afterwards (none left on meta).
     """
     import torch
 
+    from ..quant import QuantizedTensor
+    from ..quant.linear import bind_quantized
+
     for name, tensor in tensors.items():
         module_name, _, leaf = name.rpartition(".")
+        if isinstance(tensor, QuantizedTensor):
+            bind_quantized(model, module_name, tensor)
+            continue
         module = model.get_submodule(module_name)
         if leaf not in module._parameters:
             raise KeyError(f"the model has no parameter {name!r}")

@@ -28,7 +28,8 @@ from collections import deque
 
 from ..errors import FlashError
 from ..fsutil import align_up
-from ..prefetch import WindowController
+from ..cuda import pcie_capacity
+from ..prefetch import NVML_SAMPLE_S, WindowController, other_link_load
 from ..store.views import block_tensors
 from ..wire import SLOT_ALIGNMENT, Plan
 from .skeleton import bind_parameters, decoder_parts
@@ -127,12 +128,16 @@ class StreamRuntime:
         self.misses = 0
         self.stall_us = 0.0
         self.bytes_streamed = 0
+        self._in_flight: deque = deque()    # (slot, bytes) copies issued, oldest first (CUDA)
+        self._bytes_completed = 0
+        self._issued_mark = 0
         self.tokens = 0
         self._pass_misses = 0
         self._pass_stalls = 0
         self._timing: deque = deque()       # (start, end) timing events in flight, oldest first
         self._timing_pool: list = []
         self._reporter = None
+        self.host_side = None                # StreamedHost (daemon mode on a GPU), else None
         self.close_hooks: list = []          # run once at close (the host leases go back)
         self._slot_layout = {}
         for layer in self.layers:
@@ -142,15 +147,16 @@ class StreamRuntime:
                 offset += align_up(blocks[bid].length, SLOT_ALIGNMENT)
             self._slot_layout[layer] = layout
         self._bind(model)
-        self.link = LinkSampler(int(device), lambda: self.bytes_streamed).start() if self.is_cuda else None
+        self.link = LinkSampler(int(device), self.completed_bytes).start() if self.is_cuda else None
         self._hooks = []
-        _, decoder_layers, _, _ = decoder_parts(model)
+        embed, decoder_layers, _, _ = decoder_parts(model)
+        # The first copies are issued when a pass starts (at the embeddings), not here: an
+        # attach never waits for the streamed blocks' host leases or their disk reads.
+        self._hooks.append(embed.register_forward_pre_hook(self._start_hook))
         for idx, layer in enumerate(self.layers):
             module = decoder_layers[layer]
             self._hooks.append(module.register_forward_pre_hook(self._pre_hook(idx)))
             self._hooks.append(module.register_forward_hook(self._post_hook(idx)))
-        with self._lock:
-            self._fill(0)
 
     # --- binding ---------------------------------------------------------------------------------
     def _bind(self, model) -> None:
@@ -181,6 +187,9 @@ class StreamRuntime:
             wait_for = None
             self.bytes_streamed += n
         self.ops.record_copy(self.copy_done[slot])
+        if self.is_cuda:
+            self._in_flight.append((slot, self.bytes_streamed - self._issued_mark))
+            self._issued_mark = self.bytes_streamed
         self._slot_owner[slot] = seq
         self._slot_busy[slot] = True
         self._issued = seq
@@ -193,6 +202,12 @@ class StreamRuntime:
             if self._slot_busy[self._slot_of(seq)]:
                 break
             self._issue(seq)
+
+    def _start_hook(self, module, args):
+        """A pass starts: copies up to the window ahead of the next streamed layer (normally
+        issued already by the previous pass's last layers; on the first pass, here)."""
+        with self._lock:
+            self._fill(self._next - 1)
 
     def _pre_hook(self, idx: int):
         def pre(module, args):
@@ -243,6 +258,19 @@ class StreamRuntime:
         self._fill(base - 1)
 
     # --- measurement -----------------------------------------------------------------------------
+    def completed_bytes(self) -> int:
+        """Bytes whose copies have finished on the copy stream (all issued bytes on the CPU).
+
+        Copies finish in issue order (one stream), so the walk stops at the first unfinished one.
+        A slot's event may since have been recorded again for a later copy: that one finishing
+        means the earlier did too; until it does, the earlier one is counted a little late."""
+        if not self.is_cuda:
+            return self.bytes_streamed
+        with self._lock:
+            while self._in_flight and self.copy_done[self._in_flight[0][0]].query():
+                self._bytes_completed += self._in_flight.popleft()[1]
+            return self._bytes_completed
+
     def _count(self, hit: bool) -> None:
         if hit:
             self.hits += 1
@@ -329,32 +357,24 @@ class StreamRuntime:
         self.close_hooks = []
 
 
-# nvmlDeviceGetPcieLinkMaxSpeed answers with an enum (NVML_PCIE_LINK_MAX_SPEED_*), not a number:
-# 1..6 stand for 2500, 5000, 8000, 16000, 32000, 64000 Mbit/s per lane (PCIe generations 1..6).
-_NVML_LINK_SPEED_MBPS = {1: 2500, 2: 5000, 3: 8000, 4: 16000, 5: 32000, 6: 64000}
-
-
-def pcie_capacity(nv, handle) -> float:
-    """The device's PCIe link capacity in bytes/s, one direction: per-lane signalling rate, less
-    line encoding (8b/10b up to 5 GT/s, 128b/130b from 8 GT/s), times the link width."""
-    speed = int(nv.nvmlDeviceGetPcieLinkMaxSpeed(handle))
-    mbps = _NVML_LINK_SPEED_MBPS.get(speed, speed)   # a driver that answers in Mbit/s: as is
-    encoding = 8 / 10 if mbps <= 5000 else 128 / 130
-    return mbps * 1e6 / 8 * encoding * int(nv.nvmlDeviceGetMaxPcieLinkWidth(handle))
-
-
 class LinkSampler:
     """How busy the PCIe link is with traffic that is not this client's streaming.
 
-    A background thread reads the device's PCIe receive throughput from NVML every ``interval``
-    seconds, subtracts what this process streamed over the same interval, and keeps the rest as a
-    fraction of the link's capacity in ``load`` (None until the first sample, or without NVML).
+    A background thread reads the device's PCIe receive rate from NVML every ``sample_s`` (each
+    reading covers NVML's last 20 ms) and, every ``interval`` seconds, compares their mean with
+    the bytes this client's copies *completed* over the same interval (``completed_bytes``, from
+    the copy events): ``prefetch.other_link_load`` of the two is ``load`` (None until the first
+    interval, where too few readings came in, or without NVML). Bytes merely issued would count
+    copies still queued; one short reading against a long average would read our own bursts as
+    someone else's traffic -- both made the window shrink with nothing else on the link.
     """
 
-    def __init__(self, device: int, streamed_bytes, interval: float = 0.5, nvml=None):
+    def __init__(self, device: int, completed_bytes, interval: float = 0.5,
+                 sample_s: float = NVML_SAMPLE_S, nvml=None):
         self.load: float | None = None
-        self._streamed = streamed_bytes          # callable: bytes this client streamed so far
+        self._completed = completed_bytes        # callable: bytes this client's copies completed
         self._interval = interval
+        self._sample_s = sample_s
         self._stop = threading.Event()
         self._nvml = nvml
         self._device = device
@@ -374,14 +394,14 @@ class LinkSampler:
         handle = nv.nvmlDeviceGetHandleByIndex(self._device)
         return handle, pcie_capacity(nv, handle)
 
-    def sample(self, handle, capacity, last_bytes: int, seconds: float) -> int:
-        """One measurement: update ``load``; returns the streamed-bytes mark for the next one."""
+    def read_rx(self, handle) -> float:
+        """One NVML reading: the receive rate over its last 20 ms, bytes/s."""
         nv = self._nvml
-        rx = nv.nvmlDeviceGetPcieThroughput(handle, nv.NVML_PCIE_UTIL_RX_BYTES) * 1024.0  # KB/s
-        now_bytes = self._streamed()
-        ours = (now_bytes - last_bytes) / seconds if seconds > 0 else 0.0
-        self.load = max(0.0, rx - ours) / capacity if capacity else None
-        return now_bytes
+        return nv.nvmlDeviceGetPcieThroughput(handle, nv.NVML_PCIE_UTIL_RX_BYTES) * 1024.0  # KB/s
+
+    def close_interval(self, rx_rates, own_bytes: int, seconds: float, capacity) -> None:
+        """End one interval: ``load`` from its readings and the bytes we completed in it."""
+        self.load = other_link_load(rx_rates, own_bytes, seconds, capacity, self._sample_s)
 
     def _run(self) -> None:
         try:
@@ -389,14 +409,18 @@ class LinkSampler:
         except Exception as exc:   # noqa: BLE001 -- NVML absent or refusing (its own error types):
             log.debug("PCIe load not sampled: %s", exc)   # the window then ignores the link
             return
-        mark, t = self._streamed(), time.monotonic()
-        while not self._stop.wait(self._interval):
-            now = time.monotonic()
+        mark, t = self._completed(), time.monotonic()
+        rates: list[float] = []
+        while not self._stop.wait(self._sample_s):
             try:
-                mark = self.sample(handle, capacity, mark, now - t)
+                rates.append(self.read_rx(handle))
             except Exception as exc:   # noqa: BLE001 -- a sampler thread must outlive NVML hiccups
                 log.debug("PCIe sample failed: %s", exc)
-            t = now
+            now = time.monotonic()
+            if now - t >= self._interval:
+                done = self._completed()
+                self.close_interval(rates, done - mark, now - t, capacity)
+                mark, t, rates = done, now, []
 
     def stop(self) -> None:
         self._stop.set()
@@ -415,29 +439,132 @@ def _sm_clock_mhz() -> int:
         return NOMINAL_CLOCK_MHZ
 
 
+class StreamedHost:
+    """The host side of one streaming client in daemon mode: leases of the streamed blocks and
+    the page-locking of *their* ranges in this process, both off the attach path.
+
+    ``load_model`` must not page-lock the daemon's whole host arena (seconds, growing with the
+    host cache). Instead a background thread takes each streamed layer's lease in forward order
+    and page-locks just those blocks' ranges (merged where adjacent); until a range is pinned
+    its copies run from pageable memory (correct, slower), after that at link speed. The
+    runtime's first pass asks for a layer through ``fetch`` too; each layer is leased once.
+    ``close`` stops the thread, unpins what it pinned, and releases the leases.
+    """
+
+    def __init__(self, client, model: str, plan: Plan, blocks: dict, host_address: int,
+                 register=None, unregister=None, priority: int = 0):
+        from ..cuda import register_host_range, unregister_host_memory
+
+        self.client, self.model, self.plan, self.blocks = client, model, plan, blocks
+        self.address = host_address
+        self.priority = priority
+        self._register = register or register_host_range
+        self._unregister = unregister or unregister_host_memory
+        self._leases: dict[int, object] = {}         # layer -> lease
+        self._layer_locks = {layer: threading.Lock() for layer in plan.streamed_layers}
+        self._pinned: list[int] = []                  # addresses this object registered
+        self._stop = threading.Event()
+        self.pinned_bytes = 0
+        self.pin_seconds: float | None = None         # time to pin every streamed range
+        self._thread = threading.Thread(target=self._run, daemon=True, name="flash-stream-pin")
+
+    def start(self) -> StreamedHost:
+        self._thread.start()
+        return self
+
+    def fetch(self, layer: int) -> dict:
+        """The layer's ``{block id: host offset}`` under a lease (taken once)."""
+        with self._layer_locks[layer]:
+            lease = self._leases.get(layer)
+            if lease is None:
+                lease = self._leases[layer] = self.client.acquire(
+                    self.model, blocks=self.plan.stream_blocks[layer], priority=self.priority)
+            return lease.blocks
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        try:
+            for layer in self.plan.streamed_layers:
+                if self._stop.is_set():
+                    return
+                for begin, end in _merged_ranges(self.fetch(layer), self.blocks):
+                    if self._stop.is_set():
+                        return
+                    if self._register(self.address + begin, end - begin):
+                        self._pinned.append(self.address + begin)
+                        self.pinned_bytes += end - begin
+            self.pin_seconds = time.monotonic() - start
+            log.debug("streamed host ranges page-locked: %d bytes in %.2f s", self.pinned_bytes,
+                      self.pin_seconds)
+        except Exception as exc:   # noqa: BLE001 -- copies stay pageable (slower), never wrong
+            log.warning("page-locking the streamed host ranges stopped: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for address in self._pinned:
+            self._unregister(address)
+        self._pinned = []
+        for lease in self._leases.values():
+            try:
+                self.client.release(lease)
+            except FlashError as exc:   # the daemon went away: its leases went with it
+                log.debug("releasing a streamed lease: %s", exc)
+        self._leases = {}
+
+
+def _merged_ranges(offsets: dict, blocks: dict) -> list[tuple[int, int]]:
+    """Page-aligned ``[begin, end)`` host ranges covering the blocks, adjacent ones merged (each
+    block starts 4 KiB-aligned in the arena and owns the pages up to the next 4 KiB)."""
+    ranges: list[list[int]] = []
+    for bid, off in sorted(offsets.items(), key=lambda kv: kv[1]):
+        end = off + align_up(blocks[bid].length, 4096)
+        if ranges and ranges[-1][1] == off:
+            ranges[-1][1] = end
+        else:
+            ranges.append([off, end])
+    return [(a, b) for a, b in ranges]
+
+
 def start_streaming(model, handle, plan: Plan, desc: dict, memory, target) -> StreamRuntime:
     """The streamed part of an attach (``load_model`` bound the resident part): slots, host
-    leases of the streamed blocks (taken per layer on the first pass, after a prefetch hint that
-    starts their disk reads now), the runtime, and its counter reports."""
+    leases of the streamed blocks (after a prefetch hint that starts their disk reads now), the
+    runtime, and its counter reports. In daemon mode on a GPU the leases and the page-locking
+    of the streamed ranges run in the background (``StreamedHost``); embedded, the controller
+    pinned the whole arena already."""
     import torch
 
     client, info = handle.client, handle.info
+    blocks = {b.id: b for b in info.blocks}
     if target == "cpu":
         slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8) for _ in range(plan.n_slots)]
     else:
         slots = [memory[off:off + plan.slot_bytes] for off in desc["slots"]]
-    host = client.host_tensor(pinned=target != "cpu")
     client.prefetch(info.name, layers=plan.streamed_layers)
-    leases = []
+    if target != "cpu" and client.mode == "daemon":
+        host = client.host_tensor()
+        side = StreamedHost(client, info.name, plan, blocks, client.arena.address,
+                            priority=handle.priority)
+        fetch_host, close = side.fetch, side.close
+        side.start()
+    else:
+        host = client.host_tensor(pinned=target != "cpu")
+        side = None
+        leases = []
 
-    def fetch_host(layer: int) -> dict:
-        lease = client.acquire(info.name, blocks=plan.stream_blocks[layer])
-        leases.append(lease)
-        return lease.blocks
+        def fetch_host(layer: int) -> dict:
+            lease = client.acquire(info.name, blocks=plan.stream_blocks[layer],
+                                   priority=handle.priority)
+            leases.append(lease)
+            return lease.blocks
 
-    runtime = StreamRuntime(model, plan, {b.id: b for b in info.blocks}, host, {}, slots, target,
-                            info.flash_config["prefetch_window"], fetch_host)
+        def close():
+            for lease in leases:
+                client.release(lease)
+
+    runtime = StreamRuntime(model, plan, blocks, host, {}, slots, target, plan.window, fetch_host)
+    runtime.host_side = side
     runtime.start_reporting(lambda stats: client.call(
         "report_stream", {"model": info.name, "stats": stats}))
-    runtime.close_hooks.append(lambda: [client.release(lease) for lease in leases])
+    runtime.close_hooks.append(close)
     return runtime

@@ -117,10 +117,11 @@ class Application:
         self.controller = build_controller(self.config, status=self.snapshot,
                                            udev_monitor=self._udev_monitor)
         self.manager = self.controller.manager
+        manager = self.manager
         try:
             self.server = Server(self.controller.ops, listeners, self.controller.arena,
                                  self.config.max_frame_bytes, resolve_group(self.config.socket_group),
-                                 max_outstanding=lambda: self.manager.config.max_outstanding_requests_per_client)
+                                 max_outstanding=lambda: manager.config.max_outstanding_requests_per_client)
         except BaseException:
             self.controller.close()
             raise

@@ -3,8 +3,9 @@
 One table (``KEYS``) holds each key's default, parser, allowed values, scope, whether it can be
 changed at run time (``tunable``) and whether only a restart changes it (``restart``: a SIGHUP
 keeps the running value), so the loader, the per-model overrides, the ``set_tunable`` op, the
-reload and the docs all read the same facts. Invalid values raise ``ConfigError`` naming the key, the value and what
-is allowed; unknown keys are rejected (a typo must not silently fall back to a default).
+reload and the docs all read the same facts. Invalid values raise ``ConfigError`` naming the
+key, the value and what is allowed; unknown keys are rejected (a typo must not silently fall
+back to a default).
 
 Scopes:
 * ``daemon`` -- one value for the whole controller (arena size, sockets, limits, eviction);
@@ -38,6 +39,16 @@ def _int_range(lo: int, hi: int) -> Callable[[str, Any], int]:
                               key=key, value=value, allowed=f"{lo}..{hi}")
         return value
     return parse
+
+
+def _window(key, value):
+    if value == "auto":
+        return value
+    try:
+        return _int_range(0, 64)(key, value)
+    except ConfigError:
+        raise ConfigError(f"{key}: {value!r} is not allowed; use \"auto\" or an integer in 0..64",
+                          key=key, value=value, allowed="\"auto\" | 0..64") from None
 
 
 def _choice(*allowed: str, implemented: tuple[str, ...] | None = None) -> Callable[[str, Any], str]:
@@ -126,6 +137,33 @@ def _dir_list(key, value):
                       value=value, allowed="[\"/path\", ...]")
 
 
+def _kv_page_tokens(key, value):
+    if value == "auto" or (type(value) is int and value in (16, 32, 64, 128)):
+        return value
+    raise ConfigError(f"{key}: {value!r} is not allowed; use \"auto\", 16, 32, 64 or 128", key=key,
+                      value=value, allowed="\"auto\" | 16 | 32 | 64 | 128")
+
+
+def _kv_top_k(key, value):
+    if value is None or (type(value) is int and value >= 1) or (
+            type(value) is float and 0.0 < value <= 1.0):
+        return value
+    raise ConfigError(f"{key}: {value!r} is not allowed; use null (every page: lossless), a number "
+                      f"of pages >= 1 or a fraction in (0, 1]", key=key, value=value,
+                      allowed="null | int >= 1 | 0 < fraction <= 1")
+
+
+def _optional_size(key, value):
+    return None if value is None else parse_size(key, value)
+
+
+def _optional_dir(key, value):
+    if value is None or (isinstance(value, str) and value):
+        return None if value is None else str(Path(value).expanduser())
+    raise ConfigError(f"{key}: {value!r} is not allowed; use null or a directory", key=key,
+                      value=value, allowed="null | \"/path\"")
+
+
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 
 
@@ -154,22 +192,25 @@ def _default_store_roots():
 
 
 KEYS: dict[str, Key] = {
-    "prefetch_window": Key(2, _int_range(0, 64), "0..64", "model", True,
-                           "decoder layers loaded ahead of the one being acquired"),
+    "prefetch_window": Key("auto", _window, "\"auto\" | 0..64", "model", True,
+                           "decoder layers loaded ahead of the one being acquired (auto: chosen "
+                           "from the plan's slot size and the PCIe link)"),
     "block_eviction_policy": Key("lru", _choice("lru", "access_frequency_weighted"),
                                  "lru | access_frequency_weighted", "daemon", True,
                                  "which unleased block leaves the host tier first"),
     "eviction_threshold": Key(0.9, _fraction(False), "0 <= x <= 1", "daemon", True,
                               "evict unleased blocks when used > threshold * host_cache_bytes"),
     "unified_memory_ratio": Key(0.8, _fraction(True), "0 < r <= 1", "daemon", False,
-                                "share of each GPU's memory the device arena may take", restart=True),
-    "quantization_granularity": Key("per_tensor", _choice("per_tensor", "per_block"),
+                                "ceiling on the share of each GPU's memory the device arena grows to",
+                                restart=True),
+    "quantization_granularity": Key("per_block", _choice("per_tensor", "per_block"),
                                     "per_tensor | per_block", "model", False,
-                                    "scale granularity of a quantized scheme"),
-    "quantization_scheme": Key("none", _choice("none", "int8_symmetric", "int4_symmetric",
-                                               implemented=("none",)),
-                               "none (int8_symmetric, int4_symmetric: not implemented)", "model", False,
-                               "weight quantization of served blocks"),
+                                    "scale granularity of a quantized scheme (checked against the "
+                                    "store's when quantization_scheme is not none)"),
+    "quantization_scheme": Key("none", _choice("none", "int8_symmetric", "int4_symmetric"),
+                               "none | int8_symmetric | int4_symmetric", "model", False,
+                               "weight quantization expected of the store: none serves it as "
+                               "packed; a scheme must match a store packed with --quantize"),
     "error_recovery_mode": Key("strict", _choice("strict", "graceful"), "strict | graceful", "model",
                                True, "strict: a failed block fails its model until it is unloaded; "
                                      "graceful: the read is retried and the model keeps serving"),
@@ -191,6 +232,20 @@ KEYS: dict[str, Key] = {
                        "directories where model names are resolved"),
     "models": Key({}, _registry, "{name: path}", "daemon", False,
                   "registered model names and their store paths"),
+    # The tiered KV cache (deepseek_flash.kv) runs in the client; these keys reach it through the
+    # model's effective flash_config, so TieredCache.for_model of a load_model model uses them.
+    "kv_gpu_tokens": Key(512, _int_range(0, 1 << 20), "0..1048576", "model", False,
+                         "recent tokens whose KV a TieredCache keeps on the GPU"),
+    "kv_sink_tokens": Key(4, _int_range(0, 4096), "0..4096", "model", False,
+                          "first tokens whose KV a TieredCache keeps on the GPU for good"),
+    "kv_page_tokens": Key("auto", _kv_page_tokens, "\"auto\" | 16 | 32 | 64 | 128", "model", False,
+                          "tokens per KV page (auto: 32 up to a 4,096-token prompt, else 64)"),
+    "kv_top_k_pages": Key(None, _kv_top_k, "null | int >= 1 | 0 < fraction <= 1", "model", False,
+                          "pages attended per layer and step (null: every page, lossless)"),
+    "kv_host_bytes": Key(None, _optional_size, "null | size (int or \"8GiB\")", "model", False,
+                         "host-tier budget of a TieredCache; pages past it spill to kv_spill_dir"),
+    "kv_spill_dir": Key(None, _optional_dir, "null | directory", "model", False,
+                        "directory for KV pages past kv_host_bytes"),
 }
 
 TUNABLE = tuple(k for k, spec in KEYS.items() if spec.tunable)

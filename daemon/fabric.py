@@ -19,59 +19,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+import time
 
-from ..cuda import cuda_available, register_host_memory, unregister_host_memory
-from ..errors import BudgetTooSmall, DeviceError
-from ..fsutil import align_up
+from ..cuda import cuda_available, nvidia_driver_present, register_host_memory, unregister_host_memory
+from ..errors import DeviceError, FlashError
 from ..prefetch import ForwardOrder
-from .ranges import RangeAllocator
+from .gpu_arena import GpuArena
 
 log = logging.getLogger("deepseek_flash.fabric")
-
-# Device allocations are 2 MiB aligned: the allocation granularity of CUDA, so a block never
-# straddles two physical pages it does not need.
-DEVICE_ALIGNMENT = 2 << 20
-# Tensors inside a block only need 256-byte alignment; blocks of one model are packed tight.
-BLOCK_ALIGNMENT = 4096
-
-
-@dataclass
-class GpuArena:
-    """One device's arena: a single allocation, an offset allocator and a copy stream."""
-
-    device: int
-    size: int
-    tensor: object = field(repr=False)          # torch.uint8 CUDA tensor of ``size`` bytes
-    allocator: RangeAllocator = field(repr=False)
-    copy_stream: object = field(repr=False)
-
-    @classmethod
-    def create(cls, device: int, size: int) -> GpuArena:
-        import torch
-
-        size -= size % DEVICE_ALIGNMENT
-        try:
-            tensor = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
-        except torch.OutOfMemoryError as exc:
-            free, total = torch.cuda.mem_get_info(device)
-            raise BudgetTooSmall(
-                f"cannot allocate a {size} byte arena on cuda:{device} ({free} of {total} bytes "
-                f"free); lower unified_memory_ratio", device=device, requested=size, free=free) from exc
-        stream = torch.cuda.Stream(device=device)
-        return cls(device=device, size=size, tensor=tensor,
-                   allocator=RangeAllocator(size, BLOCK_ALIGNMENT, name=f"GPU arena cuda:{device}"),
-                   copy_stream=stream)
-
-    def ipc_descriptor(self) -> dict:
-        """What a client needs to open this arena once (see ``deepseek_flash.cuda.open_gpu_arena``)."""
-        storage = self.tensor.untyped_storage()
-        (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset,
-         event_handle, event_sync) = storage._share_cuda_()
-        return {"device": int(dev), "handle": bytes(handle), "size": int(size_bytes),
-                "offset": int(offset_bytes), "ref_handle": bytes(ref_handle),
-                "ref_offset": int(ref_offset), "event_handle": bytes(event_handle or b""),
-                "event_sync": bool(event_sync), "arena_size": self.size}
 
 
 class DevicePlacement:
@@ -103,10 +58,16 @@ class Fabric:
         self.placements: dict[tuple, DevicePlacement] = {}
         self.slots: dict[tuple, list[int]] = {}      # (client, device) -> slot offsets
         self.host_pinned = False
+        self._pin_tried = False
+        self._pin_lock = threading.Lock()
+        self._prepare_thread: threading.Thread | None = None
+        self._pin_thread: threading.Thread | None = None
         self._host_tensor = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()            # arena creation
+        self._count_lock = threading.Lock()      # bytes_h2d: every load thread adds to it
         self.bytes_h2d = 0
         self._available: bool | None = None
+        self._closing = threading.Event()
 
     @property
     def available(self) -> bool:
@@ -142,15 +103,47 @@ class Fabric:
                 raise DeviceError(f"cuda:{device} is not served by this controller (devices: "
                                   f"{self.devices} in the configuration)", device=device,
                                   allowed=list(self.devices))
-            if not self.host_pinned:
-                self.host_pinned = register_host_memory(self.host_arena.address, self.host_arena.size)
             _, total = torch.cuda.mem_get_info(device)
-            arena = GpuArena.create(device, int(total * self.unified_memory_ratio))
-            log.info("GPU arena on cuda:%d: %d bytes (unified_memory_ratio %.2f), host arena %s",
-                     device, arena.size, self.unified_memory_ratio,
-                     "page-locked" if self.host_pinned else "pageable")
+            # A ceiling, not an allocation: segments are mapped as loads and slot rings need them.
+            arena = GpuArena.create(device, int(total * self.unified_memory_ratio),
+                                    ratio=self.unified_memory_ratio)
+            log.info("GPU arena on cuda:%d: ceiling %d bytes (unified_memory_ratio %.2f), mapped "
+                     "on demand", device, arena.ceiling, self.unified_memory_ratio)
             self.arenas[device] = arena
             return arena
+
+    def pin_host(self, wait: bool = True) -> bool:
+        """Page-lock the host arena once for every device (``cudaHostRegister``, portable); a
+        caller that comes while another thread pins waits for it. True when pinned.
+
+        ``wait=False`` (a load's copies): never wait -- start the pinning on its own thread if
+        nobody has, and answer whether it is done; until it is, copies run from pageable memory
+        (~6.6 GB/s on the H200 machine, still above the disk), so a load right after start is not
+        held up by page-locking a large host arena (40 GiB: ~25 s there)."""
+        if self.host_pinned or self._pin_tried:
+            return self.host_pinned
+        if not wait:
+            with self._lock:
+                if self._pin_thread is None:
+                    self._pin_thread = threading.Thread(target=self.pin_host, daemon=True,
+                                                        name="flash-host-pin")
+                    self._pin_thread.start()
+            return False
+        with self._pin_lock:
+            if not self._pin_tried:
+                start = time.monotonic()
+                # Fault the pages in first, outside CUDA: cudaHostRegister of populated memory
+                # is ~4x faster (0.56 s vs 2.6 s for 4 GiB on the H200 machine), and the driver
+                # appears to hold other CUDA calls of this process while it registers.
+                populate = getattr(self.host_arena, "populate", None)
+                if populate is not None:
+                    populate()
+                self.host_pinned = register_host_memory(self.host_arena.address, self.host_arena.size)
+                self._pin_tried = True
+                log.info("host arena of %d bytes %s in %.2f s", self.host_arena.size,
+                         "page-locked" if self.host_pinned else "left pageable",
+                         time.monotonic() - start)
+        return self.host_pinned
 
     def host_tensor(self):
         if self._host_tensor is None:
@@ -166,14 +159,8 @@ class Fabric:
         """
         model = key[0]
         arena = self.arena(device)
-        need = sum(align_up(b.length, BLOCK_ALIGNMENT) for b in blocks)
-        if need > arena.allocator.free_bytes():
-            raise BudgetTooSmall(
-                f"model {model!r} needs {need} bytes resident on cuda:{device}, the arena has "
-                f"{arena.allocator.free_bytes()} of {arena.size} bytes free "
-                f"(unified_memory_ratio {self.unified_memory_ratio})",
-                model=model, device=device, needed=need, free=arena.allocator.free_bytes())
-        offsets = dict(zip([b.id for b in blocks], arena.allocator.alloc_many(b.length for b in blocks)))
+        offsets = dict(zip([b.id for b in blocks], arena.alloc_many(
+            (b.length for b in blocks), what=f"model {model!r}")))
         num_layers = 1 + max((b.layer for b in blocks), default=-1)
         stages = ForwardOrder(blocks, num_layers).stages
         placement = DevicePlacement(self, model, device, arena, offsets, stages)
@@ -186,43 +173,63 @@ class Fabric:
         import torch
 
         arena = placement.arena
+        # Never waits for the page-locking (see pin_host): pageable copies until it is done.
+        pinned = self.pin_host(wait=False)
         host = self.host_tensor()
+        copied = 0
         with torch.cuda.stream(arena.copy_stream):
             for block_id in placement.stages[gate]:
                 src, dst, n = host_offsets[block_id], placement.offsets[block_id], lengths[block_id]
-                arena.tensor[dst:dst + n].copy_(host[src:src + n], non_blocking=self.host_pinned)
-                self.bytes_h2d += n
+                arena[dst:dst + n].copy_(host[src:src + n], non_blocking=pinned)
+                copied += n
             placement.events[gate].record(arena.copy_stream)
+        with self._count_lock:
+            self.bytes_h2d += copied
 
     def prepare(self) -> threading.Thread | None:
-        """With ``devices`` configured, pin the host arena and create their arenas now, on a
-        background thread, so the first client does not pay seconds of page-locking."""
-        if not self.devices:
+        """At start, on a background thread: the CUDA context and arena (a ceiling, nothing
+        allocated) of every served device, then the host arena page-locked -- seconds for a large
+        host cache, done before the first client asks instead of in its request. A load that comes
+        meanwhile starts its disk reads at once and copies from pageable memory until the pinning
+        is done. Where no NVIDIA driver is present nothing is imported or started."""
+        if not nvidia_driver_present():
             return None
 
         def run():
-            if not self.available:
-                log.warning("devices %s configured but CUDA is not available", self.devices)
-                return
-            for device in self.devices:
-                try:
-                    self.arena(device)
-                except DeviceError as exc:
-                    log.error("%s", exc)
+            try:
+                if not self.available:
+                    if self.devices:
+                        log.warning("devices %s configured but CUDA is not available", self.devices)
+                    return
+                devices = self.devices if self.devices is not None else range(self.device_count())
+                for device in devices:
+                    if self._closing.is_set():
+                        return
+                    try:
+                        self.arena(device)
+                    except FlashError as exc:
+                        # One device that does not exist must not keep the others from being
+                        # prepared; a client asking for it gets the same error, typed.
+                        log.error("preparing cuda:%s: %s", device, exc)
+                if not self._closing.is_set():
+                    self.pin_host()
+            except Exception:   # noqa: BLE001 -- a failed preparation only costs the first client time
+                log.exception("preparing the GPU fabric at start failed; the first load does it")
 
-        thread = threading.Thread(target=run, daemon=True, name="flash-fabric-prepare")
+        thread = self._prepare_thread = threading.Thread(target=run, daemon=True,
+                                                         name="flash-fabric-prepare")
         thread.start()
         return thread
 
     def alloc_slots(self, owner, device: int, n_slots: int, slot_bytes: int) -> list[int]:
         """A client's ring of streaming slots in the arena (freed by ``free_slots``)."""
-        offsets = self.arena(device).allocator.alloc_many([slot_bytes] * n_slots)
+        offsets = self.arena(device).alloc_many([slot_bytes] * n_slots, what="a streaming slot ring")
         self.slots[(owner, device)] = offsets
         return offsets
 
     def free_slots(self, owner, device: int) -> None:
         for off in self.slots.pop((owner, device), []):
-            self.arenas[device].allocator.free(off)
+            self.arenas[device].free(off)
 
     def evict(self, key) -> int:
         """Drop one placement's device copies; bytes freed."""
@@ -230,14 +237,21 @@ class Fabric:
         placement.arena.copy_stream.synchronize()
         freed = 0
         for off in placement.offsets.values():
-            freed += placement.arena.allocator.free(off)
+            freed += placement.arena.free(off)
         return freed
 
     def close(self) -> None:
         """Free every device arena and unpin the host arena (before the host arena is unmapped:
-        a registration left behind would make later allocations at that address fail)."""
+        a registration left behind would make later allocations at that address fail). Waits
+        for the prepare thread (which starts nothing more once closing) and any pinning thread."""
+        self._closing.set()
+        for thread in (self._prepare_thread, self._pin_thread):
+            if thread is not None:
+                thread.join()
+        self._prepare_thread = self._pin_thread = None
         for arena in self.arenas.values():
             arena.copy_stream.synchronize()
+            arena.close()
         self.placements.clear()
         self.slots.clear()
         self.arenas.clear()
@@ -254,8 +268,11 @@ class Fabric:
         """Per device: arena size/used and, through pynvml, PCIe throughput and memory."""
         out = {}
         for device, arena in self.arenas.items():
-            out[f"cuda:{device}"] = {"arena_bytes": arena.size, "arena_used_bytes": arena.allocator.used}
-        out.update(nvml_telemetry())
+            out[f"cuda:{device}"] = {"arena_bytes": arena.size, "arena_used_bytes": arena.used,
+                                     "arena_ceiling_bytes": arena.ceiling,
+                                     "arena_segments": len(arena.memory)}
+        for name, fields in nvml_telemetry().items():
+            out.setdefault(name, {}).update(fields)
         return out
 
 

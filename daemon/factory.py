@@ -73,6 +73,13 @@ class Controller:
             for model in snap["models"].values():
                 model["unified_memory_fabric"] = "HOST_ONLY"
         snap["devices"] = fabric.telemetry()
+        gpu: dict[str, int] = {}
+        for load in self.attachments.loader.loads():
+            if load.device != "cpu":
+                gpu[load.info.name] = gpu.get(load.info.name, 0) + sum(
+                    b.length for b in load.info.blocks if b.id in load.resident)
+        for name, model in snap["models"].items():
+            model["gpu_bytes"] = gpu.get(name, 0)
         snap["stats"]["bytes_h2d"] = fabric.bytes_h2d + snap["stats"].get("bytes_streamed", 0)
         snap["stats"]["device_evictions"] = self.attachments.loader.evictions
         return snap

@@ -43,7 +43,8 @@ class Leases:
         """Lease ``blocks`` (or every block of ``layer``) of ``model``; a Future of the ``Lease``
         (a ``Resolved`` one when every block was resident).
 
-        ``priority`` is reserved (accepted, not yet used for ordering). With ``wait=False`` an
+        The reads of a higher ``priority`` go to the disk before waiting reads of a lower one
+        (``reads.ReadPipeline``; 0 by default, a load's own). With ``wait=False`` an
         acquire that would have to read raises ``NotResident`` after starting those reads.
         ``requester``: the client whose request this acquire serves, when another holds the lease
         (a shared GPU load holds its leases as the daemon): the reads count as that client's in
@@ -69,7 +70,7 @@ class Leases:
                 window = (handle.config if handle else m.config).prefetch_window
                 if window:
                     batch += self.prefetch_locked(m, m.order.stages_after(layer, window), protect)
-            self.reads.submit_locked(batch, client_id if requester is None else requester)
+            self.reads.submit_locked(batch, client_id if requester is None else requester, priority)
             s.generation += 1
             pending = [b for b in wanted if b.state == LOADING]
             if not pending:

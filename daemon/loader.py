@@ -27,7 +27,15 @@ from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
-from ..errors import ArenaFull, BudgetTooSmall, DeviceError, FlashError, StoreInUse
+from ..errors import (
+    ArenaFull,
+    BudgetTooSmall,
+    DeviceError,
+    FlashError,
+    LeaseError,
+    StoreInUse,
+    UnknownClient,
+)
 from ..prefetch import ForwardOrder
 from ..wire import GATE_FAILED, GATE_READY, control_page_size, control_views
 from .host_state import DAEMON_CLIENT
@@ -39,7 +47,7 @@ class Load:
     """One model's memory on one device, and the thread that fills it."""
 
     def __init__(self, manager, arena, info, device, owner: int, resident: list[int],
-                 placement=None, requester: int | None = None):
+                 placement=None, requester: int | None = None, priority: int = 0):
         self.manager = manager
         self.arena = arena
         self.info = info
@@ -47,6 +55,7 @@ class Load:
         self.owner = owner                       # client whose leases keep host blocks (cpu)
         self.requester = owner if requester is None else requester   # whose reads (profiler)
         self.placement = placement
+        self.priority = priority                 # of the reads (the attach that started it)
         self.resident = frozenset(resident)      # the blocks this load puts on the device
         self.order = ForwardOrder([b for b in info.blocks if b.id in self.resident],
                                   info.num_layers)
@@ -61,6 +70,7 @@ class Load:
         self.last_used = time.monotonic()
         self.error: FlashError | None = None
         self.finished: Future = Future()        # resolved (or failed) when the walk ends
+        self._stop: FlashError | None = None     # set by close(): the walk ends at its next stage
         if placement is not None:
             for bid, off in placement.offsets.items():
                 self.offsets[self.index[bid]] = off
@@ -90,12 +100,14 @@ class Load:
         copied: deque = deque()
         try:
             for gate in range(self.num_gates):
+                if self._stop is not None:
+                    raise self._stop
                 while submitted < self.num_gates and (
                         submitted <= gate or window is None or inflight + stage_bytes[submitted] <= window):
                     if stages[submitted]:
                         futures[submitted] = self.manager.acquire_async(
                             self.owner, self.info.name, blocks=list(stages[submitted]),
-                            requester=self.requester)
+                            priority=self.priority, requester=self.requester)
                         inflight += stage_bytes[submitted]
                     submitted += 1
                 if not stages[gate]:
@@ -130,7 +142,10 @@ class Load:
                                   device=str(self.device))
             self.error = exc
             self.gates[self.gates != GATE_READY] = GATE_FAILED
-            log.error("loading %s onto %s failed: %s", self.info.name, self.device, exc)
+            if exc is self._stop:
+                log.info("loading %s onto %s stopped: %s", self.info.name, self.device, exc)
+            else:
+                log.error("loading %s onto %s failed: %s", self.info.name, self.device, exc)
             for fut in futures.values():
                 fut.add_done_callback(self._release_future)
         finally:
@@ -145,11 +160,26 @@ class Load:
 
     def _release_future(self, fut) -> None:
         if fut.exception() is None:
-            self.manager.release(self.owner, fut.result().id)
+            try:
+                self.manager.release(self.owner, fut.result().id)
+            except FlashError:
+                pass   # the owner already disconnected: its leases went with it
 
-    def close(self) -> None:
-        """Release the host leases and the control page (the load must be finished)."""
+    def close(self, why: FlashError | None = None) -> None:
+        """End the load and give back its host leases and control page.
+
+        With ``why`` (a CPU load whose client detached or left) the walk stops at its next stage
+        and the caller does not wait: the leases and the control page are given back on the load
+        thread when it ends, so the server's loop is not held up by a cold read. Without it the
+        load is waited for (a GPU load: its device ranges are freed right after)."""
+        if why is not None:
+            self._stop = why
+            self.finished.add_done_callback(lambda _f: self._give_back())
+            return
         futures_wait([self.finished])
+        self._give_back()
+
+    def _give_back(self) -> None:
         for lease_id in list(self.leases):
             try:
                 self._release(lease_id)
@@ -171,7 +201,7 @@ class Loader:
         self._serial = itertools.count(1)
         self.evictions = 0                       # idle GPU loads dropped to make room
 
-    def attach(self, client_id: int, info, device, resident: list[int]) -> Load:
+    def attach(self, client_id: int, info, device, resident: list[int], priority: int = 0) -> Load:
         """A load of ``resident`` blocks of the model on ``device`` for this client.
 
         CPU loads are per client (its leases keep the host blocks). A GPU load is shared: a client
@@ -185,11 +215,14 @@ class Loader:
                 key = (info.name, "cpu", client_id)
                 load = self._loads.get(key)
                 if load is not None and load.resident != wanted:
-                    self._drop(key)
+                    self._drop(key, LeaseError(f"client {client_id} attached {info.name} again with "
+                                               f"another plan; the earlier load was ended",
+                                               client=client_id, model=info.name))
                     load = None
                 if load is None:
                     load = self._loads[key] = Load(self.manager, self.arena, info, "cpu",
-                                                   owner=client_id, resident=resident).start()
+                                                   owner=client_id, resident=resident,
+                                                   priority=priority).start()
             else:
                 device = int(device)
                 for key, load in list(self._loads.items()):
@@ -207,7 +240,8 @@ class Loader:
                     placement = self.with_room(device, lambda: self.fabric.place(key, device, blocks))
                     load = self._loads[key] = Load(self.manager, self.arena, info, device,
                                                    owner=DAEMON_CLIENT, resident=resident,
-                                                   placement=placement, requester=client_id).start()
+                                                   placement=placement, requester=client_id,
+                                                   priority=priority).start()
             load.clients.add(client_id)
             load.last_used = time.monotonic()
             return load
@@ -240,7 +274,9 @@ class Loader:
                 load.clients.discard(client_id)
                 load.last_used = time.monotonic()
                 if load.device == "cpu" and load.owner == client_id:
-                    self._drop(key)
+                    self._drop(key, UnknownClient(f"client {client_id} detached from {key[0]} (or left) "
+                                                  f"before its load finished", client=client_id,
+                                                  model=key[0]))
 
     def unload(self, model: str) -> int:
         """End every load of ``model``; returns device bytes freed."""
@@ -250,11 +286,13 @@ class Loader:
                 freed += self._drop(key)
             return freed
 
-    def _drop(self, key) -> int:
+    def _drop(self, key, why: FlashError | None = None) -> int:
+        """End one load; ``why`` lets a CPU load end without waiting (see ``Load.close``)."""
         load = self._loads.pop(key)
-        load.close()
         if load.placement is not None:
+            load.close()
             return self.fabric.evict(key)
+        load.close(why)
         return 0
 
     def close(self) -> None:
@@ -297,19 +335,21 @@ class Attachments:
         self._slots_lock = threading.Lock()
 
     def attach(self, client_id: int, model: str, device, weight_budget=None,
-               ipc: bool = True) -> dict | Future:
+               ipc: bool = True, priority: int = 0) -> dict | Future:
         """The attach reply, or a Future of it: a CPU attach answers once the blocks are read;
         the first attach to a device whose arena does not exist yet runs on its own thread (it
-        page-locks the host arena and allocates the device arena: seconds on a large arena),
-        so the daemon's loop keeps serving everyone else meanwhile."""
+        waits for CUDA to start in the daemon: importing torch and making the context take ~1.5 s
+        on the H200 machine), so the daemon's loop keeps serving everyone else meanwhile, and
+        the model's first blocks are read from disk in the meantime (``read_ahead``)."""
         if device != "cpu" and self.fabric is not None and not self.fabric.ready(int(device)):
+            self.read_ahead(client_id, model)
             future: Future = Future()
 
             def run():
                 try:
                     # Outside the loader's lock, which other clients' attaches need meanwhile.
                     self.fabric.arena(int(device))
-                    out = self._attach(client_id, model, device, weight_budget, ipc)
+                    out = self._attach(client_id, model, device, weight_budget, ipc, priority)
                 except BaseException as exc:   # noqa: BLE001 -- delivered to the client, typed
                     future.set_exception(exc)
                     return
@@ -320,26 +360,50 @@ class Attachments:
 
             threading.Thread(target=run, daemon=True, name=f"flash-attach-cuda:{device}").start()
             return future
-        return self._attach(client_id, model, device, weight_budget, ipc)
+        return self._attach(client_id, model, device, weight_budget, ipc, priority)
 
-    def _attach(self, client_id: int, model: str, device, weight_budget, ipc: bool) -> dict | Future:
+    def read_ahead(self, client_id: int, model: str) -> int:
+        """Start reading the model's first blocks in forward order, up to half the host arena
+        (what a GPU load keeps in flight), while the device is not ready yet; the load then finds
+        them read or in flight. Advisory: returns the reads started, 0 on any refusal (the
+        attach itself reports errors)."""
+        try:
+            info = self.manager.open_model(client_id, model)
+            length = {b.id: b.length for b in info.blocks}
+            room, ids = self.loader.arena.size // 2, []
+            for bid in (b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage):
+                room -= length[bid]
+                if room < 0:
+                    break
+                ids.append(bid)
+            return self.manager.prefetch(info.name, blocks=ids, client_id=client_id) if ids else 0
+        except FlashError as exc:
+            log.debug("read-ahead of %s before the device is ready: %s", model, exc)
+            return 0
+
+    def _attach(self, client_id: int, model: str, device, weight_budget, ipc: bool,
+                priority: int = 0) -> dict | Future:
         from .planner import plan_residency
 
         info = self.manager.open_model(client_id, model)
+        from ..cuda import link_bytes_per_s
+
+        link = None if device == "cpu" else link_bytes_per_s(int(device))
         plan = plan_residency(info.blocks, weight_budget, info.flash_config["prefetch_window"],
-                              info.name)
-        load = self.loader.attach(client_id, info, device, plan.resident)
+                              info.name, link)
+        load = self.loader.attach(client_id, info, device, plan.resident, priority)
         out = load.describe()
         out["plan"] = plan.to_wire()
         if device != "cpu":
-            if ipc:
-                out["gpu_arena"] = self.fabric.arena(int(device)).ipc_descriptor()
             if plan.streaming:
                 with self._slots_lock:
                     self._free_slots(client_id, info.name)
                     out["slots"] = self.loader.with_room(int(device), lambda: self.fabric.alloc_slots(
                         (client_id, info.name), int(device), plan.n_slots, plan.slot_bytes))
                     self._slots[(client_id, info.name)] = int(device)
+            if ipc:
+                # After the slots: the descriptor lists every segment the reply's offsets are in.
+                out["gpu_arena"] = self.fabric.arena(int(device)).ipc_descriptor()
         self.manager.set_plan(info.name, {**info.plan, "device": str(device),
                                           **{k: v for k, v in plan.to_wire().items()
                                              if k not in ("resident", "stream_blocks")},
@@ -384,7 +448,7 @@ class Attachments:
             placement.events[gate].synchronize()
             off = placement.offsets[block.id]
             torch.frombuffer(dest, dtype=torch.uint8).copy_(
-                placement.arena.tensor[off:off + block.length])
+                placement.arena[off:off + block.length])
             return True
         return False
 

@@ -133,9 +133,10 @@ class Operations:
                                  op="attach", argument="device")
         budget = _arg("attach", args, "weight_budget", int, required=False)
         ipc = _arg("attach", args, "ipc", bool, required=False, default=True)
+        priority = _arg("attach", args, "priority", int, required=False, default=0)
         if self.attachments is None:
             raise UnknownOperation("attach: this controller has no device tier", op="attach")
-        return self.attachments.attach(cid, model, device, budget, ipc=ipc)
+        return self.attachments.attach(cid, model, device, budget, ipc=ipc, priority=priority)
 
     def op_detach(self, cid, args):
         if self.attachments is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..errors import BudgetTooSmall
 from ..fsutil import align_up
+from ..prefetch import AUTO, auto_window
 from ..wire import SLOT_ALIGNMENT, Plan
 
 STREAM_ROLES = ("mlp_gate_up", "mlp_down")
@@ -44,12 +45,15 @@ def resident_minimum(blocks) -> int:
     return anchor_bytes + MIN_SLOTS * slot
 
 
-def plan_residency(blocks, budget: int | None, prefetch_window: int, model: str = "model") -> Plan:
+def plan_residency(blocks, budget: int | None, prefetch_window, model: str = "model",
+                   link_bytes_per_s: float | None = None) -> Plan:
     """The plan for ``blocks`` (BlockInfo list) under ``budget`` bytes (None: all resident).
 
     ``prefetch_window`` sets the ring: ``prefetch_window + 1`` slots (at least two), fewer only
-    when the budget cannot hold them. Raises ``BudgetTooSmall`` naming the sizes when the budget
-    cannot hold the anchors plus two slots.
+    when the budget cannot hold them; ``"auto"`` resolves it from the slot size and the link
+    (``prefetch.auto_window``; ``link_bytes_per_s`` None: a nominal link). The plan's ``window``
+    is where the client's window starts. Raises ``BudgetTooSmall`` naming the sizes when the
+    budget cannot hold the anchors plus two slots.
     """
     total = sum(_aligned(b.length) for b in blocks)
     if budget is None or budget >= total:
@@ -63,6 +67,8 @@ def plan_residency(blocks, budget: int | None, prefetch_window: int, model: str 
             f"(embeddings, norms, attention, head) {anchor_bytes} bytes + {MIN_SLOTS} streaming "
             f"slots of {slot} bytes = {minimum} bytes", model=model, budget=budget,
             anchors=anchor_bytes, slot_bytes=slot, minimum=minimum)
+    if prefetch_window == AUTO:
+        prefetch_window = auto_window(slot, link_bytes_per_s)
     wanted_slots = max(MIN_SLOTS, prefetch_window + 1)
     n_slots = max(MIN_SLOTS, min(wanted_slots, (budget - anchor_bytes) // slot))
     left = budget - anchor_bytes - n_slots * slot
@@ -83,4 +89,5 @@ def plan_residency(blocks, budget: int | None, prefetch_window: int, model: str 
     resident = [b.id for b in blocks if b.id in resident_set]
     return Plan(budget=budget, resident=resident, streamed_layers=streamed,
                 stream_blocks=stream_blocks, slot_bytes=slot, n_slots=n_slots,
-                resident_bytes=sum(_aligned(b.length) for b in blocks if b.id in resident_set))
+                resident_bytes=sum(_aligned(b.length) for b in blocks if b.id in resident_set),
+                window=min(prefetch_window, n_slots - 1))

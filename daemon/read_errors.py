@@ -3,7 +3,8 @@
 ``read_error_action(error, mode, retries, host_only)`` decides (no state, no IO; table-tested):
 
 * graceful mode re-reads a block once (a flipped bit on the wire, a transient media error);
-* a checksum mismatch quarantines the block: its disk copy is never read again until unload;
+* a checksum mismatch or a data file that ends early (``StoreTruncated``) quarantines the block:
+  its disk copy is bad and is never read again until unload; the device is not at fault;
 * an errno that says the device is going away makes a graceful model host-only;
 * graceful mode then asks the copy sources (tiers above that may hold a good copy);
 * strict mode fails the model.
@@ -18,7 +19,7 @@ import errno
 import logging
 from dataclasses import dataclass
 
-from ..errors import BlockChecksumError, DeviceError, FlashError, FlashIOError
+from ..errors import BlockChecksumError, DeviceError, FlashError, FlashIOError, StoreTruncated
 from .host_state import ABSENT, RESIDENT, BlockState, HostState
 
 log = logging.getLogger("deepseek_flash.block_manager")
@@ -52,10 +53,9 @@ def read_error_action(error: FlashError, mode: str, retries: int, host_only: boo
     graceful = mode == "graceful"
     if graceful and retries < GRACEFUL_RETRIES and not host_only:
         return RETRY
-    checksum = isinstance(error, BlockChecksumError)
-    device_lost = (isinstance(error, FlashIOError) and not checksum
-                   and getattr(error, "errno", None) in DEVICE_ERRNOS | {0})
-    return ReadAction(quarantine=checksum, device_lost=device_lost,
+    corrupt = isinstance(error, (BlockChecksumError, StoreTruncated))
+    device_lost = isinstance(error, FlashIOError) and getattr(error, "errno", None) in DEVICE_ERRNOS
+    return ReadAction(quarantine=corrupt, device_lost=device_lost,
                       host_only=device_lost and graceful and not host_only,
                       try_copies=graceful, fail_model=not graceful)
 

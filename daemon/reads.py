@@ -1,47 +1,74 @@
-"""Where a block is read into the host tier: one IO batch per request, one completion thread.
+"""Where a block is read into the host tier: reads in chunks, by priority, one completion thread.
 
-``submit_locked`` hands the blocks that ``leases`` allocated to the ``IOEngine`` in file order (a
-cold load is one sequential sweep; crc32c is checked by the engine as each extent lands). The
-completion thread waits on the engine with the GIL released, turns each completion into success
-or a typed error, and under the lock marks blocks resident or hands failures to the recovery
-policy (``read_errors``); futures are resolved outside the lock, so the server's done-callback
-(its wake-up) never runs under it.
+``submit_locked`` takes the blocks that ``leases`` allocated, in file order (a cold load is one
+sequential sweep; crc32c is checked by the engine as each extent lands), cut into chunks of about
+``chunk_bytes``. Chunks wait in the pipeline's own queue -- highest ``priority`` first, then
+arrival -- and are handed to the ``IOEngine`` only while less than ``inflight_bytes`` is in it. The
+engine serves what it was given in submission order, so without this an urgent acquire (an L0
+request's layers) would queue behind all of another model's cold load; with it, behind at most
+``inflight_bytes`` (a few times the engine's own queue, so the disk stays busy).
+
+The completion thread waits on the engine with the GIL released, turns each completion into
+success or a typed error, and under the lock marks blocks resident or hands failures to the
+recovery policy (``read_errors``), then hands the engine the next chunks; futures are resolved
+outside the lock, so the server's done-callback (its wake-up) never runs under it.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import threading
 import time
 
-from ..errors import FlashError, FlashIOError, UnknownClient
+from ..errors import FlashError, FlashIOError, StoreTruncated, UnknownClient
 from ..io import error_of
 from .host_state import RESIDENT, BlockState, HostState, Ticket, resolve_futures
 
 log = logging.getLogger("deepseek_flash.block_manager")
 
 
+# Reads are handed to the engine in chunks of about this many bytes (at least one block each).
+CHUNK_BYTES = 8 << 20
+RETRY_PRIORITY = 1 << 30
+
+
 class ReadPipeline:
     """Submits block reads and completes them on its own thread (``flash-io-completion``)."""
 
-    def __init__(self, state: HostState, residency, recovery, telemetry):
+    def __init__(self, state: HostState, residency, recovery, telemetry, chunk_bytes: int = CHUNK_BYTES,
+                 inflight_bytes: int | None = None):
         self.s = state
         self.residency = residency
         self.recovery = recovery
         self.telemetry = telemetry
+        self.chunk_bytes = chunk_bytes
+        if inflight_bytes is None:
+            engine = state.engine
+            queued = getattr(engine, "queue_depth", 32) * getattr(engine, "request_size", 1 << 20)
+            inflight_bytes = max(2 * chunk_bytes, 4 * queued)
+        self.inflight_bytes = inflight_bytes
+        self.inflight = 0                    # bytes handed to the engine and not yet completed
+        self._waiting: list = []             # heap of (-priority, seq, tokens, requests, bytes)
+        self._seq = itertools.count()
         self._batches: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._completion_loop, name="flash-io-completion",
                                         daemon=True)
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the completion thread (after in-flight reads finish)."""
+        """Stop the completion thread once every read asked for has finished (the waiting chunks
+        go to the engine now, so no acquire or load is left without an answer)."""
+        with self.s.lock:
+            self.inflight_bytes = float("inf")
+            self._pump_locked()
         self._batches.put(None)
         self._thread.join()
 
-    def submit_locked(self, blocks, client_id: int | None = None) -> None:
-        """Read ``blocks`` in one engine batch on behalf of ``client_id`` (None: a retry, which
-        keeps the block's original requester)."""
+    def submit_locked(self, blocks, client_id: int | None = None, priority: int = 0) -> None:
+        """Read ``blocks`` on behalf of ``client_id`` (None: a retry, which keeps the block's
+        original requester), before any waiting read of a lower ``priority``."""
         if not blocks:
             return
         from .._core import ReadRequest
@@ -54,7 +81,7 @@ class ReadPipeline:
 
         # Forward (file) order turns a cold load into one sequential sweep.
         blocks = sorted(blocks, key=lambda b: (b.model.path, b.info.file, b.info.offset))
-        requests, tokens = [], []
+        requests, tokens, size = [], [], 0
         for b in blocks:
             token = next(s.token_ids)
             b.token = token
@@ -67,12 +94,27 @@ class ReadPipeline:
                                         length=b.info.length,
                                         dest=s.arena.view(b.offset, b.info.length), dest_offset=0,
                                         block_id=token, expected_crc=b.info.crc32c))
-        try:
-            batch = s.engine.submit(requests)
-        except FlashError as exc:
-            self._batches.put(("failed", tokens, exc))
-            return
-        self._batches.put((batch, tokens, None))
+            size += b.info.length
+            if size >= self.chunk_bytes:
+                heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, requests, size))
+                requests, tokens, size = [], [], 0
+        if tokens:
+            heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, requests, size))
+        self._pump_locked()
+
+    def _pump_locked(self) -> None:
+        """Hand the engine the most urgent waiting chunks while it holds less than ``inflight_bytes``
+        (always at least one chunk, however large)."""
+        while self._waiting and (self.inflight == 0
+                                 or self.inflight + self._waiting[0][4] <= self.inflight_bytes):
+            _, _, tokens, requests, size = heapq.heappop(self._waiting)
+            try:
+                batch = self.s.engine.submit(requests)
+            except FlashError as exc:
+                self._batches.put(("failed", tokens, exc, 0))
+                continue
+            self.inflight += size
+            self._batches.put((batch, tokens, None, size))
 
     def _completion_loop(self) -> None:
         engine = self.s.engine
@@ -80,7 +122,7 @@ class ReadPipeline:
             item = self._batches.get()
             if item is None:
                 return
-            batch, tokens, error = item
+            batch, tokens, error, size = item
             results: dict[int, FlashError | None] = {}
             if error is None:
                 try:
@@ -94,7 +136,7 @@ class ReadPipeline:
                     for c in completions:
                         results[c.block_id] = results.get(c.block_id) or self._error_of(c)
             try:
-                self._complete(tokens, results, error)
+                self._complete(tokens, results, error, size)
             except Exception:  # a bug here must not kill the only completion thread
                 log.exception("completing IO batch %s failed", batch)
 
@@ -105,15 +147,22 @@ class ReadPipeline:
         if block is None:
             return None
         info, model = block.info, block.model.name
-        return error_of(completion, info.id, f"model {model}, block {info.id} ({info.role}, layer "
-                                             f"{info.layer})", model=model)
+        err = error_of(completion, info.id, f"model {model}, block {info.id} ({info.role}, layer "
+                                            f"{info.layer})", model=model)
+        if err is not None and getattr(err, "eof", False):
+            # The file ends before the block does: the store is corrupt, its device is not at fault.
+            fields = {k: v for k, v in err.fields.items() if k not in ("errno", "eof")}
+            return StoreTruncated(f"{err.message}: the data file is shorter than its metadata says",
+                                  **{**fields, "length": info.length})
+        return err
 
-    def _complete(self, tokens, results, batch_error) -> None:
+    def _complete(self, tokens, results, batch_error, size: int = 0) -> None:
         s = self.s
         resolved = []
         retry = []
         device_errors = []
         with s.lock:
+            self.inflight -= size
             for token in tokens:
                 block = s.tokens.pop(token, None)
                 if block is None:
@@ -138,7 +187,9 @@ class ReadPipeline:
                     self.wake_waiters_locked(block, resolved)
                 else:
                     self._fail_waiters_locked(block, error, resolved)
-            self.submit_locked(retry)
+            # Someone waits for a retried block: it goes before everything still waiting.
+            self.submit_locked(retry, priority=RETRY_PRIORITY)
+            self._pump_locked()
             self.residency.evict_to_threshold()
             s.generation += 1
         resolve_futures(resolved)

@@ -9,9 +9,11 @@ model's status info. It then follows the device two ways:
   ``change`` that leaves the disk read-only, switches every model on that disk to host-only
   (``BlockManager.set_host_only``); ``add`` or a writable ``change`` switches them back;
 * read errors: the block manager reports reads that point at the device (EIO, a vanished or
-  truncated file) and switches a graceful model to host-only itself; the watch then probes one
+  vanished file) and switches a graceful model to host-only itself; the watch then probes one
   block of the store every ``probe_interval`` seconds and switches it back once it reads and
-  verifies again (a device without udev, a store replaced under the daemon).
+  verifies again (a device without udev, a store replaced under the daemon). The probe reads with
+  O_DIRECT through the native IO engine: the page cache may still hold the bytes of a device that
+  is gone, and a buffered read would call it healthy.
 
 Host-only means: blocks already in the host arena keep being served, new disk reads fail at once
 with ``DeviceError``; strict models fail every request until the device returns.
@@ -19,6 +21,7 @@ with ``DeviceError``; strict models fail every request until the device returns.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import select
 import threading
@@ -142,6 +145,7 @@ class DeviceWatch:
         # poll interval.
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.events_seen = 0
+        self._engine = None                    # the probe's own IO engine, made at first probe
         manager.on_open(self._opened)
         manager.on_device_error(self._read_error)
         self._thread = threading.Thread(target=self._run, name="flash-recovery", daemon=True)
@@ -153,6 +157,9 @@ class DeviceWatch:
         self._thread.join(timeout=5)
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
     def _poke(self) -> None:
         self._wake.set()
@@ -238,19 +245,35 @@ class DeviceWatch:
         """Re-read one block of every model made host-only by read errors (not by udev); switch
         back those whose store reads and verifies again. Returns the models switched back."""
         from ..errors import FlashError
-        from ..store import Store
 
         back = []
         for name, d in self.manager.device_models().items():
             if d["host_only"] is None or d["host_only"].startswith("udev:") or not d["probe"]:
                 continue
             try:
-                store = Store.open(d["path"])
-                for block_id in d["probe"]:
-                    store.read_block(block_id, verify=True)
+                self._read_direct(d["path"], d["probe"])
             except (FlashError, OSError) as exc:
                 log.debug("model %s still unreadable: %s", name, exc)
                 continue
             if self.manager.set_host_only(name, None):
                 back.append(name)
         return back
+
+    def _read_direct(self, path: str, block_ids) -> None:
+        """Read ``block_ids`` of the store at ``path`` from the disk (O_DIRECT where the file
+        system allows it), crc32c-checked; raises the typed error of the first failure."""
+        from .._core import IOEngine, ReadRequest
+        from ..io import read_all
+        from ..store import Store
+
+        store = Store.open(path)
+        if self._engine is None:
+            self._engine = IOEngine(queue_depth=4)
+        blocks = [store.block(b) for b in block_ids]
+        buffer = mmap.mmap(-1, sum(-(-b.length // 4096) * 4096 for b in blocks))   # page-aligned
+        requests, at = [], 0
+        for b in blocks:
+            requests.append(ReadRequest(str(store.data_path(b)), b.offset, b.length, buffer, at,
+                                        block_id=b.id, expected_crc=b.crc32c))
+            at += -(-b.length // 4096) * 4096
+        read_all(self._engine, requests)

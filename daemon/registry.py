@@ -13,9 +13,10 @@ import os
 from pathlib import Path
 
 from ..errors import FlashError, StoreInUse, UnknownBlock, UnknownModel
+from ..quant.scheme import check_served
 from ..wire import ModelInfo
 from .config import _NAME as MODEL_NAME_RE
-from .config import FlashConfig, check_tunable
+from .config import MODEL_SCOPE, FlashConfig, check_tunable
 from .host_state import (
     LOADING,
     RESIDENT,
@@ -159,6 +160,8 @@ class Registry:
                 store = Store.open(real)   # file IO outside the lock
                 check_data_files(store)
                 mconfig, ignored = config.model_overrides(store.config, store.name)
+                check_served(store.quant, mconfig.quantization_scheme,
+                             mconfig.quantization_granularity, store.name)
                 file_overrides = {k: v for k, v in (store.config.get("flash_config") or {}).items()
                                   if k not in ignored}
                 self.residency.check_budget(store)
@@ -181,6 +184,8 @@ class Registry:
                     log.exception("open hook %r failed for model %s", hook, opened.name)
         context = dict(flash_context or {})
         handle_config = model.config.override(context, scope="model")
+        check_served(model.store.quant, handle_config.quantization_scheme,
+                     handle_config.quantization_granularity, model.name)
         with s.lock:
             client = s.client(client_id)
             client.handles[model.name] = HandleState(model, context, handle_config)
@@ -198,9 +203,7 @@ class Registry:
         store = model.store
         return ModelInfo(name=model.name, path=model.path, config=store.config, blocks=store.blocks,
                          num_layers=store.num_layers, total_bytes=store.total_bytes,
-                         flash_config={k: config[k] for k in ("prefetch_window", "error_recovery_mode",
-                                                              "quantization_scheme",
-                                                              "quantization_granularity")},
+                         flash_config={k: config[k] for k in MODEL_SCOPE},
                          plan=dict(model.plan), ignored_overrides=list(model.ignored))
 
     def close_model(self, client_id: int, name: str) -> int:

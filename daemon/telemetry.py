@@ -134,6 +134,7 @@ class Telemetry:
                 "blocks": len(m.blocks), "resident_blocks": len(resident),
                 "resident_bytes": sum(b.info.length for b in resident),
                 "total_bytes": m.store.total_bytes, "num_layers": m.store.num_layers,
+                **_quantization(m.store.quant),
                 "leased_blocks": sum(1 for b in m.blocks.values() if b.refs),
                 "clients": sorted(c.id for c in self.s.clients.values() if m.name in c.handles),
                 "error": str(m.failed) if m.failed else None,
@@ -171,3 +172,12 @@ class Telemetry:
                       "unified_memory_fabric": "HOST_ONLY"}
             return {"status": status, "stats": stats, "devices": {}, "models": models,
                     "tunables": self.s.config.tunables()}
+
+
+def _quantization(quant: dict | None) -> dict:
+    """A model's quantization fields in its status entry (``none`` and 0 for a plain store)."""
+    if not quant:
+        return {"quantization_scheme": "none", "quantization_granularity": "none",
+                "quantization_group_size": 0}
+    return {"quantization_scheme": quant["scheme"], "quantization_granularity": quant["granularity"],
+            "quantization_group_size": quant["group_size"]}

@@ -15,7 +15,9 @@ and the scalars it advanced are put back.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 
 from ..errors import DecodeCapacityExceeded
@@ -131,6 +133,8 @@ class GraphDecoder:
         self.counters = {"generate_calls": 0, "fallback_calls": 0, "captures": 0, "capture_s": 0.0,
                          "replays": 0, "eager_steps": 0, "graph_pool_bytes": 0}
         self.last_fallback: str | None = None
+        # One static state per model: concurrent generate() calls take turns.
+        self._lock = threading.Lock()
 
     # --- public ----------------------------------------------------------------------------------
     def generate(self, *args, **kwargs):
@@ -142,15 +146,23 @@ class GraphDecoder:
             req = requests.parse(self.model, args, kwargs)
             if isinstance(req, requests.Fallback):
                 reason, req = req.reason, None
+        if req is not None and req.input_ids.device != self.device:
+            reason, req = f"prompt on {req.input_ids.device}, model on {self.device}", None
         if req is None:
             self.counters["fallback_calls"] += 1
             self.last_fallback = reason
             self._log_once(f"decoding through transformers' generate(): {reason}")
             return self.transformers_generate(*args, **kwargs)
         self._check_capacity(req)
-        self.counters["generate_calls"] += 1
-        with self.torch.inference_mode():
+        with self._lock, self._on_device(), self.torch.inference_mode():
+            self.counters["generate_calls"] += 1
             return self._run(req)
+
+    def _on_device(self):
+        """Streams and captures on the model's device, whatever device is current."""
+        if self.device.type == "cuda":
+            return self.torch.cuda.device(self.device)
+        return contextlib.nullcontext()
 
     def generate_with_logits(self, *args, **kwargs):
         """(tokens, float32 logits of every step (batch, new, vocab)): a diagnostic for parity
@@ -159,7 +171,7 @@ class GraphDecoder:
         if isinstance(req, requests.Fallback):
             raise ValueError(f"generate_with_logits: {req.reason}")
         self._check_capacity(req)
-        with self.torch.inference_mode():
+        with self._lock, self._on_device(), self.torch.inference_mode():
             st = self._state(batch_bucket(req.batch))
             st.logits = self.torch.zeros(st.batch, req.new_tokens, self.model.config.vocab_size,
                                          dtype=self.torch.float32, device=self.device)

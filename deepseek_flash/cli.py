@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "bench": ".flash_benchmark",
     "profile": ".tools.cli_profile",
     "demo": ".demo",
+    "serve": ".serve.cli",
 }
 
 

@@ -1,15 +1,23 @@
-"""CUDA mechanisms both ends use: page-locking host memory once, opening a daemon's GPU arena.
+"""CUDA mechanisms both ends use: page-locking host memory once, a GPU arena's segments.
 
 Imported lazily (torch is): the controller and the client also run where there is no GPU, and
 there ``cuda_available()`` is False and host memory stays pageable.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 log = logging.getLogger("deepseek_flash.cuda")
 
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+
+def nvidia_driver_present() -> bool:
+    """Cheap test, without importing torch: is an NVIDIA kernel driver loaded here?"""
+    import os
+
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
 
 
 def cuda_available() -> bool:
@@ -49,20 +57,128 @@ def register_host_memory(address: int, size: int) -> bool:
     return True
 
 
+def register_host_range(address: int, size: int) -> bool:
+    """Page-lock one range for this process; True only where this call registered it (so the
+    caller unregisters exactly what it registered). Already registered or refused: False."""
+    if not cuda_available():
+        return False
+    import torch
+
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(address, size, 1)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:
+            clear()
+        if code != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+            log.warning("cudaHostRegister of %d bytes at %#x failed (cudaError %d); copies from it "
+                        "stay pageable", size, address, code)
+        return False
+    return True
+
+
 def unregister_host_memory(address: int) -> None:
     import torch
 
     torch.cuda.cudart().cudaHostUnregister(address)
 
 
-def open_gpu_arena(desc: dict):
-    """Client side: map a daemon's GPU arena (one cudaIpcOpenMemHandle) as a uint8 tensor."""
+class DeviceMemory:
+    """A device arena's offset space as segments: ``memory[a:b]`` is the slice of the one
+    segment that holds ``[a, b)`` (the daemon never hands out a range across two). The daemon's
+    ``GpuArena`` keeps one over its own allocations; a client keeps one over the segments it
+    opened through CUDA IPC (``update``), each opened once."""
+
+    def __init__(self):
+        self._bases: list[int] = []
+        self._segments: dict[int, tuple[int, object, bytes]] = {}   # base -> (size, tensor, key)
+
+    def add(self, base: int, tensor, key: bytes = b"") -> None:
+        import bisect
+
+        if base not in self._segments:
+            bisect.insort(self._bases, base)
+        self._segments[base] = (int(tensor.numel()), tensor, key)
+
+    def remove(self, base: int) -> None:
+        if self._segments.pop(base, None) is not None:
+            self._bases.remove(base)
+
+    def bases(self) -> list[int]:
+        return list(self._bases)
+
+    def __len__(self) -> int:
+        return len(self._bases)
+
+    def __getitem__(self, key: slice):
+        import bisect
+
+        start, stop = key.start or 0, key.stop
+        i = bisect.bisect_right(self._bases, start) - 1
+        if i < 0:
+            raise IndexError(f"device offset {start} is in no segment")
+        base = self._bases[i]
+        size, tensor, _ = self._segments[base]
+        if stop is None or stop > base + size:
+            raise IndexError(f"device range [{start}, {stop}) crosses the end of the segment "
+                             f"[{base}, {base + size})")
+        return tensor[start - base:stop - base]
+
+    def update(self, desc: dict) -> DeviceMemory:
+        """Client side: open the segments of a daemon's arena descriptor not opened yet
+        (one cudaIpcOpenMemHandle each) and forget those the daemon released."""
+        listed = {seg["base"]: seg for seg in desc["segments"]}
+        for base in [b for b in self._bases if b not in listed or
+                     self._segments[b][2] != listed[b]["handle"]]:
+            self.remove(base)
+        for base, seg in listed.items():
+            if base not in self._segments:
+                self.add(base, _open_segment(desc["device"], seg), seg["handle"])
+        return self
+
+
+def _open_segment(device: int, seg: dict):
     import torch
 
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
-        desc["device"], desc["handle"], desc["size"], desc["offset"], desc["ref_handle"],
-        desc["ref_offset"], desc["event_handle"] or None, desc["event_sync"])
-    tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{desc['device']}")
-    tensor.set_(storage, 0, (desc["arena_size"],), (1,))
+        device, seg["handle"], seg["storage_size"], seg["offset"], seg["ref_handle"],
+        seg["ref_offset"], seg["event_handle"] or None, seg["event_sync"])
+    tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
+    tensor.set_(storage, 0, (seg["size"],), (1,))
     return tensor
+
+
+def open_gpu_arena(desc: dict, memory: DeviceMemory | None = None) -> DeviceMemory:
+    """Client side: a daemon's GPU arena (its segments opened once each) as ``DeviceMemory``."""
+    return (memory or DeviceMemory()).update(desc)
+
+
+# nvmlDeviceGetPcieLinkMaxSpeed answers with an enum (NVML_PCIE_LINK_MAX_SPEED_*), not a number:
+# 1..6 stand for 2500, 5000, 8000, 16000, 32000, 64000 Mbit/s per lane (PCIe generations 1..6).
+_NVML_LINK_SPEED_MBPS = {1: 2500, 2: 5000, 3: 8000, 4: 16000, 5: 32000, 6: 64000}
+
+
+def pcie_capacity(nv, handle) -> float:
+    """The device's PCIe link capacity in bytes/s, one direction: per-lane signalling rate, less
+    line encoding (8b/10b up to 5 GT/s, 128b/130b from 8 GT/s), times the link width."""
+    speed = int(nv.nvmlDeviceGetPcieLinkMaxSpeed(handle))
+    mbps = _NVML_LINK_SPEED_MBPS.get(speed, speed)   # a driver that answers in Mbit/s: as is
+    encoding = 8 / 10 if mbps <= 5000 else 128 / 130
+    return mbps * 1e6 / 8 * encoding * int(nv.nvmlDeviceGetMaxPcieLinkWidth(handle))
+
+
+@functools.lru_cache(maxsize=None)
+def link_bytes_per_s(device: int) -> float | None:
+    """PCIe capacity of CUDA ``device`` from NVML (bytes/s), None where NVML cannot tell."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        return pcie_capacity(pynvml, pynvml.nvmlDeviceGetHandleByIndex(device))
+    except pynvml.NVMLError as exc:
+        log.debug("PCIe link of cuda:%d unknown: %s", device, exc)
+        return None

@@ -207,6 +207,13 @@ class RepairIncomplete(StoreError):
     code = 111
 
 
+class StoreTruncated(StoreError):
+    """A data file ends before a block its metadata places there (``path``, ``block_id``,
+    ``offset``, ``length``): the store is corrupt, its device is not at fault."""
+
+    code = 112
+
+
 # --- KV cache (7xx) ----------------------------------------------------------------------------
 class KVError(FlashError):
     """A tiered KV cache (``deepseek_flash.kv``) could not do what was asked."""

@@ -21,14 +21,77 @@ moves within ``[low, high]`` once per forward pass:
   stalled (hit rate 100 %): copies then land earlier than needed, and a smaller window puts
   fewer bytes on a link other clients share; a stall grows it back;
 * otherwise it holds.
+
+**Where it starts.** ``prefetch_window`` defaults to ``"auto"``: the planner resolves it from the
+plan with ``auto_window`` (two layers ahead -- one copy on the link, the next queued behind it --
+and more only where one slot's copy is so short that issuing the next copy would leave the link
+idle), so no user has to tune it. The daemon's read-ahead of stages uses ``readahead_window``.
+
+**Whose traffic.** ``other_link_load`` is the only source of ``other_load``: the device's PCIe
+receive rate averaged over many of NVML's short (20 ms) samples spread over an interval, less the
+bytes this client's copies *completed* over the same interval (copy events, not issue times), as
+a fraction of the link. Where too few samples cover the interval it answers None (unknown), and
+the window then ignores the link: it never shrinks on traffic that is ours.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 log = logging.getLogger("deepseek_flash.prefetch")
+
+
+AUTO = "auto"
+# Stages the daemon reads ahead of an acquired layer when ``prefetch_window`` is "auto".
+DEFAULT_READAHEAD = 2
+# Where NVML cannot tell the link: PCIe gen 4 x16 after encoding, bytes/s.
+NOMINAL_LINK_BYTES_PER_S = 25e9
+# A streaming client issues the next copy from Python after a layer ran (tens of microseconds);
+# the copies queued ahead must keep the link busy for at least this long meanwhile.
+ISSUE_COVER_S = 200e-6
+MAX_AUTO_WINDOW = 8
+# NVML's PCIe throughput counter covers the last 20 ms before each call.
+NVML_SAMPLE_S = 0.02
+
+
+def readahead_window(window) -> int:
+    """Stages the daemon reads ahead for ``prefetch_window`` (an int, or "auto")."""
+    return DEFAULT_READAHEAD if window == AUTO else int(window)
+
+
+def auto_window(slot_bytes: int, link_bytes_per_s: float | None) -> int:
+    """The window ``prefetch_window: "auto"`` starts with, from the plan's slot size and the link.
+
+    Two copies in flight keep the link busy while a layer computes (one on the link, the next
+    queued), so 2 is enough wherever one slot's copy lasts longer than issuing the next one; for
+    small layers the window covers ``ISSUE_COVER_S`` of copies instead (at most
+    ``MAX_AUTO_WINDOW``)."""
+    link = link_bytes_per_s or NOMINAL_LINK_BYTES_PER_S
+    if slot_bytes <= 0:
+        return 2
+    copy_s = slot_bytes / link
+    return min(MAX_AUTO_WINDOW, max(2, 1 + math.ceil(ISSUE_COVER_S / copy_s)))
+
+
+def other_link_load(rx_rates, own_bytes: int, seconds: float, capacity: float | None,
+                    sample_s: float = NVML_SAMPLE_S) -> float | None:
+    """How busy the link was with traffic that is not ours, as a fraction of ``capacity``.
+
+    ``rx_rates``: NVML receive rates (bytes/s), each over the ``sample_s`` before it was read,
+    spread over an interval of ``seconds``; ``own_bytes``: what this client's copies completed
+    in that same interval. The mean of the samples and our completed bytes then describe the same
+    window of time. None (unknown) without a capacity, or where the samples cover less than half
+    of the interval: one short sample against a longer average reads our own bursts as someone
+    else's traffic.
+    """
+    rates = list(rx_rates)
+    if not capacity or seconds <= 0 or not rates or len(rates) * sample_s < 0.5 * seconds:
+        return None
+    total = sum(rates) / len(rates)
+    ours = own_bytes / seconds
+    return max(0.0, total - ours) / capacity
 
 
 class ForwardOrder:
@@ -55,6 +118,7 @@ class ForwardOrder:
 
     def stages_after(self, layer: int, window: int) -> list[int]:
         """Block ids of the ``window`` stages that follow ``layer``, nearest first (cyclic)."""
+        window = readahead_window(window)
         if window <= 0 or not self.stages:
             return []
         start = layer + 1

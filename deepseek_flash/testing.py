@@ -20,7 +20,7 @@ def tiny_config(arch: str = "llama", *, hidden_size: int = 64, num_layers: int =
     common = dict(hidden_size=hidden_size, num_hidden_layers=num_layers,
                   intermediate_size=intermediate_size, num_attention_heads=num_heads,
                   num_key_value_heads=num_kv_heads, vocab_size=vocab_size,
-                  max_position_embeddings=512, **extra)
+                  max_position_embeddings=extra.pop("max_position_embeddings", 512), **extra)
     if arch == "llama":
         cfg = transformers.LlamaConfig(
             tie_word_embeddings=bool(tie_word_embeddings), **common)
@@ -87,3 +87,44 @@ def assert_same_outputs(model, reference, ids, new_tokens: int = 4) -> None:
     got = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
     want = reference.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
     assert torch.equal(got, want), f"greedy tokens differ: {got.tolist()} != {want.tolist()}"
+
+
+TINY_EOS = "<|endoftext|>"
+
+
+def make_tiny_tokenizer(path, chat_template: str | None = None, eos: bool = True) -> Path:
+    """A byte-level tokenizer built locally (no download) into ``path``: ids 0..255 are the bytes,
+    256 is ``<|endoftext|>`` (eos; left out with ``eos=False``, e.g. so that benchmark requests
+    always run to their max_tokens). Pair it with ``make_tiny_model(..., vocab_size=260,
+    eos_token_id=256)``; ids the tokenizer does not know decode to nothing. Without
+    ``chat_template`` the tokenizer has none."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    # The byte-level alphabet in byte order, so id == byte value.
+    table = {c: i for i, c in enumerate(sorted(byte_chars, key=_byte_of))}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=table, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    if eos:
+        tok.add_special_tokens([TINY_EOS])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=TINY_EOS if eos else None)
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(path)
+    return path
+
+
+def _byte_of(char: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's bytes_to_unicode inverse)."""
+    code = ord(char)
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]

@@ -124,6 +124,7 @@ class Plan:
     slot_bytes: int = 0
     n_slots: int = 0
     resident_bytes: int = 0
+    window: int = 0                     # the streaming client's starting prefetch window
 
     @property
     def streaming(self) -> bool:
@@ -134,7 +135,7 @@ class Plan:
                 "streamed_layers": self.streamed_layers,
                 "stream_blocks": {str(k): v for k, v in self.stream_blocks.items()},
                 "slot_bytes": self.slot_bytes, "n_slots": self.n_slots,
-                "resident_bytes": self.resident_bytes}
+                "resident_bytes": self.resident_bytes, "window": self.window}
 
     @classmethod
     def from_wire(cls, w: dict) -> Plan:
@@ -142,4 +143,4 @@ class Plan:
                    streamed_layers=list(w["streamed_layers"]),
                    stream_blocks={int(k): list(v) for k, v in w["stream_blocks"].items()},
                    slot_bytes=w["slot_bytes"], n_slots=w["n_slots"],
-                   resident_bytes=w["resident_bytes"])
+                   resident_bytes=w["resident_bytes"], window=int(w.get("window", 0)))

@@ -2,9 +2,10 @@
 
 The unit files and ``flash.json`` ship once, as package data (``deepseek_flash/data``; the
 repository's ``systemd/`` and ``etc/`` link to them). Installing rewrites two lines: ``ExecStart=``
-runs the ``deepseek-flashd`` of the Python environment doing the install (a venv or pyenv is not
-on systemd's PATH), and ``SocketGroup=`` names the group allowed on the control socket. An
-existing ``flash.json`` is never overwritten: it is the operator's.
+runs the ``deepseek-flashd`` (the daemon) or ``deepseek-flash serve`` (the HTTP server template
+unit) of the Python environment doing the install (a venv or pyenv is not on systemd's PATH), and
+``SocketGroup=`` names the group allowed on the control socket. An existing ``flash.json`` is never
+overwritten: it is the operator's.
 """
 from __future__ import annotations
 
@@ -21,13 +22,17 @@ from .. import paths
 from ..errors import ConfigError
 from ..fsutil import atomic_write
 
-HELP = "install deepseek-flash.service/.socket and /etc/deepseek-flash/flash.json"
-DESCRIPTION = """Write deepseek-flash.service and deepseek-flash.socket to --prefix, with ExecStart= set to
-the deepseek-flashd of this Python environment (or of --python), create the socket group when it
-is missing, install the default flash.json unless one exists, and run `systemctl daemon-reload`.
-Then: systemctl enable --now deepseek-flash.socket deepseek-flash.service"""
+HELP = "install deepseek-flash.service/.socket, deepseek-flash-serve@.service and /etc/deepseek-flash/flash.json"
+DESCRIPTION = """Write deepseek-flash.service, deepseek-flash.socket and deepseek-flash-serve@.service to
+--prefix, with ExecStart= set to the deepseek-flashd / deepseek-flash of this Python environment (or
+of --python), create the socket group when it is missing, install the default flash.json unless one
+exists, and run `systemctl daemon-reload`.
+Then: systemctl enable --now deepseek-flash.socket deepseek-flash.service
+and, to serve a model over HTTP: systemctl enable --now deepseek-flash-serve@MODEL"""
 
-UNITS = ("deepseek-flash.service", "deepseek-flash.socket")
+UNITS = ("deepseek-flash.service", "deepseek-flash.socket", "deepseek-flash-serve@.service")
+# ExecStart= of the template unit after the executable: the instance is the model name.
+SERVE_ARGS = "serve %I $SERVE_ARGS"
 PRIVATE_TMP_DROPIN = "private-tmp.conf"
 TMP_ROOTS = (Path("/tmp"), Path("/var/tmp"))
 CONFIG_NAME = "flash.json"
@@ -66,13 +71,15 @@ def run(args) -> int:
             allowed="an environment outside /tmp and /var/tmp, or --allow-tmp")
     ensure_group(args.socket_group)
     args.prefix.mkdir(parents=True, exist_ok=True)
+    commands = {"deepseek-flash.service": exec_start,
+                "deepseek-flash-serve@.service": f"{cli_command(args.python)} {SERVE_ARGS}"}
     for name in UNITS:
-        text = unit_text(name, exec_start=exec_start, socket_group=args.socket_group)
+        text = unit_text(name, exec_start=commands.get(name), socket_group=args.socket_group)
         target = args.prefix / name
         atomic_write(target, text.encode())
         print(f"installed {target}")
-    if hidden:
-        dropin = args.prefix / f"{UNITS[0]}.d" / PRIVATE_TMP_DROPIN
+    for unit in (name for name in UNITS if hidden and name.endswith(".service")):
+        dropin = args.prefix / f"{unit}.d" / PRIVATE_TMP_DROPIN
         dropin.parent.mkdir(exist_ok=True)
         atomic_write(dropin, f"# {hidden[0]} lies under {_tmp_root(hidden[0])} (install-units "
                              f"--allow-tmp)\n[Service]\nPrivateTmp=no\n".encode())
@@ -88,6 +95,8 @@ def run(args) -> int:
         subprocess.run(["systemctl", "daemon-reload"], check=True)
         print("ran systemctl daemon-reload")
     print("start with: systemctl enable --now deepseek-flash.socket deepseek-flash.service")
+    print("serve a model over HTTP: systemctl enable --now deepseek-flash-serve@MODEL "
+          "(options in /etc/deepseek-flash/serve-MODEL.env: SERVE_ARGS=--port 8000 ...)")
     return 0
 
 
@@ -96,7 +105,17 @@ def data_text(name: str) -> str:
 
 
 def daemon_command(python: str) -> str:
-    """The ExecStart= command line: the environment's ``deepseek-flashd`` script, else ``python -m``."""
+    """The daemon's ExecStart= command line: the environment's ``deepseek-flashd`` script, else
+    ``python -m``."""
+    return _environment_command(python, "deepseek-flashd", "deepseek_flash.daemon.app")
+
+
+def cli_command(python: str) -> str:
+    """The environment's ``deepseek-flash`` script, else ``python -m deepseek_flash``."""
+    return _environment_command(python, "deepseek-flash", "deepseek_flash")
+
+
+def _environment_command(python: str, script_name: str, module: str) -> str:
     python_path = Path(python)
     if not python_path.is_absolute():
         found = shutil.which(python)
@@ -108,10 +127,10 @@ def daemon_command(python: str) -> str:
         raise ConfigError(f"--python {python}: not an executable", key="python", value=python,
                           allowed="path of a Python interpreter")
     # Not resolved: a venv's bin/python is a symlink whose location selects the venv.
-    script = python_path.parent / "deepseek-flashd"
+    script = python_path.parent / script_name
     if os.access(script, os.X_OK):
         return _quote(str(script))
-    return " ".join(_quote(part) for part in (str(python_path), "-m", "deepseek_flash.daemon.app"))
+    return " ".join(_quote(part) for part in (str(python_path), "-m", module))
 
 
 def paths_in_private_tmp(python: str, exec_start: str) -> list[Path]:
@@ -137,7 +156,7 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def unit_text(name: str, *, exec_start: str, socket_group: str) -> str:
+def unit_text(name: str, *, exec_start: str | None, socket_group: str) -> str:
     replacements = {"ExecStart": exec_start} if name.endswith(".service") else {"SocketGroup": socket_group}
     out = []
     seen = set()

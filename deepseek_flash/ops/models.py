@@ -8,11 +8,15 @@ from ..sysfs_shim.publisher import format_fields, parse
 from .common import add_location_arguments, require_live_tree, runtime_dir, with_daemon
 
 HELP = "list the daemon's models, or show one (info, residency, --blocks)"
-DESCRIPTION = """Without NAME: one line per open model (name, state, resident/total blocks and bytes).
+DESCRIPTION = """Without NAME: one line per open model (name, state, resident/total blocks, bytes in the
+host tier / on disk / on GPUs, quantization scheme, granularity and group size).
 With NAME: models/NAME/info and models/NAME/residency, and with --blocks every block's line.
 Without a status tree the daemon is asked over the control socket."""
 
-COLUMNS = ("name", "state", "blocks", "resident_blocks", "resident_bytes", "total_bytes")
+# total_bytes: on disk (the store's payloads); resident_bytes: in the host tier; gpu_bytes: in GPU
+# arenas (resident loads, not streaming slots).
+COLUMNS = ("name", "state", "blocks", "resident_blocks", "resident_bytes", "total_bytes", "gpu_bytes",
+           "quantization_scheme", "quantization_granularity", "quantization_group_size")
 
 
 def add_arguments(parser):

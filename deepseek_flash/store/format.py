@@ -14,7 +14,10 @@ import msgpack
 from ..errors import MetadataError
 from ..fsutil import align_up
 
-FORMAT_VERSION = 1
+# The newest version this release reads and writes. A store is written with the lowest version that
+# holds it: 1 without quantized tensors (readable by every release), 2 with them (docs/format.md).
+FORMAT_VERSION = 2
+QUANT_VERSION = 2
 
 DATA_FILE = "blocks.dat"
 METADATA_FILE = "flash_metadata.bin"
@@ -36,6 +39,8 @@ META_FIXED = struct.Struct("<8sHHIQII")
 assert META_FIXED.size == 32
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Storage elements of quantized tensors (format version 2); their bytes are ``quant``'s to describe.
+QUANT_DTYPES = ("int8", "int4")
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 ROLES = ("embed", "norms", "attn", "mlp_gate_up", "mlp_down", "final_norm", "lm_head")
@@ -59,15 +64,30 @@ class TensorInfo:
     offset: int
     nbytes: int
     aliases: list = field(default_factory=list)
+    # Quantized weights only (version 2): scheme, granularity, group_size, dtype (compute),
+    # scales_dtype, scales_shape, scales_offset, scales_nbytes -- docs/format.md.
+    quant: dict | None = None
+
+    @property
+    def end(self) -> int:
+        """Payload offset just past this tensor's bytes (its scales for a quantized one)."""
+        if self.quant:
+            return self.quant["scales_offset"] + self.quant["scales_nbytes"]
+        return self.offset + self.nbytes
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-                "offset": self.offset, "nbytes": self.nbytes, "aliases": list(self.aliases)}
+        d = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+             "offset": self.offset, "nbytes": self.nbytes, "aliases": list(self.aliases)}
+        if self.quant:
+            d["quant"] = dict(self.quant)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> TensorInfo:
+        quant = d.get("quant")
         return cls(name=d["name"], dtype=d["dtype"], shape=tuple(d["shape"]), offset=d["offset"],
-                   nbytes=d["nbytes"], aliases=list(d.get("aliases", ())))
+                   nbytes=d["nbytes"], aliases=list(d.get("aliases", ())),
+                   quant=dict(quant) if quant else None)
 
 
 @dataclass(eq=False)
@@ -122,17 +142,25 @@ class BlockInfo:
 
 
 # --- inline block header ----------------------------------------------------------------------
+def block_version(block: BlockInfo) -> int:
+    """The lowest format version that describes ``block`` (2 when it holds quantized tensors)."""
+    return QUANT_VERSION if block.quant or any(t.quant for t in block.tensors) else 1
+
+
 def encode_block_header(block: BlockInfo, block_count: int) -> bytes:
     """The header region (a multiple of 4 KiB, zero padded) that precedes ``block``'s payload."""
-    body = msgpack.packb({
+    doc = {
         "role": block.role,
         "block_count": block_count,
         "tensors": [t.to_dict() for t in block.tensors],
         "deps": list(block.deps),
         "precision_req": block.precision_req,
-    }, use_bin_type=True)
+    }
+    if block.quant:
+        doc["quant"] = dict(block.quant)
+    body = msgpack.packb(doc, use_bin_type=True)
     size = align_up(BLOCK_FIXED.size + len(body), BLOCK_ALIGN)
-    fixed = BLOCK_FIXED.pack(BLOCK_MAGIC, FORMAT_VERSION, 0, size, block.id, block.layer,
+    fixed = BLOCK_FIXED.pack(BLOCK_MAGIC, block_version(block), 0, size, block.id, block.layer,
                              block.length, block.crc32c, len(body), 0, 0)
     hcrc = crc32c(body, crc32c(fixed[:44]))
     return fixed[:44] + struct.pack("<I", hcrc) + body + bytes(size - BLOCK_FIXED.size - len(body))
@@ -175,7 +203,7 @@ def decode_block_header(region: bytes | memoryview, header_offset: int, file: st
                           offset=header_offset + size, length=length, crc32c=pcrc,
                           tensors=[TensorInfo.from_dict(t) for t in meta["tensors"]],
                           deps=list(meta["deps"]), precision_req=meta["precision_req"],
-                          header_offset=header_offset, header_size=size)
+                          quant=meta.get("quant"), header_offset=header_offset, header_size=size)
         return block, int(meta["block_count"])
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
         raise BadHeader(f"header body does not decode: {exc}") from None
@@ -183,13 +211,14 @@ def decode_block_header(region: bytes | memoryview, header_offset: int, file: st
 
 # --- flash_metadata.bin -----------------------------------------------------------------------
 def encode_metadata(blocks: list, model: dict) -> bytes:
+    version = max((block_version(b) for b in blocks), default=1)
     body = msgpack.packb({
-        "format_version": FORMAT_VERSION,
+        "format_version": version,
         "model": model,
         "data_files": sorted({b.file for b in blocks}),
         "blocks": [b.to_dict() for b in blocks],
     }, use_bin_type=True)
-    fixed = META_FIXED.pack(META_MAGIC, FORMAT_VERSION, 0, len(blocks), len(body), crc32c(body), 0)
+    fixed = META_FIXED.pack(META_MAGIC, version, 0, len(blocks), len(body), crc32c(body), 0)
     return fixed[:28] + struct.pack("<I", crc32c(fixed[:28])) + body
 
 

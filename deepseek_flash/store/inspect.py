@@ -17,6 +17,13 @@ def shape_summary(block) -> str:
     return ";".join("x".join(map(str, t.shape)) or "scalar" for t in block.tensors)
 
 
+def quantization_label(quant: dict | None) -> str:
+    if not quant:
+        return "none"
+    g = f" g{quant['group_size']}" if quant["granularity"] == "per_block" else ""
+    return f"{quant['scheme']} {quant['granularity']}{g}"
+
+
 def describe(store: Store) -> dict:
     """A JSON-ready description of ``store`` (what ``inspect --json`` prints)."""
     layers: dict[int, int] = {}
@@ -29,6 +36,7 @@ def describe(store: Store) -> dict:
         "num_layers": store.num_layers,
         "block_count": len(store.blocks),
         "total_bytes": store.total_bytes,
+        "quantization": store.quant,
         "per_layer_bytes": {str(k): v for k, v in sorted(layers.items())},
         "blocks": [{
             "id": b.id, "layer": b.layer, "role": b.role, "file": b.file, "offset": b.offset,
@@ -55,6 +63,7 @@ def format_table(store: Store) -> str:
     lines.append("")
     for layer, size in sorted(layers.items()):
         lines.append(f"{'outside layers' if layer < 0 else f'layer {layer}'}: {human(size)}")
+    lines.append(f"quantization: {quantization_label(store.quant)}")
     arch = store.model.get("architecture", "?")
     lines.append(f"total: {len(store.blocks)} blocks, {store.num_layers} layers, "
                  f"{human(store.total_bytes)} ({store.total_bytes} bytes), {arch}")

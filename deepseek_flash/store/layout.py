@@ -68,12 +68,39 @@ def architecture(config: dict, config_path) -> str:
     return arch
 
 
-def plan_blocks(config: dict, specs: dict, identical, source: str) -> list[BlockInfo]:
+def quantized_info(name: str, spec: TensorSpec, offset: int, quant) -> TensorInfo:
+    """The tensor map of ``spec`` quantized with ``quant`` (a QuantSpec), codes at ``offset``."""
+    try:
+        quant.check_shape(spec.shape, name)
+    except ValueError as exc:
+        raise UnsupportedModel(f"cannot quantize: {exc}", tensor=name) from None
+    nbytes = quant.data_nbytes(spec.shape)
+    scales_shape = quant.scales_shape(spec.shape)
+    scales_offset = align_up(offset + nbytes, TENSOR_ALIGN)
+    scales_nbytes = 2
+    for d in scales_shape:
+        scales_nbytes *= d
+    return TensorInfo(name=name, dtype=quant.storage_dtype, shape=tuple(spec.shape), offset=offset,
+                      nbytes=nbytes, quant={**quant.to_dict(), "dtype": spec.dtype,
+                                            "scales_dtype": "float16",
+                                            "scales_shape": list(scales_shape),
+                                            "scales_offset": scales_offset,
+                                            "scales_nbytes": scales_nbytes})
+
+
+def quantizable_tensor(role: str, name: str) -> bool:
+    """Whether ``pack --quantize`` quantizes this tensor: the 2-D linear weights of attention and
+    MLP blocks; never biases, norms, embeddings or lm_head (``precision_req`` exact)."""
+    return role not in EXACT_ROLES and name.endswith("_proj.weight")
+
+
+def plan_blocks(config: dict, specs: dict, identical, source: str, quant=None) -> list[BlockInfo]:
     """Blocks (ids, roles, layers, tensors at their payload offsets, deps) in forward order.
 
     ``specs`` maps HF name -> TensorSpec; ``identical(a, b)`` says whether two tensors hold the same
     bytes (used to serve an untied but equal lm_head as an alias); ``source`` names the model in
-    errors. File offsets and checksums are the packer's to fill in.
+    errors; ``quant`` (a ``deepseek_flash.quant.QuantSpec`` or None) quantizes the linear weights of
+    the quantizable blocks. File offsets and checksums are the packer's to fill in.
     """
     num_layers = int(config.get("num_hidden_layers", 0))
     layers: dict[int, dict[str, list[str]]] = {}
@@ -113,13 +140,19 @@ def plan_blocks(config: dict, specs: dict, identical, source: str) -> list[Block
         for name in names:
             spec = specs[name]
             offset = align_up(offset, TENSOR_ALIGN)
-            aliases = [LM_HEAD] if name == EMBED and lm_head_alias else []
-            tensors.append(TensorInfo(name=name, dtype=spec.dtype, shape=tuple(spec.shape),
-                                      offset=offset, nbytes=spec.nbytes, aliases=aliases))
-            offset += spec.nbytes
+            if quant is not None and quantizable_tensor(role, name):
+                info = quantized_info(name, spec, offset, quant)
+            else:
+                aliases = [LM_HEAD] if name == EMBED and lm_head_alias else []
+                info = TensorInfo(name=name, dtype=spec.dtype, shape=tuple(spec.shape),
+                                  offset=offset, nbytes=spec.nbytes, aliases=aliases)
+            tensors.append(info)
+            offset = info.end
         blocks.append(BlockInfo(id=block_id, role=role, layer=layer, file="", offset=0,
                                 length=offset, crc32c=0, tensors=tensors,
-                                precision_req="exact" if role in EXACT_ROLES else "quantizable"))
+                                precision_req="exact" if role in EXACT_ROLES else "quantizable",
+                                quant=quant.to_dict() if quant is not None and any(
+                                    t.quant for t in tensors) else None))
     by_layer: dict[int, list[int]] = {}
     for b in blocks:
         if b.layer >= 0:

@@ -293,7 +293,20 @@ def _remove_stale_temps(out: Path) -> None:
 
 
 # --- the packer -------------------------------------------------------------------------------
-def _write_blocks(shards: _Shards, blocks: list[BlockInfo], data_path: Path, progress) -> None:
+def _quantized_bytes(t, source: bytearray, device) -> tuple[bytes, bytes]:
+    """(codes, scales) of tensor ``t``'s source bytes, in the layout of docs/format.md."""
+    import torch
+
+    from ..quant import QuantSpec, quantize
+    from .views import TORCH_DTYPES
+
+    weight = torch.frombuffer(source, dtype=TORCH_DTYPES[t.quant["dtype"]]).view(t.shape)
+    qt = quantize(weight.to(device), QuantSpec.from_dict(t.quant), t.name)
+    return qt.data.numpy().tobytes(), qt.scales.numpy().astype("<f2").tobytes()
+
+
+def _write_blocks(shards: _Shards, blocks: list[BlockInfo], data_path: Path, progress,
+                  quant_device="cpu") -> None:
     from .. import _core
 
     writer = _core.AlignedWriter(str(data_path), buffer_size=_CHUNK)
@@ -309,18 +322,33 @@ def _write_blocks(shards: _Shards, blocks: list[BlockInfo], data_path: Path, pro
             block.header_size = len(header)
             block.offset = writer.tell()
             crc, pos = 0, 0
-            offsets = {t.name: t.offset for t in block.tensors}
+            infos = {t.name: t for t in block.tensors}
+            gathered: dict[str, bytearray] = {}
             for _i, name, piece in pieces:
                 if name is None:
                     break
-                if pos < offsets[name]:
-                    pad = _ZEROS[:offsets[name] - pos]
-                    writer.write(pad)
-                    crc = crc32c(pad, crc)
-                    pos = offsets[name]
-                crc = crc32c(piece, crc)
-                writer.write(piece)
-                pos += len(piece)
+                t = infos[name]
+                if t.quant:
+                    # Quantized weights are whole-tensor work: gather the source, then write codes
+                    # and scales (each at its own 256-aligned offset).
+                    source = gathered.setdefault(name, bytearray())
+                    source += piece
+                    if len(source) < shards.specs[name].nbytes:
+                        continue
+                    del gathered[name]
+                    parts = zip((t.offset, t.quant["scales_offset"]),
+                                _quantized_bytes(t, source, quant_device))
+                else:
+                    parts = ((max(pos, t.offset), piece),)
+                for offset, data in parts:
+                    if pos < offset:
+                        pad = _ZEROS[:offset - pos]
+                        writer.write(pad)
+                        crc = crc32c(pad, crc)
+                        pos = offset
+                    crc = crc32c(data, crc)
+                    writer.write(data)
+                    pos += len(data)
             if pos < block.length:   # a trailing zero-size tensor still owns its aligned offset
                 pad = _ZEROS[:block.length - pos]
                 writer.write(pad)
@@ -350,14 +378,20 @@ def model_summary(config: dict, arch: str, blocks: list[BlockInfo]) -> dict:
             "total_bytes": sum(b.length for b in blocks)}
 
 
-def pack(src, out, *, force: bool = False, progress=None) -> Path:
+def pack(src, out, *, force: bool = False, progress=None, quant=None, quant_device=None) -> Path:
     """Pack the HF model directory ``src`` into the block store ``out``; returns ``out``.
 
-    ``progress(nbytes)`` is called after each block. Raises NotAModelDirectory, MissingShard,
-    CorruptSafetensors, UnsupportedModel, StoreExists, NoSpace; on any failure nothing is left
-    beside OUT and an existing OUT is untouched.
+    ``progress(nbytes)`` is called after each block. ``quant`` (a ``deepseek_flash.quant.QuantSpec``)
+    quantizes the linear weights of attention and MLP blocks (docs/format.md, "Quantized tensors");
+    the scale search runs on ``quant_device`` (default: the first CUDA device when there is one,
+    else the CPU). Raises NotAModelDirectory, MissingShard, CorruptSafetensors, UnsupportedModel,
+    StoreExists, NoSpace; on any failure nothing is left beside OUT and an existing OUT is
+    untouched.
     """
     src, out = Path(src).absolute(), Path(out).absolute()
+    if quant is not None and quant_device is None:
+        import torch
+        quant_device = "cuda" if torch.cuda.is_available() else "cpu"
     config = _load_config(src)
     arch = architecture(config, src / "config.json")
     if out.exists() or out.is_symlink():
@@ -372,9 +406,9 @@ def pack(src, out, *, force: bool = False, progress=None) -> Path:
     shards = _Shards(src)
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
     try:
-        blocks = plan_blocks(config, shards.specs, shards.identical, str(src))
+        blocks = plan_blocks(config, shards.specs, shards.identical, str(src), quant=quant)
         tmp.mkdir()
-        _write_blocks(shards, blocks, tmp / DATA_FILE, progress)
+        _write_blocks(shards, blocks, tmp / DATA_FILE, progress, quant_device)
         model = model_summary(config, arch, blocks)
         write_synced(tmp / METADATA_FILE, encode_metadata(blocks, model))
         for aux in sorted(src.iterdir()):

@@ -112,8 +112,16 @@ class Store:
                     path=str(path), expected=block.crc32c, actual=actual)
         return data
 
+    @property
+    def quant(self) -> dict | None:
+        """How the store was quantized (``scheme``, ``granularity``, ``group_size``), or None."""
+        return next((dict(b.quant) for b in self.blocks if b.quant), None)
+
     def tensor(self, hf_name: str):
         """A copy of one tensor (tests, tools); the hot path uses views.block_tensors."""
         from .views import block_tensors
         block, _ = self.find(hf_name)
-        return block_tensors(block, bytearray(self.read_block(block.id)))[hf_name].clone()
+        from ..quant import QuantizedTensor
+        tensor = block_tensors(block, bytearray(self.read_block(block.id)))[hf_name]
+        # A quantized weight comes back dequantized to the dtype it is computed in.
+        return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor.clone()

@@ -16,12 +16,26 @@ _ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+# The architectures the synthetic writer can make: Llama's tensor layout, plus (qwen2) biases on
+# the q/k/v projections; the config names the class transformers builds.
+ARCHS = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5},
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                "rms_norm_eps": 1e-5, "sliding_window": None, "rope_theta": 1e6},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rms_norm_eps": 1e-6,
+              "rope_theta": 1e6, "use_sliding_window": False},
+}
+
+
 def llama_shapes(hidden: int, layers: int, intermediate: int, vocab: int, kv_heads: int,
-                 heads: int, tied: bool) -> dict:
+                 heads: int, tied: bool, arch: str = "llama") -> dict:
     kv = hidden // heads * kv_heads
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
+        if arch == "qwen2":
+            shapes.update({p + "self_attn.q_proj.bias": (hidden,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
         shapes.update({
             p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
             p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
@@ -36,12 +50,14 @@ def llama_shapes(hidden: int, layers: int, intermediate: int, vocab: int, kv_hea
 
 def write_random_llama(path, *, hidden: int = 2048, layers: int = 16, intermediate: int = 5632,
                        vocab: int = 32000, heads: int = 16, kv_heads: int = 4, dtype: str = "bfloat16",
-                       tied: bool = False, shard_bytes: int = 1 << 30, seed: int = 0) -> Path:
-    """Write config.json and ``*.safetensors`` shards (+ index when sharded) to ``path``."""
+                       tied: bool = False, shard_bytes: int = 1 << 30, seed: int = 0,
+                       arch: str = "llama") -> Path:
+    """Write config.json and ``*.safetensors`` shards (+ index when sharded) to ``path``;
+    ``arch``: one of ``ARCHS`` (llama, mistral, qwen2)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    shapes = llama_shapes(hidden, layers, intermediate, vocab, kv_heads, heads, tied)
+    shapes = llama_shapes(hidden, layers, intermediate, vocab, kv_heads, heads, tied, arch)
     shards: list[list[str]] = [[]]
     size = 0
     for name, shape in shapes.items():
@@ -74,10 +90,10 @@ def write_random_llama(path, *, hidden: int = 2048, layers: int = 16, intermedia
         (path / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(int(np.prod(s)) * _SIZES[dtype] for s in shapes.values())},
              "weight_map": weight_map}))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+    config = {**ARCHS[arch], "hidden_size": hidden,
               "num_hidden_layers": layers, "intermediate_size": intermediate, "vocab_size": vocab,
               "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-              "tie_word_embeddings": tied, "torch_dtype": dtype, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": tied, "torch_dtype": dtype,
               "max_position_embeddings": 4096}
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path

@@ -9,20 +9,35 @@ import torch
 
 from .format import BlockInfo
 
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+_STORAGE = {"int8": torch.int8, "int4": torch.uint8}
+
+
+def _row(t) -> tuple:
+    if not t.quant:
+        return (t.name, *t.aliases), t.offset, t.nbytes, TORCH_DTYPES[t.dtype], tuple(t.shape), None
+    from ..quant import QuantSpec
+    q = t.quant
+    rows, cols = t.shape
+    data_shape = (rows, cols // 2) if t.dtype == "int4" else (rows, cols)
+    scales = (q["scales_offset"], q["scales_nbytes"], tuple(q["scales_shape"]))
+    return ((t.name, *t.aliases), t.offset, t.nbytes, _STORAGE[t.dtype], data_shape,
+            (QuantSpec.from_dict(q), tuple(t.shape), TORCH_DTYPES[q["dtype"]], scales))
 
 
 def _spec(block: BlockInfo) -> list:
     spec = block._view_spec
     if spec is None:
-        spec = [((t.name, *t.aliases), t.offset, t.nbytes, _TORCH_DTYPES[t.dtype], tuple(t.shape))
-                for t in block.tensors]
+        spec = [_row(t) for t in block.tensors]
         block._view_spec = spec
     return spec
 
 
 def block_tensors(block: BlockInfo, payload) -> dict:
-    """{HF name (aliases too): tensor view into ``payload``}.
+    """{HF name (aliases too): tensor view into ``payload``}; a quantized weight is a
+    ``deepseek_flash.quant.QuantizedTensor`` whose codes and scales are views into ``payload``.
 
     ``payload`` is a 1-D uint8 torch tensor (CPU or CUDA) or any buffer holding exactly this
     block's payload (at least ``block.length`` bytes). A read-only buffer gives read-only views.
@@ -44,8 +59,13 @@ def block_tensors(block: BlockInfo, payload) -> dict:
         raise ValueError(f"block {block.id}: payload holds {payload.numel()} bytes, the block "
                          f"needs {block.length}")
     out = {}
-    for names, offset, nbytes, dtype, shape in _spec(block):
+    for names, offset, nbytes, dtype, shape, quant in _spec(block):
         view = payload[offset:offset + nbytes].view(dtype).view(shape)
+        if quant is not None:
+            from ..quant import QuantizedTensor
+            qspec, logical, compute, (s_off, s_len, s_shape) = quant
+            scales = payload[s_off:s_off + s_len].view(torch.float16).view(s_shape)
+            view = QuantizedTensor(qspec, logical, view, scales, compute)
         for name in names:
             out[name] = view
     return out

@@ -86,7 +86,16 @@ class PruneReport:
 
 
 def _tensor_bytes(payload: bytes, t: TensorInfo) -> bytes:
-    return payload[t.offset:t.offset + t.nbytes]
+    """The bytes of ``t``: for a quantized weight its codes, the zero gap and its scales."""
+    return payload[t.offset:t.end]
+
+
+def _moved(t: TensorInfo, offset: int, aliases: list) -> TensorInfo:
+    """``t`` placed at ``offset`` (its scales move with it)."""
+    quant = None
+    if t.quant:
+        quant = {**t.quant, "scales_offset": offset + t.quant["scales_offset"] - t.offset}
+    return TensorInfo(t.name, t.dtype, tuple(t.shape), offset, t.nbytes, aliases, quant)
 
 
 def _aliasable(block: BlockInfo, twin_block: BlockInfo) -> tuple[bool, str]:
@@ -161,7 +170,7 @@ def _layout(tensors: list) -> tuple[list, int]:
     for t in tensors:
         pos = align_up(pos, TENSOR_ALIGN)
         offsets.append(pos)
-        pos += t.nbytes
+        pos += t.end - t.offset
     return offsets, pos
 
 
@@ -188,8 +197,7 @@ def apply(store: Store, report: PruneReport, out, progress=None) -> Path:
     for b in kept_blocks:
         kept = [t for t in b.tensors if t.name not in alias]
         offsets, length = _layout(kept)
-        tensors = [TensorInfo(t.name, t.dtype, tuple(t.shape), off, t.nbytes,
-                              [*t.aliases, *extra_aliases.get(t.name, [])])
+        tensors = [_moved(t, off, [*t.aliases, *extra_aliases.get(t.name, [])])
                    for t, off in zip(kept, offsets)]
         nb = BlockInfo(id=new_id[b.id], role=b.role, layer=b.layer, file=DATA_FILE, offset=0,
                        length=length, crc32c=0, tensors=tensors,
@@ -204,7 +212,7 @@ def apply(store: Store, report: PruneReport, out, progress=None) -> Path:
                 src = store.read_block(old.id)
                 payload = bytearray(nb.length)
                 for t_old, t_new in zip(kept, nb.tensors):
-                    payload[t_new.offset:t_new.offset + t_new.nbytes] = _tensor_bytes(src, t_old)
+                    payload[t_new.offset:t_new.end] = _tensor_bytes(src, t_old)
                 nb.crc32c = crc32c(payload)
                 nb.header_offset = writer.tell()
                 header = encode_block_header(nb, len(plan))

@@ -98,7 +98,10 @@ def test_reconnect_drops_the_old_daemons_mappings(daemon_factory, tiny_store, mo
     pinned, unpinned, opened = [], [], []
     monkeypatch.setattr(client_mod, "register_host_memory", lambda a, n: pinned.append(a) or True)
     monkeypatch.setattr(client_mod, "unregister_host_memory", unpinned.append)
-    monkeypatch.setattr(client_mod, "open_gpu_arena", lambda desc: opened.append(object()) or opened[-1])
+    # The real one opens the descriptor's new segments into the process's DeviceMemory (given
+    # back on later calls); a fresh one only when the process has none for this daemon.
+    monkeypatch.setattr(client_mod, "open_gpu_arena", lambda desc, memory=None: memory if memory is not None
+                        else opened.append(object()) or opened[-1])
     d = daemon_factory(config_for(tiny_store)).start()
     c = Client(d.socket, embedded=False, reconnect_timeout=30)
     old = c.arena.address

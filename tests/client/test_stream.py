@@ -108,19 +108,85 @@ def test_link_sampler_counts_only_traffic_that_is_not_ours():
 
     from deepseek_flash.client.stream import LinkSampler
 
-    streamed = {"bytes": 0}
     nvml = SimpleNamespace(NVML_PCIE_UTIL_RX_BYTES=0, rx_kbps=0,
                            nvmlDeviceGetPcieThroughput=lambda h, c: nvml.rx_kbps)
-    sampler = LinkSampler(0, lambda: streamed["bytes"], nvml=nvml)
+    sampler = LinkSampler(0, lambda: 0, nvml=nvml)
     capacity = 64e9
-    # 40 GB/s on the link over one second, 30 GB/s of it ours: 10 GB/s of other traffic.
+    # 40 GB/s on the link in every reading over one second, 30 GB of our copies completed in it.
     nvml.rx_kbps = 40e9 / 1024
-    streamed["bytes"] = 30_000_000_000
-    mark = sampler.sample(None, capacity, 0, 1.0)
-    assert mark == 30_000_000_000
+    rates = [sampler.read_rx(None) for _ in range(50)]
+    sampler.close_interval(rates, 30_000_000_000, 1.0, capacity)
     assert abs(sampler.load - 10e9 / capacity) < 1e-9
     # All of it ours: no other load, and never negative.
-    nvml.rx_kbps = 20e9 / 1024
-    streamed["bytes"] += 25_000_000_000
-    sampler.sample(None, capacity, mark, 1.0)
+    sampler.close_interval([20e9] * 50, 25_000_000_000, 1.0, capacity)
     assert sampler.load == 0.0
+    # One reading for a whole second: not trusted.
+    sampler.close_interval([40e9], 0, 1.0, capacity)
+    assert sampler.load is None
+
+
+def test_link_sampler_thread_reads_our_own_copies_as_ours():
+    """The sampler's own loop: the link carries exactly what our copies complete (a steady 50
+    GB/s) -- the load it reports is ~0, so the window has nothing to yield to."""
+    import time
+    from types import SimpleNamespace
+
+    from deepseek_flash.client.stream import LinkSampler
+
+    rate = 50e9
+    t0 = time.monotonic()
+    nvml = SimpleNamespace(NVML_PCIE_UTIL_RX_BYTES=0, nvmlInit=lambda: None,
+                           nvmlDeviceGetHandleByIndex=lambda i: None,
+                           nvmlDeviceGetPcieLinkMaxSpeed=lambda h: 5,
+                           nvmlDeviceGetMaxPcieLinkWidth=lambda h: 16,
+                           nvmlDeviceGetPcieThroughput=lambda h, c: rate / 1024)
+    sampler = LinkSampler(0, lambda: int(rate * (time.monotonic() - t0)), interval=0.1,
+                          sample_s=0.005, nvml=nvml).start()
+    try:
+        deadline = time.monotonic() + 10
+        while sampler.load is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sampler.load is not None and sampler.load < 0.05
+    finally:
+        sampler.stop()
+
+
+def test_streamed_host_leases_each_layer_once_and_pins_only_its_ranges():
+    """Daemon mode on a GPU: attach page-locks nothing; a background thread leases the streamed
+    layers and page-locks just their blocks' ranges (adjacent blocks merged), which close
+    unpins and releases."""
+    import threading
+    from types import SimpleNamespace
+
+    from deepseek_flash.client.stream import StreamedHost
+    from deepseek_flash.wire import Plan
+
+    blocks = {10: SimpleNamespace(length=5000), 11: SimpleNamespace(length=8192),
+              20: SimpleNamespace(length=100), 21: SimpleNamespace(length=4096)}
+    offsets = {3: {10: 0, 11: 8192}, 4: {20: 65536, 21: 1 << 20}}
+    calls, released = [], []
+    lock = threading.Lock()
+
+    class FakeClient:
+        def acquire(self, model, blocks, priority=0):
+            layer = 3 if blocks == [10, 11] else 4
+            with lock:
+                calls.append(layer)
+            return SimpleNamespace(id=layer, blocks=offsets[layer])
+
+        def release(self, lease):
+            released.append(lease.id)
+
+    registered, unregistered = [], []
+    plan = Plan(budget=0, resident=[], streamed_layers=[3, 4], stream_blocks={3: [10, 11], 4: [20, 21]},
+                slot_bytes=16384, n_slots=2)
+    side = StreamedHost(FakeClient(), "m", plan, blocks, 1 << 40,
+                        register=lambda a, n: registered.append((a - (1 << 40), n)) or True,
+                        unregister=lambda a: unregistered.append(a - (1 << 40))).start()
+    assert side.fetch(3) == offsets[3]          # the runtime's first pass asks as well
+    side._thread.join(timeout=10)
+    assert sorted(calls) == [3, 4]              # one lease per layer, whoever asked first
+    assert registered == [(0, 16384), (65536, 4096), (1 << 20, 4096)]
+    assert side.pinned_bytes == 24576 and side.pin_seconds is not None
+    side.close()
+    assert unregistered == [0, 65536, 1 << 20] and sorted(released) == [3, 4]

@@ -64,7 +64,7 @@ def test_lifecycle_ready_serve_stop(daemon_factory, tiny_store):
 def test_sighup_good_and_bad_config(daemon_factory, tiny_store):
     d = daemon_factory(base_config(tiny_store)).start()
     with d.client() as c:
-        assert c.get_tunable("prefetch_window") == 2
+        assert c.get_tunable("prefetch_window") == "auto"
         d.write_config(base_config(tiny_store, prefetch_window=7))
         mark = len(d.drain_notify())
         d.signal(signal.SIGHUP)

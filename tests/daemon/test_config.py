@@ -10,11 +10,11 @@ from deepseek_flash.errors import ConfigError
 
 def test_defaults_cover_every_design_key():
     cfg = FlashConfig()
-    assert cfg.prefetch_window == 2
+    assert cfg.prefetch_window == "auto"
     assert cfg.block_eviction_policy == "lru"
     assert cfg.eviction_threshold == 0.9
     assert cfg.unified_memory_ratio == 0.8
-    assert cfg.quantization_granularity == "per_tensor"
+    assert cfg.quantization_granularity == "per_block"
     assert cfg.quantization_scheme == "none"
     assert cfg.error_recovery_mode == "strict"
     assert cfg.socket_mode == 0o660 and cfg.socket_group is None
@@ -23,10 +23,11 @@ def test_defaults_cover_every_design_key():
 
 
 @pytest.mark.parametrize("key, value, allowed", [
-    ("prefetch_window", 65, "0..64"),
-    ("prefetch_window", -1, "0..64"),
-    ("prefetch_window", "2", "0..64"),
-    ("prefetch_window", True, "0..64"),
+    ("prefetch_window", 65, '"auto" | 0..64'),
+    ("prefetch_window", -1, '"auto" | 0..64'),
+    ("prefetch_window", "2", '"auto" | 0..64'),
+    ("prefetch_window", "Auto", '"auto" | 0..64'),
+    ("prefetch_window", True, '"auto" | 0..64'),
     ("block_eviction_policy", "fifo", ["lru", "access_frequency_weighted"]),
     ("eviction_threshold", 1.5, "0 <= x <= 1"),
     ("unified_memory_ratio", 0, "0 < r <= 1"),
@@ -47,10 +48,9 @@ def test_invalid_values_name_key_value_allowed(key, value, allowed):
 
 
 @pytest.mark.parametrize("scheme", ["int8_symmetric", "int4_symmetric"])
-def test_quantization_schemes_rejected_as_not_implemented(scheme):
-    with pytest.raises(ConfigError, match="not implemented") as info:
-        FlashConfig.from_dict({"quantization_scheme": scheme})
-    assert info.value.key == "quantization_scheme"
+def test_quantization_schemes_accepted(scheme):
+    cfg = FlashConfig.from_dict({"quantization_scheme": scheme, "quantization_granularity": "per_tensor"})
+    assert cfg.quantization_scheme == scheme and cfg.quantization_granularity == "per_tensor"
 
 
 def test_unknown_key_rejected():
@@ -151,3 +151,29 @@ def test_config_is_immutable():
     cfg = FlashConfig()
     with pytest.raises(AttributeError):
         cfg.prefetch_window = 3
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("kv_gpu_tokens", -1, "0..1048576"),
+    ("kv_sink_tokens", 1.5, "0..4096"),
+    ("kv_page_tokens", 48, "\"auto\" | 16 | 32 | 64 | 128"),
+    ("kv_page_tokens", True, "\"auto\" | 16 | 32 | 64 | 128"),
+    ("kv_top_k_pages", 0, "null | int >= 1 | 0 < fraction <= 1"),
+    ("kv_top_k_pages", 1.5, "null | int >= 1 | 0 < fraction <= 1"),
+    ("kv_spill_dir", "", "null | \"/path\""),
+])
+def test_kv_keys_invalid(key, value, allowed):
+    with pytest.raises(ConfigError) as info:
+        FlashConfig.from_dict({key: value})
+    assert info.value.key == key and info.value.allowed == allowed
+
+
+def test_kv_keys_defaults_and_per_open():
+    cfg = FlashConfig()
+    assert (cfg.kv_gpu_tokens, cfg.kv_sink_tokens, cfg.kv_page_tokens, cfg.kv_top_k_pages,
+            cfg.kv_host_bytes, cfg.kv_spill_dir) == (512, 4, "auto", None, None, None)
+    opened = cfg.override({"kv_top_k_pages": 0.25, "kv_host_bytes": "1GiB", "kv_page_tokens": 64},
+                          scope="model")
+    assert (opened.kv_top_k_pages, opened.kv_host_bytes, opened.kv_page_tokens) == (0.25, 1 << 30, 64)
+    with pytest.raises(ConfigError):
+        FlashConfig.from_dict({"kv_host_bytes": "lots"})

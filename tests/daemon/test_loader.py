@@ -56,7 +56,7 @@ def test_gpu_copy_serves_as_a_recovery_source(controller, tiny_store):
     order = ForwardOrder(info.blocks, info.num_layers)
     gate = next(g for g, ids in enumerate(order.stages) if block.id in ids)
     gates = np.zeros(len(order.stages), dtype=np.uint32)
-    placement = SimpleNamespace(offsets={block.id: 4096}, arena=SimpleNamespace(tensor=device),
+    placement = SimpleNamespace(offsets={block.id: 4096}, arena=device,
                                 events=[SimpleNamespace(synchronize=lambda: None)] * len(gates))
     load = SimpleNamespace(placement=placement, info=info, order=order, gates=gates)
     loader = Loader(manager, arena)
@@ -266,3 +266,81 @@ def test_devices_outside_the_configuration_are_refused(monkeypatch):
         f.arena(1)
     assert exc.value.code == 220 and "cuda:1" in str(exc.value) and exc.value.allowed == [0]
     assert fabric_mod.Fabric(_core.HostArena(1 << 20), 0.5).prepare() is None   # nothing configured
+
+
+def test_read_ahead_starts_the_first_blocks_in_forward_order(controller, tiny_store):
+    """Before the device is ready (CUDA starting in the daemon), a first attach reads the model's
+    first blocks, up to half the host arena, so the load finds them read or in flight."""
+    manager, arena = controller
+    cid = manager.connect({"name": "t"})
+    info = manager.open_model(cid, str(tiny_store))
+    attachments = Attachments(manager, Loader(manager, arena))
+    started = attachments.read_ahead(cid, info.name)
+    order = [b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage]
+    length = {b.id: b.length for b in info.blocks}
+    fits, room = 0, arena.size // 2
+    for bid in order:
+        room -= length[bid]
+        if room < 0:
+            break
+        fits += 1
+    assert started == fits > 0
+    assert manager.stats()["prefetch_issued"] == fits
+    # The blocks read ahead are the ones the load asks for first.
+    lease = manager.acquire(cid, info.name, blocks=order[:fits])
+    assert set(lease.blocks) == set(order[:fits])
+    manager.release(cid, lease.id)
+    assert attachments.read_ahead(cid, "no-such-model") == 0
+
+
+def test_a_client_leaving_during_a_cpu_load_does_not_wait_for_it(controller, tiny_store, monkeypatch):
+    # The server's event loop runs the disconnect: it must not block until the load's reads end.
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    manager, arena = controller
+    cid = manager.connect({"name": "t"})
+    info = manager.open_model(cid, str(tiny_store))
+    held: list[Future] = []
+    real_acquire = manager.acquire_async
+
+    def slow_acquire(*args, **kwargs):
+        # The load's stage reads stay in flight until the test lets them finish.
+        future: Future = Future()
+        held.append((future, real_acquire(*args, **kwargs)))
+        return future
+    monkeypatch.setattr(manager, "acquire_async", slow_acquire)
+    control_before = arena.used
+    loader = Loader(manager, arena)
+    manager.on_disconnect(loader.detach)
+    load = loader.attach(cid, info, "cpu", [b.id for b in info.blocks])
+    deadline = time.monotonic() + 10
+    while not held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    leaving = threading.Thread(target=manager.disconnect, args=(cid,))
+    start = time.monotonic()
+    leaving.start()
+    leaving.join(2)
+    assert not leaving.is_alive(), "disconnect waited for the CPU load"
+    assert time.monotonic() - start < 1.0 and loader.loads() == []
+    assert not load.finished.done()
+    for future, real in held:                 # the reads land after the client has gone
+        error = real.exception(timeout=30)    # (a read still pending at the disconnect fails, typed)
+        if error is None:
+            future.set_result(real.result())
+        else:
+            future.set_exception(error)
+    load.finished.exception(timeout=30)
+    assert_eventually_true(lambda: manager.stats()["active_leases"] == 0)
+    assert_eventually_true(lambda: arena.used <= control_before + sum(
+        -(-b.length // 4096) * 4096 for b in info.blocks))   # the control page is freed
+
+
+def assert_eventually_true(predicate, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)

@@ -79,3 +79,19 @@ def test_plan_round_trips_through_the_wire():
     plan = plan_residency(bs, anchors + 2 * 49152, 1)
     again = Plan.from_wire(plan.to_wire())
     assert again == plan
+
+
+def test_auto_window_is_resolved_from_slot_size_and_link():
+    bs = blocks(layers=12, gate_up=32 << 20, down=16 << 20)
+    anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))
+    slot = (32 << 20) + (16 << 20)
+    # 48 MiB a slot: 0.8 ms at 63 GB/s -> two ahead, three slots.
+    plan = plan_residency(bs, anchors + 6 * slot, "auto", link_bytes_per_s=63e9)
+    assert plan.window == 2 and plan.n_slots == 3
+    assert plan.streamed_layers == list(range(3, 12))
+    # A slow link makes the same slot last longer: still two.
+    assert plan_residency(bs, anchors + 6 * slot, "auto", link_bytes_per_s=8e9).window == 2
+    # An explicit window wins; the budget caps it.
+    plan = plan_residency(bs, anchors + 3 * slot, 4)
+    assert plan.n_slots == 3 and plan.window == 2
+    assert plan_residency(bs, anchors + 6 * slot, 0).window == 0

@@ -4,7 +4,7 @@ import errno
 import pytest
 
 from deepseek_flash.daemon.read_errors import RETRY, ReadAction, read_error_action
-from deepseek_flash.errors import BlockChecksumError, FlashIOError
+from deepseek_flash.errors import BlockChecksumError, FlashIOError, StoreTruncated
 
 
 def io(code):
@@ -13,6 +13,7 @@ def io(code):
 
 
 CRC = BlockChecksumError("crc mismatch", block_id=3, path="/s/blocks.dat", expected=1)
+SHORT = StoreTruncated("/s/blocks.dat ends early", path="/s/blocks.dat", block_id=3, offset=0, length=8192)
 FAILED_STRICT = ReadAction(fail_model=True)
 GRACEFUL_GIVE_UP = ReadAction(try_copies=True)
 DEVICE_GONE_STRICT = ReadAction(device_lost=True, fail_model=True)
@@ -37,6 +38,11 @@ TABLE = [
     (CRC, "graceful", 0, False, RETRY),
     (CRC, "graceful", 1, False, ReadAction(quarantine=True, try_copies=True)),
     (CRC, "graceful", 0, True, ReadAction(quarantine=True, try_copies=True)),
+    # a data file that ends early is a corrupt store, not a dead device (errno 0 is no device error)
+    (SHORT, "strict", 0, False, ReadAction(quarantine=True, fail_model=True)),
+    (SHORT, "graceful", 1, False, ReadAction(quarantine=True, try_copies=True)),
+    (io(0), "graceful", 1, False, GRACEFUL_GIVE_UP),
+    (io(0), "strict", 0, False, FAILED_STRICT),
 ]
 
 

@@ -171,3 +171,33 @@ def test_failed_capture_falls_back_to_eager_and_stays_exact():
     got = reference(model, ids, mask, max_new_tokens=12)
     assert torch.equal(got, want)
     assert decoder.mode == "eager" and decoder.eager_reason.startswith("capture failed")
+
+
+def test_concurrent_calls_take_turns_and_stay_exact():
+    import threading
+
+    model = tiny_model("qwen2", seed=5)
+    prompts = [left_padded(2, 6, seed=s) for s in (10, 11, 12)]
+    want = [reference(model, ids, mask, max_new_tokens=16) for ids, mask in prompts]
+    enable(model, capacity=32)
+    got = [None] * len(prompts)
+
+    def run(i):
+        ids, mask = prompts[i]
+        got[i] = reference(model, ids, mask, max_new_tokens=16)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_prompt_on_another_device_goes_to_transformers():
+    model = tiny_model("llama")
+    decoder = enable(model, capacity=32)
+    ids, mask = left_padded(1, 4)
+    decoder.device = torch.device("meta")       # as if the model lived elsewhere than the prompt
+    reference(model, ids, mask, max_new_tokens=3)
+    assert decoder.stats()["fallback_calls"] == 1 and "prompt on cpu" in decoder.last_fallback

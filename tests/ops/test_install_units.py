@@ -129,6 +129,7 @@ def test_repository_units_are_the_packaged_files():
     # systemd/ and etc/ are links to the single source in deepseek_flash/data/.
     for link, name in [("systemd/deepseek-flash.service", "deepseek-flash.service"),
                        ("systemd/deepseek-flash.socket", "deepseek-flash.socket"),
+                       ("systemd/deepseek-flash-serve@.service", "deepseek-flash-serve@.service"),
                        ("etc/flash.json", "flash.json")]:
         path = REPO / link
         assert path.is_symlink() and os.path.samefile(path, REPO / "deepseek_flash" / "data" / name)
@@ -150,3 +151,34 @@ def test_service_unit_has_the_required_settings():
     for setting in ["ListenStream=/run/deepseek_flash/control.sock", "SocketMode=0660",
                     "SocketGroup=deepseek-flash", "WantedBy=sockets.target"]:
         assert setting in socket_lines, setting
+
+
+def test_installs_the_serve_template_unit_running_this_environments_cli(tmp_path):
+    python = fake_python(tmp_path / "venv" / "bin", with_script=True)
+    (tmp_path / "venv" / "bin" / "deepseek-flash").write_text("#!/bin/sh\n")
+    (tmp_path / "venv" / "bin" / "deepseek-flash").chmod(0o755)
+    assert install(tmp_path, "--python", str(python), "--allow-tmp") == 0
+    serve = (tmp_path / "units" / "deepseek-flash-serve@.service").read_text()
+    # The environment lies under /tmp: the server unit gets the PrivateTmp=no drop-in too.
+    assert "PrivateTmp=no" in (tmp_path / "units" / "deepseek-flash-serve@.service.d" / "private-tmp.conf").read_text()
+    assert serve == packaged("deepseek-flash-serve@.service").replace(
+        "ExecStart=/usr/bin/env deepseek-flash serve %I $SERVE_ARGS",
+        f"ExecStart={tmp_path}/venv/bin/deepseek-flash serve %I $SERVE_ARGS")
+    bare = fake_python(tmp_path / "bare" / "bin", with_script=False)
+    assert install_units.cli_command(str(bare)) == f"{bare} -m deepseek_flash"
+
+
+def test_serve_unit_is_hardened_and_ordered_after_the_daemon_which_stays_af_unix_only():
+    serve = set(packaged("deepseek-flash-serve@.service").splitlines())
+    for setting in ["Type=notify", "NotifyAccess=main", "Wants=deepseek-flash.service",
+                    "After=deepseek-flash.service deepseek-flash.socket network.target",
+                    "EnvironmentFile=-/etc/deepseek-flash/serve-%i.env", "ProtectSystem=strict",
+                    "ProtectHome=read-only", "PrivateTmp=yes", "NoNewPrivileges=yes", "DevicePolicy=closed",
+                    "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=char-nvidia-uvm rw",
+                    "SystemCallFilter=@system-service", "CapabilityBoundingSet=", "LimitMEMLOCK=infinity",
+                    "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "Restart=on-failure"]:
+        assert setting in serve, setting
+    assert not any(line.startswith("DeviceAllow=block") for line in serve)
+    daemon = packaged("deepseek-flash.service")
+    assert "RestrictAddressFamilies=AF_UNIX AF_NETLINK" in daemon.splitlines()
+    assert "AF_INET" not in daemon

@@ -1,7 +1,8 @@
 """Prefetch policy: the stage sequence a forward pass walks, and the window a streaming client moves."""
 import pytest
 
-from deepseek_flash.prefetch import ForwardOrder, WindowController, WindowPolicy, WindowStep
+from deepseek_flash.prefetch import (ForwardOrder, WindowController, WindowPolicy, WindowStep,
+                                     auto_window, other_link_load, readahead_window)
 
 from deepseek_flash.store import Store
 
@@ -95,3 +96,60 @@ def test_window_policy_table(window, calm, misses, layers, other_load, expected)
                                                         (0, 0, 4, 0)])
 def test_window_policy_clamps_the_start(low, high, window, clamped):
     assert WindowController(window, low=low, high=high).window == clamped
+
+
+GB = 1e9
+CAP = 63e9
+
+
+@pytest.mark.parametrize("rx, own_bytes, seconds, expected", [
+    # Only our copies on the link, steady or in bursts: every 20 ms reading is ours, so the mean
+    # of the readings equals our completed bytes over the interval -> no other traffic.
+    ([55 * GB] * 25, 27.5 * GB, 0.5, 0.0),
+    ([60 * GB, 0.0] * 12 + [60 * GB], 15.6 * GB, 0.5, 0.0),     # bursts: 13 of 25 readings busy
+    ([58 * GB] * 25, 29.5 * GB, 0.5, 0.0),                       # reads a little below ours: 0, never < 0
+    # Someone else's 30 GB/s beside our 20 GB/s.
+    ([50 * GB] * 25, 10 * GB, 0.5, 30 / 63),
+    # Nothing of ours: all of it is other traffic.
+    ([40 * GB] * 50, 0, 1.0, 40 / 63),
+    # Too few readings for the interval (one 20 ms reading against 0.5 s): unknown, not a guess.
+    ([60 * GB], 15 * GB, 0.5, None),
+    ([], 0, 0.5, None),
+    ([10 * GB] * 25, 0, 0.0, None),
+])
+def test_other_link_load_matches_readings_and_completed_bytes(rx, own_bytes, seconds, expected):
+    got = other_link_load(rx, own_bytes, seconds, CAP)
+    assert got == expected if expected in (None, 0.0) else abs(got - expected) < 1e-12
+    assert other_link_load(rx, own_bytes, seconds, None) is None
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+@pytest.mark.parametrize("rx, own_bytes", [
+    ([55 * GB] * 25, 27.5 * GB),                        # link saturated by our copies
+    ([63 * GB, 0.0, 63 * GB, 63 * GB] * 6 + [0.0], 26.46 * GB),   # bursty copies, 18/25 busy
+    ([63 * GB], 8 * GB),                                # one reading against an average: unknown
+])
+def test_the_window_never_shrinks_on_our_own_traffic(window, rx, own_bytes):
+    """With nothing but our copies on the link, a pass with stalls grows the window (or holds at
+    high) and a calm pass holds it: the link never counts as busy with other work."""
+    load = other_link_load(rx, own_bytes, 0.5, CAP)
+    assert load is None or load < P.busy_at
+    stalled = P.step(window, 0, 5, 10, load)
+    assert stalled.window == min(window + 1, P.high)
+    calm = P.step(window, 0, 0, 10, load)
+    assert calm.window == window and calm.reason is None
+
+
+@pytest.mark.parametrize("slot_bytes, link, window", [
+    (336 << 20, 63e9, 2),           # an 8B layer's MLP: 5.6 ms a copy, two in flight suffice
+    (336 << 20, None, 2),           # nominal link
+    (4 << 20, 63e9, 5),             # 67 us a copy: cover 200 us of issuing
+    (49152, 63e9, 8),               # tiny layers: capped
+    (0, 63e9, 2),
+])
+def test_auto_window_from_slot_size_and_link(slot_bytes, link, window):
+    assert auto_window(slot_bytes, link) == window
+
+
+def test_readahead_window_resolves_auto():
+    assert readahead_window("auto") == 2 and readahead_window(0) == 0 and readahead_window(5) == 5

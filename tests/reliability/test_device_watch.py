@@ -1,5 +1,6 @@
 """Device watch: store -> block device mapping, udev remove/read-only/add through an injected
 monitor, and a real store file truncated under the daemon (host-only, then back)."""
+import errno
 import os
 import socket
 import threading
@@ -10,7 +11,7 @@ from deepseek_flash.daemon import recovery
 from deepseek_flash.daemon.block_manager import BlockManager
 from deepseek_flash.daemon.config import FlashConfig
 from deepseek_flash.daemon.recovery import DeviceWatch, block_device_of
-from faults import FakeDevice, FakeMonitor, copy_store
+from faults import FakeDevice, FakeMonitor, copy_store, corrupt_block
 from flashd_harness import assert_eventually
 
 from deepseek_flash._core import HostArena, IOEngine
@@ -53,15 +54,12 @@ def test_maps_a_partition_to_its_disk(tmp_path, tiny_store):
                     "firmware": "3B2QGXA7", "ro": False}
 
 
-def test_maps_the_real_device(tiny_store):
+def test_a_file_system_without_a_block_device(tmp_path, tiny_store):
+    (tmp_path / "sys" / "dev" / "block").mkdir(parents=True)      # no link for the store's devnum
     st = os.stat(tiny_store)
-    info = block_device_of(tiny_store)
-    assert info["devnum"] == f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    if os.path.exists(f"/sys/dev/block/{info['devnum']}"):
-        assert info["disk"] and info["node"] == f"/dev/{info['disk']}"
-        assert os.path.exists(f"/sys/block/{info['disk']}")
-    else:
-        assert info["disk"] == "" and "no block device" in info["note"]
+    assert block_device_of(tiny_store, tmp_path / "sys") == {
+        "devnum": f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}", "disk": "", "node": "",
+        "note": "no block device (virtual or network file system)"}
 
 
 @pytest.fixture
@@ -90,7 +88,7 @@ DISK = os.makedev(259, 0)
 
 
 def test_udev_remove_makes_a_graceful_model_host_only_and_add_brings_it_back(watched):
-    m, _watch, monitor, store = watched("graceful")
+    m, watch, monitor, store = watched("graceful")
     m.open_model(0, "tiny")
     info = m.snapshot()["models"]["tiny"]
     assert (info["device_model"], info["device_serial"], info["device_firmware"]) == \
@@ -116,8 +114,7 @@ def test_udev_remove_makes_a_graceful_model_host_only_and_add_brings_it_back(wat
     assert err.value.device == "/dev/nvme0n1" and "block" in str(err.value)
     assert m.stats()["bytes_read_nvme"] == read and m.prefetch("tiny", layers=[3]) == 0
     # A probe does not bring a udev-removed device back (page cache would lie); `add` does.
-    time.sleep(0.2)
-    assert m.stats()["host_only_models"] == 1
+    assert watch.probe() == [] and m.stats()["host_only_models"] == 1
     monitor.push(FakeDevice("add", DISK, "nvme0n1"))
     assert_eventually(lambda: m.stats()["host_only_models"] == 0, what="device back")
     lease = m.acquire(0, "tiny", layer=2)
@@ -169,14 +166,39 @@ def test_a_model_opened_while_its_device_is_gone_starts_host_only(watched):
     assert m.stats()["host_only_models"] == 1
 
 
-# --- the real daemon: a store file truncated under it ------------------------------------------------
+def test_the_probe_reads_past_the_page_cache(watched, monkeypatch):
+    """A device gone bad while the page cache still holds its bytes: the probe must read the
+    disk (O_DIRECT through the native engine), not the cache."""
+    m, watch, _monitor, store = watched("graceful")
+    m.open_model(0, "tiny")
+    probe_block = store.block(m.device_models()["tiny"]["probe"][0])
+    data = str(store.data_path(probe_block))
+    good = bytes(open(data, "rb").read())
+    real_pread = os.pread
 
-def test_daemon_truncated_store_goes_host_only_and_comes_back(daemon_factory, tiny_store, tmp_path):
+    def cached_pread(fd, n, offset):
+        # What a buffered read of the data file returns: the page cache's (good) bytes.
+        if os.readlink(f"/proc/self/fd/{fd}") == data:
+            return good[offset:offset + n]
+        return real_pread(fd, n, offset)
+    monkeypatch.setattr(os, "pread", cached_pread)
+    corrupt_block(store.path, probe_block.id)                  # the disk itself now reads bad
+    assert m.set_host_only("tiny", "read error: test")         # as after a failed read
+    assert watch.probe() == [] and m.stats()["host_only_models"] == 1
+    with open(data, "r+b") as f:                               # the device is good again
+        f.write(good)
+        os.fsync(f.fileno())
+    assert_eventually(lambda: m.stats()["host_only_models"] == 0, what="probe brings it back")
+
+
+# --- the real daemon: a store's data file vanishes under it ------------------------------------------
+
+def test_daemon_vanished_data_file_goes_host_only_and_comes_back(daemon_factory, tiny_store, tmp_path):
     path = copy_store(tiny_store, tmp_path, "cut")
     store = Store.open(path)
-    first3 = min(b.offset for b in store.blocks if b.layer == 3)
     data = store.data_path(store.blocks[0])
-    original = data.read_bytes()
+    away = data.with_name(data.name + ".away")
+    expected = {b.id: store.read_block(b.id) for b in store.blocks}
     d = daemon_factory({"host_cache_bytes": "8MiB", "store_roots": [str(path.parent)],
                         "error_recovery_mode": "graceful", "prefetch_window": 0}).start()
     with d.client() as c:
@@ -185,10 +207,11 @@ def test_daemon_truncated_store_goes_host_only_and_comes_back(daemon_factory, ti
         assert_eventually(lambda: f"device_devnum: {os.major(st.st_dev)}:{os.minor(st.st_dev)}" in
                           text_of(d.runtime / "models" / "cut" / "info"), what="device in info")
         warm = c.acquire(info, layer=0)
-        os.truncate(data, first3 - 4096)              # layer 3 is gone from the disk
+        os.rename(data, away)                         # the file (its device) is gone: ENOENT
         with pytest.raises(FlashIOError) as err:
             c.acquire(info, layer=3)
         assert err.value.block_id in {b.id for b in store.blocks if b.layer == 3}
+        assert err.value.errno == errno.ENOENT
         assert_eventually(lambda: c.stats()["host_only_models"] == 1, what="host-only")
         assert_eventually(lambda: d.status_file()["controller_state"] == "DEGRADED", what="DEGRADED")
         assert d.status_file()["unified_memory_fabric"] == "HOST_ONLY"
@@ -199,15 +222,15 @@ def test_daemon_truncated_store_goes_host_only_and_comes_back(daemon_factory, ti
         # Resident layer 0 still serves byte-exact; layer 2 (absent, still on disk) fails fast.
         lease = c.acquire(info, layer=0)
         for bid, off in lease.blocks.items():
-            assert bytes(c.arena.view(off, store.block(bid).length)) == store.read_block(bid)
+            assert bytes(c.arena.view(off, store.block(bid).length)) == expected[bid]
         with pytest.raises(DeviceError):
             c.acquire(info, layer=2)
         c.release(lease)
-        data.write_bytes(original)                    # the store is whole again: the probe sees it
+        os.rename(away, data)                         # the device is back: the probe sees it
         assert_eventually(lambda: c.stats()["host_only_models"] == 0, timeout=15, what="back")
         lease = c.acquire(info, layer=3)
         for bid, off in lease.blocks.items():
-            assert bytes(c.arena.view(off, store.block(bid).length)) == store.read_block(bid)
+            assert bytes(c.arena.view(off, store.block(bid).length)) == expected[bid]
         assert_eventually(lambda: d.status_file()["controller_state"] == "ACTIVE", what="ACTIVE")
         d.wait_message("STATUS=ACTIVE")
         c.release(lease)

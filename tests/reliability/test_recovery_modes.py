@@ -1,6 +1,7 @@
 """error_recovery_mode on real reads: strict and graceful, checksum and IO failures, quarantine,
 copies from another tier, and never a wrong byte served -- in-process and over the daemon."""
 import errno
+import os
 import time
 
 import pytest
@@ -185,6 +186,32 @@ def test_graceful_io_error_rereads_then_goes_host_only(make, tiny_store, tmp_pat
     lease = m.acquire(0, "eio", layer=3)
     assert served(m, lease, store) == {b: store.read_block(b) for b in lease.blocks}
     assert m.snapshot()["status"]["controller_state"] == "ACTIVE"
+
+
+def test_a_short_data_file_is_a_corrupt_store_not_a_dead_device(make, tiny_store, tmp_path):
+    from deepseek_flash.errors import StoreTruncated
+
+    path = copy_store(tiny_store, tmp_path, "cut")
+    store = Store.open(path)
+    last = max(store.blocks, key=lambda b: b.offset)         # the block at the end of the file
+    data = store.data_path(last)
+    os.truncate(data, last.offset + 4096)                    # one 4 KiB page of it is left
+    m = make(path.parent, "graceful")
+    m.open_model(0, "cut")
+    with pytest.raises(StoreTruncated) as info:
+        m.acquire(0, "cut", blocks=[last.id])
+    err = info.value
+    assert err.code == 112 and err.block_id == last.id and err.path == str(data)
+    assert str(data) in str(err) and "shorter than" in str(err)
+    snap = m.snapshot()
+    # One bad file is not a device loss: the model stays on its device, the block is quarantined.
+    assert snap["models"]["cut"]["unified_memory_fabric"] == "ENABLED"
+    assert snap["status"]["host_only_models"] == 0 and m.stats()["device_errors"] == 0
+    assert snap["models"]["cut"]["quarantined_blocks"] == [last.id]
+    lease = m.acquire(0, "cut", layer=2)                     # other blocks still read from disk
+    assert served(m, lease, store) == {b: store.read_block(b) for b in lease.blocks}
+    with pytest.raises(StoreTruncated):                      # quarantined: typed at once
+        m.acquire(0, "cut", blocks=[last.id])
 
 
 # --- over the real daemon -----------------------------------------------------------------------------

@@ -356,3 +356,17 @@ def test_killed_forced_repack_leaves_old_store_untouched(big_src, model_factory,
             assert Store.open(out).num_layers == 8
             return
     assert Store.open(out).num_layers == 2
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_synthetic_checkpoint_of_each_arch_loads_every_weight(tmp_path, arch):
+    """The benches' random checkpoints (``--arch``): transformers finds every weight it expects
+    (qwen2: the q/k/v biases) and nothing else."""
+    import transformers
+
+    src = write_random_llama(tmp_path / "m", hidden=64, layers=2, intermediate=128, vocab=96,
+                             heads=4, kv_heads=2, dtype="float32", arch=arch)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(src, output_loading_info=True)
+    assert type(model).__name__ == {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[arch]
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert (arch == "qwen2") == ("model.layers.0.self_attn.q_proj.bias" in model.state_dict())

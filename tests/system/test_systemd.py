@@ -128,7 +128,7 @@ def test_service_life_cycle_under_systemd(harness, store, tmp_path):
     assert status[0] == "controller_state: ACTIVE"
     assert [line.split(":")[0] for line in status[:4]] == [
         "controller_state", "prefetch_hit_rate", "semantic_block_count", "unified_memory_fabric"]
-    assert (out / "set.txt").read_text() == "prefetch_window: 2 -> 32\n"
+    assert (out / "set.txt").read_text() == "prefetch_window: auto -> 32\n"
     failed = dict(line.split(": ", 1) for line in (out / "status_reload_failed.txt").read_text().splitlines()
                   if ": " in line)
     assert failed["config_state"] == "reload_failed"

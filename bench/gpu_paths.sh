@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Every path a user takes, on a CUDA machine, default configuration (docs/benchmarks.md, "paths"):
+#   bash bench/gpu_paths.sh OUTDIR 1   build, GPU parity tests, llama: stream (batch 1, 8) + paths
+#   bash bench/gpu_paths.sh OUTDIR 2   build, qwen2 and mistral: stream (batch 1, 8)
+# Each step writes its JSON under OUTDIR as it goes; a short table comes last.
+set -u -o pipefail
+out=${1:-/tmp/flash-paths}
+part=${2:-1}
+export PYTHONUNBUFFERED=1
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+work=/var/tmp/flash-bench
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv,noheader;
+  nproc; free -g | head -2; df -h /var/tmp | tail -1; } > "$out/machine.txt" 2>&1
+t0=$(date +%s)
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+logs=/tmp/flash-paths-logs   # at most 8 files come back: the JSON, run.log, build.log, machine.txt
+mkdir -p $logs
+stream() {  # arch
+  python3 bench/stream.py --arch "$1" --dir $work --batches 1,8 --tokens 8 --skip-ttft \
+    --accelerate-tokens 3 --host-cache 20GiB --output "$out/stream-$1.json" > "$logs/stream-$1.log" 2>&1
+  rc=$?; echo "stream $1: rc $rc at $(( $(date +%s) - t0 )) s"
+  [ $rc = 0 ] || tail -25 "$logs/stream-$1.log"
+}
+if [ "$part" = 1 ]; then
+  timeout 110 python3 -m pytest -q -x -m gpu tests/client/test_load_model.py > "$out/gpu_tests.log" 2>&1
+  echo "gpu tests: rc $? $(tail -1 "$out/gpu_tests.log") at $(( $(date +%s) - t0 )) s"
+  grep -E "^(FAILED|ERROR)|Error" "$out/gpu_tests.log" | head -20
+  stream llama
+  python3 bench/paths.py --arch llama --dir $work --output "$out/paths-llama.json" > "$out/paths-llama.log" 2>&1
+  echo "paths llama: rc $? at $(( $(date +%s) - t0 )) s"; tail -4 "$out/paths-llama.log"
+else
+  # Both checkpoints written and packed at once (CPU and disk, before any timing), then measured
+  # one after the other; last, a cold load right after a default daemon starts, on mistral.
+  for a in qwen2 mistral; do python3 bench/stream.py --arch $a --dir $work --prepare-only > "$logs/prep-$a.txt" 2>&1 & done
+  wait
+  echo "prepared at $(( $(date +%s) - t0 )) s:"; tail -3 "$logs"/prep-*.txt
+  stream qwen2
+  stream mistral
+  python3 bench/paths.py --arch mistral --dir $work --only shared_gpu_cold --raw-bytes 2GiB \
+    --output "$out/paths-mistral.json" > "$logs/paths-mistral.log" 2>&1
+  rc=$?; echo "paths mistral: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$logs/paths-mistral.log"
+fi
+python3 - "$out" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+for p in sorted(out.glob("stream-*.json")):
+    d = json.loads(p.read_text())
+    print(f"{d.get('arch')}: h2d {d.get('pinned_h2d_gbps')} GB/s plan {d.get('plan')} "
+          f"tok/s {d.get('streamed_tok_s')} vs_bound {d.get('vs_bound')} resident {d.get('resident_tok_s')} "
+          f"accelerate {d.get('accelerate_tok_s')} x{d.get('vs_accelerate')} hit {d.get('steady_prefetch_hit_rate')} "
+          f"same_tokens {d.get('tokens_identical_to_resident')} decisions {d.get('window_decisions_by_batch')}")
+for p in sorted(out.glob("paths-*.json")):
+    d = json.loads(p.read_text())
+    for cache, e in d.get("attach", {}).items():
+        for kind in ("streaming", "resident"):
+            r = e.get(kind, {})
+            print(f"attach {kind} @{cache}: {r.get('load_model_ms')} ms phases {r.get('phases_ms')} "
+                  f"forward_s {r.get('forward_s')} pin {r.get('streamed_ranges_pin_s')} "
+                  f"whole_arena_pin {r.get('whole_arena_pin_s')} err {e.get('error')}")
+    print("shared_gpu_cold:", json.dumps(d.get("shared_gpu_cold")))
+    print("goals:", d.get("goals"))
+PY

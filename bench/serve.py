@@ -1,0 +1,388 @@
+"""Benchmark: `deepseek-flash serve` under the seed's three waves and a steady L0 stream, with the
+scheduler on and off (FIFO) in the same run.
+
+Phases, each against the same model loaded once through ``load_model`` (default settings):
+
+1. **unloaded**: L0 requests one at a time -> time to first token (TTFT) p50/p99, the reference;
+2. **throughput**: one request alone vs ``--max-batch`` (16) at once, decode tokens/s; the full-batch
+   rate is the measured capacity;
+3. **load**, once with the scheduler (``flash``) and once with ``fifo``, same arrival schedule
+   (seeded Poisson): three waves -- short (max_tokens 32), medium (128), long (512), each L1:L2 2:1 --
+   plus a steady L0 stream (max_tokens 16) throughout. Capacity is measured per request size
+   (requests/s with a full batch of that size); the stream asks for 10 % of it and each wave for
+   90 %, both times ``--load`` (0.9).
+
+Every request is streamed over HTTP (the server runs in this process on 127.0.0.1 with uvicorn;
+the load generator is an asyncio client in a child process, so its parsing does not take the
+server's interpreter lock); TTFT is the first server-sent event, latency the last.
+Checks printed beside the results: L0 P99 TTFT <= 2x unloaded and < 150 ms (and FIFO's ratio), L1
+completion time per token by weight (fairness), L2 degrade rate < 5 %, 16 concurrent >= 8x one
+request, nothing lost (every request answered or refused with a status). JSON to ``--output``, a
+latency-CDF PNG per class to ``--png-dir``.
+
+    python bench/serve.py --smoke --output serve.json --png-dir serve-png     # tiny model, CPU
+    python bench/serve.py --arch llama --device cuda:0 --output serve.json --png-dir serve-png
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import platform
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from _common import emit, save
+
+WAVES = (("short", 32), ("medium", 128), ("long", 512))
+L0_TOKENS = 16
+# ~0.5B models: big enough for the GPU to matter, quick to make here (the scheduler, not the
+# weights, is what this bench measures).
+GPU_SHAPES = {
+    "llama": dict(arch="llama", hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12,
+                  num_kv_heads=4),
+    "qwen2": dict(arch="qwen2", hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12,
+                  num_kv_heads=2),
+    "mistral": dict(arch="mistral", hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12,
+                    num_kv_heads=4),
+}
+
+
+def prepare_store(workdir: Path, arch: str, smoke: bool, dtype: str) -> Path:
+    """A random model with a byte-level tokenizer that has no end-of-text token (so every request
+    runs to its max_tokens), packed into a store."""
+    from deepseek_flash.store import pack
+    from deepseek_flash.testing import make_tiny_model, make_tiny_tokenizer
+
+    store = workdir / f"serve-{arch}{'-smoke' if smoke else ''}"
+    if (store / "flash_metadata.bin").exists():
+        return store
+    src = workdir / (store.name + "-src")
+    shape = {"arch": arch} if smoke else dict(GPU_SHAPES[arch])
+    arch_name = shape.pop("arch")
+    vocab = 260 if smoke else 32000
+    make_tiny_model(src, arch_name, dtype="float32" if smoke else dtype, vocab_size=vocab, eos_token_id=None,
+                    bos_token_id=None, pad_token_id=None, max_position_embeddings=1024, **shape)
+    make_tiny_tokenizer(src, eos=False)
+    return pack(src, store)
+
+
+def start_server(state):
+    from deepseek_flash.serve.app import create_app
+    from deepseek_flash.serve.cli import listen, server
+
+    sock = listen("127.0.0.1", 0)
+    srv = server(create_app(state), sock, "warning")
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not srv.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    return srv, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def one(http, base, model, cls, max_tokens, prompt, t0):
+    """One streamed completion: a record with status, ttft, latency (s from the scheduled start)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "flash_context": {"priority_class": cls}}
+    rec = {"class": cls, "max_tokens": max_tokens, "status": None, "ttft": None, "latency": None,
+           "tokens": 0, "degraded": False, "server_ttft_ms": None, "queue_ms": None}
+    start = time.perf_counter()
+    try:
+        async with http.stream("POST", base + "/v1/completions", json=body) as resp:
+            rec["status"] = resp.status_code
+            if resp.status_code != 200:
+                await resp.aread()
+                rec["retry_after"] = resp.headers.get("retry-after")
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["status"] = "stream-error"
+                    return rec
+                if rec["ttft"] is None:
+                    rec["ttft"] = time.perf_counter() - start
+                choice = chunk["choices"][0]
+                if choice.get("finish_reason") is None:
+                    rec["tokens"] += 1
+                else:
+                    rec["degraded"] = chunk["degraded"]
+                    rec["server_ttft_ms"] = chunk["flash"]["ttft_ms"]
+                    rec["queue_ms"] = chunk["flash"]["queue_ms"]
+        rec["latency"] = time.perf_counter() - start
+    except Exception as exc:  # noqa: BLE001 -- a lost request is a result, recorded as such
+        rec["status"] = f"lost: {type(exc).__name__}: {exc}"
+    return rec
+
+
+def _run_async(fn, *args):
+    return asyncio.run(fn(*args))
+
+
+def client(pool, fn, *args):
+    """Run the load generator ``fn(*args)`` in the client process and return its result."""
+    return pool.submit(_run_async, fn, *args).result()
+
+
+def quantile(values, q):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+def ms(v):
+    return None if v is None else round(v * 1e3, 2)
+
+
+async def unloaded(base, model, n, prompt_len):
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        recs = [await one(http, base, model, "L0", 8, prompt(i, prompt_len), 0) for i in range(n)]
+    ttft = [r["ttft"] for r in recs]
+    return {"requests": n, "ttft_p50_ms": ms(quantile(ttft, 0.5)), "ttft_p99_ms": ms(quantile(ttft, 0.99))}
+
+
+async def throughput(base, model, concurrency, tokens, prompt_len):
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as http:
+        t = time.perf_counter()
+        recs = await asyncio.gather(*[one(http, base, model, "L1", tokens, prompt(i, prompt_len), 0)
+                                      for i in range(concurrency)])
+        dt = time.perf_counter() - t
+    total = sum(r["tokens"] for r in recs)
+    return {"concurrency": concurrency, "tokens": total, "seconds": round(dt, 3),
+            "tokens_per_s": round(total / dt, 2)}
+
+
+def prompt(i, n):
+    return [(7 * i + 3 * j) % 250 + 3 for j in range(n)]
+
+
+def schedule(capacity_rps: dict, load, wave_s, scale, seed):
+    """The arrival schedule: (time, class, max_tokens). ``capacity_rps[tokens]`` is the measured rate
+    of requests of that size the server completes with a full batch. The steady L0 stream takes 10 %
+    of that capacity, each wave 90 % (L1, L1, L2 in turn), both times ``load``."""
+    rng = random.Random(seed)
+    arrivals = []
+    total = wave_s * len(WAVES)
+    l0_tokens = max(1, L0_TOKENS // scale)
+    t = 0.0
+    while True:
+        t += rng.expovariate(0.1 * load * capacity_rps[l0_tokens])
+        if t >= total:
+            break
+        arrivals.append((t, "L0", l0_tokens))
+    for w, (_, size) in enumerate(WAVES):
+        tokens = max(1, size // scale)
+        t, k = w * wave_s, 0
+        while True:
+            t += rng.expovariate(0.9 * load * capacity_rps[tokens])
+            if t >= (w + 1) * wave_s:
+                break
+            arrivals.append((t, "L2" if k % 3 == 2 else "L1", tokens))
+            k += 1
+    return sorted(arrivals)
+
+
+async def run_load(base, model, arrivals, prompt_len, drain_s):
+    import httpx
+
+    async with httpx.AsyncClient(timeout=drain_s + 600, limits=httpx.Limits(max_connections=None)) as http:
+        t0 = time.perf_counter()
+        tasks = []
+        for i, (at, cls, tokens) in enumerate(arrivals):
+            delay = at - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(http, base, model, cls, tokens, prompt(i, prompt_len), t0)))
+        recs = await asyncio.gather(*tasks)
+    return list(recs), time.perf_counter() - t0
+
+
+def summarize(recs, unloaded_p99_ms):
+    out = {}
+    for cls in ("L0", "L1", "L2"):
+        mine = [r for r in recs if r["class"] == cls]
+        ok = [r for r in mine if r["status"] == 200 and r["latency"] is not None]
+        refused = [r for r in mine if r["status"] in (429, 503)]
+        lost = [r for r in mine if r not in ok and r not in refused]
+        ttft = [r["ttft"] for r in ok]
+        entry = {"requests": len(mine), "answered": len(ok), "refused": len(refused), "lost": len(lost),
+                 "ttft_p50_ms": ms(quantile(ttft, 0.5)), "ttft_p99_ms": ms(quantile(ttft, 0.99)),
+                 # The server's own view (arrival at the scheduler -> first token), without HTTP.
+                 "server_ttft_p99_ms": quantile([r["server_ttft_ms"] for r in ok], 0.99),
+                 "queue_p99_ms": quantile([r["queue_ms"] for r in ok], 0.99),
+                 "latency_p50_ms": ms(quantile([r["latency"] for r in ok], 0.5)),
+                 "latency_p99_ms": ms(quantile([r["latency"] for r in ok], 0.99)),
+                 "degraded": sum(1 for r in ok if r["degraded"]),
+                 "lost_examples": [r["status"] for r in lost[:3]]}
+        if cls == "L1":
+            by_size = {}
+            for r in ok:
+                by_size.setdefault(r["max_tokens"], []).append(r["latency"])
+            entry["completion_by_weight"] = {
+                str(size): {"weight": max(1, size // 64), "requests": len(v), "mean_ms": ms(sum(v) / len(v)),
+                            "mean_ms_per_token": round(sum(v) / len(v) / size * 1e3, 3)}
+                for size, v in sorted(by_size.items())}
+        out[cls] = entry
+    l0 = out["L0"]["ttft_p99_ms"]
+    out["checks"] = {
+        "l0_p99_ttft_ms": l0, "unloaded_p99_ttft_ms": unloaded_p99_ms,
+        "l0_p99_over_unloaded": None if l0 is None or not unloaded_p99_ms else round(l0 / unloaded_p99_ms, 2),
+        "l0_p99_le_2x_unloaded": None if l0 is None else l0 <= 2 * unloaded_p99_ms,
+        "l0_p99_lt_150ms": None if l0 is None else l0 < 150.0,
+        "l2_degrade_rate": round(out["L2"]["degraded"] / out["L2"]["answered"], 4) if out["L2"]["answered"] else None,
+        "nothing_lost": all(out[c]["lost"] == 0 for c in ("L0", "L1", "L2")),
+    }
+    return out
+
+
+def plot(results, png_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    png_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for cls in ("L0", "L1", "L2"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for mode, style in (("flash", "-"), ("fifo", "--")):
+            recs = [r for r in results[mode]["records"] if r["class"] == cls and r["ttft"] is not None]
+            for key, color in (("ttft", "tab:blue"), ("latency", "tab:orange")):
+                values = sorted(r[key] * 1e3 for r in recs if r[key] is not None)
+                if values:
+                    ax.step(values, [(i + 1) / len(values) for i in range(len(values))], style, color=color,
+                            where="post", label=f"{key} ({mode})")
+        ax.set_xscale("log")
+        ax.set_xlabel("ms from sending the request")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"{cls}: time to first token and to last, scheduler vs FIFO")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        path = png_dir / f"serve-cdf-{cls}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=sorted(GPU_SHAPES), default="llama")
+    parser.add_argument("--model", help="a store (name or directory) instead of the random one")
+    parser.add_argument("--dir", default=None, help="where the random model is made (default: a temp dir)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--load", type=float, default=0.9, help="token demand / measured capacity")
+    parser.add_argument("--wave-seconds", type=float, default=20.0)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--unloaded-requests", type=int, default=30)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model on the CPU, max_tokens / 16, short waves: the bench's own test")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output")
+    parser.add_argument("--png-dir")
+    args = parser.parse_args(argv)
+
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    from deepseek_flash.serve.cli import load, make_state
+
+    scale = 16 if args.smoke else 1
+    if args.smoke:
+        # The smoke run shares a small CPU with the load generator and the HTTP thread.
+        torch.set_num_threads(1)
+        args.device = args.device or "cpu"
+        args.max_batch = min(args.max_batch, 4)
+        args.unloaded_requests = min(args.unloaded_requests, 5)
+        args.prompt_len = min(args.prompt_len, 8)
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    result = {"bench": "serve", "date": datetime.date.today().isoformat(), "host": platform.node(),
+              "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+              "arch": args.arch, "smoke": args.smoke, "max_batch": args.max_batch, "load": args.load,
+              "torch_threads": torch.get_num_threads(),
+              "waves": {name: max(1, size // scale) for name, size in WAVES}, "l0_tokens": max(1, L0_TOKENS // scale)}
+    workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="flash-serve-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    store = args.model or str(prepare_store(workdir, args.arch, args.smoke, args.dtype))
+    t = time.perf_counter()
+    model, tokenizer = load(store, device=device, embedded=True)
+    result["load_model_s"] = round(time.perf_counter() - t, 2)
+    max_len = args.prompt_len + max(size for _, size in WAVES) // scale + 8
+    results = {}
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for mode in ("flash", "fifo"):
+            state = make_state(model, tokenizer, max_batch=args.max_batch, max_model_len=max_len, scheduler=mode)
+            srv, thread, base = start_server(state)
+            try:
+                name = state.model_name
+                if mode == "flash":
+                    # Warm-up (allocator, kernels), then the references.
+                    client(pool, throughput, base, name, args.max_batch, 4, args.prompt_len)
+                    result["unloaded"] = client(pool, unloaded, base, name, args.unloaded_requests, args.prompt_len)
+                    tokens = max(8, 128 // scale)
+                    one_tp = client(pool, throughput, base, name, 1, tokens, args.prompt_len)
+                    full_tp = client(pool, throughput, base, name, args.max_batch, tokens, args.prompt_len)
+                    result["throughput"] = {"one": one_tp, "full": full_tp,
+                                            "ratio": round(full_tp["tokens_per_s"] / one_tp["tokens_per_s"], 2)}
+                    # Capacity per request size: requests/s with a full batch of that size (prefill,
+                    # HTTP and sampling included -- what a token rate alone would miss).
+                    sizes = sorted({max(1, L0_TOKENS // scale)} | {max(1, n // scale) for _, n in WAVES})
+                    capacity = {}
+                    for size in sizes:
+                        tp = client(pool, throughput, base, name, args.max_batch, size, args.prompt_len)
+                        capacity[size] = round(args.max_batch / tp["seconds"], 3)
+                    result["capacity_rps"] = {str(k): v for k, v in capacity.items()}
+                    arrivals = schedule(capacity, args.load, args.wave_seconds, scale, args.seed)
+                    result["arrivals"] = len(arrivals)
+                    save(result, args.output)
+                recs, wall = client(pool, run_load, base, name, arrivals, args.prompt_len, 10 * args.wave_seconds)
+                results[mode] = {"records": recs, "wall_s": round(wall, 2),
+                                 "summary": summarize(recs, result["unloaded"]["ttft_p99_ms"]),
+                                 "metrics_degrade": state.engine.scheduler.snapshot()["degrade_steps"]}
+                result[mode] = results[mode]["summary"] | {"wall_s": results[mode]["wall_s"],
+                                                           "degrade_steps": results[mode]["metrics_degrade"]}
+                save(result, args.output)
+            finally:
+                srv.should_exit = True
+                thread.join(120)
+    finally:
+        pool.shutdown()
+        model.flash.close()
+    flash_l0, fifo_l0 = result["flash"]["checks"]["l0_p99_ttft_ms"], result["fifo"]["checks"]["l0_p99_ttft_ms"]
+    result["fifo_l0_p99_over_flash"] = round(fifo_l0 / flash_l0, 2) if flash_l0 and fifo_l0 else None
+    result["throughput_16_ge_8x_one"] = result["throughput"]["ratio"] >= 8
+    if args.png_dir:
+        result["png"] = plot(results, Path(args.png_dir))
+    emit(result, args.output)
+    print(f"{'mode':6} {'L0 ttft p99':>12} {'unloaded p99':>13} {'L1 lat p99':>11} {'L2 degraded':>12} lost")
+    for mode in ("flash", "fifo"):
+        s = result[mode]
+        print(f"{mode:6} {s['L0']['ttft_p99_ms']!s:>12} {result['unloaded']['ttft_p99_ms']!s:>13} "
+              f"{s['L1']['latency_p99_ms']!s:>11} {s['L2']['degraded']!s:>12} "
+              f"{sum(s[c]['lost'] for c in ('L0', 'L1', 'L2'))}")
+    print(f"throughput {args.max_batch} vs 1: {result['throughput']['ratio']}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

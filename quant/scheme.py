@@ -1,0 +1,121 @@
+"""What a quantized tensor is: scheme (int8/int4 symmetric), granularity and group size.
+
+Pure values, shared by the packer, the store's tensor maps, the config and the runtime.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEMES = ("int8_symmetric", "int4_symmetric")
+GRANULARITIES = ("per_block", "per_tensor")
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GRANULARITY = "per_block"
+DEFAULT_GROUP_SIZE = 128
+
+# Storage element of each scheme (the tensor map's ``dtype``) and its code range. Symmetric: the
+# zero point is 0; int4 uses the whole two's complement range, -8..7 (the scale search may put the
+# most negative value of a group on -8).
+STORAGE_DTYPE = {"int8_symmetric": "int8", "int4_symmetric": "int4"}
+QRANGE = {"int8_symmetric": (-128, 127), "int4_symmetric": (-8, 7)}
+# Scales are IEEE float16 on disk whatever the source dtype: half the bytes of float32 and enough
+# precision once the search picks the scale among float16 values (docs/format.md).
+SCALE_DTYPE = "float16"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One quantization choice. ``group_size`` is the number of consecutive input-dimension
+    elements of a row that share a scale (per_block); per_tensor has one scale and group_size 0."""
+
+    scheme: str
+    granularity: str = DEFAULT_GRANULARITY
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"quantization scheme {self.scheme!r}: allowed {', '.join(SCHEMES)}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"quantization granularity {self.granularity!r}: allowed "
+                             f"{', '.join(GRANULARITIES)}")
+        if self.granularity == "per_tensor":
+            object.__setattr__(self, "group_size", 0)
+        elif self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group size {self.group_size}: allowed "
+                             f"{', '.join(map(str, GROUP_SIZES))}")
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.scheme == "int8_symmetric" else 4
+
+    @property
+    def qmin(self) -> int:
+        return QRANGE[self.scheme][0]
+
+    @property
+    def qmax(self) -> int:
+        return QRANGE[self.scheme][1]
+
+    @property
+    def storage_dtype(self) -> str:
+        return STORAGE_DTYPE[self.scheme]
+
+    def data_nbytes(self, shape) -> int:
+        rows, cols = shape
+        return rows * cols * self.bits // 8
+
+    def scales_shape(self, shape) -> tuple:
+        rows, cols = shape
+        return (1,) if self.granularity == "per_tensor" else (rows, cols // self.group_size)
+
+    def check_shape(self, shape, name: str = "tensor") -> None:
+        """ValueError naming ``name`` when a weight of ``shape`` cannot take this scheme."""
+        if len(shape) != 2:
+            raise ValueError(f"{name}: only 2-D linear weights are quantized, shape {list(shape)}")
+        cols = shape[1]
+        if self.bits == 4 and cols % 2:
+            raise ValueError(f"{name}: int4 packs two columns per byte; {cols} columns is odd")
+        if self.granularity == "per_block" and cols % self.group_size:
+            raise ValueError(f"{name}: {cols} input columns are not a multiple of the group size "
+                             f"{self.group_size}")
+
+    def label(self) -> str:
+        return (f"{self.scheme} {self.granularity}" +
+                (f" g{self.group_size}" if self.granularity == "per_block" else ""))
+
+    def to_dict(self) -> dict:
+        return {"scheme": self.scheme, "granularity": self.granularity, "group_size": self.group_size}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantSpec:
+        return cls(d["scheme"], d["granularity"], int(d.get("group_size") or 0) or DEFAULT_GROUP_SIZE)
+
+
+def check_served(store_quant: dict | None, scheme: str, granularity: str, model: str) -> None:
+    """The ``quantization_scheme``/``quantization_granularity`` keys of a model against how its
+    store was packed (``store_quant``: the blocks' ``quant`` map, None when unquantized).
+
+    ``none`` serves the store as packed. A scheme must match the store's scheme and granularity;
+    otherwise ConfigError names both. A scheme for an unquantized store would mean quantizing the
+    blocks as they enter the host tier, which this release does not do: ConfigError says so and
+    how to pack the store quantized instead.
+    """
+    from ..errors import ConfigError
+
+    if scheme == "none":
+        return
+    if store_quant is None:
+        raise ConfigError(
+            f"model {model}: quantization_scheme {scheme!r} asks for quantized weights, but the "
+            f"store is packed unquantized; quantizing blocks as they enter the host tier is not "
+            f"implemented -- pack it quantized: deepseek-flash pack SRC DST --quantize {scheme} "
+            f"--granularity {granularity}, or set quantization_scheme to 'none'",
+            key="quantization_scheme", value=scheme, allowed=["none"])
+    packed = QuantSpec.from_dict(store_quant)
+    if (packed.scheme, packed.granularity) != (scheme, granularity):
+        raise ConfigError(
+            f"model {model}: the store is packed {packed.label()}, but the configuration asks for "
+            f"quantization_scheme {scheme!r}, quantization_granularity {granularity!r}; they must "
+            f"agree (set them to {packed.scheme!r} and {packed.granularity!r}, or to 'none', or "
+            f"repack)", key="quantization_scheme" if packed.scheme != scheme else
+            "quantization_granularity", value=scheme if packed.scheme != scheme else granularity,
+            allowed=[packed.scheme if packed.scheme != scheme else packed.granularity, "none"])

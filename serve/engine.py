@@ -1,0 +1,400 @@
+"""Continuous batching over a ``transformers`` causal LM: requests join and leave at step boundaries.
+
+One engine thread runs *steps*. At each step boundary it drops cancelled requests (their rows are
+free at once), asks the scheduler which queued requests join, gives each newcomer a free row of the
+shared KV cache and prefills one chunk of its prompt (``prefill_chunk`` tokens, so a long prompt
+never holds the batch back by more than one chunk), then runs **one batched decode** over every row
+that has a token to feed, samples, and retires the rows that finished. A long request therefore
+delays a short one by at most one step.
+
+The KV cache (``RowCache``) is one tensor pair per layer of shape ``[rows, kv_heads, max_len,
+head_dim]``; a request owns a row from position 0, so rows need no left padding. Each forward gets
+per-row ``position_ids`` and a 4-D additive mask (a query at position ``p`` sees keys ``0..p`` of its
+own row), which ``transformers`` takes as it is; the cache's ``update`` scatters the new keys at each
+row's positions and hands the attention the rows of this forward. Keys beyond a row's length (left
+by an earlier occupant) are masked, so a request's greedy output is the same alone or in a batch.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import FlashError
+from .scheduler import FlashScheduler, Route, SchedRequest
+
+log = logging.getLogger("deepseek_flash.serve")
+
+
+class RowCache:
+    """The shared KV cache: a row per batch slot (duck-typed ``transformers`` cache).
+
+    ``bind(rows, positions, kv_len)`` before a forward names the rows it runs on, the position of
+    each of its tokens, and how many key positions the attention reads."""
+
+    def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, max_len: int,
+                 dtype, device):
+        import torch
+
+        shape = (rows, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * self.keys[0].element_size()
+        self._rows = self._positions = None
+        self._kv_len = 0
+        self.is_compileable = False
+
+    def bind(self, rows, positions, kv_len: int) -> None:
+        self._rows, self._positions, self._kv_len = rows, positions, kv_len
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        rows, pos = self._rows[:, None], self._positions
+        # Advanced indices around a slice put the indexed dims first: [b, q, kv_heads, head_dim].
+        self.keys[layer_idx][rows, :, pos] = key_states.transpose(1, 2).to(self.keys[layer_idx].dtype)
+        self.values[layer_idx][rows, :, pos] = value_states.transpose(1, 2).to(self.values[layer_idx].dtype)
+        return (self.keys[layer_idx][self._rows, :, : self._kv_len],
+                self.values[layer_idx][self._rows, :, : self._kv_len])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    def __len__(self):
+        return len(self.keys)
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request's state in the engine. ``on_event(kind, data)`` is called from the engine thread
+    with ``("token", {"text": delta, "token": id})``, then ``("done", {...})`` or
+    ``("error", FlashError)``."""
+
+    sched: SchedRequest
+    prompt_ids: list
+    on_event: object
+    stop_ids: frozenset = frozenset()
+    stop_strings: tuple = ()
+    seed: int | None = None
+    prefetch_window: int | None = None
+    row: int | None = None
+    prefilled: int = 0
+    output_ids: list = field(default_factory=list)
+    text: str = ""
+    sent: int = 0                       # characters of ``text`` already emitted
+    finish_reason: str | None = None
+    cancelled: bool = False
+    first_token_at: float | None = None
+    bytes_streamed_at_start: int = 0
+    generator: object = None
+
+    def cancel(self) -> None:
+        """The client went away: the engine frees the row at the next step boundary."""
+        self.cancelled = True
+
+
+def _sample(torch, logits, gens):
+    """Next token per row: greedy where temperature is 0, else temperature + top-p with the
+    request's own generator (seeded when the request gave a ``seed``)."""
+    out = logits.argmax(dim=-1).tolist()
+    for i, g in enumerate(gens):
+        t, top_p = g.sched.temperature, g.sched.top_p
+        if t <= 1e-5:
+            continue
+        probs = torch.softmax(logits[i].float() / t, dim=-1)
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        if g.generator is None:
+            g.generator = torch.Generator(device=probs.device)
+            g.generator.manual_seed(g.seed if g.seed is not None else torch.seed())
+        out[i] = int(torch.multinomial(probs, 1, generator=g.generator))
+    return out
+
+
+class Engine:
+    """The batching loop over ``model`` (a ``load_model`` model or any HF causal LM)."""
+
+    def __init__(self, model, tokenizer, scheduler: FlashScheduler | None = None, *, max_batch: int = 8,
+                 max_model_len: int | None = None, prefill_chunk: int = 512, device=None):
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = int(max_batch)
+        self.scheduler = scheduler or FlashScheduler(slots=self.max_batch)
+        if self.scheduler.slots != self.max_batch:
+            raise ValueError(f"scheduler has {self.scheduler.slots} slots, the engine {self.max_batch} rows")
+        cfg = model.config
+        self.max_model_len = int(min(max_model_len or cfg.max_position_embeddings,
+                                     cfg.max_position_embeddings))
+        self.prefill_chunk = int(prefill_chunk)
+        param = next(model.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.dtype = param.dtype
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.cache = RowCache(cfg.num_hidden_layers, self.max_batch, kv_heads, head_dim,
+                              self.max_model_len, self.dtype, self.device)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        self.eos_ids = frozenset(self._eos_ids(model))
+        self.stream = getattr(getattr(model, "flash", None), "stream", None)
+        self._lock = threading.Condition()
+        self._gens: dict[int, Generation] = {}        # id(SchedRequest) -> Generation
+        self._rows: list[Generation | None] = [None] * self.max_batch
+        self._stop = False
+        self._thread = None
+        self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
+                      "generated_tokens": 0, "finished": 0, "cancelled": 0, "failed": 0,
+                      "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
+
+    @staticmethod
+    def _eos_ids(model):
+        ids = set()
+        for cfg in (getattr(model, "generation_config", None), model.config):
+            eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif eos:
+                ids.update(int(e) for e in eos)
+        return ids
+
+    # -- requests in ----------------------------------------------------------------------------
+    def submit(self, gen: Generation) -> Route:
+        """Route ``gen`` through the scheduler; admitted requests run from the next step boundary."""
+        with self._lock:
+            route = self.scheduler.route(gen.sched)
+            if route.admitted:
+                self._gens[id(gen.sched)] = gen
+                self._lock.notify()
+            return route
+
+    def cancel(self, gen: Generation) -> None:
+        with self._lock:
+            gen.cancel()
+            self._lock.notify()
+
+    def running(self) -> int:
+        with self._lock:
+            return sum(g is not None for g in self._rows)
+
+    # -- thread -----------------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse new requests (503), let the batch and the queue run out for up to ``timeout``
+        seconds, then fail what is left with ``ShuttingDown``."""
+        from ..errors import ShuttingDown
+
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self.scheduler.drain()
+            while self._gens and time.monotonic() < deadline:
+                self._lock.wait(0.05)
+            self._stop = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            for gen in list(self._gens.values()):
+                self._retire(gen, None, ShuttingDown("the server is shutting down"))
+
+    def _run(self) -> None:
+        with self.torch.inference_mode():
+            while True:
+                with self._lock:
+                    self._boundary()
+                    if self._stop:
+                        return
+                    if not any(self._rows):
+                        self._lock.wait(0.05)
+                        continue
+                try:
+                    self._step()
+                except Exception as exc:     # noqa: BLE001 -- every running request gets the error
+                    log.exception("engine step failed")
+                    err = exc if isinstance(exc, FlashError) else FlashError(f"generation failed: {exc}")
+                    with self._lock:
+                        for gen in [g for g in self._rows if g is not None]:
+                            self._retire(gen, None, err)
+
+    def _boundary(self) -> None:
+        """Drop cancelled requests, then let the scheduler fill the free rows (lock held)."""
+        for gen in list(self._gens.values()):
+            if gen.cancelled:
+                self.stats["cancelled"] += 1
+                self._retire(gen, "cancelled")
+        for req in self.scheduler.dispatch():
+            gen = self._gens[id(req)]
+            gen.row = self._rows.index(None)
+            self._rows[gen.row] = gen
+            if self.stream is not None:
+                gen.bytes_streamed_at_start = self.stream.bytes_streamed
+
+    def _retire(self, gen: Generation, reason: str | None, error: Exception | None = None) -> None:
+        """Take ``gen`` out of the batch and the scheduler and tell its client (lock held)."""
+        self._gens.pop(id(gen.sched), None)
+        if gen.row is not None and self._rows[gen.row] is gen:
+            self._rows[gen.row] = None
+        gen.row = None
+        self.scheduler.finish(gen.sched)
+        self._lock.notify_all()
+        if error is not None:
+            self.stats["failed"] += 1
+            gen.on_event("error", error)
+            return
+        gen.finish_reason = reason
+        if reason != "cancelled":
+            self.stats["finished"] += 1
+            gen.on_event("done", self.flash_stats(gen))
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _forward(self, rows, ids, positions, kv_len):
+        torch = self.torch
+        self.cache.bind(rows, positions, kv_len)
+        keys = torch.arange(kv_len, device=self.device)
+        allowed = keys[None, None, None, :] <= positions[:, None, :, None]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        kwargs = {self._cache_kw: self.cache, "use_cache": True}
+        if self._keep_kw is not None:
+            kwargs[self._keep_kw] = 1
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
+        return out.logits[:, -1, :]
+
+    def _step(self) -> None:
+        torch = self.torch
+        with self._lock:
+            batch = [g for g in self._rows if g is not None]
+        self._apply_window(batch)
+        # Newcomers (and prompts longer than one chunk): one chunk each.
+        for gen in [g for g in batch if g.prefilled < len(g.prompt_ids)]:
+            start = gen.prefilled
+            chunk = gen.prompt_ids[start: start + self.prefill_chunk]
+            end = start + len(chunk)
+            ids = torch.tensor([chunk], device=self.device)
+            pos = torch.arange(start, end, device=self.device)[None, :]
+            logits = self._forward(torch.tensor([gen.row], device=self.device), ids, pos, end)
+            gen.prefilled = end
+            self.stats["prefill_chunks"] += 1
+            self.stats["prompt_tokens"] += len(chunk)
+            if end == len(gen.prompt_ids):
+                # The first token goes out now, not after the batch's decode: TTFT is one prefill.
+                token = _sample(torch, logits, [gen])[0]
+                with self._lock:
+                    if not gen.cancelled:
+                        self._accept(gen, token, time.monotonic())
+        # One batched decode over every row whose last token is not yet in the cache.
+        decoding = [g for g in batch if g.prefilled == len(g.prompt_ids) and g.output_ids
+                    and g.finish_reason is None]
+        if decoding:
+            rows = torch.tensor([g.row for g in decoding], device=self.device)
+            ids = torch.tensor([[g.output_ids[-1]] for g in decoding], device=self.device)
+            lengths = [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding]
+            pos = torch.tensor(lengths, device=self.device)[:, None]
+            logits = self._forward(rows, ids, pos, max(lengths) + 1)
+            produced = list(zip(decoding, _sample(torch, logits, decoding)))
+            self.stats["decode_steps"] += 1
+            self.stats["batch_rows_sum"] += len(decoding)
+        else:
+            produced = []
+        self.stats["steps"] += 1
+        now = time.monotonic()
+        with self._lock:
+            for gen, token in produced:
+                if not gen.cancelled:
+                    self._accept(gen, token, now)
+            self.scheduler.tick()
+
+    def _accept(self, gen: Generation, token: int, now: float) -> None:
+        """Append ``token`` to ``gen``, emit the new text, retire the request when it is done."""
+        if gen.first_token_at is None:
+            gen.first_token_at = now
+            self.stats["ttft_ms"][gen.sched.priority_class].append((now - gen.sched.arrival) * 1e3)
+            del self.stats["ttft_ms"][gen.sched.priority_class][:-4096]
+        reason = None
+        appended = token not in gen.stop_ids and token not in self.eos_ids
+        if appended:
+            gen.output_ids.append(token)
+            self.stats["generated_tokens"] += 1
+        else:
+            reason = "stop"
+        gen.sched.generated = len(gen.output_ids)
+        if reason is None:
+            gen.text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+            for stop in gen.stop_strings:
+                at = gen.text.find(stop)
+                if at >= 0:
+                    gen.text, reason = gen.text[:at], "stop"
+        if reason is None and len(gen.output_ids) >= gen.sched.max_new_tokens:
+            reason = "length"
+        if reason is None and len(gen.prompt_ids) + len(gen.output_ids) >= self.max_model_len:
+            reason = "length"
+        # Hold back an incomplete UTF-8 sequence, and the tail that may still become a stop string.
+        ready = len(gen.text)
+        if reason is None:
+            if gen.text.endswith("\ufffd"):
+                ready = len(gen.text.rstrip("\ufffd"))
+            hold = max((len(s) - 1 for s in gen.stop_strings), default=0)
+            ready = max(gen.sent, ready - hold)
+        # One event per generated token (its text may be empty while held back), so a stream shows
+        # progress -- and the time to the first token -- even before the text is printable.
+        if ready > gen.sent or appended:
+            gen.on_event("token", {"text": gen.text[gen.sent: ready], "token": token})
+            gen.sent = ready
+        if reason is not None:
+            self._retire(gen, reason)
+
+    def _apply_window(self, batch) -> None:
+        """Requests that asked for a ``prefetch_window`` pin the stream's window (the largest asked,
+        within the slot ring) while they run; otherwise the window controller adapts it."""
+        if self.stream is None:
+            return
+        asked = [g.prefetch_window for g in batch if g.prefetch_window is not None]
+        if asked:
+            ctl = self.stream.controller
+            ctl.window = ctl.policy.clamp(max(asked))
+
+    # -- reporting --------------------------------------------------------------------------------
+    def flash_stats(self, gen: Generation) -> dict:
+        """The ``flash`` object of a response."""
+        req = gen.sched
+        stats = {"class": req.priority_class, "priority": req.priority,
+                 "queue_ms": None if req.queue_ms is None else round(req.queue_ms, 3),
+                 "ttft_ms": None if gen.first_token_at is None else round((gen.first_token_at - req.arrival) * 1e3, 3),
+                 "degrade_steps": list(req.degraded),
+                 "kv": {"tokens": len(gen.prompt_ids) + len(gen.output_ids),
+                        "bytes": (len(gen.prompt_ids) + len(gen.output_ids)) * self.cache.bytes_per_token}}
+        if self.stream is not None:
+            hits, misses = self.stream.hits, self.stream.misses
+            stats.update(prefetch_hit_rate=round(hits / (hits + misses), 4) if hits + misses else None,
+                         prefetch_window=self.stream.controller.window,
+                         bytes_streamed=self.stream.bytes_streamed - gen.bytes_streamed_at_start)
+        else:
+            # Every weight is resident: nothing is streamed, nothing can miss.
+            stats.update(prefetch_hit_rate=None, prefetch_window=None, bytes_streamed=0)
+        return stats
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            snap = self.scheduler.snapshot()
+            snap["engine"] = {k: v for k, v in self.stats.items() if k != "ttft_ms"}
+            snap["ttft_ms"] = {c: list(v) for c, v in self.stats["ttft_ms"].items()}
+            snap["rows_busy"] = sum(g is not None for g in self._rows)
+            return snap
+
+
+def ttft_quantiles(values, qs=(0.5, 0.9, 0.99)) -> dict:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {q: ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] for q in qs}

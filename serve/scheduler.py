@@ -1,0 +1,299 @@
+"""The three-class request scheduler of ``deepseek-flash serve`` -- policy only, no threads, no torch.
+
+A *slot* is one row of the running batch (``slots`` = the engine's ``--max-batch``). The engine asks
+``route(request)`` when a request arrives (admit and queue it, or refuse it with an HTTP status and
+``Retry-After``), ``dispatch()`` at every step boundary (which queued requests join the batch now),
+``tick()`` after each step (degrade steps for elastic requests under pressure) and ``finish()`` when a
+request leaves the batch. Time and GPU-busy readings are injected (``clock``, ``gpu_busy``), so the
+decisions are tables: arrivals in, order and degrade steps out.
+
+The classes (``priority_class`` in a request's ``flash_context``):
+
+* **L0 real-time**: ``l0_reserve`` (15 %) of the slots are kept for L0 -- the other classes never
+  occupy them -- and L0 requests join before anything else. At most ``l0_capacity`` L0 requests are
+  in the system (queued + running); the next one is refused (429).
+* **L1 balanced** (the default): weighted fair queueing. A request's finish tag is the virtual time
+  at its arrival plus ``max_new_tokens / weight`` with ``weight = l1_weight_func(request)``
+  (default ``max(1, max_new_tokens // 64)``); the lowest tag joins first and the virtual time
+  becomes the tag of the request that joined (self-clocked fair queueing). Service per unit of
+  weight is what is equalised, so a long request is not starved by a stream of short ones.
+* **L2 elastic**: joins only while the slots not used or wanted by anyone exceed ``l2_idle_above``
+  (30 %) of all slots. Under pressure -- idle below ``degrade_idle_below`` (10 %), or the GPU more
+  than ``gpu_busy_above`` (95 %) busy for ``gpu_busy_seconds`` (5 s) -- every running L2 request is
+  degraded one step per ``degrade_interval``: temperature +0.1, then top_p 0.85, then
+  ``max_new_tokens`` cut to 70 % of what is left (``l2_degrade_policy="temperature_first"``, the
+  only order the seed defines; ``"none"`` never degrades).
+
+Within a class, a request's integer ``priority`` comes first (lower runs earlier, as in vLLM), then
+the class's own order. Overload beyond what the queue holds (``max_queued``) is refused with 429;
+a draining server refuses with 503; both carry ``retry_after`` seconds estimated from the measured
+service time.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+CLASSES = ("L0", "L1", "L2")
+DEGRADE_POLICIES = ("temperature_first", "none")
+# The degrade steps of "temperature_first", in the order they are applied.
+DEGRADE_STEPS = ("temperature", "top_p", "max_new_tokens")
+
+
+def default_l1_weight(request) -> int:
+    """The seed's L1 weight: ``max_new_tokens // 64`` (at least 1)."""
+    return max(1, int(request.max_new_tokens) // 64)
+
+
+@dataclass(eq=False)
+class SchedRequest:
+    """What the scheduler knows of a request. The engine keeps ``generated`` current and reads the
+    (possibly degraded) sampling fields back at every step."""
+
+    id: str
+    priority_class: str = "L1"
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    priority: int = 0
+    generated: int = 0
+    arrival: float = 0.0
+    started: float | None = None
+    degraded: list = field(default_factory=list)    # degrade steps applied, in order
+    last_degrade: float | None = None
+    tag: float = 0.0                                 # L1 finish tag (virtual time)
+    seq: int = 0                                     # arrival order
+
+    @property
+    def queue_ms(self) -> float | None:
+        return None if self.started is None else (self.started - self.arrival) * 1e3
+
+
+@dataclass(frozen=True)
+class Route:
+    """The answer to ``route``: admitted (queued), or refused with ``status`` and ``retry_after``."""
+
+    admitted: bool
+    priority_class: str
+    status: int = 200
+    retry_after: int | None = None
+    reason: str = ""
+
+
+class FlashScheduler:
+    """L0 reservation + admission limit, L1 weighted fair queueing, L2 elastic with degrade steps."""
+
+    fifo = False
+
+    def __init__(self, l0_capacity: int = 50, l1_weight_func=default_l1_weight,
+                 l2_degrade_policy: str = "temperature_first", *, slots: int = 8,
+                 l0_reserve: float = 0.15, l2_idle_above: float = 0.30, degrade_idle_below: float = 0.10,
+                 gpu_busy_above: float = 0.95, gpu_busy_seconds: float = 5.0,
+                 degrade_interval: float = 1.0, max_queued: int | None = None,
+                 clock=time.monotonic, gpu_busy=None):
+        if l2_degrade_policy not in DEGRADE_POLICIES:
+            raise ConfigError(f"l2_degrade_policy {l2_degrade_policy!r} is not one of {DEGRADE_POLICIES}",
+                              key="l2_degrade_policy", value=l2_degrade_policy,
+                              allowed=list(DEGRADE_POLICIES))
+        if int(l0_capacity) < 1:
+            raise ConfigError(f"l0_capacity must be >= 1, got {l0_capacity}", key="l0_capacity",
+                              value=l0_capacity, allowed=">= 1")
+        if int(slots) < 1:
+            raise ConfigError(f"slots (max batch) must be >= 1, got {slots}", key="slots", value=slots,
+                              allowed=">= 1")
+        if not 0.0 <= l0_reserve < 1.0:
+            raise ConfigError(f"l0_reserve must be in [0, 1), got {l0_reserve}", key="l0_reserve",
+                              value=l0_reserve, allowed="[0, 1)")
+        self.l0_capacity = int(l0_capacity)
+        self.l1_weight_func = l1_weight_func
+        self.l2_degrade_policy = l2_degrade_policy
+        self.slots = int(slots)
+        # Never reserve every slot: a one-slot server still serves L1.
+        self.l0_reserved = min(self.slots - 1, math.ceil(l0_reserve * self.slots - 1e-9))
+        self.l2_idle_above = l2_idle_above
+        self.degrade_idle_below = degrade_idle_below
+        self.gpu_busy_above = gpu_busy_above
+        self.gpu_busy_seconds = gpu_busy_seconds
+        self.degrade_interval = degrade_interval
+        self.max_queued = 16 * self.slots if max_queued is None else int(max_queued)
+        self.clock = clock
+        self.gpu_busy = gpu_busy
+        self.queued: list[SchedRequest] = []
+        self.running: list[SchedRequest] = []
+        self.virtual_time = 0.0
+        self.draining = False
+        self.mean_service_s = 1.0           # EWMA of time in the batch; feeds Retry-After
+        self._seq = 0
+        self._busy_since: float | None = None
+        self.counters = {"admitted": {c: 0 for c in CLASSES}, "refused_429": {c: 0 for c in CLASSES},
+                         "refused_503": {c: 0 for c in CLASSES}, "finished": {c: 0 for c in CLASSES},
+                         "degrade_steps": {s: 0 for s in DEGRADE_STEPS}, "degraded_requests": 0}
+
+    # -- admission --------------------------------------------------------------------------------
+    def route(self, request: SchedRequest) -> Route:
+        """Admit ``request`` into its class's queue, or refuse it (429 overload, 503 draining)."""
+        cls = request.priority_class
+        if cls not in CLASSES:
+            raise ValueError(f"priority_class {cls!r} is not one of {CLASSES}")
+        if self.draining:
+            return self._refuse(request, 503, "the server is shutting down")
+        if cls == "L0" and not self.fifo:
+            in_system = sum(1 for r in self.queued + self.running if r.priority_class == "L0")
+            if in_system >= self.l0_capacity:
+                return self._refuse(request, 429, f"L0 admission limit reached (l0_capacity={self.l0_capacity})")
+        if len(self.queued) >= self.max_queued:
+            return self._refuse(request, 429, f"queue full ({self.max_queued} requests waiting)")
+        request.arrival = self.clock()
+        request.seq = self._seq
+        self._seq += 1
+        if cls == "L1":
+            weight = self.l1_weight_func(request)
+            if not weight or weight <= 0:
+                raise ValueError(f"l1_weight_func returned {weight!r}; weights must be > 0")
+            request.tag = self.virtual_time + request.max_new_tokens / weight
+        self.queued.append(request)
+        self.counters["admitted"][cls] += 1
+        return Route(True, cls)
+
+    def _refuse(self, request, status: int, reason: str) -> Route:
+        self.counters[f"refused_{status}"][request.priority_class] += 1
+        return Route(False, request.priority_class, status, self.retry_after(), reason)
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free: the queue ahead times the mean time in the batch,
+        spread over the slots; 1 to 60."""
+        wait = (len(self.queued) + 1) * self.mean_service_s / self.slots
+        return int(min(60, max(1, math.ceil(wait))))
+
+    def drain(self) -> None:
+        """Refuse everything new with 503 (the queue and the batch run to completion)."""
+        self.draining = True
+
+    # -- the batch --------------------------------------------------------------------------------
+    def _count(self, requests, *classes) -> int:
+        return sum(1 for r in requests if r.priority_class in classes)
+
+    def _order(self, cls: str):
+        queue = [r for r in self.queued if r.priority_class == cls]
+        if cls == "L1":
+            return sorted(queue, key=lambda r: (r.priority, r.tag, r.seq))
+        return sorted(queue, key=lambda r: (r.priority, r.seq))
+
+    def dispatch(self) -> list[SchedRequest]:
+        """The queued requests that join the batch now, in order (they are marked running)."""
+        now = self.clock()
+        chosen = []
+
+        def start(r):
+            self.queued.remove(r)
+            self.running.append(r)
+            r.started = now
+            chosen.append(r)
+
+        free = self.slots - len(self.running)
+        for r in self._order("L0"):
+            if free == 0:
+                return chosen
+            start(r)
+            free -= 1
+        shared = self.slots - self.l0_reserved          # slots the other classes may hold
+        for r in self._order("L1"):
+            if free == 0 or self._count(self.running, "L1", "L2") >= shared:
+                break
+            start(r)
+            free -= 1
+            self.virtual_time = max(self.virtual_time, r.tag)
+        for r in self._order("L2"):
+            if free == 0 or self._count(self.running, "L1", "L2") >= shared:
+                break
+            wanted = len(self.running) + self._count(self.queued, "L0", "L1")
+            if (self.slots - wanted) / self.slots <= self.l2_idle_above:
+                break
+            start(r)
+            free -= 1
+        return chosen
+
+    def finish(self, request: SchedRequest) -> None:
+        """``request`` left the batch (done, cancelled or failed) or the queue (cancelled)."""
+        if request in self.running:
+            self.running.remove(request)
+            self.counters["finished"][request.priority_class] += 1
+            if request.started is not None:
+                spent = max(0.0, self.clock() - request.started)
+                self.mean_service_s = 0.8 * self.mean_service_s + 0.2 * spent
+        elif request in self.queued:
+            self.queued.remove(request)
+
+    # -- pressure and degrade ---------------------------------------------------------------------
+    def idle_fraction(self) -> float:
+        """Slots neither running nor wanted by a queued request, over all slots."""
+        return max(0, self.slots - len(self.running) - len(self.queued)) / self.slots
+
+    def under_pressure(self) -> bool:
+        now = self.clock()
+        busy = self.gpu_busy() if self.gpu_busy is not None else None
+        if busy is not None and busy > self.gpu_busy_above:
+            if self._busy_since is None:
+                self._busy_since = now
+        else:
+            self._busy_since = None
+        gpu_hot = self._busy_since is not None and now - self._busy_since >= self.gpu_busy_seconds
+        return gpu_hot or self.idle_fraction() < self.degrade_idle_below
+
+    def tick(self) -> list[tuple[SchedRequest, str]]:
+        """Degrade steps applied now: one step per running L2 request under pressure, at most one per
+        ``degrade_interval`` for each request. Returns (request, step name) pairs."""
+        if self.fifo or self.l2_degrade_policy == "none" or not self.under_pressure():
+            return []
+        now = self.clock()
+        applied = []
+        for r in self.running:
+            if r.priority_class != "L2" or len(r.degraded) == len(DEGRADE_STEPS):
+                continue
+            if r.last_degrade is not None and now - r.last_degrade < self.degrade_interval:
+                continue
+            step = DEGRADE_STEPS[len(r.degraded)]
+            if step == "temperature":
+                r.temperature = round(r.temperature + 0.1, 6)
+            elif step == "top_p":
+                r.top_p = min(r.top_p, 0.85)
+            else:
+                left = max(0, r.max_new_tokens - r.generated)
+                r.max_new_tokens = r.generated + int(left * 0.7)
+            if not r.degraded:
+                self.counters["degraded_requests"] += 1
+            r.degraded.append(step)
+            r.last_degrade = now
+            self.counters["degrade_steps"][step] += 1
+            applied.append((r, step))
+        return applied
+
+    def snapshot(self) -> dict:
+        """Gauges and counters for /metrics."""
+        return {"queued": {c: self._count(self.queued, c) for c in CLASSES},
+                "running": {c: self._count(self.running, c) for c in CLASSES},
+                "slots": self.slots, "l0_reserved": self.l0_reserved,
+                **{k: (dict(v) if isinstance(v, dict) else v) for k, v in self.counters.items()}}
+
+
+class FifoScheduler(FlashScheduler):
+    """The scheduler switched off: arrival order for every class, no reservation, no L0 limit, no
+    elastic rule, no degrade -- what the bench compares against. Overload still gets 429/503."""
+
+    fifo = True
+
+    def __init__(self, *, slots: int = 8, max_queued: int | None = None, clock=time.monotonic):
+        super().__init__(slots=slots, l0_reserve=0.0, max_queued=max_queued, clock=clock)
+
+    def dispatch(self) -> list[SchedRequest]:
+        now = self.clock()
+        chosen = []
+        for r in sorted(self.queued, key=lambda r: r.seq)[: self.slots - len(self.running)]:
+            self.queued.remove(r)
+            self.running.append(r)
+            r.started = now
+            chosen.append(r)
+        return chosen

@@ -1,0 +1,178 @@
+"""The GPU fabric's bookkeeping, on CPU: telemetry with a fake NVML, the prepare thread, the h2d
+byte counter under concurrent loads (torch CPU tensors stand in for device memory)."""
+import contextlib
+import sys
+import threading
+import time
+import types
+
+import torch
+
+from deepseek_flash.daemon.fabric import DevicePlacement, Fabric, GpuArena
+from deepseek_flash.daemon.ranges import RangeAllocator
+from deepseek_flash.errors import BudgetTooSmall, DeviceError
+
+
+def cpu_arena(device: int, size: int = 1 << 20) -> GpuArena:
+    return GpuArena(device=device, size=size, tensor=torch.zeros(size, dtype=torch.uint8),
+                    allocator=RangeAllocator(size, 4096, name=f"test arena {device}"),
+                    copy_stream=types.SimpleNamespace(synchronize=lambda: None))
+
+
+class FakeNvml(types.ModuleType):
+    """pynvml with two devices: memory and PCIe counters, nothing else."""
+
+    NVML_PCIE_UTIL_RX_BYTES, NVML_PCIE_UTIL_TX_BYTES = 1, 0
+    NVMLError = type("NVMLError", (Exception,), {})
+
+    def __init__(self):
+        super().__init__("pynvml")
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return types.SimpleNamespace(used=1000 + h, total=8000)
+
+    def nvmlDeviceGetPcieThroughput(self, h, counter):
+        return 10 * (h + 1) + counter
+
+
+def test_telemetry_merges_nvml_into_each_device(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    fabric = Fabric(host_arena=None, unified_memory_ratio=0.5)
+    fabric.arenas[0] = cpu_arena(0)
+    fabric.arenas[0].allocator.alloc(8192)
+    assert fabric.telemetry() == {
+        "cuda:0": {"arena_bytes": 1 << 20, "arena_used_bytes": 8192,
+                   "gpu_memory_used_bytes": 1000, "gpu_memory_total_bytes": 8000,
+                   "pcie_rx_kbps": 11, "pcie_tx_kbps": 10},
+        "cuda:1": {"gpu_memory_used_bytes": 1001, "gpu_memory_total_bytes": 8000,
+                   "pcie_rx_kbps": 21, "pcie_tx_kbps": 20}}
+
+
+def test_prepare_survives_a_device_that_does_not_fit_and_close_joins_it(monkeypatch):
+    fabric = Fabric(host_arena=None, unified_memory_ratio=0.5, devices=[0, 1, 2])
+    fabric._available = True
+    tried = []
+
+    def arena(device):
+        tried.append(device)
+        if device == 0:
+            raise BudgetTooSmall("cuda:0: no room for the arena", device=0)
+        if device == 1:
+            raise DeviceError("cuda:1 does not exist", device=1)
+        time.sleep(0.3)
+        fabric.arenas[device] = cpu_arena(device)
+        return fabric.arenas[device]
+
+    monkeypatch.setattr(fabric, "arena", arena)
+    thread = fabric.prepare()
+    time.sleep(0.05)
+    fabric.close()
+    # close() waited for the preparation, which went on past the two devices that failed.
+    assert not thread.is_alive()
+    assert tried == [0, 1, 2]
+    assert fabric.arenas == {}        # what the preparation made, close freed
+
+
+def test_close_stops_preparing_further_devices(monkeypatch):
+    fabric = Fabric(host_arena=None, unified_memory_ratio=0.5, devices=[0, 1])
+    fabric._available = True
+    tried = []
+    started = threading.Event()
+
+    def arena(device):
+        tried.append(device)
+        started.set()
+        time.sleep(0.2)
+        return cpu_arena(device)
+
+    monkeypatch.setattr(fabric, "arena", arena)
+    thread = fabric.prepare()
+    assert started.wait(5)
+    fabric.close()
+    thread.join(5)
+    assert tried == [0]
+
+
+class YieldingInt(int):
+    """An int whose addition lets another thread run in the middle of ``x += n`` (as a
+    free-threaded interpreter or a longer critical section would)."""
+
+    def __add__(self, other):
+        value = int(self) + other
+        time.sleep(0)
+        return YieldingInt(value)
+
+
+def test_bytes_h2d_counts_every_copy_of_concurrent_loads(monkeypatch):
+    # copy_gate on CPU: the copy stream is a no-op context, events record nothing.
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    host = bytearray(1 << 16)
+    fabric = Fabric(host_arena=host, unified_memory_ratio=0.5)
+    fabric.bytes_h2d = YieldingInt(0)
+    arena = cpu_arena(0)
+    placement = DevicePlacement.__new__(DevicePlacement)
+    placement.arena = arena
+    placement.offsets = {b: b * 64 for b in range(64)}
+    placement.stages = [[b] for b in range(64)]
+    placement.events = [types.SimpleNamespace(record=lambda stream: None) for _ in range(64)]
+    host_offsets = {b: b * 64 for b in range(64)}
+    lengths = {b: 7 for b in range(64)}
+    rounds, threads = 20, 4
+
+    def load():
+        for _ in range(rounds):
+            for gate in range(64):
+                fabric.copy_gate(placement, gate, host_offsets, lengths)
+    workers = [threading.Thread(target=load) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert fabric.bytes_h2d == threads * rounds * 64 * 7
+
+
+def test_range_allocator_books_stay_exact_under_concurrent_use(monkeypatch):
+    # The loader (placements) and the attachments (slot rings) change one arena's allocator from
+    # different threads; a thread switch inside free() must not corrupt the free list.
+    from deepseek_flash.daemon import ranges
+
+    real = ranges.bisect.bisect_left
+
+    def yielding_bisect_left(*args):
+        index = real(*args)
+        time.sleep(0)
+        return index
+    monkeypatch.setattr(ranges, "bisect", types.SimpleNamespace(bisect_left=yielding_bisect_left))
+    alloc = RangeAllocator(1 << 26, 4096)       # room for everything the four threads hold
+    errors = []
+    start = threading.Barrier(4)
+
+    def churn(seed):
+        start.wait()
+        try:
+            mine = []
+            for i in range(2000):
+                if mine and (i + seed) % 3 == 0:
+                    alloc.free(mine.pop())
+                else:
+                    mine.append(alloc.alloc(4096 * (1 + (i + seed) % 4)))
+            for off in mine:
+                alloc.free(off)
+        except Exception as exc:   # noqa: BLE001 -- collected and asserted below
+            errors.append(exc)
+    workers = [threading.Thread(target=churn, args=(s,)) for s in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert errors == []
+    assert alloc.used == 0 and alloc.free_bytes() == alloc.size and alloc.largest_free() == alloc.size

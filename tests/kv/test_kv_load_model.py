@@ -1,0 +1,47 @@
+"""A load_model model (embedded controller) with kv_* keys in its flash_context: TieredCache takes
+them as defaults and decodes exactly as DynamicCache on the reference model."""
+import pytest
+import torch
+
+from deepseek_flash.client.model import load_model
+from deepseek_flash.errors import ConfigError
+from deepseek_flash.kv import TieredCache
+from deepseek_flash.store import pack
+from deepseek_flash.testing import load_reference, make_tiny_model
+
+from kvmodels import greedy, reference
+
+CONFIG = {"host_cache_bytes": "64MiB"}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kv-load-model")
+    src = make_tiny_model(root / "src", "llama", num_layers=2, seed=5)
+    return src, pack(src, root / "store")
+
+
+def test_flash_context_kv_keys_reach_the_cache(store):
+    src, packed = store
+    ids = torch.randint(1, 256, (2, 300), generator=torch.Generator().manual_seed(3))
+    ref = load_reference(src)
+    want_tokens, want_logits = reference(ref, ids, None, 8)
+    model = load_model(packed, embedded=True, config=CONFIG,
+                       flash_context={"kv_gpu_tokens": 32, "kv_page_tokens": 16})
+    try:
+        cache = TieredCache.for_model(model)
+        assert (cache.gpu_tokens, cache.page_tokens_setting) == (32, 16)
+        tokens, logits = greedy(model, ids, None, cache, 8)
+        assert torch.equal(tokens, want_tokens)
+        assert (logits - want_logits).abs().max().item() <= 1e-4
+        assert cache.stats()["pages"] == 2 * 2 * ((300 + 7 - 4 - 32) // 16)
+    finally:
+        model.flash.close()
+
+
+def test_bad_kv_key_in_flash_context_is_refused_at_open(store):
+    _, packed = store
+    with pytest.raises(ConfigError) as info:
+        load_model(packed, embedded=True, config=CONFIG,
+                   flash_context={"kv_top_k_pages": 2.5})
+    assert info.value.key == "kv_top_k_pages"

@@ -1,0 +1,32 @@
+"""bench/quant.py --smoke: every phase of the GPU show on the CPU with a tiny model (the script
+CI can prove; the figures come from the H200 run)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "quant.py"
+
+
+def test_smoke_runs_every_phase(tmp_path):
+    out = tmp_path / "quant.json"
+    run = subprocess.run([sys.executable, str(BENCH), "--smoke", "--arch", "qwen2", "--dir",
+                          str(tmp_path / "work"), "--batches", "1", "--tokens", "8", "--output", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["mode"] == "smoke" and res["arch"] == "qwen2"
+    assert res["store_bytes"]["int4"] < 0.45 * res["store_bytes"]["bf16"]
+    assert res["int4_budget"]["streaming"] is False and res["int4_budget"]["streamed_bytes_per_token"] == 0
+    assert res["bf16_budget"]["streaming"] is True
+    small = res["int4_small_budget"]
+    assert small["streaming"] is True and 0 < small["streamed_bytes_per_token"] < res["store_bytes"]["int4"]
+    assert small["prefetch_hit_rate"] > 0
+    assert res["streamed_tokens_equal_resident"] is True
+    assert all(r > 0 for phase in ("int4_budget", "bf16_budget", "int4_small_budget")
+               for r in res[phase]["tok_s"].values())
+    assert "needs" not in res["peer"] and "no GPU" in res["peer"]["not_run"]
+    assert set(res["goals"]) == {"int4_fits_budget", "batch1_vs_bf16_streamed>=3",
+                                 "small_budget_vs_bound>=0.9"}

@@ -1,0 +1,23 @@
+"""Helpers of the serve tests (a module of its own: ``conftest`` is a name every test folder has)."""
+import threading
+
+
+class Collector:
+    """An engine ``on_event`` that records events and signals the end."""
+
+    def __init__(self):
+        self.events = []
+        self.done = threading.Event()
+
+    def __call__(self, kind, data):
+        self.events.append((kind, data))
+        if kind in ("done", "error"):
+            self.done.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(d["text"] for k, d in self.events if k == "token")
+
+    def result(self, timeout=60.0):
+        assert self.done.wait(timeout), "generation did not finish"
+        return self.events[-1]

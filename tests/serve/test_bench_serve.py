@@ -1,0 +1,33 @@
+"""bench/serve.py --smoke runs end to end on the CPU: both schedulers, JSON, one CDF PNG per class,
+and every request answered or refused with a status."""
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("serve", None)
+    import serve as bench
+
+    out = tmp_path / "serve.json"
+    assert bench.main(["--smoke", "--wave-seconds", "0.4", "--unloaded-requests", "3", "--dir", str(tmp_path),
+                       "--output", str(out), "--png-dir", str(tmp_path / "png")]) == 0
+    result = json.loads(out.read_text())
+    assert result["waves"] == {"short": 2, "medium": 8, "long": 32} and result["l0_tokens"] == 1
+    assert result["arrivals"] > 0 and set(result["capacity_rps"]) == {"1", "2", "8", "32"}
+    for mode in ("flash", "fifo"):
+        summary = result[mode]
+        counted = sum(summary[c]["answered"] + summary[c]["refused"] + summary[c]["lost"] for c in ("L0", "L1", "L2"))
+        assert counted == result["arrivals"]                 # the same schedule for both
+        assert summary["checks"]["nothing_lost"], summary
+        assert summary["L0"]["answered"] > 0 and summary["L0"]["ttft_p99_ms"] > 0
+    assert result["fifo"]["degrade_steps"] == {"temperature": 0, "top_p": 0, "max_new_tokens": 0}
+    assert result["throughput"]["one"]["tokens"] == 8 and result["throughput"]["full"]["tokens"] == 4 * 8
+    pngs = sorted(Path(p).name for p in result["png"])
+    assert pngs == ["serve-cdf-L0.png", "serve-cdf-L1.png", "serve-cdf-L2.png"]
+    for p in result["png"]:
+        assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sys.modules.pop("serve", None)

@@ -1,0 +1,202 @@
+"""The official ``openai`` client against a real uvicorn server on 127.0.0.1 (tiny model, CPU,
+embedded controller): completions and chat, streamed and not, extensions, error shapes, concurrency,
+a client leaving mid-stream, overload."""
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from deepseek_flash.serve.app import DEFAULT_CHAT_TEMPLATE
+from deepseek_flash.serve.cli import build, listen, server
+
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint, tmp_path_factory):
+    from deepseek_flash.store import pack
+
+    store = pack(tiny_checkpoint, tmp_path_factory.mktemp("serve-store") / "tiny-chat")
+    app, state = build(str(store), device="cpu", max_batch=4, max_model_len=MAX_LEN, embedded=True)
+    sock = listen("127.0.0.1", 0)
+    srv = server(app, sock, "warning")
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield base, state
+    srv.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()
+    assert state.engine.scheduler.draining            # the lifespan shutdown closed the engine
+
+
+@pytest.fixture
+def client(served):
+    base, _ = served
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(model, prompt_ids, n):
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_models_and_health(served, client):
+    base, state = served
+    assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+    health = httpx.get(base + "/healthz").json()
+    assert health == {"status": "ok", "model": "tiny-chat", "running": 0, "queued": 0, "slots": 4}
+
+
+def test_completion_is_the_greedy_continuation_with_flash_fields(served, client, tiny_reference, tiny_tokenizer):
+    prompt = [72, 101, 108, 108, 111]
+    want = greedy(tiny_reference, prompt, 8)
+    resp = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, temperature=0,
+                                     extra_body={"flash_context": {"priority_class": "L0"}, "priority": 3})
+    assert (resp.choices[0].text, 8) == expected_text(tiny_tokenizer, want)
+    assert resp.choices[0].finish_reason == "length"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (5, 8)
+    extra = resp.model_extra
+    assert extra["degraded"] is False
+    flash = extra["flash"]
+    assert (flash["class"], flash["priority"], flash["degrade_steps"]) == ("L0", 3, [])
+    assert flash["queue_ms"] >= 0 and flash["ttft_ms"] >= flash["queue_ms"]
+    assert flash["kv"] == {"tokens": 13, "bytes": 13 * served[1].engine.cache.bytes_per_token}
+    assert (flash["bytes_streamed"], flash["prefetch_hit_rate"]) == (0, None)    # fully resident
+
+
+def test_streamed_completion_equals_the_plain_one(client):
+    kwargs = dict(model="tiny-chat", prompt="def f(x):", max_tokens=12, temperature=0)
+    plain = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain.choices[0].text
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason == "length"
+    assert last.model_extra["flash"]["class"] == "L1" and last.model_extra["degraded"] is False
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+
+
+def test_chat_uses_the_documented_default_template(served, client, tiny_tokenizer):
+    base, state = served
+    assert state.default_template                          # the tiny tokenizer has none
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=6, temperature=0)
+    rendered = "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    assert tiny_tokenizer.apply_chat_template(messages, chat_template=DEFAULT_CHAT_TEMPLATE, tokenize=False,
+                                              add_generation_prompt=True) == rendered
+    assert plain.usage.prompt_tokens == len(rendered.encode())               # byte-level tokenizer
+    completion = client.completions.create(model="tiny-chat", prompt=list(rendered.encode()), max_tokens=6,
+                                           temperature=0)
+    assert plain.choices[0].message.content == completion.choices[0].text
+    assert plain.choices[0].message.role == "assistant"
+    stream = list(client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=6,
+                                                 temperature=0, stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == plain.choices[0].message.content
+    assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_sixteen_concurrent_clients_each_get_their_own_greedy_answer(client, tiny_reference, tiny_tokenizer):
+    prompts = [[(11 * i + j) % 250 + 3 for j in range(2 + i % 5)] for i in range(16)]
+
+    def ask(prompt):
+        return client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=10, temperature=0)
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, prompts))
+    for prompt, resp in zip(prompts, answers):
+        text, n = expected_text(tiny_tokenizer, greedy(tiny_reference, prompt, 10))
+        assert (resp.choices[0].text, resp.usage.completion_tokens) == (text, n)
+
+
+def expected_text(tokenizer, ids):
+    """What the server answers for a greedy continuation: cut at eos, decoded without specials."""
+    if tokenizer.eos_token_id in ids:
+        ids = ids[: ids.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(ids, skip_special_tokens=True), len(ids)
+
+
+def test_openai_error_shapes(served, client):
+    base, _ = served
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    err = e.value.response.json()["error"]
+    assert (err["code"], err["param"], err["type"]) == ("model_not_found", "model", "invalid_request_error")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-chat", prompt=[5] * (MAX_LEN - 3), max_tokens=4)
+    err = e.value.response.json()["error"]
+    assert err["code"] == "context_length_exceeded" and f"maximum context length is {MAX_LEN}" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x" * MAX_LEN}])
+    assert e.value.response.json()["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-chat", prompt="x", extra_body={"flash_context": {"priority_class": "L9"}})
+    assert e.value.response.json()["error"]["param"] == "flash_context"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-chat", prompt="x", extra_body={"flash_context": {"kv_top_k_pages": 4}})
+    assert "kv_top_k_pages" in e.value.response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-chat", prompt="x", temperature=3)
+    assert e.value.response.json()["error"]["param"] == "temperature"
+    # Not through the client: a body that is not JSON, one without a model, a path that is not served.
+    bad = httpx.post(base + "/v1/chat/completions", content=b'{"model": "tiny-chat", "messages": [',
+                     headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    missing = httpx.post(base + "/v1/completions", json={"prompt": "x"})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
+    nowhere = httpx.get(base + "/v1/engines")
+    assert nowhere.status_code == 404 and set(nowhere.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(served):
+    base, state = served
+    before = state.engine.stats["cancelled"]
+    body = {"model": "tiny-chat", "prompt": [3, 4, 5], "max_tokens": MAX_LEN - 3, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", base + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["object"] == "text_completion"
+            assert state.engine.running() == 1
+    wait_for(lambda: state.engine.running() == 0 and state.engine.stats["cancelled"] == before + 1)
+    metrics = httpx.get(base + "/metrics").text
+    assert f"deepseek_flash_serve_cancelled_total {before + 1}" in metrics
+    assert 'deepseek_flash_serve_running{class="L1"} 0' in metrics
+
+
+def test_overload_is_429_with_retry_after_never_a_dropped_connection(served, client):
+    base, state = served
+    sched = state.engine.scheduler
+    saved = sched.max_queued
+    sched.max_queued = 0                    # every arrival finds the queue full
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="tiny-chat", prompt="x", max_tokens=2)
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        assert e.value.response.json()["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        sched.max_queued = saved
+    metrics = httpx.get(base + "/metrics").text
+    assert 'deepseek_flash_serve_requests_total{class="L1",outcome="refused_429"} 1' in metrics
+    assert 'deepseek_flash_serve_http_responses_total{code="429"} 1' in metrics
+    assert "deepseek_flash_serve_time_to_first_token_seconds" in metrics
