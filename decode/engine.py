@@ -16,6 +16,7 @@ and the scalars it advanced are put back.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -338,14 +339,24 @@ class GraphDecoder:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        # The collector must not run inside the capture: a cycle it frees there may hold CUDA
+        # resources whose release is illegal while capturing (seen: an abort in the GPU suite).
+        # thread_local: CUDA calls of the process's other threads (a controller's copy threads)
+        # neither join nor invalidate this capture.
+        gc_was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self._step(st, visible, sampling_kind)
         except Exception as exc:   # noqa: BLE001 -- any capture failure means: run eagerly, say why
             torch.cuda.synchronize(self.device)
             st.restore(saved)
             self._to_eager(f"capture failed: {type(exc).__name__}: {exc}".splitlines()[0][:300])
             return None
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         st.restore(saved)
         self.graphs[(st.batch, visible, sampling_kind)] = graph
         self.counters["captures"] += 1
