@@ -165,7 +165,7 @@ def run_context(model, T, args, device, h2d):
     if cuda:
         r["tiered_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base - steady
         r["tiered_peak_bytes"] = torch.cuda.max_memory_allocated()
-    r["gpu_kv_ratio"] = round(s["gpu_bytes"] / s["full_bytes"], 4)  # full_bytes: what DynamicCache holds
+    r["gpu_kv_ratio"] = round(s["gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     cache.top_k_pages = None
     _, r["lossless_tok_s"] = decode(model, cache, tok, steps, device)
     s = cache.stats()
