@@ -8,15 +8,17 @@ import types
 
 import torch
 
+from deepseek_flash.daemon import fabric as fabric_module
 from deepseek_flash.daemon.fabric import DevicePlacement, Fabric, GpuArena
 from deepseek_flash.daemon.ranges import RangeAllocator
 from deepseek_flash.errors import BudgetTooSmall, DeviceError
 
 
-def cpu_arena(device: int, size: int = 1 << 20) -> GpuArena:
-    return GpuArena(device=device, size=size, tensor=torch.zeros(size, dtype=torch.uint8),
-                    allocator=RangeAllocator(size, 4096, name=f"test arena {device}"),
-                    copy_stream=types.SimpleNamespace(synchronize=lambda: None))
+def cpu_arena(device: int, size: int = 2 << 20) -> GpuArena:
+    """A GPU arena whose segments are CPU tensors, ceiling ``size`` (one segment's worth)."""
+    return GpuArena(device, size, types.SimpleNamespace(synchronize=lambda: None),
+                    alloc=lambda n: torch.zeros(n, dtype=torch.uint8), release=lambda: None,
+                    mem_info=lambda: (size, size), min_segment=size)
 
 
 class FakeNvml(types.ModuleType):
@@ -48,9 +50,10 @@ def test_telemetry_merges_nvml_into_each_device(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
     fabric = Fabric(host_arena=None, unified_memory_ratio=0.5)
     fabric.arenas[0] = cpu_arena(0)
-    fabric.arenas[0].allocator.alloc(8192)
+    fabric.arenas[0].alloc(8192)
     assert fabric.telemetry() == {
-        "cuda:0": {"arena_bytes": 1 << 20, "arena_used_bytes": 8192,
+        "cuda:0": {"arena_bytes": 2 << 20, "arena_used_bytes": 8192, "arena_ceiling_bytes": 2 << 20,
+                   "arena_segments": 1,
                    "gpu_memory_used_bytes": 1000, "gpu_memory_total_bytes": 8000,
                    "pcie_rx_kbps": 11, "pcie_tx_kbps": 10},
         "cuda:1": {"gpu_memory_used_bytes": 1001, "gpu_memory_total_bytes": 8000,
@@ -58,6 +61,7 @@ def test_telemetry_merges_nvml_into_each_device(monkeypatch):
 
 
 def test_prepare_survives_a_device_that_does_not_fit_and_close_joins_it(monkeypatch):
+    monkeypatch.setattr(fabric_module, "nvidia_driver_present", lambda: True)
     fabric = Fabric(host_arena=None, unified_memory_ratio=0.5, devices=[0, 1, 2])
     fabric._available = True
     tried = []
@@ -73,6 +77,7 @@ def test_prepare_survives_a_device_that_does_not_fit_and_close_joins_it(monkeypa
         return fabric.arenas[device]
 
     monkeypatch.setattr(fabric, "arena", arena)
+    monkeypatch.setattr(fabric, "pin_host", lambda wait=True: False)   # no host arena here
     thread = fabric.prepare()
     time.sleep(0.05)
     fabric.close()
@@ -83,6 +88,7 @@ def test_prepare_survives_a_device_that_does_not_fit_and_close_joins_it(monkeypa
 
 
 def test_close_stops_preparing_further_devices(monkeypatch):
+    monkeypatch.setattr(fabric_module, "nvidia_driver_present", lambda: True)
     fabric = Fabric(host_arena=None, unified_memory_ratio=0.5, devices=[0, 1])
     fabric._available = True
     tried = []
@@ -95,6 +101,7 @@ def test_close_stops_preparing_further_devices(monkeypatch):
         return cpu_arena(device)
 
     monkeypatch.setattr(fabric, "arena", arena)
+    monkeypatch.setattr(fabric, "pin_host", lambda wait=True: False)   # no host arena here
     thread = fabric.prepare()
     assert started.wait(5)
     fabric.close()
@@ -118,7 +125,9 @@ def test_bytes_h2d_counts_every_copy_of_concurrent_loads(monkeypatch):
     host = bytearray(1 << 16)
     fabric = Fabric(host_arena=host, unified_memory_ratio=0.5)
     fabric.bytes_h2d = YieldingInt(0)
+    monkeypatch.setattr(fabric, "pin_host", lambda wait=True: False)   # copies from pageable memory
     arena = cpu_arena(0)
+    assert arena.alloc(64 * 64) == 0          # maps the segment the offsets below fall in
     placement = DevicePlacement.__new__(DevicePlacement)
     placement.arena = arena
     placement.offsets = {b: b * 64 for b in range(64)}
