@@ -28,14 +28,8 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def register_host_memory(address: int, size: int) -> bool:
-    """Page-lock ``[address, address+size)`` for the GPU once (cudaHostRegister, portable).
-
-    Returns False (and logs why) where CUDA is absent or refuses; copies then run from pageable
-    memory, slower but correct.
-    """
-    if not cuda_available():
-        return False
+def _host_register(address: int, size: int) -> int:
+    """``cudaHostRegister`` (portable) of one range; the cudaError code."""
     import torch
 
     cudart = torch.cuda.cudart()
@@ -48,13 +42,23 @@ def register_host_memory(address: int, size: int) -> bool:
         clear = getattr(cudart, "cudaGetLastError", None)
         if clear is not None:
             clear()
-    if code == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
-        return True
-    if code != 0:
-        log.warning("cudaHostRegister of %d bytes at %#x failed (cudaError %d); host->GPU copies "
-                    "will be pageable", size, address, code)
+    return code
+
+
+def register_host_memory(address: int, size: int) -> bool:
+    """Page-lock ``[address, address+size)`` for the GPU once (cudaHostRegister, portable).
+
+    Returns False (and logs why) where CUDA is absent or refuses; copies then run from pageable
+    memory, slower but correct.
+    """
+    if not cuda_available():
         return False
-    return True
+    code = _host_register(address, size)
+    if code in (0, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
+        return True
+    log.warning("cudaHostRegister of %d bytes at %#x failed (cudaError %d); host->GPU copies "
+                "will be pageable", size, address, code)
+    return False
 
 
 def register_host_range(address: int, size: int) -> bool:
@@ -62,20 +66,11 @@ def register_host_range(address: int, size: int) -> bool:
     caller unregisters exactly what it registered). Already registered or refused: False."""
     if not cuda_available():
         return False
-    import torch
-
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(address, size, 1)
-    code = int(getattr(err, "value", err))
-    if code != 0:
-        clear = getattr(cudart, "cudaGetLastError", None)
-        if clear is not None:
-            clear()
-        if code != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
-            log.warning("cudaHostRegister of %d bytes at %#x failed (cudaError %d); copies from it "
-                        "stay pageable", size, address, code)
-        return False
-    return True
+    code = _host_register(address, size)
+    if code not in (0, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
+        log.warning("cudaHostRegister of %d bytes at %#x failed (cudaError %d); copies from it "
+                    "stay pageable", size, address, code)
+    return code == 0
 
 
 def unregister_host_memory(address: int) -> None:
