@@ -97,14 +97,22 @@ class _DaemonProcess:
                                      f"{timeout:.0f} s; log:\n{self.log()}") from None
                 time.sleep(0.05)
 
-    def status_text(self, timeout: float = 10.0) -> str:
+    def status_text(self, until: str, timeout: float = 10.0) -> str:
+        """The daemon's status file once it shows ``until`` (its status thread publishes within
+        0.1 s of a change, so a read right after the last request can still show the tree from
+        before the model was opened); after ``timeout``, whatever it shows."""
         path = self.runtime / "status"
         deadline = time.monotonic() + timeout
-        while not path.exists():
-            if time.monotonic() > deadline:
+        while True:
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                text = None
+            if text is not None and (until in text or time.monotonic() > deadline):
+                return text
+            if text is None and time.monotonic() > deadline:
                 raise DemoFailed(f"the daemon wrote no {path} within {timeout:.0f} s")
             time.sleep(0.05)
-        return path.read_text()
 
     def log(self) -> str:
         try:
@@ -214,7 +222,7 @@ def demo(args) -> None:
                 finally:
                     client.release(lease)
             if daemon is not None:
-                text = daemon.status_text()
+                text = daemon.status_text(until=f"semantic_block_count: {len(store.blocks)}\n")
                 _step(7, f"status ({daemon.runtime / 'status'}):")
             else:
                 text = format_fields(client.status()["status"], status=True)

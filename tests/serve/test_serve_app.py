@@ -167,8 +167,14 @@ def test_openai_error_shapes(served, client):
     assert nowhere.status_code == 404 and set(nowhere.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_a_client_leaving_mid_stream_frees_its_row(served):
+def test_a_client_leaving_mid_stream_frees_its_row(served, monkeypatch):
     base, state = served
+    forward = state.engine._forward
+
+    def slow_forward(*args, **kwargs):       # the request must still be running when the client leaves
+        time.sleep(0.05)
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(state.engine, "_forward", slow_forward)
     before = state.engine.stats["cancelled"]
     body = {"model": "tiny-chat", "prompt": [3, 4, 5], "max_tokens": MAX_LEN - 3, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http:
