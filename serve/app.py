@@ -14,6 +14,7 @@ import time
 import uuid
 
 from ..errors import FlashError
+from ..sysfs_shim.publisher import exposition
 from .engine import Engine, Generation, ttft_quantiles
 from .scheduler import CLASSES, SchedRequest
 
@@ -218,15 +219,10 @@ class ServeState:
     def metrics(self) -> str:
         """Prometheus text exposition of the scheduler, the engine and the HTTP answers."""
         snap = self.engine.snapshot()
-        out = []
+        families = {}
 
         def metric(name, kind, help_text, samples):
-            out.append(f"# HELP deepseek_flash_serve_{name} {help_text}")
-            out.append(f"# TYPE deepseek_flash_serve_{name} {kind}")
-            for labels, value in samples:
-                label = ",".join(f'{k}="{v}"' for k, v in labels.items())
-                out.append(f"deepseek_flash_serve_{name}{{{label}}} {value}" if label
-                           else f"deepseek_flash_serve_{name} {value}")
+            families[f"deepseek_flash_serve_{name}"] = (kind, help_text, samples)
 
         outcomes = ("admitted", "refused_429", "refused_503", "finished")
         metric("requests_total", "counter", "Requests by priority class and outcome.",
@@ -255,7 +251,7 @@ class ServeState:
                "Time to first token over the last 4096 requests of each class.", samples)
         metric("http_responses_total", "counter", "HTTP answers by status code.",
                [({"code": str(code)}, n) for code, n in sorted(self.responses.items())])
-        return "\n".join(out) + "\n"
+        return exposition(families)
 
 
 def create_app(state: ServeState):

@@ -216,6 +216,12 @@ def render_metrics(snapshot: Mapping) -> str:
                 add(f"model_residency_{key}", "gauge",
                     f"Per-model residency {key} (models/<name>/residency).", {"model": name}, value)
 
+    return exposition(families)
+
+
+def exposition(families: Mapping) -> str:
+    """``{metric: (kind, help, [(labels, value), ...])}`` in the Prometheus text format (0.0.4),
+    help and label values escaped; the daemon's tree and the HTTP server both export through it."""
     out = []
     for metric, (kind, help_text, samples) in families.items():
         out.append(f"# HELP {metric} {_escape_help(help_text)}")
