@@ -32,6 +32,7 @@ PACKAGE_DIRS = {
     "deepseek_flash.quant": "quant",
     "deepseek_flash.decode": "decode",
     "deepseek_flash.kv": "kv",
+    "deepseek_flash.kv.prune": "kv/prune",
 }
 
 # Fault injection (IOEngine.inject_fault) is compiled in only for test builds: CI builds with

@@ -1,0 +1,62 @@
+"""The pure rules of KV importance pruning (table-tested in tests/kv/test_prune_policy.py): the
+compensation factor, the pattern offsets, and how a page moves between the three levels.
+
+* **Compensation** (seed §2.2): when fewer than ``COMPENSATION_TOKENS`` (32) tokens are active
+  (levels 1 and 2), every score is multiplied by ``(32 / N_active) ** 0.3``, so the last active
+  tokens are not demoted as easily. ``N_active`` of 0 counts as 1 (the factor is then
+  ``32 ** 0.3``, about 2.83). ``N_active`` counts the scored tokens: the paged tokens at level 1
+  or 2 -- sinks and the recent window are never scored (always level 1) and do not count.
+* **Offsets** (seed §2.1): a token matching a pattern gets ``+offset`` (the seed's is +0.08) added
+  to its score; several matching patterns add up. Applied after the compensation; the result is
+  clipped to 0..1.
+* **Levels**: 1 = full precision on the device, 2 = full precision on the host, 3 = compressed
+  (int4, kv/prune/compress.py) on the host. At each evaluation a page whose score is at or above
+  the threshold goes (back) to level 1 -- a promotion when it was lower; a page below it moves one
+  level down, 1 -> 2 -> 3 (the seed's queue): a page needs two evaluations below the threshold in
+  a row to be compressed. A page's score is the highest score of its tokens (over the sequences of
+  the batch too: one level per page serves the whole batch).
+"""
+from __future__ import annotations
+
+import torch
+
+COMPENSATION_TOKENS = 32
+COMPENSATION_POWER = 0.3
+DEFAULT_THRESHOLD = 0.15
+DEFAULT_OFFSET = 0.08
+LEVELS = (1, 2, 3)
+
+
+def compensation(n_active: int, enabled: bool = True) -> float:
+    """The factor scores are multiplied by: ``(32 / N_active) ** 0.3`` when fewer than 32 tokens
+    are active, else 1 (and always 1 when ``enabled`` is False)."""
+    if not enabled or n_active >= COMPENSATION_TOKENS:
+        return 1.0
+    return (COMPENSATION_TOKENS / max(1, int(n_active))) ** COMPENSATION_POWER
+
+
+def adjust_scores(scores: torch.Tensor, n_active: int, offsets: torch.Tensor | None = None, *,
+                  compensate: bool = True) -> torch.Tensor:
+    """``scores`` (any shape, 0..1) times the compensation, plus ``offsets`` (same shape or
+    broadcastable; None: no offset), clipped to 0..1."""
+    out = scores * compensation(n_active, compensate)
+    if offsets is not None:
+        out = out + offsets
+    return out.clamp(0.0, 1.0)
+
+
+def page_scores(token_scores: torch.Tensor, page_tokens: int) -> torch.Tensor:
+    """``token_scores`` ``[batch, n_pages * page_tokens]`` -> ``[n_pages]``: the best token of each
+    page over every sequence."""
+    b, t = token_scores.shape
+    return token_scores.view(b, t // page_tokens, page_tokens).amax(dim=(0, 2))
+
+
+def next_levels(levels: torch.Tensor, scores: torch.Tensor, threshold: float):
+    """One evaluation: ``levels`` (int8 ``[n]``, values 1..3) and page ``scores`` ``[n]`` -> new
+    levels, and bool masks ``promoted`` (moved up to 1) and ``demoted`` (moved one level down)."""
+    keep = scores >= threshold
+    promoted = keep & (levels > 1)
+    demoted = ~keep & (levels < 3)
+    new = torch.where(keep, torch.ones_like(levels), (levels + 1).clamp(max=3))
+    return new, promoted, demoted

@@ -1,0 +1,221 @@
+"""Importance scorers of KV pruning: each cached token of a layer gets a score in 0..1 from what
+the cache has observed about it (``TokenStats``), before each evaluation of the levels.
+
+Signature of a scorer (a built-in or any callable given as ``prune_scorer``)::
+
+    scorer(inp: ScoreInput) -> torch.Tensor   # [batch, n] scores in 0..1, on inp's device
+
+``ScoreInput`` (below) holds, for the ``n`` scored tokens of one layer (the paged tokens: sinks
+and the recent window are never scored): the attention they received (``mass``: an exponential
+moving average over the last ``window`` observed steps of the attention share a token received,
+relative to a uniform share -- 1.0 is "as much as the average attended token", summed over the
+query heads), the share at the last observed step, how often they were observed, the key and value
+norms per KV head, their positions and the layer. Higher means keep.
+
+* ``"attention"`` (default, no training): ``x = mass * exp(-KEY_NORM_WEIGHT * z)`` where ``z`` is
+  the token's key norm z-scored within the layer (mean over heads); score ``x / (1 + x)``. A token
+  with the average share scores 0.5; the default threshold 0.15 demotes tokens that receive less
+  than about 18 % of the average share. The key-norm term follows the observation that tokens with
+  small key norms draw more attention (Devoto et al., 2024); never-observed tokens score 0.5.
+* ``"mlp"``: the seed's two-layer MLP (``MLPScorer``): features of ``ScoreInput`` -> 32 -> 1,
+  sigmoid; trained by ``bench/kv_prune_train.py`` to predict the attention share a token receives
+  over the next steps. The cache holds no hidden states, so the MLP sees the token's projections of
+  it -- per-head key and value norms -- plus the attention statistics.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+KEY_NORM_WEIGHT = 0.2
+MLP_FILE = "kv_prune_mlp.pt"
+"""``prune_scorer="mlp"`` loads this file from the model's directory (a transformers model's
+``name_or_path``, or the store of a ``load_model`` model) unless a path or an ``MLPScorer`` is
+given."""
+
+
+@dataclass
+class ScoreInput:
+    layer: int
+    num_layers: int
+    mass: torch.Tensor         # [b, n] fp32: moving average of the relative attention share
+    mass_last: torch.Tensor    # [b, n] fp32: the share at the last observation
+    observed: torch.Tensor     # [b, n] fp32: observations so far
+    key_norms: torch.Tensor    # [b, kv_heads, n] fp32
+    value_norms: torch.Tensor  # [b, kv_heads, n] fp32
+    positions: torch.Tensor    # [n] int64: slot of each token in the sequence
+    length: int                # tokens in the sequence
+
+
+def _zscore(x: torch.Tensor) -> torch.Tensor:
+    """z-score over the token axis (last), per row."""
+    if x.shape[-1] < 2:
+        return torch.zeros_like(x)
+    return (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + 1e-6)
+
+
+def attention_scorer(inp: ScoreInput) -> torch.Tensor:
+    z = _zscore(inp.key_norms).mean(1)
+    x = inp.mass.clamp(min=0) * torch.exp(-KEY_NORM_WEIGHT * z)
+    score = x / (1.0 + x)
+    return torch.where(inp.observed > 0, score, torch.full_like(score, 0.5))
+
+
+def features(inp: ScoreInput) -> torch.Tensor:
+    """The MLP's input ``[b, n, 5 + 2 * kv_heads]``."""
+    b, n = inp.mass.shape
+    age = (inp.length - inp.positions).float().clamp(min=0) / max(1, inp.length)
+    cols = [torch.log1p(inp.mass.clamp(min=0)), torch.log1p(inp.mass_last.clamp(min=0)),
+            torch.log1p(inp.observed) / 4.0, age.expand(b, n),
+            torch.full((b, n), inp.layer / max(1, inp.num_layers - 1), device=inp.mass.device)]
+    k = _zscore(inp.key_norms).transpose(1, 2)    # [b, n, h]
+    v = _zscore(inp.value_norms).transpose(1, 2)
+    return torch.cat([torch.stack(cols, -1), k, v], -1)
+
+
+class MLPScorer(torch.nn.Module):
+    """The seed's two-layer MLP: ``features`` -> ``hidden`` (ReLU) -> 1 (sigmoid)."""
+
+    def __init__(self, kv_heads: int, hidden: int = 32):
+        super().__init__()
+        self.kv_heads = kv_heads
+        self.net = torch.nn.Sequential(torch.nn.Linear(5 + 2 * kv_heads, hidden), torch.nn.ReLU(),
+                                       torch.nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.net(x).squeeze(-1))
+
+    @torch.no_grad()
+    def __call__(self, inp):  # noqa: D102 - ScoreInput or a feature tensor
+        if isinstance(inp, ScoreInput):
+            if inp.key_norms.shape[1] != self.kv_heads:
+                raise ValueError(f"MLP scorer trained for {self.kv_heads} KV heads, given "
+                                 f"{inp.key_norms.shape[1]}")
+            x = features(inp)
+            net = self.net.to(x.device)
+            return torch.sigmoid(net(x).squeeze(-1))
+        return super().__call__(inp)
+
+    def save(self, path) -> None:
+        torch.save({"kind": "kv_prune_mlp", "kv_heads": self.kv_heads,
+                    "hidden": self.net[0].out_features, "state_dict": self.state_dict()}, path)
+
+    @classmethod
+    def load(cls, path) -> "MLPScorer":
+        data = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(data, dict) or data.get("kind") != "kv_prune_mlp":
+            raise ValueError(f"{path}: not a KV pruning MLP (written by bench/kv_prune_train.py)")
+        m = cls(int(data["kv_heads"]), int(data["hidden"]))
+        m.load_state_dict(data["state_dict"])
+        return m.eval()
+
+
+def _model_dir(model) -> Path | None:
+    flash = getattr(model, "flash", None)
+    for cand in (getattr(getattr(flash, "info", None), "path", None),
+                 getattr(flash, "path", None),
+                 getattr(getattr(model, "config", None), "name_or_path", None),
+                 getattr(model, "name_or_path", None)):
+        if cand and Path(str(cand)).is_dir():
+            return Path(str(cand))
+    return None
+
+
+def resolve_scorer(spec, model=None):
+    """``"attention"``, ``"mlp"`` (``kv_prune_mlp.pt`` beside the model), a path to such a file,
+    an ``MLPScorer`` or any callable -> a callable ``ScoreInput -> [b, n]``."""
+    if spec == "attention":
+        return attention_scorer
+    if spec == "mlp":
+        where = _model_dir(model) if model is not None else None
+        if where is None or not (where / MLP_FILE).exists():
+            raise ValueError(f"prune_scorer='mlp': no {MLP_FILE} beside the model "
+                             f"({where or 'model directory unknown'}); train one with "
+                             f"bench/kv_prune_train.py or pass its path")
+        return MLPScorer.load(where / MLP_FILE)
+    if isinstance(spec, (str, Path)):
+        if not Path(spec).is_file():
+            raise ValueError(f"prune_scorer {str(spec)!r}: 'attention', 'mlp', a scorer file or "
+                             f"a callable")
+        return MLPScorer.load(spec)
+    if callable(spec):
+        return spec
+    raise ValueError(f"prune_scorer {spec!r}: 'attention', 'mlp', a scorer file or a callable")
+
+
+class TokenStats:
+    """What one layer has observed about its committed tokens (slots ``0 .. length - 1``), on the
+    layer's device: attention received, key and value norms."""
+
+    def __init__(self, window: int = 32):
+        self.alpha = 1.0 / window
+        self.mass = self.last = self.observed = None
+        self.knorm = self.vnorm = None
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """New tokens ``[b, h, t, d]`` join (not observed yet)."""
+        b, h, t, _ = keys.shape
+        kn = keys.float().norm(dim=-1)
+        vn = values.float().norm(dim=-1)
+        z = kn.new_zeros((b, t))
+        if self.mass is None:
+            self.mass, self.last, self.observed = z, z.clone(), z.clone()
+            self.knorm, self.vnorm = kn, vn
+        else:
+            self.mass = torch.cat((self.mass, z), 1)
+            self.last = torch.cat((self.last, z), 1)
+            self.observed = torch.cat((self.observed, z), 1)
+            self.knorm = torch.cat((self.knorm, kn), 2)
+            self.vnorm = torch.cat((self.vnorm, vn), 2)
+
+    def observe(self, probs: torch.Tensor, cols: torch.Tensor | None) -> None:
+        """``probs`` ``[b, n_cols]`` (each row sums to 1: the attention share of each attended
+        committed slot, averaged over query heads and queries) for slots ``cols`` (``[b, n_cols]``
+        int64, or None: slots 0..n_cols-1)."""
+        b, n = probs.shape
+        rel = probs.float() * n
+        if cols is None:
+            cols = torch.arange(n, device=probs.device).expand(b, n)
+        seen = torch.gather(self.observed, 1, cols)
+        old = torch.gather(self.mass, 1, cols)
+        new = torch.where(seen > 0, old + self.alpha * (rel - old), rel)
+        self.mass.scatter_(1, cols, new)
+        self.last.scatter_(1, cols, rel)
+        self.observed.scatter_add_(1, cols, torch.ones_like(rel))
+
+    def input(self, layer: int, num_layers: int, start: int, stop: int, length: int) -> ScoreInput:
+        """The ``ScoreInput`` of slots ``start .. stop - 1``."""
+        s = slice(start, stop)
+        return ScoreInput(layer, num_layers, self.mass[:, s], self.last[:, s],
+                          self.observed[:, s], self.knorm[:, :, s], self.vnorm[:, :, s],
+                          torch.arange(start, stop, device=self.mass.device), length)
+
+    def nbytes(self) -> int:
+        if self.mass is None:
+            return 0
+        return sum(t.numel() * t.element_size()
+                   for t in (self.mass, self.last, self.observed, self.knorm, self.vnorm))
+
+
+def attention_probs(query: torch.Tensor, keys: torch.Tensor, scale: float,
+                    valid: torch.Tensor | None = None, causal_offset: int | None = None):
+    """The attention share of each key ``[b, n]`` for ``query`` ``[b, hq, q, d]`` over ``keys``
+    ``[b, h, n, d]`` (GQA), averaged over query heads and queries. ``valid`` ``[b, n]`` masks
+    padding; with ``causal_offset`` query ``i`` sees keys ``< causal_offset + i + 1``."""
+    b, hq, q, d = query.shape
+    h = keys.shape[1]
+    g = query.float().reshape(b, h, (hq // h) * q, d)
+    logits = (g @ keys.float().transpose(-1, -2)) * scale  # [b, h, g*q, n]
+    n = keys.shape[2]
+    if causal_offset is not None:
+        qpos = causal_offset + torch.arange(q, device=query.device)
+        allowed = torch.arange(n, device=query.device)[None, :] <= qpos[:, None]  # [q, n]
+        allowed = allowed.repeat(hq // h, 1)
+        logits = logits.masked_fill(~allowed[None, None], -math.inf)
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, None, None, :], -math.inf)
+    probs = logits.softmax(-1).nan_to_num_(0.0)
+    return probs.mean(dim=2).sum(1) / h

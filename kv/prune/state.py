@@ -1,0 +1,270 @@
+"""One layer's pruning state: where each page of the layer lives (its level), the statistics the
+scorer reads, and the step's part of the work -- which pages to attend, what the attention showed,
+when to re-evaluate the levels (docs/kv.md, "Importance pruning").
+
+A page lives in exactly one place:
+
+* level 1: ``gpu[page]`` -- ``[batch, 2, heads, page_tokens, head_dim]`` on the model's device,
+  attended every step; kept as one contiguous run per layer (``l1_keys``/``l1_values``, rebuilt
+  when the levels change);
+* level 2: ``host[page]`` -- the same, on the host (page-locked when CUDA is present);
+* level 3: ``comp[page]`` -- int4 (kv/prune/compress.py) on the host.
+
+A page of level 2 or 3 is attended when the step recalls it: every such page when ``top_k_pages``
+is None (lossless recall) or in a dense layer or a prefill, else the best ``top_k_pages`` of them
+(a fraction: of the demoted pages) by the Quest bound (the layer's page summaries). A recalled
+page is copied to the device for the step (a level-3 page as int4, decompressed there) and
+dropped after it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .compress import compress_pages, decompress_pages
+from .offsets import OffsetMatcher, check_offsets
+from .policy import adjust_scores, next_levels, page_scores
+from .scorers import TokenStats, attention_probs
+
+PRUNE_GPU_TOKENS = 64
+"""The recent window (``gpu_tokens``) when pruning is on and ``gpu_tokens`` is not given: the
+scores, not the age, decide what else stays on the device."""
+
+
+@dataclass
+class PruneSettings:
+    threshold: float
+    scorer: object                      # callable ScoreInput -> [b, n]
+    offsets: list = field(default_factory=list)   # (pattern, offset) pairs as given
+    tokenizer: object = None
+    compensate: bool = True
+    every: int = 8                      # decode steps between evaluations of the levels
+    window: int = 32                    # moving-average window of the attention share, in steps
+    observe_queries: int = 32           # a prefill's last queries observed (SnapKV's window)
+
+
+def validate_prune(threshold, scorer, offsets, tokenizer, compensate, every, window) -> None:
+    from deepseek_flash.errors import ConfigError
+
+    def bad(key, value, allowed):
+        raise ConfigError(f"{key}: {value!r} is not allowed; use {allowed}", key=key,
+                          value=value, allowed=allowed)
+
+    ok = (threshold is None or (isinstance(threshold, (int, float))
+                                and not isinstance(threshold, bool) and 0.0 <= threshold <= 1.0))
+    if not ok:
+        bad("prune_threshold", threshold, "null (off) or a number in [0, 1]")
+    if not (scorer in ("attention", "mlp") or callable(scorer) or isinstance(scorer, str)
+            or hasattr(scorer, "__fspath__")):
+        bad("prune_scorer", scorer, "'attention', 'mlp', a scorer file or a callable")
+    try:
+        check_offsets(offsets, tokenizer)
+    except ValueError as exc:
+        bad("prune_offsets", offsets, f"[(pattern, offset), ...] ({exc})")
+    if not isinstance(compensate, bool):
+        bad("prune_compensation", compensate, "true or false")
+    for key, v in (("prune_every", every), ("prune_window", window)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            bad(key, v, "an integer >= 1")
+
+
+class LayerPrune:
+    """The pruning state of one ``TieredLayer`` (``layer``: a weak proxy is fine)."""
+
+    def __init__(self, layer, settings: PruneSettings):
+        self.layer = layer
+        self.s = settings
+        self.stats = TokenStats(settings.window)
+        self.level = torch.empty(0, dtype=torch.int8)
+        self.gpu: dict[int, torch.Tensor] = {}
+        self.host: dict[int, torch.Tensor] = {}
+        self.comp: dict = {}
+        self._l1 = None  # (pages list, keys, values) cache of the level-1 run
+        self.steps = 0
+        self.counters = {"demotions": 0, "promotions": 0, "recalls": 0, "evaluations": 0}
+
+    # --- accounting ------------------------------------------------------------------------------
+    @property
+    def n_pages(self) -> int:
+        return self.level.numel()
+
+    def level_pages(self) -> list[int]:
+        return [int((self.level == lv).sum()) for lv in (1, 2, 3)]
+
+    def gpu_bytes(self) -> int:
+        kv = sum(t.numel() * t.element_size() for t in self.gpu.values())
+        return kv + self.stats.nbytes()
+
+    def host_bytes(self) -> int:
+        return (sum(t.numel() * t.element_size() for t in self.host.values())
+                + sum(c.nbytes for c in self.comp.values()))
+
+    def compressed_saved(self) -> int:
+        """Bytes level 3 saves against holding the same pages at full precision."""
+        return sum(int(torch.Size(c.shape).numel()) * torch.empty((), dtype=c.dtype).element_size()
+                   - c.nbytes for c in self.comp.values())
+
+    # --- pages ----------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor) -> None:
+        """Full pages leave the recent window: ``pages`` ``[n, b, 2, h, p, d]`` on the device join
+        level 1."""
+        first = self.n_pages
+        for i in range(pages.shape[0]):
+            self.gpu[first + i] = pages[i]
+        self.level = torch.cat((self.level, torch.ones(pages.shape[0], dtype=torch.int8)))
+        self._l1 = None
+
+    def _l1_run(self):
+        if self._l1 is None:
+            pages = sorted(self.gpu)
+            if pages:
+                run = torch.stack([self.gpu[p] for p in pages])  # [n, b, 2, h, p, d]
+                from ..layout import unpack_pages
+                k, v = unpack_pages(run)
+            else:
+                k = v = None
+            self._l1 = (pages, k, v)
+        return self._l1
+
+    def _page_to_device(self, page: int) -> torch.Tensor:
+        layer = self.layer
+        pinned = layer.device.type == "cuda"
+        if page in self.host:
+            return self.host[page].to(layer.device, non_blocking=pinned)
+        c = self.comp[page].to(layer.device, non_blocking=pinned)
+        return decompress_pages(c, layer.dtype)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t)
+        return out
+
+    def _move(self, page: int, old: int, new: int) -> None:
+        if old == new:
+            return
+        if new == 1:
+            self.gpu[page] = self._page_to_device(page)
+            self.host.pop(page, None)
+            self.comp.pop(page, None)
+        elif new == 2:  # only from 1
+            self.host[page] = self._to_host(self.gpu.pop(page))
+        else:           # 3, only from 2
+            self.comp[page] = compress_pages(self.host.pop(page))
+        self._l1 = None
+
+    # --- a step ---------------------------------------------------------------------------------
+    def past(self, query: torch.Tensor, recall_all: bool):
+        """Parts (slot order not required) and slot indices ``[b, n]`` of the committed tokens to
+        attend: sinks, level-1 pages, recalled pages, recent window."""
+        layer, cache = self.layer, self.layer._cache
+        p, s, b, dev = cache.page_tokens, layer.sinks, layer.batch, layer.device
+        ar = torch.arange(p, device=dev)
+        k_parts, v_parts, cols = [layer.sink_k], [layer.sink_v], [torch.arange(s, device=dev)
+                                                                  .expand(b, s)]
+        pages, l1k, l1v = self._l1_run()
+        if pages:
+            k_parts.append(l1k)
+            v_parts.append(l1v)
+            idx = torch.tensor(pages, device=dev)
+            cols.append((s + idx[:, None] * p + ar).reshape(1, -1).expand(b, -1))
+        demoted = [i for i in range(self.n_pages) if int(self.level[i]) > 1]
+        if demoted:
+            from ..select import resolve_top_k, select_pages
+            k = None if recall_all else resolve_top_k(cache.top_k_pages, len(demoted))
+            if k is None:
+                rows = [demoted] * b
+            else:
+                scores = layer.summaries.scores(query, cache.scale, cache.score,
+                                                cache.window_pages)
+                mask = torch.full((self.n_pages,), float("-inf"), device=scores.device)
+                mask[torch.tensor(demoted, device=scores.device)] = 0.0
+                rows = select_pages(scores + mask, k).cpu().tolist()
+            got = {pg: self._page_to_device(pg) for pg in sorted({pg for r in rows for pg in r})}
+            # [b, 2, h, k, p, d] per row, then keys/values [b, h, k * p, d]
+            per_row = torch.stack([torch.stack([got[pg][r] for pg in rows[r]])
+                                   for r in range(b)])  # [b, k, 2, h, p, d]
+            kb = per_row[:, :, 0].permute(0, 2, 1, 3, 4).reshape(b, per_row.shape[3], -1,
+                                                                 per_row.shape[-1])
+            vb = per_row[:, :, 1].permute(0, 2, 1, 3, 4).reshape(b, per_row.shape[3], -1,
+                                                                 per_row.shape[-1])
+            k_parts.append(kb)
+            v_parts.append(vb)
+            ridx = torch.tensor(rows, device=dev)  # [b, k]
+            cols.append((s + ridx[:, :, None] * p + ar).reshape(b, -1))
+            self.counters["recalls"] += sum(len(r) for r in rows)
+            cache.counters["pages_fetched"] += sum(len(r) for r in rows)
+        k_parts.append(layer.recent_k)
+        v_parts.append(layer.recent_v)
+        n_rec = layer.recent_k.shape[2]
+        cols.append(torch.arange(layer.length - n_rec, layer.length, device=dev).expand(b, -1))
+        return k_parts, v_parts, torch.cat(cols, 1)
+
+    def shares(self, query, k_parts, k_new, cols, pad_mask, scale, q_len):
+        """The attention share ``[b, n]`` of the attended slots (committed ``cols`` and the new
+        tokens) for the last ``observe_queries`` queries, and those slots ``[b, n]``."""
+        layer = self.layer
+        keys = torch.cat((*k_parts, k_new), 2)
+        b = keys.shape[0]
+        new_slots = torch.arange(layer.length, layer.length + q_len, device=keys.device)
+        slots = torch.cat((cols, new_slots.expand(b, -1)), 1)
+        valid = None
+        if pad_mask is not None:
+            valid = torch.gather(pad_mask[:, :layer.length + q_len].to(torch.bool), 1, slots)
+        w = min(q_len, self.s.observe_queries)
+        n_past = cols.shape[1]
+        probs = attention_probs(query[:, :, q_len - w:], keys, scale, valid,
+                                causal_offset=n_past + q_len - w if q_len > 1 else None)
+        return probs, slots
+
+    def committed(self, k_new, v_new, probs, slots, q_len: int, input_ids=None) -> None:
+        """After the layer committed the step: record the new tokens and what the attention
+        showed; evaluate the levels every ``every`` decode steps (and after each prefill)."""
+        self.stats.append(k_new, v_new)
+        self.stats.observe(probs, slots)
+        if q_len > self.layer._cache.select_max_queries:
+            self.evaluate()
+            self.steps = 0
+            return
+        self.steps += 1
+        if self.steps % self.s.every == 0:
+            self.evaluate()
+
+    def token_scores(self, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores ``[b, n_pages * page_tokens]`` of the paged tokens after compensation and
+        offsets."""
+        layer, cache = self.layer, self.layer._cache
+        s, p = layer.sinks, cache.page_tokens
+        inp = self.stats.input(layer.index, cache.num_layers, s, s + self.n_pages * p,
+                               layer.length)
+        raw = self.s.scorer(inp).float()
+        l1, l2, _ = self.level_pages()
+        return adjust_scores(raw, (l1 + l2) * p, offsets, compensate=self.s.compensate)
+
+    def evaluate(self) -> None:
+        if self.n_pages == 0:
+            return
+        cache = self.layer._cache
+        offsets = cache.prune_offsets_for(self.layer)
+        scores = page_scores(self.token_scores(offsets), cache.page_tokens).cpu()
+        new, promoted, demoted = next_levels(self.level, scores, self.s.threshold)
+        for page in torch.nonzero(new != self.level).flatten().tolist():
+            self._move(page, int(self.level[page]), int(new[page]))
+        self.level = new
+        self.counters["promotions"] += int(promoted.sum())
+        self.counters["demotions"] += int(demoted.sum())
+        self.counters["evaluations"] += 1
+
+
+def offset_values(matchers: list[OffsetMatcher], start: int, stop: int,
+                  device) -> torch.Tensor | None:
+    """Offsets ``[b, stop - start]`` of token slots ``start .. stop - 1`` (None: no rules)."""
+    if not matchers or not matchers[0].rules:
+        return None
+    rows = []
+    for m in matchers:
+        vals = m.values[start:stop]
+        rows.append(vals + [0.0] * (stop - start - len(vals)))
+    return torch.tensor(rows, dtype=torch.float32, device=device)

@@ -1,0 +1,111 @@
+"""Scorers of KV pruning and the two eviction baselines of its bench."""
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from deepseek_flash.kv.prune import EvictingCache, MLPScorer, ScoreInput, attention_scorer, resolve_scorer
+from deepseek_flash.kv.prune.scorers import TokenStats, attention_probs, features
+
+from kvmodels import tiny_model
+
+
+def _input(mass, observed=None, knorm=None):
+    b, n = mass.shape
+    observed = torch.ones_like(mass) if observed is None else observed
+    knorm = torch.ones(b, 2, n) if knorm is None else knorm
+    return ScoreInput(0, 2, mass, mass, observed, knorm, torch.ones(b, 2, n),
+                      torch.arange(n), n + 10)
+
+
+def test_attention_scorer_maps_relative_share_to_0_1():
+    mass = torch.tensor([[0.0, 0.176, 1.0, 3.0, 99.0]])
+    s = attention_scorer(_input(mass))  # equal key norms: z = 0
+    assert s[0].tolist() == pytest.approx([0.0, 0.176 / 1.176, 0.5, 0.75, 0.99])
+    # below the default threshold 0.15 exactly when the share is below 0.15 / 0.85 of the average
+    assert (s[0] < 0.15).tolist() == [True, True, False, False, False]
+    # never observed: 0.5 (kept)
+    s = attention_scorer(_input(torch.zeros(1, 3), observed=torch.tensor([[0.0, 1.0, 0.0]])))
+    assert s[0].tolist() == [0.5, 0.0, 0.5]
+    # a larger key norm lowers the score: exp(-0.2 * z)
+    kn = torch.tensor([[[1.0, 3.0]] * 2])
+    s = attention_scorer(_input(torch.ones(1, 2), knorm=kn))
+    z = 1 / math.sqrt(2)  # z-scores of [1, 3] with the unbiased std
+    want = [math.exp(0.2 * z) / (1 + math.exp(0.2 * z)), math.exp(-0.2 * z) / (1 + math.exp(-0.2 * z))]
+    assert s[0].tolist() == pytest.approx(want, rel=1e-5)
+
+
+def test_token_stats_average_the_share_relative_to_uniform():
+    st = TokenStats(window=4)
+    st.append(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    st.observe(torch.tensor([[0.5, 0.25, 0.25]]), None)       # first: taken as is (x3)
+    assert st.mass.tolist() == [[1.5, 0.75, 0.75]]
+    st.observe(torch.tensor([[1.0]]), torch.tensor([[2]]))     # slot 2 alone: share 1 of 1
+    assert st.mass[0].tolist() == pytest.approx([1.5, 0.75, 0.75 + 0.25 * (1.0 - 0.75)])
+    assert st.observed.tolist() == [[1, 1, 2]]
+    assert st.knorm[0, 0].tolist() == pytest.approx([math.sqrt(2)] * 3)
+
+
+def test_attention_probs_are_the_softmax_shares():
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 3, 8)   # 4 query heads over 2 kv heads, 3 queries
+    k = torch.randn(2, 2, 5, 8)
+    got = attention_probs(q, k, 0.3, causal_offset=2)
+    ref = torch.zeros(2, 5)
+    for b in range(2):
+        for hq in range(4):
+            for i in range(3):
+                w = (q[b, hq, i] @ k[b, hq // 2].T * 0.3)[:3 + i].softmax(-1)
+                ref[b, :3 + i] += w / 12
+    assert torch.allclose(got, ref, atol=1e-6)
+    assert torch.allclose(got.sum(-1), torch.ones(2))
+
+
+def test_mlp_scorer_saves_loads_and_checks_heads(tmp_path):
+    torch.manual_seed(0)
+    m = MLPScorer(kv_heads=2)
+    inp = _input(torch.rand(2, 6) * 3)
+    s = m(inp)
+    assert s.shape == (2, 6) and bool(((s > 0) & (s < 1)).all())
+    assert features(inp).shape == (2, 6, 9)
+    m.save(tmp_path / "kv_prune_mlp.pt")
+    m2 = resolve_scorer(str(tmp_path / "kv_prune_mlp.pt"))
+    assert torch.equal(m2(inp), s)
+    with pytest.raises(ValueError, match="trained for 3 KV heads"):
+        MLPScorer(kv_heads=3)(inp)
+    with pytest.raises(ValueError, match="no kv_prune_mlp.pt beside the model"):
+        resolve_scorer("mlp", model=torch.nn.Linear(1, 1))
+    assert resolve_scorer("attention") is attention_scorer
+    f = lambda inp: inp.mass  # noqa: E731
+    assert resolve_scorer(f) is f
+    with pytest.raises(ValueError, match="prune_scorer"):
+        resolve_scorer(3)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_eviction_baselines(policy):
+    model = tiny_model("llama", layers=2)
+    torch.manual_seed(1)
+    ids = torch.randint(1, 200, (2, 40))
+
+    def logits(cache):
+        with torch.no_grad():
+            out = [model(ids[:, :30], cache=cache).logits[:, -1]]
+            for t in range(30, 40):
+                out.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
+        return torch.stack(out)
+
+    want = logits(DynamicCache(config=model.config))
+    # a budget above the context evicts nothing: DynamicCache's logits
+    big = EvictingCache.for_model(model, 1000, policy)
+    assert torch.allclose(logits(big), want, atol=1e-5)
+    small = EvictingCache.for_model(model, 12, policy)
+    got = logits(small)
+    assert small.get_seq_length() == 40 and small.layers[0].kept() == 13  # 12 + this step's
+    assert small.gpu_bytes() == 2 * 2 * 13 * 2 * 2 * 16 * 4  # layers, K+V, tokens, b, heads, d, fp32
+    assert not torch.allclose(got[1:], want[1:], atol=1e-3)
+    if policy == "streaming":  # sinks 0..3 and the most recent tokens
+        layer = small.layers[0]
+        assert torch.equal(layer.keys[:, :, :4], big.layers[0].keys[:, :, :4])
+    model.set_attn_implementation("sdpa")
