@@ -22,6 +22,7 @@ from .config import CONFIG_KEYS, explicit_args, flash_kv_settings, validate
 from .layer import TieredLayer
 from .layout import PageLayout, auto_page_tokens
 from .pages import CHUNK_BYTES, FIRST_CHUNK_PAGES, Chunk
+from .prune.state import PRUNE_GPU_TOKENS, offset_values, prune_settings
 from .spill import SpillStore
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,16 @@ class TieredCache(Cache):
                  spill_dir=None, dense_layers: int = 2, score: str = "quest",
                  window_pages: int = 64, select_max_queries: int = 16,
                  prefill_chunk: int = 4096, error_recovery_mode: str = "strict",
-                 chunk_pages: int | None = None):
+                 chunk_pages: int | None = None, prune_threshold: float | None = None,
+                 prune_scorer="attention", prune_offsets=None, prune_tokenizer=None,
+                 prune_compensation: bool = True, prune_every: int = 8, prune_window: int = 32):
         validate(gpu_tokens=gpu_tokens, sink_tokens=sink_tokens, page_tokens=page_tokens,
                   top_k_pages=top_k_pages, host_bytes=host_bytes, spill_dir=spill_dir,
                   dense_layers=dense_layers, score=score, window_pages=window_pages,
                   error_recovery_mode=error_recovery_mode, prefill_chunk=prefill_chunk)
+        self.prune = prune_settings(prune_threshold, prune_scorer, prune_offsets, prune_tokenizer,
+                                    prune_compensation, prune_every, prune_window, host_bytes)
+        self._matchers: list = []
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -78,27 +84,50 @@ class TieredCache(Cache):
     @classmethod
     def for_model(cls, model, gpu_tokens: int = 512, sink_tokens: int = 4,
                   page_tokens: int | str = "auto", top_k_pages: int | float | None = None,
-                  host_bytes: int | None = None, spill_dir=None, **options) -> "TieredCache":
+                  host_bytes: int | None = None, spill_dir=None,
+                  prune_threshold: float | None = None, prune_scorer="attention",
+                  prune_offsets=None, **options) -> "TieredCache":
         """Install the tiered attention function on ``model`` and return a new cache for one
         generation: ``model.generate(ids, cache=cache)``. Options: ``dense_layers``
         (2), ``score`` ("quest" | "windowed"), ``window_pages`` (64), ``error_recovery_mode``
         ("strict" | "graceful"), ``prefill_chunk`` (4096 queries).
+
+        Importance pruning (off by default; docs/kv.md): ``prune_threshold`` (the seed's 0.15),
+        ``prune_scorer`` ("attention" | "mlp" | a scorer file | a callable), ``prune_offsets``
+        ([(pattern, offset), ...]); options ``prune_tokenizer`` (for text patterns),
+        ``prune_compensation`` (True), ``prune_every`` (8 steps), ``prune_window`` (32 steps).
+        With pruning on and ``gpu_tokens`` not given, the recent window is 64 tokens.
 
         A model from ``load_model`` brings its ``kv_*`` keys (``flash.json``, the model's
         ``flash_config``, the open's ``flash_context``): they replace the defaults of the
         arguments left at their default values; an argument given another value wins."""
         from .attention import install
 
+        from .prune.scorers import resolve_scorer
+
         given = dict(gpu_tokens=gpu_tokens, sink_tokens=sink_tokens, page_tokens=page_tokens,
-                     top_k_pages=top_k_pages, host_bytes=host_bytes, spill_dir=spill_dir)
+                     top_k_pages=top_k_pages, host_bytes=host_bytes, spill_dir=spill_dir,
+                     prune_threshold=prune_threshold)
         args = {**flash_kv_settings(model), **explicit_args(given)}
+        if args.get("prune_threshold") is not None and "gpu_tokens" not in args:
+            args["gpu_tokens"] = PRUNE_GPU_TOKENS
         for key, value in given.items():
             args.setdefault(key, value)
+        if args["prune_threshold"] is not None:
+            try:
+                prune_scorer = resolve_scorer(prune_scorer, model)
+            except ValueError as exc:
+                from deepseek_flash.errors import ConfigError
+                raise ConfigError(str(exc), key="prune_scorer", value=str(prune_scorer),
+                                  allowed="'attention', 'mlp', a scorer file or a callable") from None
         cfg = install(model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        cache = cls(cfg.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, **args, **options)
+        cache = cls(cfg.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, **args,
+                    prune_scorer=prune_scorer, prune_offsets=prune_offsets, **options)
         cache.bind(model)
+        if cache.prune is not None and cache.prune.offsets:
+            _watch_tokens(model, cache)
         return cache
 
     def bind(self, model) -> None:
@@ -262,6 +291,23 @@ class TieredCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
 
+    def _observe_ids(self, ids: torch.Tensor) -> None:
+        """The model's input ids of a step (for the pruning offsets' patterns)."""
+        from .prune.offsets import OffsetMatcher
+
+        if not self._matchers:
+            self._matchers = [OffsetMatcher(self.prune.offsets, self.prune.tokenizer)
+                              for _ in range(ids.shape[0])]
+        for row, m in enumerate(self._matchers):
+            m.append(ids[row].tolist())
+
+    def prune_offsets_for(self, layer) -> torch.Tensor | None:
+        """Offsets ``[b, paged tokens]`` of ``layer``'s paged tokens, or None."""
+        if not self._matchers:
+            return None
+        s = layer.sinks
+        return offset_values(self._matchers, s, s + layer.paged_tokens, layer.device)
+
     def stats(self) -> dict:
         """Bytes per tier, ``full_bytes`` and the counters (docs/kv.md, kv/stats.py)."""
         return _stats.collect(self)
@@ -279,3 +325,16 @@ class TieredCache(Cache):
                 self.spill.close()
         except Exception:
             pass
+
+
+def _watch_tokens(model, cache: TieredCache) -> None:
+    """Hand the input ids of each forward to ``cache`` (the most recent pruning cache built for
+    ``model`` with offsets): a pre-hook on the input embeddings, installed once per model."""
+    emb = model.get_input_embeddings()
+    emb._kv_prune_cache = weakref.ref(cache)
+    if getattr(emb, "_kv_prune_hook", None) is None:
+        def hook(module, args):
+            target = module._kv_prune_cache() if module._kv_prune_cache else None
+            if target is not None and args and isinstance(args[0], torch.Tensor):
+                target._observe_ids(args[0])
+        emb._kv_prune_hook = emb.register_forward_pre_hook(hook)

@@ -8,11 +8,12 @@ from .select import SCORES
 
 CONFIG_KEYS = {"kv_gpu_tokens": "gpu_tokens", "kv_sink_tokens": "sink_tokens",
                "kv_page_tokens": "page_tokens", "kv_top_k_pages": "top_k_pages",
-               "kv_host_bytes": "host_bytes", "kv_spill_dir": "spill_dir"}
+               "kv_host_bytes": "host_bytes", "kv_spill_dir": "spill_dir",
+               "kv_prune_threshold": "prune_threshold"}
 """The configuration keys (daemon/config.py) and the ``for_model`` arguments they set."""
 
 DEFAULTS = dict(gpu_tokens=512, sink_tokens=4, page_tokens="auto", top_k_pages=None,
-                 host_bytes=None, spill_dir=None)
+                host_bytes=None, spill_dir=None, prune_threshold=None)
 
 
 def explicit_args(given: dict) -> dict:

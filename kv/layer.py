@@ -19,6 +19,7 @@ from .attention import _ACTIVE
 from .compute import attend_columns
 from .layout import pack_pages
 from .pages import LayerPages
+from .prune.state import LayerPrune
 from .select import resolve_top_k
 from .summaries import PageSummaries
 
@@ -43,11 +44,12 @@ class TieredLayer(CacheLayerMixin):
         self.recent_k = self.recent_v = None
         self.summaries = PageSummaries()
         self.pages = LayerPages(self._cache, index)
+        self.prune = LayerPrune(self, cache.prune) if cache.prune is not None else None
 
     # --- the page store's state, as the layer's ------------------------------------------------
     @property
     def n_pages(self) -> int:
-        return self.pages.n_pages
+        return self.prune.n_pages if self.prune is not None else self.pages.n_pages
 
     @property
     def lost_pages(self) -> set[int]:
@@ -134,10 +136,23 @@ class TieredLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         tensors = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
-        return sum(t.numel() * t.element_size() for t in tensors) + self.summaries.gpu_bytes()
+        total = sum(t.numel() * t.element_size() for t in tensors) + self.summaries.gpu_bytes()
+        return total + (self.prune.gpu_bytes() if self.prune is not None else 0)
 
     def host_bytes(self) -> int:
-        return self.pages.host_bytes()
+        return self.pages.host_bytes() + (self.prune.host_bytes() if self.prune is not None else 0)
+
+    def level_tokens(self) -> list[int]:
+        """Tokens (per sequence) at levels 1 (on the device: sinks, recent window, level-1 pages),
+        2 (full precision on the host or spilled) and 3 (int4 on the host)."""
+        if not self.is_initialized:
+            return [0, 0, 0]
+        p = self._cache.page_tokens
+        on_device = self.sinks + self.recent_k.shape[2]
+        if self.prune is None:
+            return [on_device, self.paged_tokens, 0]
+        l1, l2, l3 = self.prune.level_pages()
+        return [on_device + l1 * p, l2 * p, l3 * p]
 
     def spilled_bytes(self) -> int:
         return self.pages.spilled_bytes()
@@ -145,6 +160,8 @@ class TieredLayer(CacheLayerMixin):
     def reads_every_page(self) -> bool:
         """Whether this layer's next decode step attends to every page (lossless or dense)."""
         cache = self._cache
+        if self.prune is not None:
+            return False  # the pruned levels are fetched by kv/prune/state.py, not prefetched
         return self.dense or resolve_top_k(cache.top_k_pages, self.n_pages) is None
 
     # --- a step --------------------------------------------------------------------------------
@@ -156,15 +173,23 @@ class TieredLayer(CacheLayerMixin):
         k_new, v_new = self.pending
         q_len = query.shape[2]
         try:
-            k_parts, v_parts, cols = self._past(query, q_len)
+            if self.prune is not None:
+                recall_all = self.dense or q_len > cache.select_max_queries
+                k_parts, v_parts, cols = self.prune.past(query, recall_all)
+            else:
+                k_parts, v_parts, cols = self._past(query, q_len)
             out = attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling,
                                  length=self.length, prefill_chunk=cache.prefill_chunk)
+            if self.prune is not None:
+                shares = self.prune.shares(query, k_parts, k_new, cols, pad_mask, scaling, q_len)
         except BaseException:
             self.pending = None
             cache._poison(f"layer {self.index} failed during attention")
             raise
         self.pending = None
         self._commit(k_new, v_new)
+        if self.prune is not None:
+            self.prune.committed(k_new, v_new, *shares, q_len)
         return out
 
     def _past(self, query, q_len):
@@ -224,5 +249,8 @@ class TieredLayer(CacheLayerMixin):
         cache = self._cache
         p = cache.page_tokens
         self.summaries.append_keys(keys, p)
+        if self.prune is not None:
+            self.prune.append(pack_pages(keys, values, p))  # level 1: stays on the device
+            return
         self.pages.append(pack_pages(keys, values, p))
         cache._pages_written(self)

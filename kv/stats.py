@@ -28,4 +28,21 @@ def collect(cache) -> dict:
         "spilled_bytes": sum(layer.spilled_bytes() for layer in layers),
         "full_bytes": tokens * batch * token_bytes * len(layers),
         **cache.counters,
+        **_prune_stats(cache),
     }
+
+
+def _prune_stats(cache) -> dict:
+    """Importance pruning's keys (kv/prune): tokens per level per layer, level moves, recalls,
+    and the bytes level 3 saves on the host. Present with pruning off too (levels 1 and 2 are
+    then the device and host tiers; no moves)."""
+    layers = cache.layers
+    prunes = [layer.prune for layer in layers if getattr(layer, "prune", None) is not None]
+    out = {"level_tokens": [layer.level_tokens() for layer in layers],
+           "demotions": 0, "promotions": 0, "recalls": 0, "level3_bytes_saved": 0}
+    for p in prunes:
+        out["demotions"] += p.counters["demotions"]
+        out["promotions"] += p.counters["promotions"]
+        out["recalls"] += p.counters["recalls"]
+        out["level3_bytes_saved"] += p.compressed_saved()
+    return out

@@ -6,15 +6,16 @@ compensation factor, the pattern offsets, and how a page moves between the three
   tokens are not demoted as easily. ``N_active`` of 0 counts as 1 (the factor is then
   ``32 ** 0.3``, about 2.83). ``N_active`` counts the scored tokens: the paged tokens at level 1
   or 2 -- sinks and the recent window are never scored (always level 1) and do not count.
-* **Offsets** (seed §2.1): a token matching a pattern gets ``+offset`` (the seed's is +0.08) added
-  to its score; several matching patterns add up. Applied after the compensation; the result is
-  clipped to 0..1.
+* **Offsets** (seed §2.1): a page holding a token that matches a pattern gets ``+offset`` (the
+  seed's is +0.08) added to its score (the largest of its tokens' offsets; several patterns
+  matching one token add up). Applied after the compensation; the result is clipped to 0..1.
 * **Levels**: 1 = full precision on the device, 2 = full precision on the host, 3 = compressed
   (int4, kv/prune/compress.py) on the host. At each evaluation a page whose score is at or above
   the threshold goes (back) to level 1 -- a promotion when it was lower; a page below it moves one
   level down, 1 -> 2 -> 3 (the seed's queue): a page needs two evaluations below the threshold in
-  a row to be compressed. A page's score is the highest score of its tokens (over the sequences of
-  the batch too: one level per page serves the whole batch).
+  a row to be compressed. A page's score is the mean score of its tokens -- for the attention
+  scorer about its share of attention against an average page's -- and the highest over the
+  sequences of the batch (one level per page serves the whole batch).
 """
 from __future__ import annotations
 
@@ -46,10 +47,17 @@ def adjust_scores(scores: torch.Tensor, n_active: int, offsets: torch.Tensor | N
 
 
 def page_scores(token_scores: torch.Tensor, page_tokens: int) -> torch.Tensor:
-    """``token_scores`` ``[batch, n_pages * page_tokens]`` -> ``[n_pages]``: the best token of each
-    page over every sequence."""
+    """``token_scores`` ``[batch, n_pages * page_tokens]`` -> ``[n_pages]``: the mean over each
+    page's tokens, the highest over the sequences."""
     b, t = token_scores.shape
-    return token_scores.view(b, t // page_tokens, page_tokens).amax(dim=(0, 2))
+    return token_scores.view(b, t // page_tokens, page_tokens).mean(2).amax(0)
+
+
+def page_offsets(token_offsets: torch.Tensor, page_tokens: int) -> torch.Tensor:
+    """``token_offsets`` ``[batch, n_pages * page_tokens]`` -> ``[n_pages]``: the largest offset of
+    a page's tokens over every sequence."""
+    b, t = token_offsets.shape
+    return token_offsets.view(b, t // page_tokens, page_tokens).amax(dim=(0, 2))
 
 
 def next_levels(levels: torch.Tensor, scores: torch.Tensor, threshold: float):

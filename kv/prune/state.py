@@ -24,7 +24,7 @@ import torch
 
 from .compress import compress_pages, decompress_pages
 from .offsets import OffsetMatcher, check_offsets
-from .policy import adjust_scores, next_levels, page_scores
+from .policy import adjust_scores, next_levels, page_offsets, page_scores
 from .scorers import TokenStats, attention_probs
 
 PRUNE_GPU_TOKENS = 64
@@ -106,7 +106,7 @@ class LayerPrune:
                    - c.nbytes for c in self.comp.values())
 
     # --- pages ----------------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor) -> None:
+    def append(self, pages: torch.Tensor) -> None:
         """Full pages leave the recent window: ``pages`` ``[n, b, 2, h, p, d]`` on the device join
         level 1."""
         first = self.n_pages
@@ -219,7 +219,7 @@ class LayerPrune:
                                 causal_offset=n_past + q_len - w if q_len > 1 else None)
         return probs, slots
 
-    def committed(self, k_new, v_new, probs, slots, q_len: int, input_ids=None) -> None:
+    def committed(self, k_new, v_new, probs, slots, q_len: int) -> None:
         """After the layer committed the step: record the new tokens and what the attention
         showed; evaluate the levels every ``every`` decode steps (and after each prefill)."""
         self.stats.append(k_new, v_new)
@@ -232,23 +232,23 @@ class LayerPrune:
         if self.steps % self.s.every == 0:
             self.evaluate()
 
-    def token_scores(self, offsets: torch.Tensor | None = None) -> torch.Tensor:
-        """Scores ``[b, n_pages * page_tokens]`` of the paged tokens after compensation and
-        offsets."""
+    def page_scores(self) -> torch.Tensor:
+        """Scores ``[n_pages]`` (CPU) of the layer's pages: the scorer's token scores, averaged
+        per page, times the compensation, plus the pattern offsets (kv/prune/policy.py)."""
         layer, cache = self.layer, self.layer._cache
         s, p = layer.sinks, cache.page_tokens
         inp = self.stats.input(layer.index, cache.num_layers, s, s + self.n_pages * p,
                                layer.length)
-        raw = self.s.scorer(inp).float()
+        raw = page_scores(self.s.scorer(inp).float().clamp(0.0, 1.0), p)
+        tok_off = cache.prune_offsets_for(layer)
+        off = page_offsets(tok_off, p) if tok_off is not None else None
         l1, l2, _ = self.level_pages()
-        return adjust_scores(raw, (l1 + l2) * p, offsets, compensate=self.s.compensate)
+        return adjust_scores(raw, (l1 + l2) * p, off, compensate=self.s.compensate).cpu()
 
     def evaluate(self) -> None:
         if self.n_pages == 0:
             return
-        cache = self.layer._cache
-        offsets = cache.prune_offsets_for(self.layer)
-        scores = page_scores(self.token_scores(offsets), cache.page_tokens).cpu()
+        scores = self.page_scores()
         new, promoted, demoted = next_levels(self.level, scores, self.s.threshold)
         for page in torch.nonzero(new != self.level).flatten().tolist():
             self._move(page, int(self.level[page]), int(new[page]))
@@ -268,3 +268,25 @@ def offset_values(matchers: list[OffsetMatcher], start: int, stop: int,
         vals = m.values[start:stop]
         rows.append(vals + [0.0] * (stop - start - len(vals)))
     return torch.tensor(rows, dtype=torch.float32, device=device)
+
+
+def prune_settings(threshold, scorer, offsets, tokenizer, compensate, every, window,
+                   host_bytes) -> PruneSettings | None:
+    """Validated settings, or None when pruning is off (``threshold`` None)."""
+    validate_prune(threshold, scorer, offsets, tokenizer, compensate, every, window)
+    if threshold is None:
+        return None
+    if host_bytes is not None:
+        from deepseek_flash.errors import ConfigError
+        raise ConfigError("prune_threshold: pruning keeps its host levels in memory; it does not "
+                          "take host_bytes/spill_dir yet (set one or the other)",
+                          key="prune_threshold", value=threshold, allowed="null with host_bytes")
+    from .scorers import resolve_scorer
+    try:
+        fn = resolve_scorer(scorer)
+    except ValueError as exc:
+        from deepseek_flash.errors import ConfigError
+        raise ConfigError(str(exc), key="prune_scorer", value=str(scorer),
+                          allowed="'attention', 'mlp', a scorer file or a callable") from None
+    return PruneSettings(float(threshold), fn, list(offsets or ()), tokenizer, compensate, every,
+                         window)

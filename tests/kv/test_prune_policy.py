@@ -4,6 +4,7 @@ import torch
 
 from deepseek_flash.kv.prune import (COMPENSATION_POWER, COMPENSATION_TOKENS, OffsetMatcher,
                                      adjust_scores, compensation, next_levels, page_scores)
+from deepseek_flash.kv.prune.policy import page_offsets
 
 
 @pytest.mark.parametrize("n_active, want", [
@@ -34,10 +35,13 @@ def test_adjust_scores_multiplies_then_adds_then_clips():
     assert torch.allclose(got, (s * 4 ** 0.3 + off).clamp(0, 1))
 
 
-def test_page_scores_take_the_best_token_over_the_batch():
+def test_page_scores_average_tokens_and_take_the_best_sequence():
     t = torch.tensor([[0.1, 0.2, 0.0, 0.05, 0.3, 0.3],
                       [0.0, 0.0, 0.4, 0.01, 0.0, 0.1]])
-    assert page_scores(t, 2).tolist() == pytest.approx([0.2, 0.4, 0.3])
+    assert page_scores(t, 2).tolist() == pytest.approx([0.15, 0.205, 0.3])
+    o = torch.tensor([[0.0, 0.08, 0.0, 0.0, 0.0, 0.0],
+                      [0.0, 0.0, 0.0, 0.0, 0.13, 0.08]])
+    assert page_offsets(o, 2).tolist() == pytest.approx([0.08, 0.0, 0.13])
 
 
 def test_levels_queue_down_one_step_and_promote_straight_to_one():

@@ -1,0 +1,340 @@
+"""Accuracy and memory of KV importance pruning (``TieredCache.for_model(..., prune_threshold=)``)
+on the trained model (CPU), against full attention and two eviction baselines at equal GPU KV.
+
+Perplexity as in bench/kv_accuracy.py: ``--windows`` windows of ``--context`` tokens of the
+model's held-out eval split (``eval_tokens.npy[0 : windows * context]``), batched by ``--batch``;
+the first ``--prefill`` tokens are a dense prefill, every later token is decoded one step at a time
+(teacher forcing) and scored. Every configuration sees the same tokens.
+
+* full attention (``DynamicCache``);
+* pruning at each ``--thresholds`` value (the seed's ablation {0.10, 0.12, 0.15, 0.18}), with and
+  without the compensation factor, for each ``--recall``: ``none`` = lossless recall (the default:
+  every demoted page is attended, fetched from the host; level 3 pages come back from int4) or a
+  fraction = top-K recall of that fraction of the demoted pages (Quest bound);
+* StreamingLLM (sinks + recent) and H2O-style accumulated-attention eviction, each with a budget of
+  tokens equal to the GPU KV bytes the pruned cache held (mean over the decoded steps, sampled every
+  8 steps, summaries and pruning statistics included) -- per threshold with ``--baselines all``,
+  at the default threshold only with ``--baselines default``. The baselines attend only what they
+  hold; the pruned cache also attends what it recalls from the host (``pages_fetched_per_step``
+  says how much).
+
+GPU KV bytes of the pruned cache: ``stats()["gpu_bytes"]`` (sinks, recent window, level-1 pages,
+page summaries, the scorer's per-token statistics). ``memory_ratio`` = ``full_bytes / gpu_bytes``.
+
+``--show`` is the H200 run instead (8B shape, random weights, ``--show-context`` 32K): GPU KV bytes
+and decode tok/s of ``DynamicCache``, the tiered cache alone (top-K 25 %) and the tiered cache
+with pruning (threshold 0.15, top-K 25 % recall), and the scorer's cost per step in ms.
+``--show --smoke`` runs that path on a tiny CPU model.
+
+    python bench/kv_prune.py [--model ../shared/models/pycode-llama] [--output kv_prune.json] [--plot docs/img/kv_prune.png]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_THRESHOLD = 0.15
+
+
+def _load_model(model_dir: Path):
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def make_cache(model, spec: dict):
+    from transformers import DynamicCache
+
+    from deepseek_flash.kv import TieredCache
+    from deepseek_flash.kv.prune import EvictingCache
+
+    if spec["kind"] == "dynamic":
+        model.set_attn_implementation("sdpa")
+        return DynamicCache(config=model.config)
+    if spec["kind"] in ("streaming", "h2o"):
+        return EvictingCache.for_model(model, spec["budget"], spec["kind"])
+    return TieredCache.for_model(model, prune_threshold=spec["threshold"],
+                                 top_k_pages=spec.get("recall"),
+                                 prune_compensation=spec.get("compensation", True),
+                                 prune_scorer=spec.get("scorer", "attention"))
+
+
+def gpu_bytes(cache) -> int:
+    return cache.stats()["gpu_bytes"] if hasattr(cache, "stats") else cache.gpu_bytes()
+
+
+@torch.no_grad()
+def decode_nll(model, ids: torch.Tensor, prefill: int, spec: dict):
+    """Sum of next-token NLL over positions prefill..end, count, GPU KV byte samples, cache."""
+    cache = make_cache(model, spec)
+    logits = model(ids[:, :prefill], cache=cache, logits_to_keep=1).logits[:, -1]
+    total, count, samples = 0.0, 0, []
+    for i, t in enumerate(range(prefill, ids.shape[1])):
+        total += torch.nn.functional.cross_entropy(logits.float(), ids[:, t], reduction="sum").item()
+        count += ids.shape[0]
+        if t + 1 < ids.shape[1]:
+            logits = model(ids[:, t:t + 1], cache=cache).logits[:, -1]
+            if spec["kind"] != "dynamic" and i % 8 == 7:
+                samples.append(gpu_bytes(cache))
+    return total, count, samples, cache
+
+
+def run(model, windows: torch.Tensor, prefill: int, spec: dict, batch: int) -> dict:
+    total = count = 0
+    samples, stats = [], []
+    t0 = time.perf_counter()
+    for i in range(0, windows.shape[0], batch):
+        s, c, smp, cache = decode_nll(model, windows[i:i + batch], prefill, spec)
+        total, count = total + s, count + c
+        samples += smp
+        if hasattr(cache, "stats"):
+            stats.append(cache.stats())
+    row = dict(spec, perplexity=math.exp(total / count), seconds=round(time.perf_counter() - t0, 1))
+    if samples:
+        row["gpu_bytes_mean"] = int(sum(samples) / len(samples))
+    if stats:
+        st = stats[-1]
+        steps = (windows.shape[1] - prefill) * len(stats)
+        row.update(full_bytes=st["full_bytes"], gpu_bytes_final=st["gpu_bytes"],
+                   host_bytes_final=st["host_bytes"],
+                   memory_ratio=round(st["full_bytes"] / row["gpu_bytes_mean"], 3),
+                   level_tokens=st["level_tokens"],
+                   demotions=sum(s["demotions"] for s in stats),
+                   promotions=sum(s["promotions"] for s in stats),
+                   recalls=sum(s["recalls"] for s in stats),
+                   pages_fetched_per_step=round(sum(s["pages_fetched"] for s in stats) / steps, 2),
+                   level3_bytes_saved=st["level3_bytes_saved"])
+    return row
+
+
+def token_bytes(model) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_key_value_heads * head_dim * 4 * cfg.num_hidden_layers  # fp32, all layers
+
+
+def accuracy(args) -> dict:
+    import numpy as np
+    import transformers
+
+    model_dir = Path(args.model)
+    model = _load_model(model_dir)
+    eval_ids = np.load(model_dir / "eval_tokens.npy").astype(np.int64)
+    windows = torch.from_numpy(eval_ids[:args.windows * args.context].copy()).view(
+        args.windows, args.context)
+    rows = []
+
+    def record(row):
+        row["delta_pct"] = round(100 * (row["perplexity"] / rows[0]["perplexity"] - 1), 3) if rows else 0.0
+        row["perplexity"] = round(row["perplexity"], 4)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        return row
+
+    record(run(model, windows, args.prefill, dict(name="full (DynamicCache)", kind="dynamic"),
+               args.batch))
+    recalls = [None if r == "none" else float(r) for r in args.recall]
+    for recall in recalls:
+        for th in args.thresholds:
+            for comp in ((True, False) if args.compensation == "both" else
+                         ((args.compensation == "on"),)):
+                rname = "lossless recall" if recall is None else f"top-K {recall:.0%} recall"
+                spec = dict(name=f"prune {th:.2f} {'comp' if comp else 'no comp'}, {rname}",
+                            kind="prune", threshold=th, recall=recall, compensation=comp,
+                            scorer=args.scorer)
+                r = record(run(model, windows, args.prefill, spec, args.batch))
+                if recall is None and comp and (args.baselines == "all"
+                                                or th == DEFAULT_THRESHOLD):
+                    budget = max(2, round(r["gpu_bytes_mean"] / (token_bytes(model) * args.batch)))
+                    for kind, label in (("streaming", "StreamingLLM"), ("h2o", "H2O")):
+                        b = record(run(model, windows, args.prefill,
+                                       dict(name=f"{label} at prune {th:.2f}'s GPU bytes",
+                                            kind=kind, budget=budget, threshold_matched=th),
+                                       args.batch))
+                        b["gpu_bytes_mean"] = b.pop("gpu_bytes_mean", None)
+    full = rows[0]["perplexity"]
+    default = [r for r in rows if r.get("kind") == "prune" and r["threshold"] == DEFAULT_THRESHOLD
+               and r["recall"] is None and r["compensation"]]
+    goal = {}
+    if default:
+        d = default[0]
+        base = [r for r in rows if r.get("threshold_matched") == DEFAULT_THRESHOLD]
+        goal = {"memory_ratio": d["memory_ratio"], "memory_ratio_ge_3": d["memory_ratio"] >= 3.0,
+                "ppl_delta_pct": d["delta_pct"], "ppl_delta_le_1pct": d["delta_pct"] <= 1.0,
+                "baselines": {r["kind"]: r["perplexity"] for r in base},
+                "below_both_baselines": all(d["perplexity"] < r["perplexity"] for r in base)}
+    return {
+        "bench": "kv_prune", "date": datetime.date.today().isoformat(),
+        "machine": platform.node(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+        "model": model_dir.name, "context": args.context, "prefill": args.prefill,
+        "windows": args.windows, "scored_tokens": args.windows * (args.context - args.prefill),
+        "scorer": str(args.scorer), "full_perplexity": full, "rows": rows,
+        "goal_at_default_threshold": goal,
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rows = result["rows"]
+    series = {}
+    for r in rows:
+        if r.get("kind") == "prune":
+            key = (r["recall"], r["compensation"])
+            series.setdefault(key, []).append(r)
+    for (recall, comp), rs in sorted(series.items(), key=lambda x: (x[0][0] or 0, not x[0][1])):
+        rs = sorted(rs, key=lambda r: r["threshold"])
+        x = [100 * (1 - 1 / r["memory_ratio"]) for r in rs]
+        y = [r["delta_pct"] for r in rs]
+        label = (f"prune, {'lossless' if recall is None else f'top-K {recall:.0%}'} recall, "
+                 f"{'comp.' if comp else 'no comp.'}")
+        ax.plot(x, y, "o-" if comp else "x--", label=label)
+        for r, xi, yi in zip(rs, x, y):
+            ax.annotate(f"{r['threshold']:.2f}", (xi, yi), textcoords="offset points",
+                        xytext=(3, 3), fontsize=7)
+    full = rows[0]
+    for kind, marker in (("streaming", "s"), ("h2o", "^")):
+        pts = [r for r in rows if r.get("kind") == kind]
+        if pts:
+            xs, ys = [], []
+            for r in pts:
+                ref = next(p for p in rows if p.get("kind") == "prune" and p["recall"] is None
+                           and p["compensation"] and p["threshold"] == r["threshold_matched"])
+                xs.append(100 * (1 - 1 / ref["memory_ratio"]))
+                ys.append(r["delta_pct"])
+            ax.plot(xs, ys, marker, label={"streaming": "StreamingLLM", "h2o": "H2O"}[kind] +
+                    " (same GPU bytes)")
+    ax.axhline(1.0, color="grey", lw=0.6, ls=":")
+    ax.axvline(100 * (1 - 1 / 3), color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("GPU KV bytes saved vs full attention (%)")
+    ax.set_ylabel("perplexity increase (%)")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_title(f"KV pruning, {result['model']}, context {result['context']} "
+                 f"(full ppl {full['perplexity']:.3f})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# --- the H200 run -------------------------------------------------------------------------------
+def _bench_kv():
+    spec = importlib.util.spec_from_file_location("bench_kv", Path(__file__).parent / "kv.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def show(args) -> dict:
+    """8B shape, one context: GPU KV bytes and decode tok/s of DynamicCache, tiered top-K 25 %,
+    tiered + pruning; the scorer's cost per decode step."""
+    from transformers import DynamicCache
+
+    from deepseek_flash.kv import TieredCache
+
+    kv = _bench_kv()
+    device = "cpu" if args.smoke else "cuda:0"
+    ctx = args.show_context
+    model = kv.build(args.arch, args.smoke, ctx + args.decode + 64, device)
+    ids = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
+    out = {"context": ctx, "decode_steps": args.decode}
+    caches = {
+        "dynamic": lambda: DynamicCache(config=model.config),
+        "tiered_topk25": lambda: TieredCache.for_model(model, top_k_pages=0.25),
+        "pruned": lambda: TieredCache.for_model(model, top_k_pages=0.25,
+                                                prune_threshold=DEFAULT_THRESHOLD),
+    }
+    for name, new in caches.items():
+        if name == "dynamic":
+            model.set_attn_implementation("sdpa")
+        cache = new()
+        tok, ttft = kv.prefill(model, ids, cache, device)
+        tok, tps = kv.decode(model, cache, tok, args.decode, device)
+        kv_bytes = (kv.dynamic_kv_bytes(cache) if name == "dynamic"
+                    else cache.stats()["gpu_bytes"])
+        out[name] = {"gpu_kv_bytes": kv_bytes, "tok_s": round(tps, 3), "ttft_s": round(ttft, 3)}
+        if name == "pruned":
+            st = cache.stats()
+            out[name].update(level_tokens_layer0=st["level_tokens"][0],
+                             demotions=st["demotions"], promotions=st["promotions"],
+                             recalls=st["recalls"], full_bytes=st["full_bytes"])
+            out["scorer_ms_per_step"] = scorer_ms(cache, device)
+        del cache
+        kv.free(device)
+    out["pruned_vs_dynamic_gpu_bytes"] = round(out["pruned"]["gpu_kv_bytes"]
+                                               / out["dynamic"]["gpu_kv_bytes"], 4)
+    out["pruned_vs_tiered_tok_s"] = round(out["pruned"]["tok_s"] / out["tiered_topk25"]["tok_s"], 3)
+    return out
+
+
+def scorer_ms(cache, device, reps: int = 5) -> float:
+    """Scoring every layer once (what an evaluation costs: scorer, compensation, offsets, page
+    scores), in ms; per decode step that is this / ``prune_every``."""
+    kv = _bench_kv()
+    kv.sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        for layer in cache.layers:
+            layer.prune.page_scores()
+    kv.sync(device)
+    return round(1000 * (time.perf_counter() - t) / reps, 3)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT.parent / "shared/models/pycode-llama"))
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--prefill", type=int, default=1536)
+    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.10, 0.12, 0.15, 0.18])
+    ap.add_argument("--recall", nargs="+", default=["none", "0.25"],
+                    help="'none' (lossless recall) and/or fractions of the demoted pages")
+    ap.add_argument("--compensation", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--baselines", choices=("all", "default"), default="all")
+    ap.add_argument("--scorer", default="attention")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--plot", default=None, help="PNG path for the ablation plot")
+    ap.add_argument("--output", default=None)
+    ap.add_argument("--show", action="store_true", help="the H200 run (see above)")
+    ap.add_argument("--smoke", action="store_true", help="with --show: tiny CPU model")
+    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--show-context", type=int, default=32768)
+    ap.add_argument("--decode", type=int, default=32)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = show(args) if args.show else accuracy(args)
+    result.setdefault("bench", "kv_prune_show" if args.show else "kv_prune")
+    text = json.dumps(result, indent=1)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    print(text)
+    if not args.show:
+        if args.plot:
+            plot(result, Path(args.plot))
+        print(f"\n{'config':50} {'ppl':>8} {'delta':>8} {'full/gpu':>8} {'fetch/step':>10}",
+              file=sys.stderr)
+        for r in result["rows"]:
+            print(f"{r['name']:50} {r['perplexity']:8.4f} {r['delta_pct']:+7.3f}% "
+                  f"{r.get('memory_ratio', float('nan')):8.2f} "
+                  f"{r.get('pages_fetched_per_step', float('nan')):10.1f}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
