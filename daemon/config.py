@@ -153,6 +153,13 @@ def _kv_top_k(key, value):
                       allowed="null | int >= 1 | 0 < fraction <= 1")
 
 
+def _kv_prune_threshold(key, value):
+    if value is None or (type(value) in (int, float) and 0 <= value <= 1):
+        return None if value is None else float(value)
+    raise ConfigError(f"{key}: {value!r} is not allowed; use null (pruning off) or a score "
+                      f"threshold in [0, 1]", key=key, value=value, allowed="null | 0 <= number <= 1")
+
+
 def _optional_size(key, value):
     return None if value is None else parse_size(key, value)
 
@@ -246,6 +253,9 @@ KEYS: dict[str, Key] = {
                          "host-tier budget of a TieredCache; pages past it spill to kv_spill_dir"),
     "kv_spill_dir": Key(None, _optional_dir, "null | directory", "model", False,
                         "directory for KV pages past kv_host_bytes"),
+    "kv_prune_threshold": Key(None, _kv_prune_threshold, "null | 0 <= number <= 1", "model", False,
+                              "KV importance pruning: pages scoring below it leave the GPU "
+                              "(null: off; the seed's value is 0.15)"),
 }
 
 TUNABLE = tuple(k for k, spec in KEYS.items() if spec.tunable)

@@ -18,7 +18,7 @@ from deepseek_flash.errors import KVCacheMismatch, KVError, KVSpillFailed
 
 from . import stats as _stats
 from .compute import sdpa as _sdpa  # noqa: F401  (kept importable from here)
-from .config import CONFIG_KEYS, explicit_args, flash_kv_settings, validate
+from .config import CONFIG_KEYS, DEFAULTS, explicit_args, flash_kv_settings, validate
 from .layer import TieredLayer
 from .layout import PageLayout, auto_page_tokens
 from .pages import CHUNK_BYTES, FIRST_CHUNK_PAGES, Chunk
@@ -96,7 +96,7 @@ class TieredCache(Cache):
         ``prune_scorer`` ("attention" | "mlp" | a scorer file | a callable), ``prune_offsets``
         ([(pattern, offset), ...]); options ``prune_tokenizer`` (for text patterns),
         ``prune_compensation`` (True), ``prune_every`` (8 steps), ``prune_window`` (32 steps).
-        With pruning on and ``gpu_tokens`` not given, the recent window is 64 tokens.
+        With pruning on and ``gpu_tokens`` at its default (512), the recent window is 64 tokens.
 
         A model from ``load_model`` brings its ``kv_*`` keys (``flash.json``, the model's
         ``flash_config``, the open's ``flash_context``): they replace the defaults of the
@@ -109,10 +109,13 @@ class TieredCache(Cache):
                      top_k_pages=top_k_pages, host_bytes=host_bytes, spill_dir=spill_dir,
                      prune_threshold=prune_threshold)
         args = {**flash_kv_settings(model), **explicit_args(given)}
-        if args.get("prune_threshold") is not None and "gpu_tokens" not in args:
-            args["gpu_tokens"] = PRUNE_GPU_TOKENS
         for key, value in given.items():
             args.setdefault(key, value)
+        if args["prune_threshold"] is not None and args["gpu_tokens"] == DEFAULTS["gpu_tokens"]:
+            # pruning on: scores, not age, decide what stays on the device beyond a short window
+            # (a load_model model's flash_config always carries kv_gpu_tokens, so the default
+            # value is what is replaced, wherever it came from)
+            args["gpu_tokens"] = PRUNE_GPU_TOKENS
         if args["prune_threshold"] is not None:
             try:
                 prune_scorer = resolve_scorer(prune_scorer, model)

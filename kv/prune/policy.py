@@ -3,9 +3,11 @@ compensation factor, the pattern offsets, and how a page moves between the three
 
 * **Compensation** (seed §2.2): when fewer than ``COMPENSATION_TOKENS`` (32) tokens are active
   (levels 1 and 2), every score is multiplied by ``(32 / N_active) ** 0.3``, so the last active
-  tokens are not demoted as easily. ``N_active`` of 0 counts as 1 (the factor is then
-  ``32 ** 0.3``, about 2.83). ``N_active`` counts the scored tokens: the paged tokens at level 1
-  or 2 -- sinks and the recent window are never scored (always level 1) and do not count.
+  tokens are not demoted as easily. ``N_active`` counts every token of the layer at level 1 or 2:
+  sinks and the recent window (always on the device) included -- so with the defaults (4 sinks,
+  a recent window of at least 64 tokens) the factor never acts: the window itself keeps more than
+  32 tokens active. It acts when ``sink_tokens + gpu_tokens`` is below 32. ``N_active`` of 0
+  counts as 1.
 * **Offsets** (seed §2.1): a page holding a token that matches a pattern gets ``+offset`` (the
   seed's is +0.08) added to its score (the largest of its tokens' offsets; several patterns
   matching one token add up). Applied after the compensation; the result is clipped to 0..1.

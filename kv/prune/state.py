@@ -243,7 +243,8 @@ class LayerPrune:
         tok_off = cache.prune_offsets_for(layer)
         off = page_offsets(tok_off, p) if tok_off is not None else None
         l1, l2, _ = self.level_pages()
-        return adjust_scores(raw, (l1 + l2) * p, off, compensate=self.s.compensate).cpu()
+        n_active = layer.sinks + layer.recent_k.shape[2] + (l1 + l2) * p
+        return adjust_scores(raw, n_active, off, compensate=self.s.compensate).cpu()
 
     def evaluate(self) -> None:
         if self.n_pages == 0:

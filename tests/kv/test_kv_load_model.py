@@ -45,3 +45,29 @@ def test_bad_kv_key_in_flash_context_is_refused_at_open(store):
         load_model(packed, embedded=True, config=CONFIG,
                    flash_context={"kv_top_k_pages": 2.5})
     assert info.value.key == "kv_top_k_pages"
+
+
+def test_flash_context_prune_threshold_reaches_the_cache(store):
+    src, packed = store
+    ids = torch.randint(1, 256, (1, 200), generator=torch.Generator().manual_seed(4))
+    model = load_model(packed, embedded=True, config=CONFIG,
+                       flash_context={"kv_prune_threshold": 0.0, "kv_page_tokens": 16})
+    try:
+        assert model.flash.info.flash_config["kv_prune_threshold"] == 0.0
+        cache = TieredCache.for_model(model)
+        # pruning on: the recent window defaults to 64 tokens; threshold 0 keeps every page on
+        # the device, so the decode is DynamicCache's
+        assert (cache.prune.threshold, cache.gpu_tokens) == (0.0, 64)
+        want_tokens, want_logits = reference(load_reference(src), ids, None, 6)
+        tokens, logits = greedy(model, ids, None, cache, 6)
+        assert torch.equal(tokens, want_tokens)
+        assert (logits - want_logits).abs().max().item() <= 1e-4
+        s = cache.stats()
+        assert s["level_tokens"][0] == [205, 0, 0] and s["host_bytes"] == 0
+        off = TieredCache.for_model(model, gpu_tokens=128)  # an explicit argument still wins
+        assert off.gpu_tokens == 128 and off.prune is not None
+    finally:
+        model.flash.close()
+    with pytest.raises(ConfigError) as info:
+        load_model(packed, embedded=True, config=CONFIG, flash_context={"kv_prune_threshold": 2})
+    assert info.value.key == "kv_prune_threshold"

@@ -1,0 +1,170 @@
+"""KV importance pruning inside the tiered cache (tiny random models): levels, recall, promotion,
+offsets and compensation through the cache, stats and configuration."""
+import pytest
+import torch
+from transformers import DynamicCache
+
+from deepseek_flash.errors import ConfigError
+from deepseek_flash.kv import TieredCache
+from deepseek_flash.kv.layout import pack_pages
+from deepseek_flash.kv.prune import compress_pages, decompress_pages, round_trip_bound
+
+from kvmodels import greedy, reference, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model3():
+    return tiny_model("llama", layers=3, seed=2)
+
+
+def ids_of(n, batch=1, seed=0):
+    return torch.randint(1, 250, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+class Fixed:
+    """A scorer callable with a score the test sets."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, inp):
+        return torch.full_like(inp.mass, self.value)
+
+
+def test_threshold_zero_keeps_every_page_on_the_device_and_is_exact(model3):
+    ids = ids_of(120, batch=2)
+    want_tokens, want_logits = reference(model3, ids, None, 12)
+    cache = TieredCache.for_model(model3, prune_threshold=0.0, page_tokens=16)
+    assert cache.gpu_tokens == 64  # pruning's recent window when gpu_tokens is not given
+    tokens, logits = greedy(model3, ids, None, cache, 12)
+    assert torch.equal(tokens, want_tokens)
+    assert (logits - want_logits).abs().max().item() <= 1e-5
+    s = cache.stats()
+    n = s["tokens"]
+    assert n == 131 and s["level_tokens"] == [[n, 0, 0]] * 3
+    assert s["demotions"] == s["promotions"] == s["recalls"] == s["host_bytes"] == 0
+    # gpu_bytes: every token's K and V (fp32, 2 heads x 16), the page summaries and the
+    # scorer's per-token statistics (3 floats + 2 norms per head)
+    pages = (n - 4 - 64) // 16
+    kv = 2 * 2 * 16 * 4
+    per_layer = n * 2 * kv + 2 * pages * 2 * 2 * 16 * 4 + n * 2 * (3 + 2 * 2) * 4
+    assert s["gpu_bytes"] == 3 * per_layer
+
+
+def test_threshold_one_demotes_to_int4_and_recalls_everything(model3):
+    ids = ids_of(150)
+    ref = DynamicCache(config=model3.config)
+    with torch.no_grad():
+        model3(ids, cache=ref)
+    cache = TieredCache.for_model(model3, prune_threshold=1.0, page_tokens=16, prune_every=2)
+    with torch.no_grad():
+        model3(ids[:, :140], cache=cache)
+        for t in range(140, 150):
+            model3(ids[:, t:t + 1], cache=cache)
+    s = cache.stats()
+    pages = (150 - 4 - 64) // 16   # 5 pages: 4 from the prefill, 1 during the decode
+    # prefill pages: 1 -> 2 at the prefill's evaluation, -> 3 two steps later; the page written
+    # at step 144 (when 64 + 16 recent tokens were there) went 1 -> 2 -> 3 by step 150
+    assert [lv[1:] for lv in s["level_tokens"]] == [[0, pages * 16]] * 3
+    assert s["level_tokens"][0][0] == 150 - pages * 16
+    assert s["demotions"] == 3 * 2 * pages and s["promotions"] == 0
+    # lossless recall: every demoted page attended each decode step (3 layers, batch 1)
+    assert s["recalls"] > 0 and s["pages_fetched"] == s["recalls"]
+    assert s["level3_bytes_saved"] > 0
+    for i, layer in enumerate(cache.layers):
+        assert sorted(layer.prune.comp) == list(range(pages))
+        want = pack_pages(ref.layers[i].keys[:, :, 4:4 + pages * 16],
+                          ref.layers[i].values[:, :, 4:4 + pages * 16], 16)
+        for j in range(pages):
+            back = decompress_pages(layer.prune.comp[j])
+            assert back.shape == want[j].shape
+            assert bool(((back - want[j]).abs() <= round_trip_bound(want[j])).all())
+    assert s["host_bytes"] == 3 * pages * sum(
+        t.numel() * t.element_size() for t in vars(compress_pages(want[:1])).values()
+        if isinstance(t, torch.Tensor))
+
+
+def test_top_k_recall_and_promotion(model3):
+    scorer = Fixed(0.0)
+    cache = TieredCache.for_model(model3, prune_threshold=0.15, prune_scorer=scorer,
+                                  page_tokens=16, top_k_pages=1, dense_layers=1, prune_every=1)
+    ids = ids_of(140, batch=2)
+    with torch.no_grad():
+        model3(ids[:, :134], cache=cache)  # 4 sinks, 64 recent, 4 pages (+2 recent)
+        before = cache.stats()["recalls"]
+        assert before == 0
+        for t in range(134, 138):
+            model3(ids[:, t:t + 1], cache=cache)
+    s = cache.stats()
+    # 4 decode steps: the dense layer recalls all 4 demoted pages, the 2 others the best 1,
+    # for each of the 2 sequences
+    assert s["recalls"] == 4 * 2 * (4 + 1 + 1)
+    assert all(lv[1:] == [0, 64] for lv in s["level_tokens"])
+    # the scores rise: every page comes back to level 1 at the next evaluation, from int4
+    scorer.value = 0.5
+    with torch.no_grad():
+        model3(ids[:, 138:139], cache=cache)
+    s = cache.stats()
+    assert s["promotions"] == 3 * 4 and all(lv[1:] == [0, 0] for lv in s["level_tokens"])
+    layer = cache.layers[2].prune
+    assert sorted(layer.gpu) == [0, 1, 2, 3] and not layer.comp and not layer.host
+
+
+def test_pattern_offset_keeps_the_pages_that_hold_it(model3):
+    ids = ids_of(132)
+    ids[0, 4 + 16 + 3] = 77   # page 1
+    ids[0, 4 + 48 + 9] = 77   # page 3
+    ids[0, :4 + 64][ids[0, :4 + 64] == 78] = 79
+    ids[0, 4 + 16 + 5] = 78   # page 1 too, a second rule adds nothing to the page's largest
+    cache = TieredCache.for_model(model3, prune_threshold=0.15, prune_scorer=Fixed(0.1),
+                                  page_tokens=16, prune_offsets=[({77}, 0.08), ({78}, 0.02)])
+    with torch.no_grad():
+        model3(ids, cache=cache)
+    for layer in cache.layers:
+        assert layer.prune.level.tolist() == [2, 1, 2, 1]  # 0.1 + 0.08 >= 0.15 > 0.1 (+ 0.02)
+    # the same with the offsets switched off: every page is demoted
+    cache = TieredCache.for_model(model3, prune_threshold=0.15, prune_scorer=Fixed(0.1),
+                                  page_tokens=16)
+    with torch.no_grad():
+        model3(ids, cache=cache)
+    assert cache.layers[0].prune.level.tolist() == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("sinks, prompt, compensate, want", [
+    (4, 4 + 16, True, [1]),    # 4 sinks + 1 page active: 0.14 * (32 / 20) ** 0.3 = 0.161 >= 0.15
+    (4, 4 + 16, False, [2]),
+    (0, 16, True, [1]),        # 16 active: 0.14 * 2 ** 0.3 = 0.172
+    (4, 4 + 32, True, [2, 2]),  # 36 active tokens: no compensation
+    (0, 32, True, [2, 2]),     # 32 active tokens: none either
+])
+def test_compensation_through_the_cache(model3, sinks, prompt, compensate, want):
+    # no recent window: every token past the sinks is paged and scored
+    cache = TieredCache.for_model(model3, prune_threshold=0.15, prune_scorer=Fixed(0.14),
+                                  page_tokens=16, gpu_tokens=0, sink_tokens=sinks,
+                                  prune_compensation=compensate)
+    with torch.no_grad():
+        model3(ids_of(prompt), cache=cache)
+    assert [layer.prune.level.tolist() for layer in cache.layers] == [want] * 3
+
+
+def test_stats_keys_with_pruning_off(model3):
+    cache = TieredCache.for_model(model3, page_tokens=16, gpu_tokens=32)
+    with torch.no_grad():
+        model3(ids_of(100), cache=cache)
+    s = cache.stats()
+    assert s["level_tokens"] == [[4 + 32, 64, 0]] * 3
+    assert (s["demotions"], s["promotions"], s["recalls"], s["level3_bytes_saved"]) == (0, 0, 0, 0)
+
+
+def test_bad_prune_settings_are_config_errors(model3, tmp_path):
+    for kwargs, key in [(dict(prune_threshold=1.5), "prune_threshold"),
+                        (dict(prune_threshold="0.15"), "prune_threshold"),
+                        (dict(prune_threshold=0.15, prune_scorer="mlp"), "prune_scorer"),
+                        (dict(prune_threshold=0.15, prune_scorer=3), "prune_scorer"),
+                        (dict(prune_threshold=0.15, prune_offsets=[("def", 0.08)]), "prune_offsets"),
+                        (dict(prune_threshold=0.15, prune_every=0), "prune_every"),
+                        (dict(prune_threshold=0.15, host_bytes=1 << 20, spill_dir=tmp_path),
+                         "prune_threshold")]:
+        with pytest.raises(ConfigError) as info:
+            TieredCache.for_model(model3, **kwargs)
+        assert info.value.key == key, kwargs

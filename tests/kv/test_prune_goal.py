@@ -1,0 +1,54 @@
+"""Issue 16's goal at the default threshold (0.15), on the trained model, through a short run of
+bench/kv_prune.py: ≤ +1 % perplexity against full attention, lower perplexity than StreamingLLM
+and H2O-style eviction holding the same GPU KV bytes, and ≥ 3× less GPU KV than full attention.
+
+Short on purpose (CI time): 2 windows of 1,024 eval tokens, a 768-token prefill and 256 decoded,
+scored tokens per window, default settings (lossless recall, 32-token pages, 64 recent tokens).
+The full measurement (context 2048, 4 thresholds, with and without compensation, lossless and
+top-K recall, the baselines at each threshold's memory) is bench/kv_prune.py's default run,
+recorded in docs/benchmarks.md.
+"""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT.parent / "shared" / "models" / "pycode-llama"
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    if not (MODEL / "model.safetensors").exists():
+        pytest.skip(f"no {MODEL}")
+    spec = importlib.util.spec_from_file_location("bench_kv_prune", ROOT / "bench" / "kv_prune.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path_factory.mktemp("kv-prune") / "kv_prune.json"
+    assert bench.main(["--model", str(MODEL), "--context", "1024", "--prefill", "768",
+                       "--windows", "2", "--batch", "2", "--thresholds", "0.15",
+                       "--recall", "none", "--compensation", "on", "--baselines", "default",
+                       "--output", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_default_threshold_accuracy_and_baselines(result):
+    goal = result["goal_at_default_threshold"]
+    rows = {r["kind"]: r for r in result["rows"]}
+    assert set(rows) == {"dynamic", "prune", "streaming", "h2o"}
+    prune = rows["prune"]
+    assert prune["threshold"] == 0.15 and prune["recall"] is None and prune["compensation"]
+    # the baselines held what the pruned cache held on the GPU (mean over the decode)
+    budget = rows["h2o"]["budget"]
+    assert rows["streaming"]["budget"] == budget
+    assert abs(budget * 8 * 2 * 2 * 64 * 4 * 2 - prune["gpu_bytes_mean"]) <= 8 * 2 * 2 * 64 * 4 * 2
+    assert prune["demotions"] > 0 and prune["recalls"] > 0
+    assert goal["ppl_delta_pct"] <= 1.0, goal
+    assert goal["below_both_baselines"], goal
+
+
+@pytest.mark.xfail(strict=True, reason="goal not met: the attention scorer at threshold 0.15 "
+                   "keeps 1/1.5-1/2 of the KV on the GPU, not 1/3 (docs/benchmarks.md, kv_prune)")
+def test_default_threshold_saves_3x_gpu_kv(result):
+    assert result["goal_at_default_threshold"]["memory_ratio"] >= 3.0
