@@ -146,8 +146,8 @@ def accuracy(args) -> dict:
     recalls = [None if r == "none" else float(r) for r in args.recall]
     for recall in recalls:
         for th in args.thresholds:
-            for comp in ((True, False) if args.compensation == "both" else
-                         ((args.compensation == "on"),)):
+            both = args.compensation == "both" and (recall is None or args.compensation_all)
+            for comp in ((True, False) if both else ((args.compensation != "off"),)):
                 rname = "lossless recall" if recall is None else f"top-K {recall:.0%} recall"
                 spec = dict(name=f"prune {th:.2f} {'comp' if comp else 'no comp'}, {rname}",
                             kind="prune", threshold=th, recall=recall, compensation=comp,
@@ -304,7 +304,10 @@ def main(argv=None) -> int:
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.10, 0.12, 0.15, 0.18])
     ap.add_argument("--recall", nargs="+", default=["none", "0.25"],
                     help="'none' (lossless recall) and/or fractions of the demoted pages")
-    ap.add_argument("--compensation", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--compensation", choices=("both", "on", "off"), default="both",
+                    help="both: with and without, for lossless recall (top-K recall: with)")
+    ap.add_argument("--compensation-all", action="store_true",
+                    help="with --compensation both: for top-K recall too")
     ap.add_argument("--baselines", choices=("all", "default"), default="all")
     ap.add_argument("--scorer", default="attention")
     ap.add_argument("--threads", type=int, default=1)

@@ -6,7 +6,9 @@ and drop the rest for good:
   recent ones. Keys keep the positions they were rotated at (no re-rotation into the window).
 * ``"h2o"`` -- accumulated-attention eviction in the H2O / SnapKV style (Zhang et al., 2023): per
   KV head, the ``budget // 2`` most recent tokens plus the tokens with the largest attention
-  accumulated over every query so far (summed over the head's query group), prompt included.
+  accumulated over every query so far (summed over the head's query group), prompt included,
+  divided by the number of queries that could see the token -- a plain sum favours the oldest
+  tokens, which more queries have seen (the bias SnapKV's observation window avoids).
 
 ``EvictingCache.for_model(model, budget, policy)`` switches the model's attention to the
 registered function ``evict_kv`` (explicit softmax, so the attention shares are seen) and returns
@@ -36,11 +38,13 @@ class EvictLayer(CacheLayerMixin):
         self.length = 0
         self.keys = self.values = None
         self.acc = None  # [b, h, kept] accumulated attention (h2o)
+        self.seen = None  # [kept] queries that could see each kept token
 
     def lazy_initialization(self, key_states, value_states):
         self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
         self.values = self.keys.clone()
         self.acc = key_states.new_zeros((*key_states.shape[:2], 0), dtype=torch.float32)
+        self.seen = key_states.new_zeros((*key_states.shape[:2], 0), dtype=torch.float32)
         self.is_initialized = True
 
     def _evict(self):
@@ -55,12 +59,14 @@ class EvictLayer(CacheLayerMixin):
         else:
             recent = self.budget // 2
             heavy = self.budget - recent
-            top = self.acc[:, :, :n - recent].topk(heavy, dim=-1).indices
+            mean = self.acc[:, :, :n - recent] / self.seen[:, :, :n - recent].clamp(min=1)
+            top = mean.topk(heavy, dim=-1).indices
             rec = torch.arange(n - recent, n, device=self.keys.device).expand(b, h, recent)
             idx = torch.cat((top.sort(-1).values, rec), -1)
         self.keys = torch.gather(self.keys, 2, idx[..., None].expand(-1, -1, -1, d))
         self.values = torch.gather(self.values, 2, idx[..., None].expand(-1, -1, -1, d))
         self.acc = torch.gather(self.acc, 2, idx)
+        self.seen = torch.gather(self.seen, 2, idx)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -69,8 +75,9 @@ class EvictLayer(CacheLayerMixin):
         self.length += key_states.shape[2]
         self.keys = torch.cat((self.keys, key_states), 2)
         self.values = torch.cat((self.values, value_states), 2)
-        self.acc = torch.cat((self.acc, self.acc.new_zeros((*key_states.shape[:2],
-                                                            key_states.shape[2]))), 2)
+        zeros = self.acc.new_zeros((*key_states.shape[:2], key_states.shape[2]))
+        self.acc = torch.cat((self.acc, zeros), 2)
+        self.seen = torch.cat((self.seen, zeros), 2)
         _ACTIVE[id(self.keys)] = self
         return self.keys, self.values
 
@@ -126,6 +133,10 @@ def evict_attention(module, query, key, value, attention_mask, scaling=None, dro
     probs = logits.softmax(-1)
     if layer is not None:
         layer.acc += probs.sum(2)
+        # queries (of the group) that could see each key: all q, fewer for this step's own keys
+        seen = torch.full((n,), float(q), device=query.device)
+        seen[n - q:] = torch.arange(q, 0, -1, device=query.device, dtype=torch.float32)
+        layer.seen += seen * (hq // h)
     out = (probs.to(value.dtype) @ value).reshape(b, hq, q, d)
     return out.transpose(1, 2).contiguous(), None
 
