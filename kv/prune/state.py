@@ -170,7 +170,7 @@ class LayerPrune:
             v_parts.append(l1v)
             idx = torch.tensor(pages, device=dev)
             cols.append((s + idx[:, None] * p + ar).reshape(1, -1).expand(b, -1))
-        demoted = [i for i in range(self.n_pages) if int(self.level[i]) > 1]
+        demoted = torch.nonzero(self.level > 1).flatten().tolist()
         if demoted:
             from ..select import resolve_top_k, select_pages
             k = None if recall_all else resolve_top_k(cache.top_k_pages, len(demoted))

@@ -24,3 +24,25 @@ def test_kv_bench_smoke(tmp_path):
     assert r["topk25_pages_per_token"] > 0
     for key in ("dynamic_tok_s", "topk25_tok_s", "lossless_tok_s", "ttft_dynamic_s", "ttft_tiered_s"):
         assert r[key] > 0
+
+
+def test_kv_prune_show_smoke(tmp_path):
+    """bench/kv_prune.py --show (the H200 run) on a tiny CPU model: every configuration runs and
+    reports its GPU KV bytes, tok/s and the scorer's cost."""
+    spec = importlib.util.spec_from_file_location("bench_kv_prune", BENCH.parent / "kv_prune.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "show.json"
+    assert bench.main(["--show", "--smoke", "--show-context", "700", "--decode", "20",
+                       "--output", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["context"] == 700
+    for name in ("dynamic", "tiered_topk25", "pruned", "pruned_all_demoted"):
+        assert r[name]["gpu_kv_bytes"] > 0 and r[name]["tok_s"] > 0
+    assert r["dynamic"]["gpu_kv_bytes"] == (700 + 2 + 20) * 4 * 256
+    demoted = r["pruned_all_demoted"]
+    # threshold 1.0: every page is demoted at the prefill's evaluation and in int4 two later
+    assert demoted["level_tokens_layer0"][:2] == [722 - demoted["level_tokens_layer0"][2], 0]
+    assert demoted["level_tokens_layer0"][2] > 0 and demoted["recalls"] > 0
+    assert demoted["gpu_kv_bytes"] < r["dynamic"]["gpu_kv_bytes"]
+    assert r["pruned"]["scorer_ms_per_step"] > 0
