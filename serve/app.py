@@ -236,6 +236,9 @@ class ServeState:
                [({"class": c}, snap["running"][c]) for c in CLASSES])
         metric("slots", "gauge", "Rows of the running batch (--max-batch).", [({}, snap["slots"])])
         metric("l0_reserved_slots", "gauge", "Rows held for L0.", [({}, snap["l0_reserved"])])
+        metric("l2_headroom_ratio", "gauge",
+               "Slots left by L0/L1 demand, averaged over the degrade window (L2 degrades below 0.1).",
+               [({}, snap["l2_headroom"])])
         eng = snap["engine"]
         for key, help_text in [("steps", "Engine steps."), ("decode_steps", "Batched decode forwards."),
                                ("prefill_chunks", "Prefill forwards."), ("prompt_tokens", "Prompt tokens prefilled."),

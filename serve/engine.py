@@ -150,6 +150,12 @@ class Engine:
         self._rows: list[Generation | None] = [None] * self.max_batch
         self._stop = False
         self._thread = None
+        # Step-time utilisation: the scheduler's device-busy reading where NVML gives none.
+        self._busy_s = 0.0
+        self._util_mark = (time.monotonic(), 0.0)
+        self._util = 0.0
+        if self.scheduler.gpu_busy is None:
+            self.scheduler.gpu_busy = self.utilisation
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
                       "generated_tokens": 0, "finished": 0, "cancelled": 0, "failed": 0,
                       "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
@@ -218,6 +224,7 @@ class Engine:
                     if not any(self._rows):
                         self._lock.wait(0.05)
                         continue
+                began = time.monotonic()
                 try:
                     self._step()
                 except Exception as exc:     # noqa: BLE001 -- every running request gets the error
@@ -226,6 +233,19 @@ class Engine:
                     with self._lock:
                         for gen in [g for g in self._rows if g is not None]:
                             self._retire(gen, None, err)
+                finally:
+                    self._busy_s += time.monotonic() - began
+
+    def utilisation(self) -> float:
+        """The fraction of wall time spent in steps since the previous reading (readings at least
+        0.5 s apart; in between the last one is returned) -- the device-busy measure of the
+        scheduler's degrade rule where NVML gives none."""
+        now = time.monotonic()
+        since, busy_then = self._util_mark
+        if now - since >= 0.5:
+            self._util = min(1.0, (self._busy_s - busy_then) / (now - since))
+            self._util_mark = (now, self._busy_s)
+        return self._util
 
     def _boundary(self) -> None:
         """Drop cancelled requests, then let the scheduler fill the free rows (lock held)."""

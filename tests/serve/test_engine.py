@@ -91,13 +91,30 @@ def test_cancel_frees_the_row_for_the_next_request(engine):
     assert eng.scheduler.snapshot()["running"] == {"L0": 0, "L1": 0, "L2": 0}
 
 
-def test_degrade_steps_reach_sampling_and_the_response(engine):
-    # One slot: an L2 request alone leaves 0 % idle -> pressure at every step; with no interval
-    # between steps it gets temperature +0.1, top_p 0.85, then 70 % of what is left.
-    sched = FlashScheduler(slots=1, degrade_interval=0.0)
-    eng = engine(max_batch=1, scheduler=sched)
+def boundary(eng):
+    with eng._lock:
+        eng._boundary()
+
+
+def test_degrade_steps_reach_sampling_and_the_response(tiny_reference, tiny_tokenizer):
+    # Steps driven by hand (no engine thread). Two rows: an L2 request joins the idle engine, then
+    # two long L1 requests arrive -- one joins, one waits -- so L0/L1 want every slot; with a tiny
+    # window and no interval the L2 request gets one step per engine step: temperature +0.1,
+    # top_p 0.85, then 70 % of what is left.
+    sched = FlashScheduler(slots=2, degrade_interval=0.0, idle_window=1e-6, l0_reserve=0.0)
+    eng = Engine(tiny_reference, tiny_tokenizer, sched, max_batch=2)
     g = generation([3, 4, 5], 100, cls="L2", seed=1)
     assert eng.submit(g).admitted
+    boundary(eng)
+    long = [generation([6, 7], 400), generation([8, 9], 400)]
+    for other in long:
+        assert eng.submit(other).admitted
+    boundary(eng)
+    assert [x.row is not None for x in long] == [True, False]
+    with torch.inference_mode():
+        while not g.on_event.done.is_set():
+            eng._step()
+            boundary(eng)
     kind, stats = g.on_event.result()
     assert stats["degrade_steps"] == ["temperature", "top_p", "max_new_tokens"]
     assert (g.sched.temperature, g.sched.top_p) == (0.1, 0.85)
@@ -106,6 +123,21 @@ def test_degrade_steps_reach_sampling_and_the_response(engine):
     assert g.sched.max_new_tokens == 4 + int(96 * 0.7)
     assert len(g.output_ids) == g.sched.max_new_tokens and g.finish_reason == "length"
     assert sched.snapshot()["degrade_steps"] == {"temperature": 1, "top_p": 1, "max_new_tokens": 1}
+    # The waiting L1 request took the freed row; nothing of L1 was degraded.
+    assert long[1].row is not None and not any(x.sched.degraded for x in long)
+    eng.close(timeout=0)
+
+
+def test_l2_alone_is_never_degraded_by_the_engine(engine):
+    # One row, an L2 request in it: the batch is full and every step is busy, yet nobody else
+    # wants the row -- no degrade step, its tokens are the greedy ones.
+    eng = engine(max_batch=1, scheduler=FlashScheduler(slots=1, degrade_interval=0.0, idle_window=1e-3))
+    g = generation([3, 4, 5], 60, cls="L2")
+    assert eng.submit(g).admitted
+    kind, stats = g.on_event.result()
+    assert (kind, stats["degrade_steps"], g.sched.temperature) == ("done", [], 0.0)
+    assert len(g.output_ids) == 60 and eng.scheduler.snapshot()["degraded_requests"] == 0
+    assert 0.0 <= eng.utilisation() <= 1.0
 
 
 def test_stop_strings_and_eos_end_generation(engine, tiny_reference):

@@ -206,3 +206,15 @@ def test_overload_is_429_with_retry_after_never_a_dropped_connection(served, cli
     assert 'deepseek_flash_serve_requests_total{class="L1",outcome="refused_429"} 1' in metrics
     assert 'deepseek_flash_serve_http_responses_total{code="429"} 1' in metrics
     assert "deepseek_flash_serve_time_to_first_token_seconds" in metrics
+
+
+def test_an_l2_request_alone_is_not_degraded_and_headroom_is_exported(served, client):
+    base, state = served
+    resp = client.completions.create(model="tiny-chat", prompt=[5, 6, 7], max_tokens=24, temperature=0,
+                                     extra_body={"flash_context": {"priority_class": "L2"}})
+    extra = resp.model_extra
+    assert (extra["degraded"], extra["flash"]["class"], extra["flash"]["degrade_steps"]) == (False, "L2", [])
+    assert resp.usage.completion_tokens == 24
+    metrics = httpx.get(base + "/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith("deepseek_flash_serve_l2_headroom_ratio "))
+    assert 0.0 <= float(line.split()[1]) <= 1.0
