@@ -13,7 +13,8 @@ import json
 import time
 import uuid
 
-from ..errors import FlashError
+from ..daemon.config import KEYS as CONFIG_KEYS
+from ..errors import FlashError, KVUnsupported
 from ..sysfs_shim.publisher import exposition
 from .engine import Engine, Generation, ttft_quantiles
 from .scheduler import CLASSES, SchedRequest
@@ -24,10 +25,13 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-FLASH_CONTEXT_KEYS = ("priority_class", "prefetch_window")
-# The KV keys of the tiered KV cache (deepseek_flash.kv); refused by name until that tier serves here.
+# The keys of the tiered KV cache (deepseek_flash.kv): a request that gives any of them runs on a
+# TieredCache of its own, built with ``TieredCache.for_model(model, gpu_tokens=..., ...)``.
 KV_KEYS = ("kv_gpu_tokens", "kv_sink_tokens", "kv_page_tokens", "kv_top_k_pages", "kv_host_bytes",
-           "kv_spill_dir", "kv_prune_threshold")
+           "kv_spill_dir")
+FLASH_CONTEXT_KEYS = ("priority_class", "prefetch_window") + KV_KEYS
+# Named by the design, not yet in the controller's configuration (KV pruning): refused by name.
+KV_KEYS_PENDING = ("kv_prune_threshold",)
 
 
 class ApiError(Exception):
@@ -64,7 +68,7 @@ class ServeState:
     """What the routes share: the engine, the tokenizer, the served name, HTTP counters."""
 
     def __init__(self, engine: Engine, tokenizer, model_name: str, *, chat_template: str | None = None,
-                 closer=None):
+                 closer=None, kv_spill_root=None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -73,6 +77,9 @@ class ServeState:
         self.created = int(time.time())
         self.responses: dict[int, int] = {}
         self.closer = closer
+        import os
+
+        self.kv_spill_root = None if kv_spill_root is None else os.path.realpath(kv_spill_root)
 
     # -- parsing ----------------------------------------------------------------------------------
     def parse_common(self, body: dict) -> dict:
@@ -99,9 +106,9 @@ class ServeState:
                            code="invalid_type")
         ctx = _field(body, "flash_context", dict, {})
         for key in ctx:
-            if key in KV_KEYS:
-                raise ApiError(400, f"flash_context key '{key}' needs the tiered KV cache "
-                               "(deepseek_flash.kv), which this server does not run", param="flash_context",
+            if key in KV_KEYS_PENDING and key not in CONFIG_KEYS:
+                raise ApiError(400, f"flash_context key '{key}' is not available: the tiered KV cache of "
+                               "this version has no pruning", param=f"flash_context.{key}",
                                code="unsupported_value")
             if key not in FLASH_CONTEXT_KEYS:
                 raise ApiError(400, f"unknown flash_context key '{key}'; allowed: {', '.join(FLASH_CONTEXT_KEYS)}",
@@ -111,6 +118,7 @@ class ServeState:
             raise ApiError(400, f"flash_context.priority_class must be one of {', '.join(CLASSES)}, got {cls!r}",
                            param="flash_context", code="invalid_value")
         window = _field(ctx, "prefetch_window", int, None, minimum=0, maximum=1 << 20)
+        kv = self.kv_options(ctx)
         stream_options = _field(body, "stream_options", dict, {})
         return dict(
             stream=_field(body, "stream", bool, False),
@@ -118,9 +126,45 @@ class ServeState:
             top_p=float(_field(body, "top_p", (int, float), 1.0, minimum=0, maximum=1)),
             seed=_field(body, "seed", int, None),
             priority=_field(body, "priority", int, 0),
-            priority_class=cls, prefetch_window=window, stops=stops,
+            priority_class=cls, prefetch_window=window, stops=stops, kv_options=kv,
             include_usage=bool(stream_options.get("include_usage", False)),
         )
+
+    def kv_options(self, ctx: dict) -> dict | None:
+        """``TieredCache.for_model`` arguments from the ``kv_*`` keys of ``flash_context``, checked
+        as the controller checks them in a config (400 naming the key); None when none is given.
+        ``kv_spill_dir`` must lie inside the server's ``--kv-spill-root`` (relative: under it)."""
+        given = {k: v for k, v in ctx.items() if k in KV_KEYS or k in KV_KEYS_PENDING}
+        if not given:
+            return None
+        options = {}
+        for key, value in given.items():
+            try:
+                value = CONFIG_KEYS[key].parse(key, value)
+            except FlashError as exc:
+                raise ApiError(400, f"flash_context.{key}: {exc.message}", param=f"flash_context.{key}",
+                               code="invalid_value") from None
+            if key == "kv_spill_dir" and value is not None:
+                value = self.spill_dir(given[key])
+            options[key[len("kv_"):]] = value
+        if options.get("host_bytes") is not None and options.get("spill_dir") is None:
+            raise ApiError(400, "flash_context.kv_host_bytes needs kv_spill_dir (where pages past the host "
+                           "budget go)", param="flash_context.kv_host_bytes", code="invalid_value")
+        return options
+
+    def spill_dir(self, value: str) -> str:
+        root = self.kv_spill_root
+        if root is None:
+            raise ApiError(400, "flash_context.kv_spill_dir: this server takes no spill directory from "
+                           "requests (start it with --kv-spill-root DIR)", param="flash_context.kv_spill_dir",
+                           code="unsupported_value")
+        import os
+
+        path = os.path.realpath(os.path.join(root, value))
+        if os.path.commonpath([path, root]) != root:
+            raise ApiError(400, f"flash_context.kv_spill_dir: {value!r} is outside the server's spill root",
+                           param="flash_context.kv_spill_dir", code="invalid_value")
+        return path
 
     def max_tokens(self, body: dict, prompt_len: int, names=("max_tokens",), default=None) -> int:
         limit = self.engine.max_model_len
@@ -201,7 +245,7 @@ class ServeState:
                            temperature=opts["temperature"], top_p=opts["top_p"], priority=opts["priority"])
         eos = self.tokenizer.eos_token_id
         gen = Generation(req, prompt_ids, on_event, stop_strings=opts["stops"], seed=opts["seed"],
-                         prefetch_window=opts["prefetch_window"],
+                         prefetch_window=opts["prefetch_window"], kv_options=opts["kv_options"],
                          stop_ids=frozenset() if eos is None else frozenset({eos}))
         route = self.engine.submit(gen)
         if not route.admitted:
@@ -377,6 +421,9 @@ def create_app(state: ServeState):
             last.cancel()
 
     def to_api_error(exc) -> ApiError:
+        if isinstance(exc, KVUnsupported):
+            return ApiError(400, f"{exc.message} [{type(exc).__name__}]", param="flash_context",
+                            code="unsupported_value")
         if isinstance(exc, FlashError):
             status = 503 if exc.code == 602 else 500
             return ApiError(status, f"{exc.message} [{type(exc).__name__}, code {exc.code}]",

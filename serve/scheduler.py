@@ -194,6 +194,10 @@ class FlashScheduler:
             return sorted(queue, key=lambda r: (r.priority, r.tag, r.seq))
         return sorted(queue, key=lambda r: (r.priority, r.seq))
 
+    def queued_count(self, cls: str) -> int:
+        """Requests of class ``cls`` waiting to join."""
+        return self._count(self.queued, cls)
+
     def dispatch(self) -> list[SchedRequest]:
         """The queued requests that join the batch now, in order (they are marked running)."""
         now = self.clock()
