@@ -53,16 +53,21 @@ class RowCache:
         self._kv_len = 0
         self.is_compileable = False
 
-    def bind(self, rows, positions, kv_len: int) -> None:
-        self._rows, self._positions, self._kv_len = rows, positions, kv_len
+    def bind(self, rows, positions, kv_len: int, span: tuple[int, int] | None = None) -> None:
+        """``span``: (first, end) when ``rows`` is that contiguous ascending range -- the attention
+        then reads a view of the cache instead of a gathered copy of every row's keys."""
+        self._rows, self._positions, self._kv_len, self._span = rows, positions, kv_len, span
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         rows, pos = self._rows[:, None], self._positions
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
         # Advanced indices around a slice put the indexed dims first: [b, q, kv_heads, head_dim].
-        self.keys[layer_idx][rows, :, pos] = key_states.transpose(1, 2).to(self.keys[layer_idx].dtype)
-        self.values[layer_idx][rows, :, pos] = value_states.transpose(1, 2).to(self.values[layer_idx].dtype)
-        return (self.keys[layer_idx][self._rows, :, : self._kv_len],
-                self.values[layer_idx][self._rows, :, : self._kv_len])
+        keys[rows, :, pos] = key_states.transpose(1, 2).to(keys.dtype)
+        values[rows, :, pos] = value_states.transpose(1, 2).to(values.dtype)
+        if self._span is not None:
+            first, end = self._span
+            return keys[first:end, :, : self._kv_len], values[first:end, :, : self._kv_len]
+        return keys[self._rows, :, : self._kv_len], values[self._rows, :, : self._kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
@@ -89,6 +94,8 @@ class Generation:
     output_ids: list = field(default_factory=list)
     text: str = ""
     sent: int = 0                       # characters of ``text`` already emitted
+    prefix_offset: int = 0              # incremental detokenization window (see Engine._detokenize)
+    read_offset: int = 0
     finish_reason: str | None = None
     cancelled: bool = False
     first_token_at: float | None = None
@@ -352,9 +359,10 @@ class Engine:
         if p != self.flash.priority:
             self.flash.set_read_priority(p)
 
-    def _forward(self, rows, ids, positions, kv_len):
+    def _forward(self, rows: list, ids, positions, kv_len):
         torch = self.torch
-        self.cache.bind(rows, positions, kv_len)
+        span = (rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[0] + len(rows))) else None
+        self.cache.bind(torch.tensor(rows, device=self.device), positions, kv_len, span)
         keys = torch.arange(kv_len, device=self.device)
         allowed = keys[None, None, None, :] <= positions[:, None, :, None]
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
@@ -379,7 +387,7 @@ class Engine:
             end = start + n
             ids.append([0] * (width - n) + gen.prompt_ids[start:end])
             pos.append([end] * (width - n) + list(range(start, end)))
-        rows = torch.tensor([g.row for g, _ in group], device=self.device)
+        rows = [g.row for g, _ in group]
         positions = torch.tensor(pos, device=self.device)
         kv_len = max(g.prefilled + n for g, n in group) + (1 if any(n < width for _, n in group) else 0)
         self._read_priority([g for g, _ in group])
@@ -447,7 +455,7 @@ class Engine:
                         and g.output_ids and g.finish_reason is None and not g.cancelled
                         and g.kv_cache is None]
         if decoding:
-            rows = torch.tensor([g.row for g in decoding], device=self.device)
+            rows = [g.row for g in decoding]
             ids = torch.tensor([[g.output_ids[-1]] for g in decoding], device=self.device)
             lengths = [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding]
             pos = torch.tensor(lengths, device=self.device)[:, None]
@@ -479,23 +487,22 @@ class Engine:
             self.stats["generated_tokens"] += 1
         else:
             reason = "stop"
-        gen.sched.generated = len(gen.output_ids)
-        if reason is None:
-            gen.text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-            for stop in gen.stop_strings:
-                at = gen.text.find(stop)
-                if at >= 0:
-                    gen.text, reason = gen.text[:at], "stop"
-        if reason is None and len(gen.output_ids) >= gen.sched.max_new_tokens:
+        n = len(gen.output_ids)
+        gen.sched.generated = n
+        if reason is None and (n >= gen.sched.max_new_tokens or len(gen.prompt_ids) + n >= self.max_model_len):
             reason = "length"
-        if reason is None and len(gen.prompt_ids) + len(gen.output_ids) >= self.max_model_len:
-            reason = "length"
-        # Hold back an incomplete UTF-8 sequence, and the tail that may still become a stop string.
+        before = len(gen.text)
+        self._detokenize(gen, final=reason is not None)
+        if gen.stop_strings and len(gen.text) > before:
+            # Only the new text (and the longest stop string's reach back into the old) can match.
+            start = max(0, before - max(len(s) for s in gen.stop_strings) + 1)
+            hits = [at for at in (gen.text.find(stop, start) for stop in gen.stop_strings) if at >= 0]
+            if hits:
+                gen.text, reason = gen.text[:min(hits)], "stop"
+        # Hold back the tail that may still become a stop string.
         ready = len(gen.text)
-        if reason is None:
-            if gen.text.endswith("\ufffd"):
-                ready = len(gen.text.rstrip("\ufffd"))
-            hold = max((len(s) - 1 for s in gen.stop_strings), default=0)
+        if reason is None and gen.stop_strings:
+            hold = max(len(s) for s in gen.stop_strings) - 1
             ready = max(gen.sent, ready - hold)
         # One event per generated token (its text may be empty while held back), so a stream shows
         # progress -- and the time to the first token -- even before the text is printable.
@@ -504,6 +511,20 @@ class Engine:
             gen.sent = ready
         if reason is not None:
             self._retire(gen, reason)
+
+    def _detokenize(self, gen: Generation, final: bool) -> None:
+        """Extend ``gen.text`` by the characters the new tokens complete, decoding only a window
+        of the last tokens (not the whole output at every token): the window from
+        ``gen.prefix_offset`` keeps the context a tokenizer needs for a leading space, and text
+        that ends in an incomplete UTF-8 sequence waits for the next token -- except at the end
+        (``final``), where the whole output's decode is what is answered."""
+        ids = gen.output_ids
+        decode = self.tokenizer.decode
+        prefix = decode(ids[gen.prefix_offset: gen.read_offset], skip_special_tokens=True)
+        new = decode(ids[gen.prefix_offset:], skip_special_tokens=True)
+        if final or (len(new) > len(prefix) and not new.endswith("\ufffd")):
+            gen.text += new[len(prefix):]
+            gen.prefix_offset, gen.read_offset = gen.read_offset, len(ids)
 
     def _apply_window(self, batch) -> None:
         """Requests that asked for a ``prefetch_window`` pin the stream's window (the largest asked,

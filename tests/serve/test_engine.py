@@ -193,8 +193,8 @@ class Forwards:
     def __call__(self, rows, ids, positions, kv_len):
         k = len(self.log)
         kind = "decode" if ids.shape[1] == 1 and all(g is not None and g.output_ids and g.prefilled == len(g.prompt_ids)
-                                                     for g in (self.eng._rows[r] for r in rows.tolist())) else "prefill"
-        self.log.append((kind, rows.tolist(), ids.shape[1]))
+                                                     for g in (self.eng._rows[r] for r in rows)) else "prefill"
+        self.log.append((kind, list(rows), ids.shape[1]))
         if k in self.at:
             self.at.pop(k)()
         return self.inner(rows, ids, positions, kv_len)
@@ -328,3 +328,33 @@ def test_a_request_with_kv_keys_runs_on_a_tiered_cache_beside_the_batch(engine, 
     assert tiny_reference.config._attn_implementation == eng._attn_default
     assert list((tmp_path / "spill").iterdir()) == []             # spill files gone with the request
     assert plain.on_event.events[-1][1]["kv"]["cache"] == "rows"
+
+
+# Token streams of the byte-level tokenizer (id == byte) -> (stop strings, streamed text, reason)
+DETOK_TABLE = [
+    (list("héllo wörld €1 🙂!".encode()), (), "héllo wörld €1 🙂!", "length"),
+    # A lone continuation byte in the middle, and a character cut by the end: what the whole
+    # output decodes to.
+    (list(b"ab\x80cd\xe2\x82"), (), "ab\ufffdcd\ufffd", "length"),
+    # Stop strings: across tokens and inside a multi-byte character's neighbourhood.
+    (list("xé<END>yz".encode()), ("<END>",), "xé", "stop"),
+    (list("aaé€b".encode()), ("é€", "zz"), "aa", "stop"),
+    (list(b"q\xe2\x82\xac") + [256, 65], (), "q€", "stop"),           # eos ends it
+]
+
+
+@pytest.mark.parametrize("ids, stops, text, reason", DETOK_TABLE)
+def test_incremental_detokenization_answers_what_the_whole_output_decodes_to(tiny_reference, tiny_tokenizer,
+                                                                              ids, stops, text, reason):
+    eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=1), max_batch=1)
+    g = generation([1], len(ids), stop_strings=stops, stop_ids=frozenset({256}))
+    with eng._lock:
+        for token in ids:
+            if g.finish_reason is not None:
+                break
+            eng._accept(g, token, time.monotonic())
+    assert (g.on_event.text, g.text, g.finish_reason) == (text, text, reason)
+    if reason == "length":
+        assert text == tiny_tokenizer.decode(ids)
+    # One token event per generated token; the done event last.
+    assert [k for k, _ in g.on_event.events] == ["token"] * len(g.output_ids) + ["done"]
