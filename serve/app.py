@@ -10,6 +10,7 @@ response carries ``"degraded"`` and a ``"flash"`` object. Errors use OpenAI's sh
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 
@@ -64,6 +65,30 @@ def _field(body: dict, name: str, kind, default=None, *, minimum=None, maximum=N
     return value
 
 
+class Delivery:
+    """Engine events into the event loop's queues with one wake-up for all that arrive together: a
+    step's tokens for every row of the batch cost the loop one wake-up (and the engine thread one
+    ``call_soon_threadsafe``), not one per row."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list = []
+
+    def __call__(self, queue, item) -> None:
+        with self._lock:
+            self._pending.append((queue, item))
+            if len(self._pending) > 1:
+                return                      # a wake-up is already on its way
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class ServeState:
     """What the routes share: the engine, the tokenizer, the served name, HTTP counters."""
 
@@ -77,6 +102,7 @@ class ServeState:
         self.created = int(time.time())
         self.responses: dict[int, int] = {}
         self.closer = closer
+        self._delivery = None
         import os
 
         self.kv_spill_root = None if kv_spill_root is None else os.path.realpath(kv_spill_root)
@@ -233,13 +259,13 @@ class ServeState:
     def submit(self, prompt_ids: list, max_new: int, opts: dict):
         """Queue a generation; returns (generation, asyncio queue of engine events). Without
         ``opts["stream"]`` only the last event (done or error) is queued."""
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stream = opts["stream"]
+        deliver = self.delivery(asyncio.get_running_loop())
 
         def on_event(kind, data):
             if stream or kind != "token":
-                loop.call_soon_threadsafe(queue.put_nowait, (kind, data))
+                deliver(queue, (kind, data))
 
         req = SchedRequest(id=uuid.uuid4().hex, priority_class=opts["priority_class"], max_new_tokens=max_new,
                            temperature=opts["temperature"], top_p=opts["top_p"], priority=opts["priority"])
@@ -255,6 +281,13 @@ class ServeState:
                            code="rate_limit_exceeded" if overloaded else "server_shutting_down",
                            retry_after=route.retry_after)
         return gen, queue
+
+    def delivery(self, loop) -> "Delivery":
+        """The event loop's ``Delivery`` (one per loop)."""
+        current = self._delivery
+        if current is None or current.loop is not loop:
+            current = self._delivery = Delivery(loop)
+        return current
 
     def usage(self, gen: Generation) -> dict:
         return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.output_ids),
@@ -448,10 +481,20 @@ def create_app(state: ServeState):
         try:
             if chat:
                 yield chunk("", role=True)
+            held = None
             while True:
-                kind, data = await queue.get()
+                kind, data = held if held is not None else await queue.get()
+                held = None
                 if kind == "token":
-                    yield chunk(data["text"])
+                    # Tokens that arrived meanwhile go out in the same write.
+                    out = [chunk(data["text"])]
+                    while not queue.empty():
+                        held = queue.get_nowait()
+                        if held[0] != "token":
+                            break
+                        out.append(chunk(held[1]["text"]))
+                        held = None
+                    yield "".join(out)
                 elif kind == "error":
                     yield f"data: {json.dumps(to_api_error(data).body())}\n\n"
                     return

@@ -260,3 +260,29 @@ def test_kv_keys_run_the_request_on_a_tiered_cache(served, client, tiny_referenc
     assert kv["tiered"]["spilled_bytes"] > 0 and kv["tiered"]["pages"] > 0
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected_text(state.tokenizer, want)[0]
     assert not any((Path(state.kv_spill_root) / "req-1").iterdir())       # removed with the request
+
+
+def test_events_of_one_step_wake_the_event_loop_once():
+    import asyncio
+
+    from deepseek_flash.serve.app import Delivery
+
+    class Loop:
+        def __init__(self):
+            self.calls = []
+
+        def call_soon_threadsafe(self, fn):
+            self.calls.append(fn)
+
+    loop = Loop()
+    deliver = Delivery(loop)
+    queues = [asyncio.Queue() for _ in range(16)]
+    for i, q in enumerate(queues):                  # one step's token for each of 16 rows
+        deliver(q, ("token", i))
+    deliver(queues[3], ("done", {}))
+    assert len(loop.calls) == 1
+    loop.calls[0]()
+    assert [q.qsize() for q in queues] == [1, 1, 1, 2] + [1] * 12
+    assert queues[3].get_nowait() == ("token", 3) and queues[3].get_nowait() == ("done", {})
+    deliver(queues[0], ("token", 99))               # after the drain: a new wake-up
+    assert len(loop.calls) == 2
