@@ -4,9 +4,9 @@ when to re-evaluate the levels (docs/kv.md, "Importance pruning").
 
 A page lives in exactly one place:
 
-* level 1: ``gpu[page]`` -- ``[batch, 2, heads, page_tokens, head_dim]`` on the model's device,
-  attended every step; kept as one contiguous run per layer (``l1_keys``/``l1_values``, rebuilt
-  when the levels change);
+* level 1: on the model's device, attended every step, as one run per layer: ``l1_k``/``l1_v``
+  ``[batch, heads, n * page_tokens, head_dim]`` holding pages ``l1_pages`` in that order (pages
+  join at the end; a demotion copies its page out and compacts the run);
 * level 2: ``host[page]`` -- the same, on the host (page-locked when CUDA is present);
 * level 3: ``comp[page]`` -- int4 (kv/prune/compress.py) on the host.
 
@@ -77,10 +77,10 @@ class LayerPrune:
         self.s = settings
         self.stats = TokenStats(settings.window)
         self.level = torch.empty(0, dtype=torch.int8)
-        self.gpu: dict[int, torch.Tensor] = {}
+        self.l1_pages: list[int] = []
+        self.l1_k = self.l1_v = None
         self.host: dict[int, torch.Tensor] = {}
         self.comp: dict = {}
-        self._l1 = None  # (pages list, keys, values) cache of the level-1 run
         self.steps = 0
         self.counters = {"demotions": 0, "promotions": 0, "recalls": 0, "evaluations": 0}
 
@@ -93,7 +93,7 @@ class LayerPrune:
         return [int((self.level == lv).sum()) for lv in (1, 2, 3)]
 
     def gpu_bytes(self) -> int:
-        kv = sum(t.numel() * t.element_size() for t in self.gpu.values())
+        kv = 0 if self.l1_k is None else 2 * self.l1_k.numel() * self.l1_k.element_size()
         return kv + self.stats.nbytes()
 
     def host_bytes(self) -> int:
@@ -110,22 +110,35 @@ class LayerPrune:
         """Full pages leave the recent window: ``pages`` ``[n, b, 2, h, p, d]`` on the device join
         level 1."""
         first = self.n_pages
-        for i in range(pages.shape[0]):
-            self.gpu[first + i] = pages[i]
+        self._join_l1(list(range(first, first + pages.shape[0])), pages)
         self.level = torch.cat((self.level, torch.ones(pages.shape[0], dtype=torch.int8)))
-        self._l1 = None
 
-    def _l1_run(self):
-        if self._l1 is None:
-            pages = sorted(self.gpu)
-            if pages:
-                run = torch.stack([self.gpu[p] for p in pages])  # [n, b, 2, h, p, d]
-                from ..layout import unpack_pages
-                k, v = unpack_pages(run)
-            else:
-                k = v = None
-            self._l1 = (pages, k, v)
-        return self._l1
+    def _join_l1(self, ids: list[int], pages: torch.Tensor) -> None:
+        from ..layout import unpack_pages
+
+        k, v = unpack_pages(pages)
+        if self.l1_k is None or not self.l1_pages:
+            self.l1_k, self.l1_v = k.contiguous(), v.contiguous()
+        else:
+            self.l1_k = torch.cat((self.l1_k, k), 2)
+            self.l1_v = torch.cat((self.l1_v, v), 2)
+        self.l1_pages.extend(ids)
+
+    def _leave_l1(self, ids: set[int]) -> dict[int, torch.Tensor]:
+        """Take pages ``ids`` out of the level-1 run -> their pages ``[b, 2, h, p, d]`` (device)."""
+        p = self.layer._cache.page_tokens
+        out = {}
+        for pos, page in enumerate(self.l1_pages):
+            if page in ids:
+                sl = slice(pos * p, (pos + 1) * p)
+                out[page] = torch.stack((self.l1_k[:, :, sl], self.l1_v[:, :, sl]), 1)
+        keep = [pos for pos, page in enumerate(self.l1_pages) if page not in ids]
+        cols = (torch.tensor(keep, dtype=torch.long, device=self.l1_k.device)[:, None] * p
+                + torch.arange(p, device=self.l1_k.device)).flatten()
+        self.l1_k = self.l1_k.index_select(2, cols)
+        self.l1_v = self.l1_v.index_select(2, cols)
+        self.l1_pages = [self.l1_pages[pos] for pos in keep]
+        return out
 
     def _page_to_device(self, page: int) -> torch.Tensor:
         layer = self.layer
@@ -137,23 +150,31 @@ class LayerPrune:
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu":
-            return t
+            return t.clone()
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         out.copy_(t)
         return out
 
-    def _move(self, page: int, old: int, new: int) -> None:
-        if old == new:
-            return
-        if new == 1:
-            self.gpu[page] = self._page_to_device(page)
-            self.host.pop(page, None)
-            self.comp.pop(page, None)
-        elif new == 2:  # only from 1
-            self.host[page] = self._to_host(self.gpu.pop(page))
-        else:           # 3, only from 2
-            self.comp[page] = compress_pages(self.host.pop(page))
-        self._l1 = None
+    def _apply(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``)."""
+        changed = torch.nonzero(new != old).flatten().tolist()
+        leaving = {pg for pg in changed if int(old[pg]) == 1}
+        if leaving:
+            for page, t in self._leave_l1(leaving).items():
+                self.host[page] = self._to_host(t)          # 1 -> 2
+        joining = []
+        for page in changed:
+            lv_old, lv_new = int(old[page]), int(new[page])
+            if lv_new == 1:
+                joining.append(page)
+            elif lv_new == 3 and lv_old == 2:
+                self.comp[page] = compress_pages(self.host.pop(page))
+        if joining:
+            got = torch.stack([self._page_to_device(pg) for pg in joining])
+            for pg in joining:
+                self.host.pop(pg, None)
+                self.comp.pop(pg, None)
+            self._join_l1(joining, got)
 
     # --- a step ---------------------------------------------------------------------------------
     def past(self, query: torch.Tensor, recall_all: bool):
@@ -164,11 +185,10 @@ class LayerPrune:
         ar = torch.arange(p, device=dev)
         k_parts, v_parts, cols = [layer.sink_k], [layer.sink_v], [torch.arange(s, device=dev)
                                                                   .expand(b, s)]
-        pages, l1k, l1v = self._l1_run()
-        if pages:
-            k_parts.append(l1k)
-            v_parts.append(l1v)
-            idx = torch.tensor(pages, device=dev)
+        if self.l1_pages:
+            k_parts.append(self.l1_k)
+            v_parts.append(self.l1_v)
+            idx = torch.tensor(self.l1_pages, device=dev)
             cols.append((s + idx[:, None] * p + ar).reshape(1, -1).expand(b, -1))
         demoted = torch.nonzero(self.level > 1).flatten().tolist()
         if demoted:
@@ -251,8 +271,7 @@ class LayerPrune:
             return
         scores = self.page_scores()
         new, promoted, demoted = next_levels(self.level, scores, self.s.threshold)
-        for page in torch.nonzero(new != self.level).flatten().tolist():
-            self._move(page, int(self.level[page]), int(new[page]))
+        self._apply(self.level, new)
         self.level = new
         self.counters["promotions"] += int(promoted.sum())
         self.counters["demotions"] += int(demoted.sum())

@@ -107,7 +107,8 @@ def test_top_k_recall_and_promotion(model3):
     s = cache.stats()
     assert s["promotions"] == 3 * 4 and all(lv[1:] == [0, 0] for lv in s["level_tokens"])
     layer = cache.layers[2].prune
-    assert sorted(layer.gpu) == [0, 1, 2, 3] and not layer.comp and not layer.host
+    assert sorted(layer.l1_pages) == [0, 1, 2, 3] and not layer.comp and not layer.host
+    assert layer.l1_k.shape[2] == 4 * 16
 
 
 def test_pattern_offset_keeps_the_pages_that_hold_it(model3):
