@@ -232,7 +232,7 @@ KV_REFUSED = [
     ({"kv_host_bytes": "1MiB"}, "flash_context.kv_host_bytes", "invalid_value", "needs kv_spill_dir"),
     ({"kv_spill_dir": "../../etc"}, "flash_context.kv_spill_dir", "invalid_value", "outside the server's spill root"),
     ({"kv_spill_dir": "/tmp"}, "flash_context.kv_spill_dir", "invalid_value", "outside the server's spill root"),
-    ({"kv_prune_threshold": 0.1}, "flash_context.kv_prune_threshold", "unsupported_value", "no pruning"),
+    ({"kv_prune_threshold": 1.5}, "flash_context.kv_prune_threshold", "invalid_value", "null (pruning off)"),
     ({"kv_bogus": 1}, "flash_context", "invalid_value", "unknown flash_context key 'kv_bogus'"),
 ]
 
@@ -260,6 +260,20 @@ def test_kv_keys_run_the_request_on_a_tiered_cache(served, client, tiny_referenc
     assert kv["tiered"]["spilled_bytes"] > 0 and kv["tiered"]["pages"] > 0
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected_text(state.tokenizer, want)[0]
     assert not any((Path(state.kv_spill_root) / "req-1").iterdir())       # removed with the request
+
+
+def test_kv_prune_threshold_runs_the_request_with_pruning(served, client, tiny_reference):
+    _, state = served
+    prompt = [(5 * j) % 250 + 4 for j in range(60)]
+    want = greedy(tiny_reference, prompt, 12)
+    # threshold 0: every page stays on the device, so the text is the reference's
+    ctx = {"kv_prune_threshold": 0.0, "kv_gpu_tokens": 16, "kv_page_tokens": 16}
+    resp = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"flash_context": ctx})
+    tiered = resp.model_extra["flash"]["kv"]["tiered"]
+    assert tiered["pages"] > 0 and tiered["demotions"] == 0 and tiered["host_bytes"] == 0
+    assert tiered["level_tokens"][0] == [60 + 11, 0, 0]  # the last token is not fed back
+    assert resp.choices[0].text == expected_text(state.tokenizer, want)[0]
 
 
 def test_events_of_one_step_wake_the_event_loop_once():
