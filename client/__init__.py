@@ -299,10 +299,12 @@ class Client:
         return result
 
     # --- device tier (used by load_model) ---------------------------------------------------------
-    def attach(self, model, device, weight_budget: int | None = None, priority: int = 0) -> dict:
+    def attach(self, model, device, weight_budget: int | None = None, priority: int = 0,
+               blocks: list[int] | None = None, part: int = 0) -> dict:
         """The model's memory on ``device`` ("cpu" or a CUDA index) for this client: plan,
         control page (gates, block offsets), GPU arena and events, streaming slots. A load this
-        attach starts reads with ``priority`` (higher goes to the disk first)."""
+        attach starts reads with ``priority`` (higher goes to the disk first). ``blocks``/``part``:
+        one device's share of a model split over devices (``load_model(device_map=...)``)."""
         # Only a client in another process needs CUDA IPC handles; sharing memory with oneself
         # would pin it in torch's IPC bookkeeping for good.
         args = {"model": _name(model), "device": device, "ipc": self.mode == "daemon"}
@@ -310,6 +312,9 @@ class Client:
             args["weight_budget"] = int(weight_budget)
         if priority:
             args["priority"] = int(priority)
+        if blocks is not None:
+            args["blocks"] = [int(b) for b in blocks]
+            args["part"] = int(part)
         return self._backend.call("attach", args)
 
     def detach(self, model=None) -> None:

@@ -152,16 +152,19 @@ class Fabric:
             self._host_tensor = torch.frombuffer(self.host_arena, dtype=torch.uint8)
         return self._host_tensor
 
-    def place(self, key, device: int, blocks) -> DevicePlacement:
+    def place(self, key, device: int, blocks, num_layers: int | None = None) -> DevicePlacement:
         """Allocate device ranges for ``blocks`` (BlockInfo list) or raise naming the sizes.
 
         ``key`` names the placement (the loader's load key; its first item is the model name).
+        ``num_layers``: the model's (the gates are the whole model's, also where ``blocks`` is
+        one device's share of a split model); default: the last layer among ``blocks``.
         """
         model = key[0]
         arena = self.arena(device)
         offsets = dict(zip([b.id for b in blocks], arena.alloc_many(
             (b.length for b in blocks), what=f"model {model!r}")))
-        num_layers = 1 + max((b.layer for b in blocks), default=-1)
+        if num_layers is None:
+            num_layers = 1 + max((b.layer for b in blocks), default=-1)
         stages = ForwardOrder(blocks, num_layers).stages
         placement = DevicePlacement(self, model, device, arena, offsets, stages)
         self.placements[key] = placement

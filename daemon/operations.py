@@ -134,9 +134,15 @@ class Operations:
         budget = _arg("attach", args, "weight_budget", int, required=False)
         ipc = _arg("attach", args, "ipc", bool, required=False, default=True)
         priority = _arg("attach", args, "priority", int, required=False, default=0)
+        blocks = _arg("attach", args, "blocks", list, required=False)
+        part = _arg("attach", args, "part", int, required=False, default=0)
+        if blocks is not None and not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+            raise MalformedFrame("attach: 'blocks' must be a list of block ids", op="attach",
+                                 argument="blocks")
         if self.attachments is None:
             raise UnknownOperation("attach: this controller has no device tier", op="attach")
-        return self.attachments.attach(cid, model, device, budget, ipc=ipc, priority=priority)
+        return self.attachments.attach(cid, model, device, budget, ipc=ipc, priority=priority,
+                                       blocks=blocks, part=part)
 
     def op_detach(self, cid, args):
         if self.attachments is not None:
