@@ -257,6 +257,16 @@ class Client:
         self._models[info.name] = (what, dict(flash_context or {}))
         return info
 
+    def shard(self, model, rank: int, world: int, flash_context: dict | None = None) -> ModelInfo:
+        """Open rank ``rank``'s shard of a ``world``-wide tensor-parallel split of ``model``: a
+        model of its own whose linear weights are ``1/world`` of the source's (derived by the
+        daemon the first time; docs/multigpu.md)."""
+        args = {"model": str(model), "rank": int(rank), "world": int(world),
+                "flash_context": flash_context or {}}
+        info = ModelInfo.from_wire(self._backend.call("shard", args))
+        self._models[info.name] = (("shard", args), dict(flash_context or {}))
+        return info
+
     def acquire(self, model, blocks: list[int] | None = None, layer: int | None = None,
                 priority: int = 0, wait: bool = True) -> Lease:
         args = {"model": _name(model), "priority": priority, "wait": wait}
@@ -395,6 +405,9 @@ class Client:
         self._drop_mappings()
         for name, (what, context) in list(self._models.items()):
             try:
+                if isinstance(what, tuple):     # a tensor-parallel shard: asked for again
+                    self._backend.call(*what)
+                    continue
                 self._backend.call("open_model", {"model": what, "flash_context": context})
             except FlashError as exc:
                 log.warning("could not reopen model %s after reconnect: %s", name, exc)

@@ -150,7 +150,7 @@ class FlashModelHandle:
 
 def load_model(name_or_path, device=None, weight_budget=None, embedded=None, flash_context=None,
                *, client=None, socket_path=None, config=None, decode="eager", decode_capacity=None,
-               priority: int = 0, device_map=None):
+               priority: int = 0, device_map=None, tensor_parallel=None):
     """A ``transformers`` causal LM whose weights are views into the controller's memory.
 
     ``name_or_path``: a registered model name or a store directory (``deepseek-flash pack``).
@@ -167,6 +167,10 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
     its own copy stream under its own budget (``weight_budget``: a total split by bytes, a dict
     per device, or a list per part); activations move between devices at the layer boundary and
     the logits come back on the first device. ``model.flash.parts`` lists the parts.
+    ``tensor_parallel``: True (the default ``torch.distributed`` group) or a process group: this
+    process runs its rank's shard of every linear weight (``client.tensor_parallel``), derived
+    and served by the daemon; ``device`` is this rank's device. Logits equal the single-process
+    model's up to the order of the sums (docs/multigpu.md).
     ``decode``: ``"eager"`` (transformers' ``generate``) or ``"graphs"``: ``generate()`` decodes
     each token as one CUDA-graph replay over a static KV cache of ``decode_capacity`` tokens per
     sequence (prompt + new; default ``min(4096, max_position_embeddings)``), see
@@ -190,6 +194,14 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
                                  f"split over devices (device_map); use decode='eager'",
                                  device=str(device_map))
     device = "cpu" if device is None else device
+    tp = None
+    if tensor_parallel is not None and tensor_parallel is not False:
+        if device_map is not None:
+            raise DeviceMapError("load_model: tensor_parallel with a device_map is not implemented; "
+                                 "give each rank its device", device=str(device_map))
+        from .tensor_parallel import group_of
+
+        tp = group_of(tensor_parallel)
     owns_client = client is None
     if client is None:
         client = Client(socket_path=socket_path, embedded=embedded, config=config)
@@ -204,7 +216,10 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
 
     handle = None
     try:
-        info = client.open_model(name_or_path, flash_context)
+        if tp is not None:
+            info = client.shard(name_or_path, tp[1], tp[2], flash_context)
+        else:
+            info = client.open_model(name_or_path, flash_context)
         if device_map is not None:
             handle = _load_parts(client, info, device_map, weight_budget, priority, owns_client,
                                  lap)
@@ -234,6 +249,10 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
                         module._buffers[name] = buf.to(dev)
         lap("skeleton_ms")
         _bind(model, handle, target, lap)
+        if tp is not None:
+            from .tensor_parallel import install
+
+            handle._hooks = install(model, *tp)
         model.flash = handle
         for_loaded_model(model, handle, decode, decode_capacity)
         timings["total_ms"] = round(sum(timings.values()), 3)

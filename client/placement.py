@@ -13,6 +13,11 @@ residency plan under its own budget, its own slot ring and copy stream when it s
 * ``{"layers": {"cuda:0": range(0, 16), "cuda:1": range(16, 32)}}`` or, where a device repeats,
   ``{"layers": [["cuda:0", [0, 1]], ["cuda:0", [2, 3]]]}``: every layer exactly once.
 
+Either dict may add ``"l0_device": "cuda:0"``: the seed's rule for real-time (L0) work -- that
+device's parts are held whole (never streamed), so once loaded its PCIe link carries no weight
+copies and is left to the L0 requests whose KV lives there; the weight budget goes to the other
+parts. It places weights; it does not route requests (docs/multigpu.md).
+
 Automatic maps cut the layers into contiguous runs whose bytes follow each part's *capacity*:
 its budget where ``weight_budget`` is a dict, else its device's free memory (a device's slices
 share it equally), else equal shares. The embeddings go with layer 0's part, the final norm and
@@ -45,6 +50,7 @@ class Part:
     first: bool
     last: bool
     budget: int | None = None
+    l0: bool = False                 # on the map's ``l0_device``: held whole, never streamed
 
     @property
     def target(self):
@@ -185,6 +191,10 @@ def resolve(device_map, *, num_layers: int, layer_bytes: list[int], edge_bytes: 
     if len(layer_bytes) != num_layers:
         raise ValueError("layer_bytes must list every layer")
     budgets = weight_budget if isinstance(weight_budget, dict) else None
+    l0 = None
+    if isinstance(device_map, dict) and "l0_device" in device_map:
+        device_map = dict(device_map)
+        l0 = normalize_device(device_map.pop("l0_device"), available)
     if device_map == "auto":
         cuda = [d for d in available if d != "cpu"]
         runs_spec = ("devices", cuda or ["cpu"])
@@ -217,6 +227,9 @@ def resolve(device_map, *, num_layers: int, layer_bytes: list[int], edge_bytes: 
         runs = _explicit(runs_spec[1], num_layers, available)
 
     used = {d for d, _ in runs}
+    if l0 is not None and l0 not in used:
+        raise DeviceMapError(f"device_map: l0_device {l0} holds no layers of the map (devices: "
+                             f"{', '.join(sorted(used))})", device=l0)
     if budgets is not None:
         for device in budgets:
             if device not in used:
@@ -228,10 +241,41 @@ def resolve(device_map, *, num_layers: int, layer_bytes: list[int], edge_bytes: 
         size += edge_bytes[0] if 0 in layers else 0
         size += edge_bytes[1] if num_layers - 1 in layers else 0
         part_bytes.append(size)
-    part_budgets = _split_budget(weight_budget, budgets, runs, part_bytes)
+    if l0 is None:
+        part_budgets = _split_budget(weight_budget, budgets, runs, part_bytes)
+    else:
+        part_budgets = _l0_budgets(l0, weight_budget, budgets, runs, part_bytes)
     return [Part(index=k, device=device, layers=tuple(layers), first=0 in layers,
-                 last=num_layers - 1 in layers, budget=part_budgets[k])
+                 last=num_layers - 1 in layers, budget=part_budgets[k], l0=device == l0)
             for k, (device, layers) in enumerate(runs)]
+
+
+def _l0_budgets(l0: str, weight_budget, budgets, runs, part_bytes) -> list[int | None]:
+    """Budgets where the parts on ``l0`` are held whole (None: nothing of theirs streams, so
+    their device's link carries no weight copies once loaded) and the rest of the budget goes
+    to the other parts."""
+    held = sum(b for (d, _), b in zip(runs, part_bytes) if d == l0)
+    if weight_budget is None:
+        return [None] * len(runs)
+    if budgets is not None:
+        if l0 in budgets and budgets[l0] < held:
+            raise DeviceMapError(f"device_map: l0_device {l0} must hold its layers whole "
+                                 f"({held} bytes) but its weight_budget is {budgets[l0]}",
+                                 device=l0, needed=held, budget=budgets[l0])
+        out = _split_budget(weight_budget, budgets, runs, part_bytes)
+    elif isinstance(weight_budget, (list, tuple)):
+        out = _split_budget(weight_budget, budgets, runs, part_bytes)
+    else:
+        total = parse_size("weight_budget", weight_budget)
+        if total < held:
+            raise DeviceMapError(f"device_map: l0_device {l0} must hold its layers whole "
+                                 f"({held} bytes) but the whole weight_budget is {total}",
+                                 device=l0, needed=held, budget=total)
+        others = [(run, b) for run, b in zip(runs, part_bytes) if run[0] != l0]
+        rest = _split_budget(total - held, None, [r for r, _ in others], [b for _, b in others])
+        it = iter(rest)
+        out = [None if d == l0 else next(it) for d, _ in runs]
+    return [None if d == l0 else b for (d, _), b in zip(runs, out)]
 
 
 def _split_budget(weight_budget, budgets, runs, part_bytes) -> list[int | None]:

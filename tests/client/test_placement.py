@@ -109,3 +109,22 @@ def test_parts_own_their_blocks_and_names_tied_head_goes_with_the_last_part():
     assert b.owns("lm_head.weight") and b.owns("model.norm.weight") and not a.owns("lm_head.weight")
     assert a.owns("model.layers.1.mlp.down_proj.weight") and not a.owns("model.layers.2.mlp.up_proj.weight")
     assert b.describe() == "part 1 on cpu (layers 2-3)"
+
+
+def test_l0_device_holds_its_layers_whole_and_the_budget_goes_to_the_others():
+    parts = resolve({"devices": ["cuda:0", "cuda:1"], "l0_device": "cuda:0"}, **EIGHT,
+                    weight_budget=800)
+    assert [p.l0 for p in parts] == [True, False]
+    # cuda:0 holds embeddings + layers 0-3 (450 bytes) whole; cuda:1 gets the other 350.
+    assert [p.budget for p in parts] == [None, 350]
+    with pytest.raises(DeviceMapError) as exc:
+        resolve({"devices": ["cuda:0", "cuda:1"], "l0_device": "cuda:0"}, **EIGHT, weight_budget=400)
+    assert exc.value.device == "cuda:0" and "450 bytes" in str(exc.value)
+    with pytest.raises(DeviceMapError, match="its weight_budget is 100"):
+        resolve({"layers": {"cuda:0": range(0, 4), "cuda:1": range(4, 8)}, "l0_device": "cuda:0"},
+                **EIGHT, weight_budget={"cuda:0": 100, "cuda:1": 300})
+    with pytest.raises(DeviceMapError, match="l0_device cuda:1 holds no layers"):
+        resolve({"devices": ["cuda:0"], "l0_device": "cuda:1"}, **EIGHT)
+    per_device = resolve({"devices": ["cuda:0", "cuda:1"], "l0_device": "cuda:0"}, **EIGHT,
+                         weight_budget={"cuda:1": 300})
+    assert [p.budget for p in per_device] == [None, 300]
