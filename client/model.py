@@ -13,6 +13,7 @@ model size) are handled by ``client.stream``; the skeleton and the binding by ``
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -397,19 +398,29 @@ def _load_parts(client, info, device_map, weight_budget, priority, owns_client, 
         raise
 
 
-def _to(value, device):
+def _to(value, device, memo: dict | None = None):
+    """``value`` with every tensor in it on ``device``. ``memo`` (id -> (source, copy)) reuses a
+    copy made for an earlier layer of the same part: the rotary tables and masks are the same
+    tensors for every layer of a pass, so they cross once per part, not once per layer."""
     import torch
 
     if isinstance(value, torch.Tensor):
+        if value.device == device:
+            return value
+        hit = memo.get(id(value)) if memo is not None else None
+        if hit is not None and hit[0] is value:
+            return hit[1]
         # Non-blocking only towards a GPU: a copy to the host must be complete when read.
-        return value if value.device == device else value.to(device,
-                                                              non_blocking=device.type == "cuda")
+        moved = value.to(device, non_blocking=device.type == "cuda")
+        if memo is not None:
+            memo[id(value)] = (value, moved)
+        return moved
     if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
+        return tuple(_to(v, device, memo) for v in value)
     if isinstance(value, list):
-        return [_to(v, device) for v in value]
+        return [_to(v, device, memo) for v in value]
     if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
+        return {k: _to(v, device, memo) for k, v in value.items()}
     return value
 
 
@@ -428,10 +439,17 @@ def move_activations(model, parts) -> list:
     first = torch.device(parts[0].device)
     hooks = []
     for part in parts:
-        def pre(module, args, kwargs, device=torch.device(part.device)):
-            return _to(args, device), _to(kwargs, device)
+        memo: dict = {}
+        start = part.layers[0]
+
+        def pre(module, args, kwargs, device=torch.device(part.device), memo=memo, start=start,
+                index=None):
+            if index == start:
+                memo.clear()          # a new pass: last pass's copies are not reused
+            return _to(args, device, memo), _to(kwargs, device, memo)
 
         for i in part.layers:
-            hooks.append(layers[i].register_forward_pre_hook(pre, with_kwargs=True))
+            hooks.append(layers[i].register_forward_pre_hook(
+                functools.partial(pre, index=i), with_kwargs=True))
     hooks.append(head.register_forward_hook(lambda module, args, out: _to(out, first)))
     return hooks

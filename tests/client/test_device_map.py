@@ -22,6 +22,13 @@ from deepseek_flash.testing import assert_same_outputs, load_reference, make_tin
 from flashd_harness import Daemon
 
 CONFIG = {"host_cache_bytes": "64MiB", "unified_memory_ratio": 0.05}
+CUDA = torch.cuda.is_available()
+# CPU stand-ins in CI; on a GPU machine two logical slices of one GPU and, with two, both GPUs.
+PAIRS = [("cpu", "cpu"),
+         pytest.param(("cuda:0", "cuda:0"), marks=[pytest.mark.gpu, pytest.mark.skipif(
+             not CUDA, reason="needs CUDA")], id="cuda:0-slices"),
+         pytest.param(("cuda:0", "cuda:1"), marks=[pytest.mark.gpu, pytest.mark.skipif(
+             not CUDA or torch.cuda.device_count() < 2, reason="needs two GPUs")], id="two-gpus")]
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +48,18 @@ def part_minimum(store_path, part) -> int:
     return resident_minimum([b for b in blocks if b.id in mine])
 
 
-def test_split_with_one_streaming_part_equals_the_single_device_model(store):
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "-".join(p))
+def test_split_with_one_streaming_part_equals_the_single_device_model(store, pair):
     src, path = store
-    ref = load_reference(src)
+    ref = load_reference(src, device=pair[0])
+    layers = [[pair[0], range(0, 2)], [pair[1], range(2, 6)]]
     with Client(embedded=True, config=CONFIG) as client:
-        probe = load_model(path, client=client, device_map={"layers": [["cpu", range(0, 2)],
-                                                                      ["cpu", range(2, 6)]]})
+        probe = load_model(path, client=client, device_map={"layers": layers})
         parts = [p.part for p in probe.flash.parts]
         probe.flash.close()
         budget = part_minimum(path, parts[1])
         model = load_model(path, client=client, weight_budget=[None, budget],
-                           device_map={"layers": [["cpu", range(0, 2)], ["cpu", range(2, 6)]]})
+                           device_map={"layers": layers})
         first, second = model.flash.parts
         assert (first.part.layers, second.part.layers) == ((0, 1), (2, 3, 4, 5))
         # Part 0 holds everything it was given; part 1 streams its MLPs through its own ring.
@@ -64,12 +72,13 @@ def test_split_with_one_streaming_part_equals_the_single_device_model(store):
         assert {blocks[b].role for b in first.plan.resident if blocks[b].layer < 0} == {"embed"}
         assert {blocks[b].role for b in second.plan.resident if blocks[b].layer < 0} == {"final_norm",
                                                                                           "lm_head"}
-        assert_same_outputs(model, ref, ids())
+        assert [p.device for p in model.parameters()][-1] == torch.device(pair[1])
+        assert_same_outputs(model, ref, ids().to(pair[0]))
         stats = model.flash.stream.stats()
         assert stats["passes"] > 0 and stats["streamed_layers"] == 4 and len(stats["parts"]) == 1
         # The controller's plan of the model lists both parts.
         listed = {m["name"]: m for m in client.list_models()}[model.flash.info.name]["plan"]["parts"]
-        assert listed["0"]["device"] == "cpu" and listed["1"]["streamed_layers"] == [2, 3, 4, 5]
+        assert listed["0"]["device"] == pair[0] and listed["1"]["streamed_layers"] == [2, 3, 4, 5]
         model.flash.close()
         assert client.stats()["active_leases"] == 0
 
@@ -148,3 +157,8 @@ def test_activations_move_to_the_layer_device_recursively():
     assert kwargs["use_cache"] is True and kwargs["past_key_values"] is None
     # Already there: the very same tensor, no copy.
     assert _to(hidden, torch.device("cpu")) is hidden
+    # The same source tensor crosses once per part and pass: later layers get the same copy.
+    memo = {}
+    once = _to((hidden,), meta, memo)[0]
+    assert _to({"h": hidden}, meta, memo)["h"] is once
+    assert _to(torch.ones(2, 3), meta, memo) is not once

@@ -1,6 +1,6 @@
-"""Tensor-parallel clients: two processes of a gloo group against one daemon each acquire their
-shard (1/2 of every linear weight) and compute the single-process model's logits, up to the
-order of the sums (fp32, CPU)."""
+"""Tensor-parallel clients: two processes of a torch.distributed group against one daemon each
+acquire their shard (1/2 of every linear weight) and compute the single-process model's logits,
+up to the order of the sums (fp32; gloo on the CPU in CI, the same test on GPUs where present)."""
 from __future__ import annotations
 
 import json
@@ -29,18 +29,30 @@ from flashd_harness import Daemon
 # difference a wrong shard makes (an order of magnitude of the logits themselves).
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
+CUDA = torch.cuda.is_available()
+# (devices, backend): CPU in CI; on a GPU machine two ranks on one GPU (gloo: NCCL refuses two
+# ranks on one device) and, with two GPUs, one rank each over NCCL.
+WORLDS = [(("cpu", "cpu"), "gloo"),
+          pytest.param(("cuda:0", "cuda:0"), "gloo", marks=[pytest.mark.gpu, pytest.mark.skipif(
+              not CUDA, reason="needs CUDA")], id="cuda:0-slices"),
+          pytest.param(("cuda:0", "cuda:1"), "nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
+              not CUDA or torch.cuda.device_count() < 2, reason="needs two GPUs")], id="two-gpus")]
+
 RANK = r"""
 import json, sys, torch, torch.distributed as dist
 torch.set_num_threads(1)
-rank, init, store, sock, ids_path, out = int(sys.argv[1]), *sys.argv[2:]
-dist.init_process_group("gloo", rank=rank, world_size=2, init_method="file://" + init)
+rank, init, store, sock, ids_path, out, device, backend = int(sys.argv[1]), *sys.argv[2:]
+if device.startswith("cuda"):
+    torch.cuda.set_device(torch.device(device))
+dist.init_process_group(backend, rank=rank, world_size=2, init_method="file://" + init)
 from deepseek_flash.client.model import load_model
 from deepseek_flash.store.shard import split_of
-m = load_model(store, socket_path=sock, embedded=False, tensor_parallel=True)
-ids = torch.load(ids_path)
+m = load_model(store, device=device, socket_path=sock, embedded=False, tensor_parallel=True)
+ids = torch.load(ids_path).to(device)
 with torch.no_grad():
-    logits = m(ids).logits
-tokens = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    logits = m(ids).logits.cpu()
+tokens = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                    do_sample=False).cpu()
 blocks = {b.id: b for b in m.flash.info.blocks}
 plan = m.flash.desc["plan"]
 linear = sum(p.numel() * p.element_size() for n, p in m.named_parameters()
@@ -63,7 +75,9 @@ def model(tmp_path_factory):
     return src, pack(src, root / "tp-llama")
 
 
-def test_two_gloo_ranks_compute_the_single_process_logits_from_half_the_linear_bytes(model, tmp_path):
+@pytest.mark.parametrize("devices,backend", WORLDS, ids=lambda v: "-".join(v) if isinstance(v, tuple) else v)
+def test_two_ranks_compute_the_single_process_logits_from_half_the_linear_bytes(model, tmp_path, devices,
+                                                                                backend):
     src, store = model
     state = tmp_path / "state"
     daemon = Daemon(tmp_path / "flashd", {"host_cache_bytes": "64MiB"},
@@ -73,16 +87,17 @@ def test_two_gloo_ranks_compute_the_single_process_logits_from_half_the_linear_b
         torch.save(ids, tmp_path / "ids.pt")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(tmp_path / "init"), str(store),
-                                   str(daemon.socket), str(tmp_path / "ids.pt"), str(tmp_path / f"r{r}")],
+                                   str(daemon.socket), str(tmp_path / "ids.pt"), str(tmp_path / f"r{r}"),
+                                   devices[r], backend],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in range(2)]
         outs = [p.communicate(timeout=240)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
-        ref = load_reference(src)
+        ref = load_reference(src, device=devices[0])
         with torch.no_grad():
-            want = ref(ids).logits
-        want_tokens = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
-                                   do_sample=False)
+            want = ref(ids.to(devices[0])).logits.cpu()
+        want_tokens = ref.generate(ids.to(devices[0]), attention_mask=torch.ones_like(ids).to(devices[0]),
+                                   max_new_tokens=4, do_sample=False).cpu()
         full = Store.open(store)
         full_linear = sum(t.nbytes for b in full.blocks for t in b.tensors
                           if split_of(t.name) and t.name.endswith(".weight"))
