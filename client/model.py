@@ -136,9 +136,11 @@ class FlashModelHandle:
         reads of the same blocks queued earlier). ``deepseek-flash serve`` sets it before each
         forward from the classes of the requests in it."""
         self.priority = int(priority)
-        side = getattr(self.stream, "host_side", None)
-        if side is not None:
-            side.priority = self.priority
+        # A model split over devices streams through one runtime per part (a StreamGroup).
+        for runtime in getattr(self.stream, "runtimes", [self.stream]):
+            side = getattr(runtime, "host_side", None)
+            if side is not None:
+                side.priority = self.priority
 
     def close(self) -> None:
         if self.closed:
