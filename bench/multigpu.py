@@ -17,6 +17,12 @@ default configuration except the host cache (sized to hold the model):
    each rank's ``load_model`` time (goal < 100 ms) and logits vs the single-device model through
    the same daemon: largest difference, the logits' scale, argmax agreement. NCCL where the ranks'
    devices differ, gloo otherwise (NCCL refuses two ranks on one GPU).
+3. **tp_stream** (with both phases): the same model, same total budget, tensor-parallel -- each
+   rank streams its shard under ``budget / world``, so every layer's copies run on every link at
+   once -- batch-1 decode tok/s vs the one-device run (goal on two GPUs: >= 1.8). A layer split
+   cannot reach that at batch 1 under an equal total budget: its parts run one after the other,
+   and a part's ring prefetches during the other part's compute only as many layers as it has
+   slots, which the same budget pays for (docs/multigpu.md).
 
 Both phases run against a real ``deepseek-flashd`` started here (state and runtime under
 ``--dir``). ``--smoke`` runs everything on the CPU with a tiny model (CI: the code paths, JSON out).
@@ -156,8 +162,8 @@ def stream_phase(args, store_dir, sock, res, h2d) -> None:
 RANK = r"""
 import json, sys, time, torch, torch.distributed as dist
 torch.set_num_threads(4)
-rank, world, backend, init, store, sock, device, ids_path, out = sys.argv[1:10]
-rank, world = int(rank), int(world)
+rank, world, backend, init, store, sock, device, ids_path, out, budget, tokens = sys.argv[1:12]
+rank, world, budget, tokens = int(rank), int(world), int(budget), int(tokens)
 if device.startswith("cuda"):
     torch.cuda.set_device(torch.device(device))
 dist.init_process_group(backend, rank=rank, world_size=world, init_method="file://" + init)
@@ -171,7 +177,8 @@ if device.startswith("cuda"):
     torch.empty(1, device=device)
 dist.barrier()
 t = time.perf_counter()
-m = load_model(store, device=device, socket_path=sock, embedded=False, tensor_parallel=True)
+m = load_model(store, device=device, socket_path=sock, embedded=False, tensor_parallel=True,
+               weight_budget=budget or None)
 wall_ms = (time.perf_counter() - t) * 1e3
 ids = torch.load(ids_path).to(device)
 t = time.perf_counter()
@@ -179,7 +186,27 @@ with torch.no_grad():
     logits = m(ids).logits.float().cpu()
 first_forward_ms = (time.perf_counter() - t) * 1e3
 torch.save(logits, out + ".pt")
+rate = None
+if tokens:
+    # Batch-1 decode, both ranks in step (every layer all-reduces): (N+1 tokens) - (1 token).
+    one = ids[:1]
+    def gen(n):
+        dist.barrier()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        o = m.generate(one, attention_mask=torch.ones_like(one), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t, o
+    gen(2)
+    t1, _ = gen(1)
+    tn, o = gen(tokens + 1)
+    rate = tokens / max(tn - t1, 1e-9)
+    torch.save(o.cpu(), out + ".tokens.pt")
 json.dump({"rank": rank, "model": m.flash.info.name, "load_model_ms": round(wall_ms, 2),
+           "decode_tok_s": rate, "streaming": m.flash.stream is not None,
            "first_forward_ms": round(first_forward_ms, 2),
            "timings": m.flash.timings}, open(out + ".json", "w"))
 m.flash.close()
@@ -187,7 +214,7 @@ dist.destroy_process_group()
 """
 
 
-def run_ranks(args, store_dir, sock, work: Path, tag: str) -> list[dict]:
+def run_ranks(args, store_dir, sock, work: Path, tag: str, budget: int = 0, tokens: int = 0) -> list[dict]:
     devices = args.devices
     backend = "nccl" if all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices) \
         else "gloo"
@@ -195,7 +222,8 @@ def run_ranks(args, store_dir, sock, work: Path, tag: str) -> list[dict]:
     init.unlink(missing_ok=True)
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(len(devices)), backend, str(init),
                                str(store_dir), str(sock), devices[r], str(work / "ids.pt"),
-                               str(work / f"{tag}-r{r}")], stdout=subprocess.PIPE,
+                               str(work / f"{tag}-r{r}"), str(budget), str(tokens)],
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for r in range(len(devices))]
     outs = [p.communicate(timeout=1800)[0] for p in procs]
@@ -232,6 +260,19 @@ def tp_phase(args, store_dir, sock, work: Path, res) -> None:
                      "argmax_agreement": round(min((g.argmax(-1) == want.argmax(-1)).float().mean().item()
                                                    for g in got), 4)}
     save(res, args.output)
+    if "stream" in res:
+        # The model twice the total budget again, now tensor-parallel: each rank streams its
+        # shard under its share of the budget, every layer on every link at once.
+        budget = res["stream"]["total_budget_bytes"] // len(args.devices)
+        ranks = run_ranks(args, store_dir, sock, work, "tpstream", budget=budget, tokens=args.tokens)
+        one = res["stream"]["one_device"]
+        tokens = [torch.load(work / f"tpstream-r{r}.tokens.pt") for r in range(len(args.devices))]
+        rate = min(r["decode_tok_s"] for r in ranks)
+        res["tp_stream"] = {"budget_bytes_per_rank": budget,
+                            "streaming": all(r["streaming"] for r in ranks),
+                            "tok_s": round(rate, 3), "vs_one_device": round(rate / one["tok_s"], 3),
+                            "ranks_same_tokens": all(torch.equal(t, tokens[0]) for t in tokens)}
+        save(res, args.output)
 
 
 def main(argv=None) -> int:
@@ -293,6 +334,8 @@ def main(argv=None) -> int:
     if "stream" in res:
         goals["split>=1.8*one_device"] = res["stream"]["split_vs_one"] >= 1.8
         goals["split_tokens_identical"] = res["stream"]["split"]["tokens_identical_to_one_device"]
+    if "tp_stream" in res:
+        goals["tp_stream>=1.8*one_device"] = res["tp_stream"]["vs_one_device"] >= 1.8
     if "tp" in res:
         goals["tp_attach<100ms_each"] = all(r["load_model_ms"] < 100 for r in res["tp"]["ranks"])
         goals["tp_argmax_agreement>=0.99"] = res["tp"]["logits"]["argmax_agreement"] >= 0.99
