@@ -22,7 +22,7 @@ timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/client/test_de
   tests/client/test_tensor_parallel.py > "$out/gpu_tests.log" 2>&1
 echo "gpu tests: rc $? $(tail -1 "$out/gpu_tests.log") at $(( $(date +%s) - t0 )) s"
 grep -E "^(FAILED|ERROR)|Error|max \|logit" "$out/gpu_tests.log" | head -20
-python3 bench/multigpu.py --devices "${devices[@]}" --arch llama --layers 16 --tokens 16 \
+python3 bench/multigpu.py --devices "${devices[@]}" --arch llama --layers "${LAYERS:-16}" --tokens 16 \
   --dir $work --host-cache 24GiB --output "$out/multigpu.json" > "$out/multigpu.log" 2>&1
 rc=$?; echo "multigpu ${devices[*]}: rc $rc at $(( $(date +%s) - t0 )) s"
 [ $rc = 0 ] || tail -30 "$out/multigpu.log"
@@ -41,6 +41,10 @@ if s:
           f"x{s.get('split_vs_one')} hit {sp.get('prefetch_hit_rate')} same tokens "
           f"{sp.get('tokens_identical_to_one_device')} parts {sp.get('parts')}")
 t = d.get("tp", {})
+ts = d.get("tp_stream", {})
+if ts:
+    print(f"tp_stream: {ts['tok_s']} tok/s x{ts['vs_one_device']} vs one device, budget/rank "
+          f"{ts['budget_bytes_per_rank']} streaming {ts['streaming']} same tokens {ts['ranks_same_tokens']}")
 if t:
     print(f"tp: first run {t['first_run_s']} s; attach " +
           ", ".join(f"rank {r['rank']} {r['load_model_ms']} ms ({r['backend']})" for r in t["ranks"]) +
