@@ -144,14 +144,18 @@ def stream_phase(args, store_dir, sock, res, h2d) -> None:
     rate2, tokens2 = decode_rate(split, args.devices[0], args.tokens, vocab)
     per2 = streamed_per_token(split)
     stats = split.flash.stream.stats() if split.flash.stream is not None else {}
-    # Each link carries its part's bytes; the token waits for the busier one.
+    # Two bounds: every link busy all the time (the token waits for the busier one), and the
+    # links in turn (the parts run one after the other; docs/multigpu.md says why that is the
+    # one a layer split meets at batch 1).
     bound2 = min((h2d[p.part.device] * 1e9 / n for p, n in zip(split.flash.parts, per2) if n),
                  default=None)
+    turn_s = sum(n / (h2d[p.part.device] * 1e9) for p, n in zip(split.flash.parts, per2))
     out["split"] = {"parts": [{"device": p.part.device, "layers": [p.part.layers[0], p.part.layers[-1]],
                                "budget_bytes": p.plan.budget, "streamed_layers": len(p.plan.streamed_layers),
                                "slots": p.plan.n_slots, "streamed_bytes_per_token": n}
                               for p, n in zip(split.flash.parts, per2)],
                     "tok_s": round(rate2, 3), "bound_tok_s": round(bound2, 3) if bound2 else None,
+                    "bound_links_in_turn_tok_s": round(1 / turn_s, 3) if turn_s else None,
                     "prefetch_hit_rate": round(stats.get("prefetch_hit_rate", 0.0), 4),
                     "tokens_identical_to_one_device": bool(torch.equal(tokens1.cpu(), tokens2.cpu()))}
     out["split_vs_one"] = round(rate2 / rate1, 3)
