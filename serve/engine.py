@@ -110,23 +110,42 @@ class Generation:
 
 
 def _sample(torch, logits, gens):
-    """Next token per row: greedy where temperature is 0, else temperature + top-p with the
-    request's own generator (seeded when the request gave a ``seed``)."""
-    out = logits.argmax(dim=-1).tolist()
-    for i, g in enumerate(gens):
-        t, top_p = g.sched.temperature, g.sched.top_p
-        if t <= 1e-5:
-            continue
-        probs = torch.softmax(logits[i].float() / t, dim=-1)
-        if top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        if g.generator is None:
-            g.generator = torch.Generator(device=probs.device)
-            g.generator.manual_seed(g.seed if g.seed is not None else torch.seed())
-        out[i] = int(torch.multinomial(probs, 1, generator=g.generator))
+    """Next token per row: greedy where temperature is 0, else temperature + top-p, all sampled rows
+    in one pass over the vocabulary (softmax, nucleus, inverse CDF) whatever the batch size. Each
+    request draws its uniform number from its own generator (seeded by ``seed``), so its tokens do
+    not depend on which other requests share the batch."""
+    greedy = logits.argmax(dim=-1)
+    hot = [i for i, g in enumerate(gens) if g.sched.temperature > 1e-5]
+    if not hot:
+        return greedy.tolist()
+    device = logits.device
+    temps = torch.tensor([gens[i].sched.temperature for i in hot], device=device)
+    probs = torch.softmax(logits[hot].float() / temps[:, None], dim=-1)
+    top_ps = [gens[i].sched.top_p for i in hot]
+    order = None
+    if any(p < 1.0 for p in top_ps):
+        probs, order = probs.sort(dim=-1, descending=True)
+        limit = torch.tensor(top_ps, device=device)[:, None]
+        keep = (probs.cumsum(-1) - probs < limit) | (limit >= 1.0)
+        probs = probs * keep
+    cdf = probs.cumsum(-1)
+    u = torch.tensor([_uniform(torch, gens[i]) for i in hot], device=device, dtype=cdf.dtype)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
+    if order is not None:
+        picked = order.gather(-1, picked)
+    out = greedy.tolist()
+    for i, token in zip(hot, picked[:, 0].tolist()):
+        out[i] = token
     return out
+
+
+def _uniform(torch, gen) -> float:
+    """A uniform number in [0, 1) from the request's own generator (on the CPU; made at its first
+    draw, seeded by the request's ``seed`` or at random)."""
+    if gen.generator is None:
+        gen.generator = torch.Generator()
+        gen.generator.manual_seed(gen.seed if gen.seed is not None else torch.seed())
+    return float(torch.rand((), generator=gen.generator))
 
 
 class Engine:
