@@ -394,3 +394,43 @@ def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch():
     batch = [hot(1.2, seed=1), hot(0.8, 0.9, seed=7), hot(0.0)]
     together = [_sample(torch, logits, batch)[1] for _ in range(50)]
     assert solo == together and len(set(solo)) > 1
+
+
+# (chunk, decode forward s, prefill s per token, L0 seen lately) -> prompt tokens this step
+BUDGET_TABLE = [
+    (512, None, None, True, 512),         # nothing measured yet
+    (512, 0.005, 0.0002, False, 512),     # no L0 traffic: a whole chunk
+    (512, 0.005, 0.0002, True, 16),       # CPU-like: half a decode's time is 12 tokens -> the floor
+    (512, 0.020, 0.0001, True, 100),      # 100 tokens ~ half a decode forward
+    (512, 0.067, 0.00001, True, 512),     # launch-bound GPU step: tokens are nearly free
+    (8, 0.005, 0.0002, True, 8),          # never more than a chunk, even at the floor
+]
+
+
+@pytest.mark.parametrize("chunk, decode_s, per_token_s, l0_recent, budget", BUDGET_TABLE)
+def test_prefill_budget(chunk, decode_s, per_token_s, l0_recent, budget):
+    from deepseek_flash.serve.engine import prefill_budget
+
+    assert prefill_budget(chunk, decode_s, per_token_s, l0_recent) == budget
+
+
+@pytest.mark.parametrize("prompts, chunks", [
+    ([32] * 16, [32] * 16),               # 16 newcomers: one forward of 16 x 32 tokens
+    ([4, 400], [4, 256]),                 # the second widens the forward to half the budget each
+    ([400, 300], [400]),                  # two rows of 400 would be 800 tokens of compute
+    ([600, 8], [512]),
+])
+def test_other_prompts_are_packed_into_one_forward_within_the_budget(tiny_reference, tiny_tokenizer, prompts,
+                                                                     chunks):
+    eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=16, l0_reserve=0.0), max_batch=16,
+                 max_model_len=1024)
+    gens = [generation([(i + j) % 250 + 3 for j in range(n)], 50) for i, n in enumerate(prompts)]
+    for g in gens:
+        assert eng.submit(g).admitted
+    boundary(eng)
+    rec = Forwards(eng)
+    with torch.inference_mode():
+        eng._step()
+    assert rec.log[0] == ("prefill", [g.row for g in gens[:len(chunks)]], max(chunks))
+    assert [g.prefilled for g in gens] == chunks + [0] * (len(prompts) - len(chunks))
+    eng.close(timeout=0)
