@@ -10,7 +10,8 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import BlockChecksumError, FlashIOError, MetadataError, NotAStore, UnknownBlock
+from ..errors import (BlockChecksumError, FlashIOError, MetadataError, NotAStore, StoreTruncated,
+                      UnknownBlock)
 from .format import DATA_FILE, METADATA_FILE, BlockInfo, TensorInfo, crc32c, decode_metadata
 
 
@@ -100,9 +101,10 @@ class Store:
             raise FlashIOError(f"{path}: reading block {block_id}: {exc.strerror}", errno=exc.errno,
                                path=str(path), offset=block.offset, block_id=block_id) from None
         if len(data) != block.length:
-            raise FlashIOError(f"{path}: block {block_id} truncated: {len(data)} of {block.length} "
-                               f"bytes at offset {block.offset}", errno=0, path=str(path),
-                               offset=block.offset, block_id=block_id)
+            raise StoreTruncated(f"{path}: block {block_id} truncated: {len(data)} of {block.length} "
+                                 f"bytes at offset {block.offset}: the data file is shorter than its "
+                                 f"metadata says", path=str(path), offset=block.offset,
+                                 length=block.length, block_id=block_id)
         if verify:
             actual = crc32c(data)
             if actual != block.crc32c:

@@ -88,9 +88,13 @@ def test_block_checksum_error_names_block_and_file(store_dir):
     assert store.read_block(1) is not None   # other blocks unaffected
 
 
-def test_truncated_data_file_is_an_io_error(store_dir):
+def test_truncated_data_file_is_a_store_error(store_dir):
+    # The file ends inside the last block: the store is corrupt (112), not an IO failure with errno 0.
     store = Store.open(store_dir)
     data = store_dir / DATA_FILE
-    data.write_bytes(data.read_bytes()[:store.blocks[-1].offset + 10])
-    err = _raises(errors.FlashIOError, 200, lambda: store.read_block(store.blocks[-1].id), "truncated")
-    assert err.block_id == store.blocks[-1].id
+    last = store.blocks[-1]
+    data.write_bytes(data.read_bytes()[:last.offset + 10])
+    err = _raises(errors.StoreTruncated, 112, lambda: store.read_block(last.id), "truncated")
+    assert "10 of" in str(err) and str(data) in str(err)
+    assert (err.block_id, err.path, err.offset, err.length) == (last.id, str(data), last.offset, last.length)
+    assert store.read_block(store.blocks[0].id) is not None   # blocks before the end still read
