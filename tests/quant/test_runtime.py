@@ -195,10 +195,7 @@ def test_config_keys_checked_and_quantization_in_the_model_listing(stores):
                            flash_context={"quantization_scheme": "int4_symmetric"})
         (entry,) = client.list_models()
         assert (entry["quantization_scheme"], entry["quantization_granularity"],
-                entry["quantization_group_size"]) == ("int4_symmetric", "per_block", 32)
+                entry["quantization_group_size"], entry["quantized_at"]) == \
+            ("int4_symmetric", "per_block", 32, "pack")
         assert entry["total_bytes"] == Store.open(store).total_bytes
         model.flash.close()
-    plain = Path(str(store).replace("llama-int4-g32", "plain"))
-    with Client(embedded=True, config={**CONFIG, "quantization_scheme": "int4_symmetric"}) as client:
-        with pytest.raises(ConfigError, match="packed unquantized"):
-            client.open_model(pack(src, plain))
