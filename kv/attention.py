@@ -17,6 +17,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask
 
 from deepseek_flash.errors import KVUnsupported
 
+from .compute import sdpa as _sdpa
+
 NAME = "tiered_kv"  # no "flash" in it: transformers treats such names as flash-attention kernels
 
 
@@ -42,8 +44,6 @@ def tiered_attention(module, query, key, value, attention_mask, scaling=None, dr
 def _plain_attention(module, query, key, value, pad_mask, scaling):
     """What sdpa computes for a cache that is not tiered: causal (queries at the end of the
     keys) and padding."""
-    from .cache import _sdpa
-
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = None
     if pad_mask is None and q_len == kv_len:

@@ -1,0 +1,69 @@
+"""The attention arithmetic of a tiered step: scaled dot-product attention of the queries over the
+attended columns (sinks + pages + recent + this step's tokens), with causality and padding
+applied over those columns only, in chunks of queries for a long prefill."""
+from __future__ import annotations
+
+import torch
+
+
+def sdpa(query, keys, values, mask, is_causal, scale):
+    """``scaled_dot_product_attention`` over GQA keys. With a mask on CUDA the kv heads are
+    repeated first: the fused kernels that take a mask do not all take GQA, and the fallback
+    would materialise every score."""
+    groups = query.shape[1] // keys.shape[1]
+    if groups > 1 and mask is not None and query.device.type == "cuda":
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+        groups = 1
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale,
+        enable_gqa=groups > 1)
+
+
+def attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling, *,
+                   length: int, prefill_chunk: int):
+    """Attention of ``query`` ``[b, q_heads, q_len, d]`` over the committed parts (in slot
+    order) and the new tokens -> ``[b, q_len, q_heads, d]``.
+
+    ``cols`` says which of the ``length`` committed slots the parts are: None (all), a bool mask
+    over the slots (the parts hold every slot; the False ones are dropped here), or slot indices
+    ``[b, n]`` (the parts hold just those). ``pad_mask`` ``[b, length + q_len]`` is the key
+    validity (padding) or None."""
+    b, hq, q_len, d = query.shape
+    keys = torch.cat((*k_parts, k_new), 2)
+    values = torch.cat((*v_parts, v_new), 2)
+    n_past = keys.shape[2] - q_len
+    keep = cols if isinstance(cols, torch.Tensor) and cols.dtype == torch.bool else None
+    if keep is not None:
+        full = torch.cat((keep, keep.new_ones(q_len)))
+        keys, values = keys[:, :, full], values[:, :, full]
+        n_past = int(keep.sum())
+    # key validity per sequence: padding (2D mask over slots) gathered to the attended columns
+    valid = None
+    if pad_mask is not None:
+        past_mask = pad_mask[:, :length]
+        if keep is not None:
+            past_mask = past_mask[:, keep]
+        elif cols is not None:
+            past_mask = torch.gather(past_mask, 1, cols)
+        valid = torch.cat((past_mask, pad_mask[:, length:length + q_len]), 1)
+    if n_past == 0 and valid is None:
+        # a first prompt without padding: plain causal attention, no mask, one call
+        out = sdpa(query, keys, values, None, q_len > 1, scaling)
+        return out.transpose(1, 2).contiguous()
+    outs = []
+    step = q_len if q_len <= prefill_chunk else prefill_chunk
+    for a in range(0, q_len, step):
+        e = min(q_len, a + step)
+        kv_len = n_past + e
+        mask = None
+        if e - a > 1 or valid is not None:
+            causal = (torch.arange(kv_len, device=query.device)[None, :]
+                      <= (n_past + torch.arange(a, e, device=query.device))[:, None])
+            mask = causal[None, None]
+            if valid is not None:
+                mask = mask & valid[:, None, None, :kv_len]
+        outs.append(sdpa(query[:, :, a:e], keys[:, :, :kv_len], values[:, :, :kv_len], mask,
+                         False, scaling))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+    return out.transpose(1, 2).contiguous()

@@ -1,0 +1,228 @@
+"""``TieredLayer``: one decoder layer of a ``TieredCache`` -- transformers' layer contract, the
+tokens kept on the device (sinks and the recent window), and the order of a step:
+
+``update`` only records the step's new keys and values (and returns them as a marker); the
+registered attention function (kv/attention.py) then calls ``attend`` with the queries, which
+chooses the pages (kv/summaries.py), fetches them (kv/pages.py), attends (kv/compute.py) and
+finally commits the new tokens (sinks, recent window, full pages written out).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from deepseek_flash.errors import KVCacheMismatch, KVError
+
+from .attention import _ACTIVE
+from .compute import attend_columns
+from .layout import pack_pages
+from .pages import LayerPages
+from .select import resolve_top_k
+from .summaries import PageSummaries
+
+
+class TieredLayer(CacheLayerMixin):
+    """One decoder layer's tiered KV. Not compileable: it changes shape every step."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, cache, index: int):
+        super().__init__()
+        self._cache = weakref.proxy(cache)
+        self.index = index
+        self.dense = index < cache.dense_layers
+        self.length = 0
+        self.batch = 0
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.sink_k = self.sink_v = None
+        self.recent_k = self.recent_v = None
+        self.summaries = PageSummaries()
+        self.pages = LayerPages(self._cache, index)
+
+    # --- the page store's state, as the layer's ------------------------------------------------
+    @property
+    def n_pages(self) -> int:
+        return self.pages.n_pages
+
+    @property
+    def lost_pages(self) -> set[int]:
+        return self.pages.lost_pages
+
+    @property
+    def chunks(self):
+        return self.pages.chunks
+
+    @property
+    def kmin(self):
+        return self.summaries.kmin
+
+    @property
+    def kmax(self):
+        return self.summaries.kmax
+
+    # --- transformers' layer contract ---------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cache = self._cache
+        b, h, t, d = key_states.shape
+        cache._check_geometry(self.index, h, d, value_states.shape[-1])
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.batch = b
+        cache._fix_layout(b, h, d, key_states.dtype, key_states.device, t)
+        empty = key_states.new_empty((b, h, 0, d))
+        self.sink_k = self.sink_v = self.recent_k = self.recent_v = empty
+        self.summaries.init(key_states)
+        self.pages.bind(b, key_states.dtype, key_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.batch:
+            raise KVCacheMismatch(f"layer {self.index}: batch {key_states.shape[0]} given to a "
+                                  f"TieredCache holding batch {self.batch}")
+        self.pending = (key_states, value_states)
+        _ACTIVE[id(key_states)] = self
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise KVError("a TieredCache cannot be reset in place; make a new one with "
+                      "TieredCache.for_model")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KVError("a TieredCache cannot be cropped (pages already written are immutable)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise KVError("a TieredCache does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise KVError("a TieredCache does not support batch expansion (num_return_sequences)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise KVError("a TieredCache does not support batch selection")
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    # --- geometry ------------------------------------------------------------------------------
+    @property
+    def sinks(self) -> int:
+        return self.sink_k.shape[2]
+
+    @property
+    def paged_tokens(self) -> int:
+        return self.n_pages * self._cache.page_tokens
+
+    def gpu_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        tensors = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
+        return sum(t.numel() * t.element_size() for t in tensors) + self.summaries.gpu_bytes()
+
+    def host_bytes(self) -> int:
+        return self.pages.host_bytes()
+
+    def spilled_bytes(self) -> int:
+        return self.pages.spilled_bytes()
+
+    def reads_every_page(self) -> bool:
+        """Whether this layer's next decode step attends to every page (lossless or dense)."""
+        cache = self._cache
+        return self.dense or resolve_top_k(cache.top_k_pages, self.n_pages) is None
+
+    # --- a step --------------------------------------------------------------------------------
+    def attend(self, module, query: torch.Tensor, pad_mask: torch.Tensor | None,
+               scaling: float) -> torch.Tensor:
+        """Attention of ``query`` ``[b, q_heads, q_len, d]`` over sinks + pages (all, or the
+        top-K) + recent tokens + this step's tokens; commits the step. -> ``[b, q_len, q_heads, d]``."""
+        cache = self._cache
+        k_new, v_new = self.pending
+        q_len = query.shape[2]
+        try:
+            k_parts, v_parts, cols = self._past(query, q_len)
+            out = attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling,
+                                 length=self.length, prefill_chunk=cache.prefill_chunk)
+        except BaseException:
+            self.pending = None
+            cache._poison(f"layer {self.index} failed during attention")
+            raise
+        self.pending = None
+        self._commit(k_new, v_new)
+        return out
+
+    def _past(self, query, q_len):
+        """Keys and values of the committed tokens to attend (lists of parts in slot order) and
+        which slots they are: None (every slot 0..length), a bool mask over the slots (pages
+        lost in graceful mode), or slot indices ``[b, n]`` (top-K)."""
+        cache = self._cache
+        k = resolve_top_k(cache.top_k_pages, self.n_pages) if self.n_pages else None
+        if k is None or self.dense or q_len > cache.select_max_queries:
+            if self.n_pages == 0:
+                return [self.sink_k, self.recent_k], [self.sink_v, self.recent_v], None
+            pk, pv = cache._take_prefetched(self) or self.pages.fetch_all()
+            if q_len <= cache.select_max_queries:
+                cache._prefetch_next(self)
+            cols = self._cols_without_lost() if self.lost_pages else None
+            return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], cols
+        chosen = self.summaries.choose(query, k, scale=cache.scale, score=cache.score,
+                                       window_pages=cache.window_pages, lost=self.lost_pages)
+        pk, pv = self.pages.fetch_selected(chosen)
+        p, s, b = cache.page_tokens, self.sinks, self.batch
+        dev = chosen.device
+        page_cols = (s + chosen[:, :, None] * p + torch.arange(p, device=dev)).reshape(b, -1)
+        recent_cols = torch.arange(s + self.paged_tokens, self.length, device=dev).expand(b, -1)
+        cols = torch.cat((torch.arange(s, device=dev).expand(b, s), page_cols, recent_cols), 1)
+        return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], cols
+
+    def _cols_without_lost(self):
+        """Bool mask over the committed slots: False on the tokens of lost pages."""
+        keep = torch.ones(self.length, dtype=torch.bool, device=self.device)
+        p, s = self._cache.page_tokens, self.sinks
+        for page in self.lost_pages:
+            keep[s + page * p: s + (page + 1) * p] = False
+        return keep
+
+    # --- commit: sinks, recent window, pages -----------------------------------------------------
+    def _commit(self, k_new, v_new):
+        cache = self._cache
+        t = k_new.shape[2]
+        take = min(cache.sink_tokens - self.sinks, t)
+        if take > 0:
+            self.sink_k = torch.cat((self.sink_k, k_new[:, :, :take]), 2)
+            self.sink_v = torch.cat((self.sink_v, v_new[:, :, :take]), 2)
+            k_new, v_new = k_new[:, :, take:], v_new[:, :, take:]
+        recent_k = torch.cat((self.recent_k, k_new), 2)
+        recent_v = torch.cat((self.recent_v, v_new), 2)
+        self.length += t
+        p = cache.page_tokens
+        n = max(0, recent_k.shape[2] - cache.gpu_tokens) // p
+        if n and cache.gpu_tokens + p <= recent_k.shape[2]:
+            self._write_pages(recent_k[:, :, :n * p], recent_v[:, :, :n * p])
+            recent_k = recent_k[:, :, n * p:].clone()
+            recent_v = recent_v[:, :, n * p:].clone()
+        self.recent_k, self.recent_v = recent_k, recent_v
+
+    def _write_pages(self, keys, values):
+        """Full pages leave the recent window: summaries on the device, BICL pages to the host."""
+        cache = self._cache
+        p = cache.page_tokens
+        self.summaries.append_keys(keys, p)
+        self.pages.append(pack_pages(keys, values, p))
+        cache._pages_written(self)

@@ -1,0 +1,68 @@
+"""The selection step's state: per page, per KV head, the channel-wise minimum and maximum of the
+page's keys (Quest), kept on the device next to the recent window, and the step that turns the
+current queries into the pages to attend (the pure scoring rules are in kv/select.py)."""
+from __future__ import annotations
+
+import torch
+
+from .select import group_queries, page_scores, quest_bound, select_pages
+
+
+class PageSummaries:
+    """Key min/max of pages ``0 .. n - 1`` of one layer, ``[b, kv_heads, capacity, d]`` each;
+    the capacity grows by doubling, only the first ``n`` pages count."""
+
+    def __init__(self):
+        self.kmin: torch.Tensor | None = None
+        self.kmax: torch.Tensor | None = None
+        self.n = 0
+
+    def init(self, like: torch.Tensor) -> None:
+        b, h, _, d = like.shape
+        self.kmin = like.new_empty((b, h, 0, d))
+        self.kmax = like.new_empty((b, h, 0, d))
+
+    def append(self, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
+        """Summaries ``[b, h, m, d]`` of the next ``m`` pages."""
+        need = self.n + kmin.shape[2]
+        cap = self.kmin.shape[2]
+        if need > cap:
+            new_cap = max(need, 2 * cap, 16)
+            b, h, _, d = kmin.shape
+            grown_min = kmin.new_empty((b, h, new_cap, d))
+            grown_max = kmin.new_empty((b, h, new_cap, d))
+            grown_min[:, :, :self.n] = self.kmin[:, :, :self.n]
+            grown_max[:, :, :self.n] = self.kmax[:, :, :self.n]
+            self.kmin, self.kmax = grown_min, grown_max
+        self.kmin[:, :, self.n:need] = kmin
+        self.kmax[:, :, self.n:need] = kmax
+        self.n = need
+
+    def append_keys(self, keys: torch.Tensor, page_tokens: int) -> None:
+        """Summarise the keys ``[b, h, m * page_tokens, d]`` of the next ``m`` pages."""
+        b, h, t, d = keys.shape
+        blocks = keys.view(b, h, t // page_tokens, page_tokens, d)
+        self.append(blocks.amin(3), blocks.amax(3))
+
+    def gpu_bytes(self) -> int:
+        """Bytes of the summaries of the pages held (the unused capacity is not counted)."""
+        if self.kmin is None:
+            return 0
+        per_page = self.kmin[:, :, :1].numel() * self.kmin.element_size()
+        return 2 * self.n * per_page
+
+    def scores(self, query: torch.Tensor, scale: float, score: str,
+               window_pages: int) -> torch.Tensor:
+        """``query`` ``[b, q_heads, q_len, d]`` -> one score per page ``[b, n]`` (fp32)."""
+        bound = quest_bound(group_queries(query, self.kmin.shape[1]),
+                            self.kmin[:, :, :self.n], self.kmax[:, :, :self.n], scale)
+        return page_scores(bound, score, window_pages)
+
+    def choose(self, query: torch.Tensor, k: int, *, scale: float, score: str,
+               window_pages: int, lost: set[int] | None = None) -> torch.Tensor:
+        """The ``k`` pages of each sequence to attend, ``[b, k]`` ascending; lost pages never."""
+        scores = self.scores(query, scale, score, window_pages)
+        if lost:
+            gone = torch.tensor(sorted(lost), device=scores.device)
+            scores[:, gone] = float("-inf")
+        return select_pages(scores, k)
