@@ -134,3 +134,19 @@ def test_a_weight_the_group_does_not_divide_is_refused_at_open(tmp_path):
     with Client(embedded=True, config={**CONFIG, **KEYS}) as client:
         with pytest.raises(UnsupportedModel, match="not a multiple of the group size 128"):
             client.open_model(plain)
+
+
+def test_a_failed_quantization_is_the_blocks_typed_error(stores, monkeypatch):
+    from deepseek_flash.errors import FlashError
+
+    def fail(self, info, source, dest):
+        raise RuntimeError("codec failure")
+
+    monkeypatch.setattr(QuantizingStore, "transcode", fail)
+    plain, _ = stores["llama"]
+    with Client(embedded=True, config={**CONFIG, **KEYS}) as client:
+        info = client.open_model(plain)
+        with pytest.raises(FlashError, match=r"block 2 \(attn, layer 0\): quantizing it as it "
+                                             r"entered the host tier failed: RuntimeError\('codec "
+                                             r"failure'\)"):
+            client.acquire(info.name, [2])
