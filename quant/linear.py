@@ -92,9 +92,8 @@ class QuantLinear(nn.Module):
             self._int4[key] = entry
         if isinstance(entry, str):
             return None
-        inner, group = entry[:2]
         packed, sz = entry[2:] if self.fixed else self._derive(x, entry)
-        return packed, sz, group
+        return packed, sz, entry[1]
 
     def _derive(self, x, plan) -> tuple:
         inner, group = plan
