@@ -201,8 +201,9 @@ class StreamRuntime(_Reporting):
             for bid, offset in self._slot_layout[layer]:
                 block = self.blocks[bid]
                 tensors.update(block_tensors(block, slot[offset:offset + block.length]))
-        # ``complete``: every parameter is bound afterwards (not so for one part of a split model).
-        bind_parameters(model, tensors, complete=complete)
+        # ``complete``: every parameter is bound afterwards (not so for one part of a split model);
+        # not ``fixed``: a slot's bytes change every pass.
+        bind_parameters(model, tensors, complete=complete, fixed=False)
 
     # --- schedule --------------------------------------------------------------------------------
     def _slot_of(self, seq: int) -> int:
