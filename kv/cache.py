@@ -17,6 +17,8 @@ from transformers.cache_utils import Cache
 from deepseek_flash.errors import KVCacheMismatch, KVError, KVSpillFailed
 
 from . import stats as _stats
+from . import compat
+from .compat import cache_keyword
 from .compute import sdpa as _sdpa  # noqa: F401  (kept importable from here)
 from .config import CONFIG_KEYS, explicit_args, flash_kv_settings, validate
 from .layer import TieredLayer
@@ -68,6 +70,7 @@ class TieredCache(Cache):
         self.counters = _stats.new_counters()
         self._modules = weakref.WeakSet()
         self._model_name = ""
+        self.cache_keyword: str | None = None  # the model's keyword for a cache (kv/compat.py)
         self._poisoned: str | None = None
         self._spill_error: KVSpillFailed | None = None
         self._copy_stream = None
@@ -89,6 +92,7 @@ class TieredCache(Cache):
         arguments left at their default values; an argument given another value wins."""
         from .attention import install
 
+        compat.require_transformers()
         given = dict(gpu_tokens=gpu_tokens, sink_tokens=sink_tokens, page_tokens=page_tokens,
                      top_k_pages=top_k_pages, host_bytes=host_bytes, spill_dir=spill_dir)
         args = {**flash_kv_settings(model), **explicit_args(given)}
@@ -107,6 +111,7 @@ class TieredCache(Cache):
             if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups"):
                 self._modules.add(module)
         self._model_name = type(model).__name__
+        self.cache_keyword = cache_keyword(model)
 
     def _check_geometry(self, layer: int, kv_heads: int, head_dim: int, v_dim: int) -> None:
         if kv_heads != self.kv_heads or head_dim != self.head_dim or v_dim != self.head_dim:
