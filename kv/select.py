@@ -22,7 +22,7 @@ import math
 
 import torch
 
-SCORES = ("mass", "quest", "windowed")
+SCORES = ("quest", "mass", "mass_max", "windowed")
 
 
 def resolve_top_k(top_k_pages: int | float | None, n_pages: int) -> int | None:
@@ -68,7 +68,7 @@ def page_scores(bound: torch.Tensor, score: str = "quest", window_pages: int = 6
     over the pages (a softmax) is summed over heads and queries."""
     if score == "mass":
         return bound.softmax(-1).sum(dim=(1, 2))
-    if score == "quest":
+    if score in ("quest", "mass_max"):
         share = bound - bound.logsumexp(-1, keepdim=True)
         return share.amax(dim=(1, 2))
     if score == "windowed":

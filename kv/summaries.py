@@ -56,7 +56,7 @@ class PageSummaries:
         """``query`` ``[b, q_heads, q_len, d]`` -> one score per page ``[b, n]`` (fp32)."""
         queries = group_queries(query, self.kmin.shape[1])
         kmin, kmax = self.kmin[:, :, :self.n], self.kmax[:, :, :self.n]
-        if score == "mass":
+        if score in ("mass", "mass_max"):
             return page_scores(mass_logits(queries, kmin, kmax, scale), score)
         return page_scores(quest_bound(queries, kmin, kmax, scale), score, window_pages)
 
