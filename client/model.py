@@ -105,6 +105,16 @@ class FlashModelHandle:
         self._owns_client = owns_client
         self.closed = False
 
+    def set_read_priority(self, priority: int) -> None:
+        """The ``priority`` of the reads this model causes from now on -- the acquires of its
+        streamed layers (higher goes to the disk before waiting reads of a lower one, and moves up
+        reads of the same blocks queued earlier). ``deepseek-flash serve`` sets it before each
+        forward from the classes of the requests in it."""
+        self.priority = int(priority)
+        side = getattr(self.stream, "host_side", None)
+        if side is not None:
+            side.priority = self.priority
+
     def close(self) -> None:
         if self.closed:
             return

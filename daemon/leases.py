@@ -73,7 +73,11 @@ class Leases:
             self.reads.submit_locked(batch, client_id if requester is None else requester, priority)
             s.generation += 1
             pending = [b for b in wanted if b.state == LOADING]
-            if not pending:
+            if pending:
+                # Blocks queued earlier at a lower priority (a prefetch hint, another load) are
+                # read at this acquire's priority.
+                self.reads.promote_locked(pending, priority)
+            else:
                 # The common, warm case: no Future, no ticket.
                 return Resolved(self.residency.grant(client, m, wanted))
             if not wait:

@@ -102,6 +102,36 @@ class ReadPipeline:
             heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, requests, size))
         self._pump_locked()
 
+    def promote_locked(self, blocks, priority: int) -> int:
+        """Reads of ``blocks`` still waiting in the pipeline at a lower priority move up to
+        ``priority`` (a chunk of their own; the rest of their chunk keeps its place), so an urgent
+        acquire of blocks that a prefetch hint or another load queued earlier does not wait behind
+        what was queued before them. Reads already handed to the engine are left alone. Returns how
+        many reads moved."""
+        tokens = {b.token for b in blocks if getattr(b, "token", None) is not None}
+        if not tokens or not self._waiting:
+            return 0
+        moved, kept = [], []
+        for neg, seq, toks, reqs, size in self._waiting:
+            if -neg >= priority or tokens.isdisjoint(toks):
+                kept.append((neg, seq, toks, reqs, size))
+                continue
+            rest = [(t, r) for t, r in zip(toks, reqs) if t not in tokens]
+            urgent = [(t, r) for t, r in zip(toks, reqs) if t in tokens]
+            if rest:
+                kept.append((neg, seq, [t for t, _ in rest], [r for _, r in rest], sum(r.length for _, r in rest)))
+            moved.extend(urgent)
+        if not moved:
+            return 0
+        # File order within the promoted chunk, as submit_locked makes it.
+        moved.sort(key=lambda tr: (tr[1].path, tr[1].offset))
+        kept.append((-priority, next(self._seq), [t for t, _ in moved], [r for _, r in moved],
+                     sum(r.length for _, r in moved)))
+        heapq.heapify(kept)
+        self._waiting = kept
+        self._pump_locked()
+        return len(moved)
+
     def _pump_locked(self) -> None:
         """Hand the engine the most urgent waiting chunks while it holds less than ``inflight_bytes``
         (always at least one chunk, however large)."""

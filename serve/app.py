@@ -10,10 +10,12 @@ response carries ``"degraded"`` and a ``"flash"`` object. Errors use OpenAI's sh
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 
-from ..errors import FlashError
+from ..daemon.config import KEYS as CONFIG_KEYS
+from ..errors import FlashError, KVUnsupported
 from ..sysfs_shim.publisher import exposition
 from .engine import Engine, Generation, ttft_quantiles
 from .scheduler import CLASSES, SchedRequest
@@ -24,10 +26,13 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-FLASH_CONTEXT_KEYS = ("priority_class", "prefetch_window")
-# The KV keys of the tiered KV cache (deepseek_flash.kv); refused by name until that tier serves here.
+# The keys of the tiered KV cache (deepseek_flash.kv): a request that gives any of them runs on a
+# TieredCache of its own, built with ``TieredCache.for_model(model, gpu_tokens=..., ...)``.
 KV_KEYS = ("kv_gpu_tokens", "kv_sink_tokens", "kv_page_tokens", "kv_top_k_pages", "kv_host_bytes",
-           "kv_spill_dir", "kv_prune_threshold")
+           "kv_spill_dir")
+FLASH_CONTEXT_KEYS = ("priority_class", "prefetch_window") + KV_KEYS
+# Named by the design, not yet in the controller's configuration (KV pruning): refused by name.
+KV_KEYS_PENDING = ("kv_prune_threshold",)
 
 
 class ApiError(Exception):
@@ -60,11 +65,35 @@ def _field(body: dict, name: str, kind, default=None, *, minimum=None, maximum=N
     return value
 
 
+class Delivery:
+    """Engine events into the event loop's queues with one wake-up for all that arrive together: a
+    step's tokens for every row of the batch cost the loop one wake-up (and the engine thread one
+    ``call_soon_threadsafe``), not one per row."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list = []
+
+    def __call__(self, queue, item) -> None:
+        with self._lock:
+            self._pending.append((queue, item))
+            if len(self._pending) > 1:
+                return                      # a wake-up is already on its way
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class ServeState:
     """What the routes share: the engine, the tokenizer, the served name, HTTP counters."""
 
     def __init__(self, engine: Engine, tokenizer, model_name: str, *, chat_template: str | None = None,
-                 closer=None):
+                 closer=None, kv_spill_root=None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -73,6 +102,10 @@ class ServeState:
         self.created = int(time.time())
         self.responses: dict[int, int] = {}
         self.closer = closer
+        self._delivery = None
+        import os
+
+        self.kv_spill_root = None if kv_spill_root is None else os.path.realpath(kv_spill_root)
 
     # -- parsing ----------------------------------------------------------------------------------
     def parse_common(self, body: dict) -> dict:
@@ -99,9 +132,9 @@ class ServeState:
                            code="invalid_type")
         ctx = _field(body, "flash_context", dict, {})
         for key in ctx:
-            if key in KV_KEYS:
-                raise ApiError(400, f"flash_context key '{key}' needs the tiered KV cache "
-                               "(deepseek_flash.kv), which this server does not run", param="flash_context",
+            if key in KV_KEYS_PENDING and key not in CONFIG_KEYS:
+                raise ApiError(400, f"flash_context key '{key}' is not available: the tiered KV cache of "
+                               "this version has no pruning", param=f"flash_context.{key}",
                                code="unsupported_value")
             if key not in FLASH_CONTEXT_KEYS:
                 raise ApiError(400, f"unknown flash_context key '{key}'; allowed: {', '.join(FLASH_CONTEXT_KEYS)}",
@@ -111,6 +144,7 @@ class ServeState:
             raise ApiError(400, f"flash_context.priority_class must be one of {', '.join(CLASSES)}, got {cls!r}",
                            param="flash_context", code="invalid_value")
         window = _field(ctx, "prefetch_window", int, None, minimum=0, maximum=1 << 20)
+        kv = self.kv_options(ctx)
         stream_options = _field(body, "stream_options", dict, {})
         return dict(
             stream=_field(body, "stream", bool, False),
@@ -118,9 +152,45 @@ class ServeState:
             top_p=float(_field(body, "top_p", (int, float), 1.0, minimum=0, maximum=1)),
             seed=_field(body, "seed", int, None),
             priority=_field(body, "priority", int, 0),
-            priority_class=cls, prefetch_window=window, stops=stops,
+            priority_class=cls, prefetch_window=window, stops=stops, kv_options=kv,
             include_usage=bool(stream_options.get("include_usage", False)),
         )
+
+    def kv_options(self, ctx: dict) -> dict | None:
+        """``TieredCache.for_model`` arguments from the ``kv_*`` keys of ``flash_context``, checked
+        as the controller checks them in a config (400 naming the key); None when none is given.
+        ``kv_spill_dir`` must lie inside the server's ``--kv-spill-root`` (relative: under it)."""
+        given = {k: v for k, v in ctx.items() if k in KV_KEYS or k in KV_KEYS_PENDING}
+        if not given:
+            return None
+        options = {}
+        for key, value in given.items():
+            try:
+                value = CONFIG_KEYS[key].parse(key, value)
+            except FlashError as exc:
+                raise ApiError(400, f"flash_context.{key}: {exc.message}", param=f"flash_context.{key}",
+                               code="invalid_value") from None
+            if key == "kv_spill_dir" and value is not None:
+                value = self.spill_dir(given[key])
+            options[key[len("kv_"):]] = value
+        if options.get("host_bytes") is not None and options.get("spill_dir") is None:
+            raise ApiError(400, "flash_context.kv_host_bytes needs kv_spill_dir (where pages past the host "
+                           "budget go)", param="flash_context.kv_host_bytes", code="invalid_value")
+        return options
+
+    def spill_dir(self, value: str) -> str:
+        root = self.kv_spill_root
+        if root is None:
+            raise ApiError(400, "flash_context.kv_spill_dir: this server takes no spill directory from "
+                           "requests (start it with --kv-spill-root DIR)", param="flash_context.kv_spill_dir",
+                           code="unsupported_value")
+        import os
+
+        path = os.path.realpath(os.path.join(root, value))
+        if os.path.commonpath([path, root]) != root:
+            raise ApiError(400, f"flash_context.kv_spill_dir: {value!r} is outside the server's spill root",
+                           param="flash_context.kv_spill_dir", code="invalid_value")
+        return path
 
     def max_tokens(self, body: dict, prompt_len: int, names=("max_tokens",), default=None) -> int:
         limit = self.engine.max_model_len
@@ -189,19 +259,19 @@ class ServeState:
     def submit(self, prompt_ids: list, max_new: int, opts: dict):
         """Queue a generation; returns (generation, asyncio queue of engine events). Without
         ``opts["stream"]`` only the last event (done or error) is queued."""
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stream = opts["stream"]
+        deliver = self.delivery(asyncio.get_running_loop())
 
         def on_event(kind, data):
             if stream or kind != "token":
-                loop.call_soon_threadsafe(queue.put_nowait, (kind, data))
+                deliver(queue, (kind, data))
 
         req = SchedRequest(id=uuid.uuid4().hex, priority_class=opts["priority_class"], max_new_tokens=max_new,
                            temperature=opts["temperature"], top_p=opts["top_p"], priority=opts["priority"])
         eos = self.tokenizer.eos_token_id
         gen = Generation(req, prompt_ids, on_event, stop_strings=opts["stops"], seed=opts["seed"],
-                         prefetch_window=opts["prefetch_window"],
+                         prefetch_window=opts["prefetch_window"], kv_options=opts["kv_options"],
                          stop_ids=frozenset() if eos is None else frozenset({eos}))
         route = self.engine.submit(gen)
         if not route.admitted:
@@ -211,6 +281,13 @@ class ServeState:
                            code="rate_limit_exceeded" if overloaded else "server_shutting_down",
                            retry_after=route.retry_after)
         return gen, queue
+
+    def delivery(self, loop) -> "Delivery":
+        """The event loop's ``Delivery`` (one per loop)."""
+        current = self._delivery
+        if current is None or current.loop is not loop:
+            current = self._delivery = Delivery(loop)
+        return current
 
     def usage(self, gen: Generation) -> dict:
         return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.output_ids),
@@ -236,6 +313,9 @@ class ServeState:
                [({"class": c}, snap["running"][c]) for c in CLASSES])
         metric("slots", "gauge", "Rows of the running batch (--max-batch).", [({}, snap["slots"])])
         metric("l0_reserved_slots", "gauge", "Rows held for L0.", [({}, snap["l0_reserved"])])
+        metric("l2_headroom_ratio", "gauge",
+               "Slots left by L0/L1 demand, averaged over the degrade window (L2 degrades below 0.1).",
+               [({}, snap["l2_headroom"])])
         eng = snap["engine"]
         for key, help_text in [("steps", "Engine steps."), ("decode_steps", "Batched decode forwards."),
                                ("prefill_chunks", "Prefill forwards."), ("prompt_tokens", "Prompt tokens prefilled."),
@@ -374,6 +454,9 @@ def create_app(state: ServeState):
             last.cancel()
 
     def to_api_error(exc) -> ApiError:
+        if isinstance(exc, KVUnsupported):
+            return ApiError(400, f"{exc.message} [{type(exc).__name__}]", param="flash_context",
+                            code="unsupported_value")
         if isinstance(exc, FlashError):
             status = 503 if exc.code == 602 else 500
             return ApiError(status, f"{exc.message} [{type(exc).__name__}, code {exc.code}]",
@@ -398,10 +481,20 @@ def create_app(state: ServeState):
         try:
             if chat:
                 yield chunk("", role=True)
+            held = None
             while True:
-                kind, data = await queue.get()
+                kind, data = held if held is not None else await queue.get()
+                held = None
                 if kind == "token":
-                    yield chunk(data["text"])
+                    # Tokens that arrived meanwhile go out in the same write.
+                    out = [chunk(data["text"])]
+                    while not queue.empty():
+                        held = queue.get_nowait()
+                        if held[0] != "token":
+                            break
+                        out.append(chunk(held[1]["text"]))
+                        held = None
+                    yield "".join(out)
                 elif kind == "error":
                     yield f"data: {json.dumps(to_api_error(data).body())}\n\n"
                     return

@@ -17,7 +17,7 @@ DESCRIPTION = HELP + """
 
 Endpoints: /v1/chat/completions, /v1/completions (stream: true for server-sent events), /v1/models,
 /healthz, /metrics. Request extensions: flash_context {"priority_class": "L0"|"L1"|"L2",
-"prefetch_window": N} and priority. Guide: docs/serve.md.
+"prefetch_window": N, the tiered KV cache's kv_* keys} and priority. Guide: docs/serve.md.
 """
 
 log = logging.getLogger("deepseek_flash.serve")
@@ -42,6 +42,9 @@ def add_arguments(parser):
     parser.add_argument("--read-priority", type=int, default=0,
                         help="priority of this model's disk reads in the controller (its load, streamed "
                              "layers): higher goes before other models' waiting reads (default 0)")
+    parser.add_argument("--kv-spill-root", default=None,
+                        help="directory under which a request's flash_context.kv_spill_dir may put KV "
+                             "spill files (default: none; requests naming one get 400)")
     parser.add_argument("--embedded", action="store_true",
                         help="run the controller in this process even when a daemon answers")
     parser.add_argument("--torch-threads", type=bounded(int, 1), default=None,
@@ -53,7 +56,7 @@ def add_arguments(parser):
 
 def build(model_ref, *, device=None, weight_budget=None, max_batch=8, max_model_len=None,
           served_model_name=None, l0_capacity=50, scheduler="flash", embedded=None, gpu_busy=None,
-          read_priority=0):
+          read_priority=0, kv_spill_root=None):
     """Load the model and build the application: returns (FastAPI app, ServeState). The model is
     detached when the application shuts down."""
     from .app import create_app
@@ -63,7 +66,7 @@ def build(model_ref, *, device=None, weight_budget=None, max_batch=8, max_model_
     try:
         state = make_state(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len,
                            served_model_name=served_model_name, l0_capacity=l0_capacity,
-                           scheduler=scheduler, gpu_busy=gpu_busy)
+                           scheduler=scheduler, gpu_busy=gpu_busy, kv_spill_root=kv_spill_root)
     except BaseException:
         model.flash.close()
         raise
@@ -94,7 +97,7 @@ def load(model_ref, *, device=None, weight_budget=None, embedded=None, priority=
 
 
 def make_state(model, tokenizer, *, max_batch=8, max_model_len=None, served_model_name=None,
-               l0_capacity=50, scheduler="flash", gpu_busy=None):
+               l0_capacity=50, scheduler="flash", gpu_busy=None, kv_spill_root=None):
     """A started engine over ``model`` (a ``load_model`` model) with its scheduler, wrapped in the
     routes' ``ServeState``."""
     from .app import ServeState
@@ -110,7 +113,7 @@ def make_state(model, tokenizer, *, max_batch=8, max_model_len=None, served_mode
         sched = FlashScheduler(l0_capacity=l0_capacity, slots=max_batch, gpu_busy=gpu_busy)
     limit = max_model_len or min(4096, model.config.max_position_embeddings)
     engine = Engine(model, tokenizer, sched, max_batch=max_batch, max_model_len=limit).start()
-    return ServeState(engine, tokenizer, served_model_name or model.flash.info.name)
+    return ServeState(engine, tokenizer, served_model_name or model.flash.info.name, kv_spill_root=kv_spill_root)
 
 
 def nvml_busy(index: int):
@@ -171,7 +174,7 @@ def run(args) -> int:
                        max_batch=args.max_batch, max_model_len=args.max_model_len,
                        served_model_name=args.served_model_name, l0_capacity=args.l0_capacity,
                        scheduler=args.scheduler, embedded=True if args.embedded else None,
-                       read_priority=args.read_priority)
+                       read_priority=args.read_priority, kv_spill_root=args.kv_spill_root)
     host, port = sock.getsockname()[:2]
     log.info("serving %s on http://%s:%d (max batch %d, scheduler %s)", state.model_name, host, port,
              args.max_batch, args.scheduler)

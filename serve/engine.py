@@ -28,6 +28,11 @@ from .scheduler import FlashScheduler, Route, SchedRequest
 
 log = logging.getLogger("deepseek_flash.serve")
 
+# Added to the model's read priority (``--read-priority``) for the reads a forward causes, by the
+# highest class among its rows: an L0 request's layers go to the disk before another model's
+# load and before the reads of L1/L2 forwards; L2 yields to everyone.
+READ_PRIORITY_BY_CLASS = {"L0": 1, "L1": 0, "L2": -1}
+
 
 class RowCache:
     """The shared KV cache: a row per batch slot (duck-typed ``transformers`` cache).
@@ -48,16 +53,21 @@ class RowCache:
         self._kv_len = 0
         self.is_compileable = False
 
-    def bind(self, rows, positions, kv_len: int) -> None:
-        self._rows, self._positions, self._kv_len = rows, positions, kv_len
+    def bind(self, rows, positions, kv_len: int, span: tuple[int, int] | None = None) -> None:
+        """``span``: (first, end) when ``rows`` is that contiguous ascending range -- the attention
+        then reads a view of the cache instead of a gathered copy of every row's keys."""
+        self._rows, self._positions, self._kv_len, self._span = rows, positions, kv_len, span
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         rows, pos = self._rows[:, None], self._positions
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
         # Advanced indices around a slice put the indexed dims first: [b, q, kv_heads, head_dim].
-        self.keys[layer_idx][rows, :, pos] = key_states.transpose(1, 2).to(self.keys[layer_idx].dtype)
-        self.values[layer_idx][rows, :, pos] = value_states.transpose(1, 2).to(self.values[layer_idx].dtype)
-        return (self.keys[layer_idx][self._rows, :, : self._kv_len],
-                self.values[layer_idx][self._rows, :, : self._kv_len])
+        keys[rows, :, pos] = key_states.transpose(1, 2).to(keys.dtype)
+        values[rows, :, pos] = value_states.transpose(1, 2).to(values.dtype)
+        if self._span is not None:
+            first, end = self._span
+            return keys[first:end, :, : self._kv_len], values[first:end, :, : self._kv_len]
+        return keys[self._rows, :, : self._kv_len], values[self._rows, :, : self._kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
@@ -84,11 +94,15 @@ class Generation:
     output_ids: list = field(default_factory=list)
     text: str = ""
     sent: int = 0                       # characters of ``text`` already emitted
+    prefix_offset: int = 0              # incremental detokenization window (see Engine._detokenize)
+    read_offset: int = 0
     finish_reason: str | None = None
     cancelled: bool = False
     first_token_at: float | None = None
     bytes_streamed_at_start: int = 0
     generator: object = None
+    kv_options: dict | None = None      # for_model arguments: runs on a TieredCache of its own
+    kv_cache: object = None
 
     def cancel(self) -> None:
         """The client went away: the engine frees the row at the next step boundary."""
@@ -144,14 +158,23 @@ class Engine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self.eos_ids = frozenset(self._eos_ids(model))
-        self.stream = getattr(getattr(model, "flash", None), "stream", None)
+        self._attn_default = getattr(cfg, "_attn_implementation", None)
+        self.flash = getattr(model, "flash", None)
+        self.stream = getattr(self.flash, "stream", None)
+        self.read_base = int(getattr(self.flash, "priority", 0) or 0)
         self._lock = threading.Condition()
         self._gens: dict[int, Generation] = {}        # id(SchedRequest) -> Generation
         self._rows: list[Generation | None] = [None] * self.max_batch
         self._stop = False
         self._thread = None
+        # Step-time utilisation: the scheduler's device-busy reading where NVML gives none.
+        self._busy_s = 0.0
+        self._util_mark = (time.monotonic(), 0.0)
+        self._util = 0.0
+        if self.scheduler.gpu_busy is None:
+            self.scheduler.gpu_busy = self.utilisation
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
-                      "generated_tokens": 0, "finished": 0, "cancelled": 0, "failed": 0,
+                      "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0,
                       "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
 
     @staticmethod
@@ -218,6 +241,7 @@ class Engine:
                     if not any(self._rows):
                         self._lock.wait(0.05)
                         continue
+                began = time.monotonic()
                 try:
                     self._step()
                 except Exception as exc:     # noqa: BLE001 -- every running request gets the error
@@ -226,6 +250,19 @@ class Engine:
                     with self._lock:
                         for gen in [g for g in self._rows if g is not None]:
                             self._retire(gen, None, err)
+                finally:
+                    self._busy_s += time.monotonic() - began
+
+    def utilisation(self) -> float:
+        """The fraction of wall time spent in steps since the previous reading (readings at least
+        0.5 s apart; in between the last one is returned) -- the device-busy measure of the
+        scheduler's degrade rule where NVML gives none."""
+        now = time.monotonic()
+        since, busy_then = self._util_mark
+        if now - since >= 0.5:
+            self._util = min(1.0, (self._busy_s - busy_then) / (now - since))
+            self._util_mark = (now, self._busy_s)
+        return self._util
 
     def _boundary(self) -> None:
         """Drop cancelled requests, then let the scheduler fill the free rows (lock held)."""
@@ -239,6 +276,12 @@ class Engine:
             self._rows[gen.row] = gen
             if self.stream is not None:
                 gen.bytes_streamed_at_start = self.stream.bytes_streamed
+            if gen.kv_options is not None:
+                try:
+                    gen.kv_cache = self._tiered_cache(gen.kv_options)
+                except Exception as exc:   # noqa: BLE001 -- the request fails typed, the batch runs on
+                    self._retire(gen, None, exc if isinstance(exc, FlashError)
+                                 else FlashError(f"tiered KV cache: {exc}"))
 
     def _retire(self, gen: Generation, reason: str | None, error: Exception | None = None) -> None:
         """Take ``gen`` out of the batch and the scheduler and tell its client (lock held)."""
@@ -251,16 +294,75 @@ class Engine:
         if error is not None:
             self.stats["failed"] += 1
             gen.on_event("error", error)
+            self._close_kv(gen)
             return
         gen.finish_reason = reason
         if reason != "cancelled":
             self.stats["finished"] += 1
             gen.on_event("done", self.flash_stats(gen))
+        self._close_kv(gen)
+
+    @staticmethod
+    def _close_kv(gen: Generation) -> None:
+        if gen.kv_cache is not None:
+            gen.kv_cache.close()
 
     # -- one step ---------------------------------------------------------------------------------
-    def _forward(self, rows, ids, positions, kv_len):
+    # -- requests on a tiered KV cache of their own ---------------------------------------------
+    def _attention(self, name) -> None:
+        if name is not None and self.model.config._attn_implementation != name:
+            self.model.set_attn_implementation(name)
+
+    def _tiered_cache(self, options: dict):
+        """A ``TieredCache`` for one request (``flash_context``'s ``kv_*`` keys); the shared batch
+        keeps its own attention implementation."""
+        from ..kv import TieredCache
+
+        try:
+            return TieredCache.for_model(self.model, **options)
+        finally:
+            self._attention(self._attn_default)
+
+    def _solo_step(self, gen: Generation) -> None:
+        """One forward of a request on its own tiered cache: its whole prompt, or its last token."""
         torch = self.torch
-        self.cache.bind(rows, positions, kv_len)
+        if gen.prefilled < len(gen.prompt_ids):
+            chunk = gen.prompt_ids[gen.prefilled:]
+        else:
+            chunk = gen.output_ids[-1:]
+        kwargs = {self._cache_kw: gen.kv_cache, "use_cache": True}
+        if self._keep_kw is not None:
+            kwargs[self._keep_kw] = 1
+        self._read_priority([gen])
+        from ..kv.attention import NAME
+
+        self._attention(NAME)
+        try:
+            logits = self.model(input_ids=torch.tensor([chunk], device=self.device), **kwargs).logits[:, -1, :]
+        finally:
+            self._attention(self._attn_default)
+        if gen.prefilled < len(gen.prompt_ids):
+            gen.prefilled = len(gen.prompt_ids)
+            self.stats["prefill_chunks"] += 1
+            self.stats["prompt_tokens"] += len(chunk)
+        token = _sample(torch, logits, [gen])[0]
+        with self._lock:
+            if not gen.cancelled and gen.finish_reason is None:
+                self._accept(gen, token, time.monotonic())
+
+    def _read_priority(self, gens) -> None:
+        """Reads this forward causes (a streamed model's layers not yet in the host tier) carry the
+        priority of the most urgent class among ``gens``."""
+        if self.stream is None or not hasattr(self.flash, "set_read_priority"):
+            return
+        p = self.read_base + max(READ_PRIORITY_BY_CLASS[g.sched.priority_class] for g in gens)
+        if p != self.flash.priority:
+            self.flash.set_read_priority(p)
+
+    def _forward(self, rows: list, ids, positions, kv_len):
+        torch = self.torch
+        span = (rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[0] + len(rows))) else None
+        self.cache.bind(torch.tensor(rows, device=self.device), positions, kv_len, span)
         keys = torch.arange(kv_len, device=self.device)
         allowed = keys[None, None, None, :] <= positions[:, None, :, None]
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
@@ -271,36 +373,93 @@ class Engine:
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
         return out.logits[:, -1, :]
 
+    def _prefill(self, group) -> None:
+        """One forward over ``group`` -- (generation, tokens) pairs: the next ``tokens`` of each
+        prompt. Rows are left-padded to the longest chunk, so the last position is every row's last
+        real token; padding writes its keys at the row's next position (``end``), which no real
+        query of this forward reads and the row's next forward overwrites before reading it. A
+        prompt whose last chunk this is gets its first token now, before the batch's decode."""
+        torch = self.torch
+        width = max(n for _, n in group)
+        ids, pos = [], []
+        for gen, n in group:
+            start = gen.prefilled
+            end = start + n
+            ids.append([0] * (width - n) + gen.prompt_ids[start:end])
+            pos.append([end] * (width - n) + list(range(start, end)))
+        rows = [g.row for g, _ in group]
+        positions = torch.tensor(pos, device=self.device)
+        kv_len = max(g.prefilled + n for g, n in group) + (1 if any(n < width for _, n in group) else 0)
+        self._read_priority([g for g, _ in group])
+        logits = self._forward(rows, torch.tensor(ids, device=self.device), positions, kv_len)
+        self.stats["prefill_forwards"] += 1
+        done = []
+        for i, (gen, n) in enumerate(group):
+            gen.prefilled += n
+            self.stats["prefill_chunks"] += 1
+            self.stats["prompt_tokens"] += n
+            if gen.prefilled == len(gen.prompt_ids):
+                done.append(i)
+        if done:
+            # The first token goes out now, not after the batch's decode: TTFT is one prefill.
+            tokens = _sample(torch, logits[done], [group[i][0] for i in done])
+            now = time.monotonic()
+            with self._lock:
+                for i, token in zip(done, tokens):
+                    gen = group[i][0]
+                    if not gen.cancelled:
+                        self._accept(gen, token, now)
+
+    def _prefill_l0(self) -> None:
+        """Every L0 prompt in the batch, one chunk each, in one forward of their own -- before any
+        other prefill or the decode of this step."""
+        with self._lock:
+            group = [(g, min(self.prefill_chunk, len(g.prompt_ids) - g.prefilled)) for g in self._rows
+                     if g is not None and g.sched.priority_class == "L0" and g.prefilled < len(g.prompt_ids)
+                     and not g.cancelled and g.kv_cache is None]
+        if group:
+            self._prefill(group)
+
     def _step(self) -> None:
+        """One step: L0 prompts, then at most ``prefill_chunk`` tokens of the other prompts (in the
+        order they joined, packed into one forward), then -- after letting in an L0 request that
+        arrived meanwhile, and prefilling it -- one batched decode over every row with a token to
+        feed. An L0 request therefore waits for at most one forward of bounded size before its
+        own prefill, whatever the batch holds."""
         torch = self.torch
         with self._lock:
             batch = [g for g in self._rows if g is not None]
         self._apply_window(batch)
-        # Newcomers (and prompts longer than one chunk): one chunk each.
-        for gen in [g for g in batch if g.prefilled < len(g.prompt_ids)]:
-            start = gen.prefilled
-            chunk = gen.prompt_ids[start: start + self.prefill_chunk]
-            end = start + len(chunk)
-            ids = torch.tensor([chunk], device=self.device)
-            pos = torch.arange(start, end, device=self.device)[None, :]
-            logits = self._forward(torch.tensor([gen.row], device=self.device), ids, pos, end)
-            gen.prefilled = end
-            self.stats["prefill_chunks"] += 1
-            self.stats["prompt_tokens"] += len(chunk)
-            if end == len(gen.prompt_ids):
-                # The first token goes out now, not after the batch's decode: TTFT is one prefill.
-                token = _sample(torch, logits, [gen])[0]
-                with self._lock:
-                    if not gen.cancelled:
-                        self._accept(gen, token, time.monotonic())
+        self._prefill_l0()
+        budget, group = self.prefill_chunk, []
+        for gen in sorted((g for g in batch if g.sched.priority_class != "L0" and not g.cancelled
+                           and g.kv_cache is None and g.prefilled < len(g.prompt_ids)), key=lambda g: (g.sched.started, g.sched.seq)):
+            n = min(budget, len(gen.prompt_ids) - gen.prefilled)
+            if n <= 0:
+                break
+            group.append((gen, n))
+            budget -= n
+        if group:
+            self._prefill(group)
+        with self._lock:
+            if self.scheduler.queued_count("L0"):
+                self._boundary()
+        self._prefill_l0()
+        # Requests on a tiered KV cache of their own: one forward each.
+        for gen in [g for g in batch if g.kv_cache is not None]:
+            if not gen.cancelled and gen.finish_reason is None and gen.row is not None:
+                self._solo_step(gen)
         # One batched decode over every row whose last token is not yet in the cache.
-        decoding = [g for g in batch if g.prefilled == len(g.prompt_ids) and g.output_ids
-                    and g.finish_reason is None]
+        with self._lock:
+            decoding = [g for g in self._rows if g is not None and g.prefilled == len(g.prompt_ids)
+                        and g.output_ids and g.finish_reason is None and not g.cancelled
+                        and g.kv_cache is None]
         if decoding:
-            rows = torch.tensor([g.row for g in decoding], device=self.device)
+            rows = [g.row for g in decoding]
             ids = torch.tensor([[g.output_ids[-1]] for g in decoding], device=self.device)
             lengths = [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding]
             pos = torch.tensor(lengths, device=self.device)[:, None]
+            self._read_priority(decoding)
             logits = self._forward(rows, ids, pos, max(lengths) + 1)
             produced = list(zip(decoding, _sample(torch, logits, decoding)))
             self.stats["decode_steps"] += 1
@@ -328,23 +487,22 @@ class Engine:
             self.stats["generated_tokens"] += 1
         else:
             reason = "stop"
-        gen.sched.generated = len(gen.output_ids)
-        if reason is None:
-            gen.text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-            for stop in gen.stop_strings:
-                at = gen.text.find(stop)
-                if at >= 0:
-                    gen.text, reason = gen.text[:at], "stop"
-        if reason is None and len(gen.output_ids) >= gen.sched.max_new_tokens:
+        n = len(gen.output_ids)
+        gen.sched.generated = n
+        if reason is None and (n >= gen.sched.max_new_tokens or len(gen.prompt_ids) + n >= self.max_model_len):
             reason = "length"
-        if reason is None and len(gen.prompt_ids) + len(gen.output_ids) >= self.max_model_len:
-            reason = "length"
-        # Hold back an incomplete UTF-8 sequence, and the tail that may still become a stop string.
+        before = len(gen.text)
+        self._detokenize(gen, final=reason is not None)
+        if gen.stop_strings and len(gen.text) > before:
+            # Only the new text (and the longest stop string's reach back into the old) can match.
+            start = max(0, before - max(len(s) for s in gen.stop_strings) + 1)
+            hits = [at for at in (gen.text.find(stop, start) for stop in gen.stop_strings) if at >= 0]
+            if hits:
+                gen.text, reason = gen.text[:min(hits)], "stop"
+        # Hold back the tail that may still become a stop string.
         ready = len(gen.text)
-        if reason is None:
-            if gen.text.endswith("\ufffd"):
-                ready = len(gen.text.rstrip("\ufffd"))
-            hold = max((len(s) - 1 for s in gen.stop_strings), default=0)
+        if reason is None and gen.stop_strings:
+            hold = max(len(s) for s in gen.stop_strings) - 1
             ready = max(gen.sent, ready - hold)
         # One event per generated token (its text may be empty while held back), so a stream shows
         # progress -- and the time to the first token -- even before the text is printable.
@@ -353,6 +511,20 @@ class Engine:
             gen.sent = ready
         if reason is not None:
             self._retire(gen, reason)
+
+    def _detokenize(self, gen: Generation, final: bool) -> None:
+        """Extend ``gen.text`` by the characters the new tokens complete, decoding only a window
+        of the last tokens (not the whole output at every token): the window from
+        ``gen.prefix_offset`` keeps the context a tokenizer needs for a leading space, and text
+        that ends in an incomplete UTF-8 sequence waits for the next token -- except at the end
+        (``final``), where the whole output's decode is what is answered."""
+        ids = gen.output_ids
+        decode = self.tokenizer.decode
+        prefix = decode(ids[gen.prefix_offset: gen.read_offset], skip_special_tokens=True)
+        new = decode(ids[gen.prefix_offset:], skip_special_tokens=True)
+        if final or (len(new) > len(prefix) and not new.endswith("\ufffd")):
+            gen.text += new[len(prefix):]
+            gen.prefix_offset, gen.read_offset = gen.read_offset, len(ids)
 
     def _apply_window(self, batch) -> None:
         """Requests that asked for a ``prefetch_window`` pin the stream's window (the largest asked,
@@ -371,9 +543,15 @@ class Engine:
         stats = {"class": req.priority_class, "priority": req.priority,
                  "queue_ms": None if req.queue_ms is None else round(req.queue_ms, 3),
                  "ttft_ms": None if gen.first_token_at is None else round((gen.first_token_at - req.arrival) * 1e3, 3),
-                 "degrade_steps": list(req.degraded),
-                 "kv": {"tokens": len(gen.prompt_ids) + len(gen.output_ids),
-                        "bytes": (len(gen.prompt_ids) + len(gen.output_ids)) * self.cache.bytes_per_token}}
+                 "degrade_steps": list(req.degraded)}
+        tokens = len(gen.prompt_ids) + len(gen.output_ids)
+        if gen.kv_cache is not None:
+            tiered = gen.kv_cache.stats()
+            stats["kv"] = {"tokens": tokens, "cache": "tiered",
+                           "bytes": tiered["gpu_bytes"] + tiered["host_bytes"] + tiered["spilled_bytes"],
+                           "tiered": tiered}
+        else:
+            stats["kv"] = {"tokens": tokens, "cache": "rows", "bytes": tokens * self.cache.bytes_per_token}
         if self.stream is not None:
             hits, misses = self.stream.hits, self.stream.misses
             stats.update(prefetch_hit_rate=round(hits / (hits + misses), 4) if hits + misses else None,

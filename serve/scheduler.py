@@ -18,11 +18,16 @@ The classes (``priority_class`` in a request's ``flash_context``):
   becomes the tag of the request that joined (self-clocked fair queueing). Service per unit of
   weight is what is equalised, so a long request is not starved by a stream of short ones.
 * **L2 elastic**: joins only while the slots not used or wanted by anyone exceed ``l2_idle_above``
-  (30 %) of all slots. Under pressure -- idle below ``degrade_idle_below`` (10 %), or the GPU more
-  than ``gpu_busy_above`` (95 %) busy for ``gpu_busy_seconds`` (5 s) -- every running L2 request is
-  degraded one step per ``degrade_interval``: temperature +0.1, then top_p 0.85, then
-  ``max_new_tokens`` cut to 70 % of what is left (``l2_degrade_policy="temperature_first"``, the
-  only order the seed defines; ``"none"`` never degrades).
+  (30 %) of all slots. It is degraded only under pressure from the other classes: when the
+  *headroom left by L0/L1 demand* -- the slots neither running nor wanted by a queued L0/L1 request,
+  averaged over the last ``idle_window`` (5 s) -- is below ``degrade_idle_below`` (10 %) of the
+  slots, or when the device has been more than ``gpu_busy_above`` (95 %) busy for
+  ``gpu_busy_seconds`` (5 s) while L0/L1 requests waited for a slot all that time. L2's own rows
+  never count as pressure: in a continuously batched engine a full batch is the normal state, and
+  an elastic request that merely fills idle rows must not degrade itself. Under pressure every
+  running L2 request is degraded one step per ``degrade_interval``: temperature +0.1, then top_p
+  0.85, then ``max_new_tokens`` cut to 70 % of what is left (``l2_degrade_policy=
+  "temperature_first"``, the only order the seed defines; ``"none"`` never degrades).
 
 Within a class, a request's integer ``priority`` comes first (lower runs earlier, as in vLLM), then
 the class's own order. Overload beyond what the queue holds (``max_queued``) is refused with 429;
@@ -92,7 +97,7 @@ class FlashScheduler:
                  l2_degrade_policy: str = "temperature_first", *, slots: int = 8,
                  l0_reserve: float = 0.15, l2_idle_above: float = 0.30, degrade_idle_below: float = 0.10,
                  gpu_busy_above: float = 0.95, gpu_busy_seconds: float = 5.0,
-                 degrade_interval: float = 1.0, max_queued: int | None = None,
+                 degrade_interval: float = 1.0, idle_window: float = 5.0, max_queued: int | None = None,
                  clock=time.monotonic, gpu_busy=None):
         if l2_degrade_policy not in DEGRADE_POLICIES:
             raise ConfigError(f"l2_degrade_policy {l2_degrade_policy!r} is not one of {DEGRADE_POLICIES}",
@@ -118,6 +123,10 @@ class FlashScheduler:
         self.gpu_busy_above = gpu_busy_above
         self.gpu_busy_seconds = gpu_busy_seconds
         self.degrade_interval = degrade_interval
+        if not idle_window > 0:
+            raise ConfigError(f"idle_window must be > 0 seconds, got {idle_window}", key="idle_window",
+                              value=idle_window, allowed="> 0")
+        self.idle_window = float(idle_window)
         self.max_queued = 16 * self.slots if max_queued is None else int(max_queued)
         self.clock = clock
         self.gpu_busy = gpu_busy
@@ -128,6 +137,8 @@ class FlashScheduler:
         self.mean_service_s = 1.0           # EWMA of time in the batch; feeds Retry-After
         self._seq = 0
         self._busy_since: float | None = None
+        # L0/L1 demand (slots running or wanted by them) as a step function: (since, slots).
+        self._demand: list[tuple[float, int]] = []
         self.counters = {"admitted": {c: 0 for c in CLASSES}, "refused_429": {c: 0 for c in CLASSES},
                          "refused_503": {c: 0 for c in CLASSES}, "finished": {c: 0 for c in CLASSES},
                          "degrade_steps": {s: 0 for s in DEGRADE_STEPS}, "degraded_requests": 0}
@@ -156,6 +167,7 @@ class FlashScheduler:
             request.tag = self.virtual_time + request.max_new_tokens / weight
         self.queued.append(request)
         self.counters["admitted"][cls] += 1
+        self._note_demand()
         return Route(True, cls)
 
     def _refuse(self, request, status: int, reason: str) -> Route:
@@ -181,6 +193,10 @@ class FlashScheduler:
         if cls == "L1":
             return sorted(queue, key=lambda r: (r.priority, r.tag, r.seq))
         return sorted(queue, key=lambda r: (r.priority, r.seq))
+
+    def queued_count(self, cls: str) -> int:
+        """Requests of class ``cls`` waiting to join."""
+        return self._count(self.queued, cls)
 
     def dispatch(self) -> list[SchedRequest]:
         """The queued requests that join the batch now, in order (they are marked running)."""
@@ -214,6 +230,7 @@ class FlashScheduler:
                 break
             start(r)
             free -= 1
+        self._note_demand()
         return chosen
 
     def finish(self, request: SchedRequest) -> None:
@@ -226,22 +243,51 @@ class FlashScheduler:
                 self.mean_service_s = 0.8 * self.mean_service_s + 0.2 * spent
         elif request in self.queued:
             self.queued.remove(request)
+        self._note_demand()
 
     # -- pressure and degrade ---------------------------------------------------------------------
+    def demand(self) -> int:
+        """Slots L0/L1 use or want now: running plus queued, at most all slots."""
+        return min(self.slots, self._count(self.running, "L0", "L1") + self._count(self.queued, "L0", "L1"))
+
+    def _note_demand(self) -> None:
+        now, slots = self.clock(), self.demand()
+        if self._demand and self._demand[-1][1] == slots:
+            return
+        if self._demand and self._demand[-1][0] == now:
+            self._demand[-1] = (now, slots)
+        else:
+            self._demand.append((now, slots))
+        # Keep the last change before the window: it holds at the window's start.
+        while len(self._demand) > 1 and self._demand[1][0] <= now - self.idle_window:
+            self._demand.pop(0)
+
     def idle_fraction(self) -> float:
-        """Slots neither running nor wanted by a queued request, over all slots."""
-        return max(0, self.slots - len(self.running) - len(self.queued)) / self.slots
+        """Headroom left by L0/L1 demand over the last ``idle_window`` seconds: one minus the
+        time-average of the slots L0/L1 requests ran in or waited for, over all slots. Time before
+        the first request counts as idle; L2's own rows do not count at all."""
+        now = self.clock()
+        start = now - self.idle_window
+        used = 0.0
+        for i, (since, slots) in enumerate(self._demand):
+            until = self._demand[i + 1][0] if i + 1 < len(self._demand) else now
+            used += slots * max(0.0, min(until, now) - max(since, start))
+        return 1.0 - used / (self.idle_window * self.slots)
 
     def under_pressure(self) -> bool:
+        """Pressure on L2 from the other classes: L0/L1 headroom below ``degrade_idle_below`` over
+        the window, or the device more than ``gpu_busy_above`` busy for ``gpu_busy_seconds`` with
+        L0/L1 requests waiting for a slot throughout."""
         now = self.clock()
         busy = self.gpu_busy() if self.gpu_busy is not None else None
-        if busy is not None and busy > self.gpu_busy_above:
+        waiting = self._count(self.queued, "L0", "L1") > 0
+        if busy is not None and busy > self.gpu_busy_above and waiting:
             if self._busy_since is None:
                 self._busy_since = now
         else:
             self._busy_since = None
         gpu_hot = self._busy_since is not None and now - self._busy_since >= self.gpu_busy_seconds
-        return gpu_hot or self.idle_fraction() < self.degrade_idle_below
+        return gpu_hot or self.idle_fraction() < self.degrade_idle_below - 1e-9
 
     def tick(self) -> list[tuple[SchedRequest, str]]:
         """Degrade steps applied now: one step per running L2 request under pressure, at most one per
@@ -276,6 +322,7 @@ class FlashScheduler:
         return {"queued": {c: self._count(self.queued, c) for c in CLASSES},
                 "running": {c: self._count(self.running, c) for c in CLASSES},
                 "slots": self.slots, "l0_reserved": self.l0_reserved,
+                "l2_headroom": round(self.idle_fraction(), 4),
                 **{k: (dict(v) if isinstance(v, dict) else v) for k, v in self.counters.items()}}
 
 
@@ -296,4 +343,5 @@ class FifoScheduler(FlashScheduler):
             self.running.append(r)
             r.started = now
             chosen.append(r)
+        self._note_demand()
         return chosen

@@ -137,3 +137,35 @@ def test_a_load_reads_with_the_priority_of_the_attach_that_started_it(gated):
     engine.open(len(cold))
     slow.result(timeout=30)
     loader.detach(cid)
+
+
+@pytest.mark.parametrize("priority", [0, 5])
+def test_an_urgent_acquire_moves_its_blocks_ahead_of_what_was_queued_before_them(gated, priority):
+    # A cold load is waiting; a prefetch hint (priority 0) then queues layer 3 behind it. An acquire
+    # of layer 3 at a higher priority takes those waiting reads ahead of the cold load's rest; at
+    # the same priority they keep their place.
+    manager, engine, store = gated
+    manager.reads.chunk_bytes = 1
+    manager.reads.inflight_bytes = 1
+    manager.open_model(0, "tiny")
+    cold = layer_blocks(store, 0, 1, 2)
+    urgent = layer_blocks(store, 3)
+    slow = manager.acquire_async(0, "tiny", blocks=[b.id for b in cold])
+    assert manager.prefetch("tiny", layers=[3]) == len(urgent)
+    fast = manager.acquire_async(0, "tiny", blocks=[b.id for b in urgent], priority=priority)
+    assert engine.batches_submitted(1) == [[cold[0].offset]]
+    if priority:
+        engine.open(2)
+        lease = fast.result(timeout=30)
+        # The promoted reads form one chunk, in file order, right after the read in flight.
+        assert engine.batches_submitted(3)[1:] == [[b.offset for b in urgent], [cold[1].offset]]
+        assert not slow.done()
+        for b in urgent:
+            assert bytes(manager.arena.view(lease.blocks[b.id], b.length)) == store.read_block(b.id)
+    engine.open(len(cold) + len(urgent))
+    fast.result(timeout=30), slow.result(timeout=30)
+    flat = [o for batch in engine.submitted for o in batch]
+    if not priority:
+        assert flat == [b.offset for b in cold + urgent]
+    assert sorted(flat) == sorted(b.offset for b in cold + urgent)
+    assert manager.reads.inflight == 0 and manager.reads._waiting == []

@@ -91,13 +91,30 @@ def test_cancel_frees_the_row_for_the_next_request(engine):
     assert eng.scheduler.snapshot()["running"] == {"L0": 0, "L1": 0, "L2": 0}
 
 
-def test_degrade_steps_reach_sampling_and_the_response(engine):
-    # One slot: an L2 request alone leaves 0 % idle -> pressure at every step; with no interval
-    # between steps it gets temperature +0.1, top_p 0.85, then 70 % of what is left.
-    sched = FlashScheduler(slots=1, degrade_interval=0.0)
-    eng = engine(max_batch=1, scheduler=sched)
+def boundary(eng):
+    with eng._lock:
+        eng._boundary()
+
+
+def test_degrade_steps_reach_sampling_and_the_response(tiny_reference, tiny_tokenizer):
+    # Steps driven by hand (no engine thread). Two rows: an L2 request joins the idle engine, then
+    # two long L1 requests arrive -- one joins, one waits -- so L0/L1 want every slot; with a tiny
+    # window and no interval the L2 request gets one step per engine step: temperature +0.1,
+    # top_p 0.85, then 70 % of what is left.
+    sched = FlashScheduler(slots=2, degrade_interval=0.0, idle_window=1e-6, l0_reserve=0.0)
+    eng = Engine(tiny_reference, tiny_tokenizer, sched, max_batch=2)
     g = generation([3, 4, 5], 100, cls="L2", seed=1)
     assert eng.submit(g).admitted
+    boundary(eng)
+    long = [generation([6, 7], 400), generation([8, 9], 400)]
+    for other in long:
+        assert eng.submit(other).admitted
+    boundary(eng)
+    assert [x.row is not None for x in long] == [True, False]
+    with torch.inference_mode():
+        while not g.on_event.done.is_set():
+            eng._step()
+            boundary(eng)
     kind, stats = g.on_event.result()
     assert stats["degrade_steps"] == ["temperature", "top_p", "max_new_tokens"]
     assert (g.sched.temperature, g.sched.top_p) == (0.1, 0.85)
@@ -106,6 +123,21 @@ def test_degrade_steps_reach_sampling_and_the_response(engine):
     assert g.sched.max_new_tokens == 4 + int(96 * 0.7)
     assert len(g.output_ids) == g.sched.max_new_tokens and g.finish_reason == "length"
     assert sched.snapshot()["degrade_steps"] == {"temperature": 1, "top_p": 1, "max_new_tokens": 1}
+    # The waiting L1 request took the freed row; nothing of L1 was degraded.
+    assert long[1].row is not None and not any(x.sched.degraded for x in long)
+    eng.close(timeout=0)
+
+
+def test_l2_alone_is_never_degraded_by_the_engine(engine):
+    # One row, an L2 request in it: the batch is full and every step is busy, yet nobody else
+    # wants the row -- no degrade step, its tokens are the greedy ones.
+    eng = engine(max_batch=1, scheduler=FlashScheduler(slots=1, degrade_interval=0.0, idle_window=1e-3))
+    g = generation([3, 4, 5], 60, cls="L2")
+    assert eng.submit(g).admitted
+    kind, stats = g.on_event.result()
+    assert (kind, stats["degrade_steps"], g.sched.temperature) == ("done", [], 0.0)
+    assert len(g.output_ids) == 60 and eng.scheduler.snapshot()["degraded_requests"] == 0
+    assert 0.0 <= eng.utilisation() <= 1.0
 
 
 def test_stop_strings_and_eos_end_generation(engine, tiny_reference):
@@ -147,3 +179,182 @@ def test_a_streamed_model_gives_the_same_tokens_and_reports_its_stream(tiny_toke
             eng.close(timeout=5)
     finally:
         model.flash.close()
+
+
+class Forwards:
+    """Records the engine's forwards -- (kind, rows, tokens per row) -- and runs ``at[k]()`` when
+    forward ``k`` begins (a request arriving while that forward is in flight)."""
+
+    def __init__(self, eng, at=None):
+        self.eng, self.at, self.log = eng, dict(at or {}), []
+        self.inner = eng._forward
+        eng._forward = self
+
+    def __call__(self, rows, ids, positions, kv_len):
+        k = len(self.log)
+        kind = "decode" if ids.shape[1] == 1 and all(g is not None and g.output_ids and g.prefilled == len(g.prompt_ids)
+                                                     for g in (self.eng._rows[r] for r in rows)) else "prefill"
+        self.log.append((kind, list(rows), ids.shape[1]))
+        if k in self.at:
+            self.at.pop(k)()
+        return self.inner(rows, ids, positions, kv_len)
+
+
+def loaded_engine(tiny_reference, tiny_tokenizer):
+    """Four rows (one held for L0), chunks of 8 tokens: two L1 requests decoding, and a third whose
+    40-token prompt has just joined."""
+    eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=4), max_batch=4, prefill_chunk=8)
+    running = [generation([3 + i, 4, 5], 400) for i in range(2)]
+    for g in running:
+        assert eng.submit(g).admitted
+    boundary(eng)
+    with torch.inference_mode():
+        eng._step()
+    assert all(len(g.output_ids) == 2 for g in running)
+    long_prompt = generation([(11 * j) % 250 + 2 for j in range(40)], 50)
+    assert eng.submit(long_prompt).admitted
+    return eng, running, long_prompt
+
+
+def test_l0_prefill_goes_first_in_its_own_forward(tiny_reference, tiny_tokenizer):
+    eng, running, long_prompt = loaded_engine(tiny_reference, tiny_tokenizer)
+    l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    assert eng.submit(l0).admitted
+    boundary(eng)
+    seen = []
+    rec = Forwards(eng, {1: lambda: seen.append(len(l0.output_ids))})
+    with torch.inference_mode():
+        eng._step()
+    # The L0 prompt alone, then one 8-token chunk of the long prompt, then the decode of all
+    # three rows with a token to feed (the L0 row included).
+    assert rec.log == [("prefill", [l0.row], 5), ("prefill", [long_prompt.row], 8),
+                       ("decode", sorted([running[0].row, running[1].row, l0.row]), 1)]
+    assert seen == [1]                                # first token out before the next forward
+    assert l0.output_ids[:1] == alone(tiny_reference, l0.prompt_ids, 1)
+    eng.close(timeout=0)
+
+
+@pytest.mark.parametrize("arrive_at", range(5))
+def test_l0_arriving_under_load_waits_for_at_most_the_forward_in_flight(tiny_reference, tiny_tokenizer, arrive_at):
+    # Unloaded, an L0 request's first token takes one forward (its prefill). Under load it arrives
+    # while forward ``arrive_at`` of the batch runs (chunks of the long prompt, decodes); its first
+    # token must come from the very next forward: <= 2 forwards from arrival, never the rest of
+    # the step or the other prompts' chunks.
+    eng, running, long_prompt = loaded_engine(tiny_reference, tiny_tokenizer)
+    boundary(eng)
+    l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    marks = {}
+
+    def arrive():
+        marks["arrived"] = len(rec.log)               # the forward in flight is number len - 1
+        assert eng.submit(l0).admitted
+    rec = Forwards(eng, {arrive_at: arrive})
+    with torch.inference_mode():
+        while not l0.output_ids:
+            eng._step()
+            boundary(eng)
+    first = next(i for i, (kind, rows, _) in enumerate(rec.log) if rows == [l0.row])
+    assert rec.log[first] == ("prefill", [l0.row], 5)
+    assert first - (marks["arrived"] - 1) + 1 <= 2
+    # No forward but the L0 prefill carried more than one chunk of prompt.
+    assert all(kind == "decode" or n <= 8 for kind, _, n in rec.log)
+    assert l0.output_ids[:1] == alone(tiny_reference, l0.prompt_ids, 1)
+    eng.close(timeout=0)
+
+
+@pytest.fixture(scope="module")
+def streamed_store(tmp_path_factory):
+    from deepseek_flash.daemon.planner import resident_minimum
+    from deepseek_flash.store import Store, pack
+    from deepseek_flash.testing import make_tiny_model
+
+    tmp = tmp_path_factory.mktemp("streamed")
+    src = make_tiny_model(tmp / "src", num_layers=4, vocab_size=260, eos_token_id=256, bos_token_id=None,
+                          pad_token_id=None)
+    store = pack(src, tmp / "store")
+    return store, resident_minimum(Store.open(store).blocks)
+
+
+@pytest.mark.parametrize("cls, expected", [("L0", 4), ("L1", 3), ("L2", 2)])
+def test_the_class_of_a_request_is_the_priority_of_the_reads_it_causes(tiny_tokenizer, streamed_store, cls,
+                                                                        expected):
+    # A model streamed under a budget, loaded with read priority 3 (--read-priority): its streamed
+    # layers are read on the first forward, with the priority of the class of the request in it.
+    from deepseek_flash.client.model import load_model
+
+    store, budget = streamed_store
+    model = load_model(str(store), device="cpu", weight_budget=budget, embedded=True, priority=3)
+    try:
+        client, asked = model.flash.client, []
+        real = client.acquire
+
+        def acquire(*args, **kwargs):
+            asked.append(kwargs.get("priority"))
+            return real(*args, **kwargs)
+        client.acquire = acquire
+        eng = Engine(model, tiny_tokenizer, FlashScheduler(slots=2, l0_reserve=0.0), max_batch=2)
+        g = generation([5, 6, 7], 3, cls=cls)
+        assert eng.submit(g).admitted
+        boundary(eng)
+        with torch.inference_mode():
+            while not g.on_event.done.is_set():
+                eng._step()
+                boundary(eng)
+        assert len(asked) == len(model.flash.stream.plan.streamed_layers) > 0
+        assert set(asked) == {expected} and model.flash.priority == expected
+        eng.close(timeout=0)
+    finally:
+        model.flash.close()
+
+
+def test_a_request_with_kv_keys_runs_on_a_tiered_cache_beside_the_batch(engine, tiny_reference, tmp_path):
+    # Lossless settings (every page attended) with a tiny device window: pages go to the host and
+    # past a tiny host budget to spill files, the greedy tokens stay those of the model alone, and
+    # the request beside it in the shared batch is untouched by the attention switch.
+    eng = engine(max_batch=3, prefill_chunk=8, scheduler=FlashScheduler(slots=3, l0_reserve=0.0))
+    prompt = [(5 * j) % 250 + 3 for j in range(70)]
+    tiered = generation(prompt, 30, kv_options={"gpu_tokens": 16, "sink_tokens": 2, "page_tokens": 16,
+                                                "host_bytes": 1, "spill_dir": str(tmp_path / "spill")})
+    plain = generation(prompt[:20], 30)
+    assert eng.submit(tiered).admitted and eng.submit(plain).admitted
+    kind, stats = tiered.on_event.result()
+    assert kind == "done" and tiered.output_ids == alone(tiny_reference, prompt, 30)
+    assert plain.on_event.result()[0] == "done" and plain.output_ids == alone(tiny_reference, prompt[:20], 30)
+    kv = stats["kv"]
+    assert (kv["cache"], kv["tokens"]) == ("tiered", 100)
+    t = kv["tiered"]
+    assert t["tokens"] == 99 and t["page_tokens"] == 16 and t["pages"] > 0
+    assert t["spilled_bytes"] > 0 and kv["bytes"] == t["gpu_bytes"] + t["host_bytes"] + t["spilled_bytes"]
+    assert tiny_reference.config._attn_implementation == eng._attn_default
+    assert list((tmp_path / "spill").iterdir()) == []             # spill files gone with the request
+    assert plain.on_event.events[-1][1]["kv"]["cache"] == "rows"
+
+
+# Token streams of the byte-level tokenizer (id == byte) -> (stop strings, streamed text, reason)
+DETOK_TABLE = [
+    (list("héllo wörld €1 🙂!".encode()), (), "héllo wörld €1 🙂!", "length"),
+    # A lone continuation byte in the middle, and a character cut by the end: what the whole
+    # output decodes to.
+    (list(b"ab\x80cd\xe2\x82"), (), "ab\ufffdcd\ufffd", "length"),
+    # Stop strings: across tokens and inside a multi-byte character's neighbourhood.
+    (list("xé<END>yz".encode()), ("<END>",), "xé", "stop"),
+    (list("aaé€b".encode()), ("é€", "zz"), "aa", "stop"),
+    (list(b"q\xe2\x82\xac") + [256, 65], (), "q€", "stop"),           # eos ends it
+]
+
+
+@pytest.mark.parametrize("ids, stops, text, reason", DETOK_TABLE)
+def test_incremental_detokenization_answers_what_the_whole_output_decodes_to(tiny_reference, tiny_tokenizer,
+                                                                              ids, stops, text, reason):
+    eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=1), max_batch=1)
+    g = generation([1], len(ids), stop_strings=stops, stop_ids=frozenset({256}))
+    with eng._lock:
+        for token in ids:
+            if g.finish_reason is not None:
+                break
+            eng._accept(g, token, time.monotonic())
+    assert (g.on_event.text, g.text, g.finish_reason) == (text, text, reason)
+    if reason == "length":
+        assert text == tiny_tokenizer.decode(ids)
+    # One token event per generated token; the done event last.
+    assert [k for k, _ in g.on_event.events] == ["token"] * len(g.output_ids) + ["done"]

@@ -130,37 +130,57 @@ def test_bad_construction_is_a_config_error_naming_the_key():
     assert err.value.key == "l2_degrade_policy"
     with pytest.raises(ConfigError):
         FlashScheduler(l0_capacity=0)
+    with pytest.raises(ConfigError) as err:
+        FlashScheduler(idle_window=0)
+    assert err.value.key == "idle_window"
 
 
-# Degrade: (seconds after start, running L1 count besides the L2 request, gpu busy, steps applied so far)
-DEGRADE_TABLE = [
-    # 10 slots: 9 L1 + 1 L2 running -> 0 % idle -> pressure; one step per second, in order.
-    (9, None, [(0.0, ["temperature"]), (0.5, ["temperature"]), (1.0, ["temperature", "top_p"]),
-               (2.0, ["temperature", "top_p", "max_new_tokens"]), (3.0, ["temperature", "top_p", "max_new_tokens"])]),
-    # 8 of 10 busy -> 20 % idle -> no pressure, nothing degraded.
-    (7, None, [(0.0, []), (5.0, [])]),
-    # GPU 96 % busy: pressure only once it has lasted 5 s.
-    (3, 0.96, [(0.0, []), (4.9, []), (5.0, ["temperature"]), (6.0, ["temperature", "top_p"])]),
-    # GPU exactly 95 % is not "more than 95 %".
-    (3, 0.95, [(0.0, []), (10.0, [])]),
+T1 = ["temperature"]
+T2 = ["temperature", "top_p"]
+T3 = ["temperature", "top_p", "max_new_tokens"]
+
+# Degrade under L0/L1 demand (10 slots, no L0 reserve, 5 s window): an L2 request runs; then
+# (L1 running, L1 queued) arrive at t=0; timeline of (seconds, steps applied so far).
+DEMAND_TABLE = [
+    # 9 L1 + the L2 in the batch and 1 L1 waiting: L0/L1 want all 10 slots. The 5 s average
+    # headroom falls below 10 % after 4.5 s; then one step per second, in order, never a fourth.
+    (9, 1, [(0.0, []), (4.4, []), (4.6, T1), (5.0, T1), (5.6, T2), (6.6, T3), (20.0, T3)]),
+    # 9 L1 + the L2, nothing waiting: L0/L1 leave 10 % headroom -- not below 10 %. The batch is
+    # full, but the L2 request only fills what L0/L1 do not want.
+    (9, 0, [(0.0, []), (60.0, [])]),
+    # 4 L1 and the L2: half the slots idle.
+    (4, 0, [(0.0, []), (60.0, [])]),
 ]
 
 
-@pytest.mark.parametrize("l1_running, busy, timeline", DEGRADE_TABLE)
-def test_degrade_steps_in_order(l1_running, busy, timeline):
-    clock = Clock()
-    s = FlashScheduler(slots=10, clock=clock, gpu_busy=lambda: busy, l0_reserve=0.0)
-    elastic = req("e", "L2", tokens=100, temperature=0.7, top_p=0.95)
+def running_l2(s, clock, tokens=100, n_l1=0, n_waiting=0):
+    """An L2 request that joined an idle scheduler, then ``n_l1`` L1 requests that join and
+    ``n_waiting`` that wait (all arriving at ``clock.t``)."""
+    elastic = req("e", "L2", tokens=tokens, temperature=0.7, top_p=0.95)
     admit(s, elastic)
     assert ids(s.dispatch()) == ["e"]
-    admit(s, *(req(f"r{i}") for i in range(l1_running)))
-    assert len(s.dispatch()) == l1_running
-    elastic.generated = 40
+    admit(s, *(req(f"r{i}") for i in range(n_l1)))
+    assert len(s.dispatch()) == n_l1
+    admit(s, *(req(f"w{i}") for i in range(n_waiting)))
+    assert s.dispatch() == [] and len(s.queued) == n_waiting
+    return elastic
+
+
+def play(s, clock, elastic, timeline):
     start = clock.t
     for at, steps in timeline:
         clock.t = start + at
         s.tick()
         assert elastic.degraded == steps, at
+
+
+@pytest.mark.parametrize("l1_running, l1_waiting, timeline", DEMAND_TABLE)
+def test_degrade_follows_l0_l1_demand_over_the_window(l1_running, l1_waiting, timeline):
+    clock = Clock()
+    s = FlashScheduler(slots=10, clock=clock, l0_reserve=0.0)
+    elastic = running_l2(s, clock, n_l1=l1_running, n_waiting=l1_waiting)
+    elastic.generated = 40
+    play(s, clock, elastic, timeline)
     applied = set(elastic.degraded)
     assert elastic.temperature == (0.8 if "temperature" in applied else 0.7)
     assert elastic.top_p == (0.85 if "top_p" in applied else 0.95)
@@ -168,14 +188,113 @@ def test_degrade_steps_in_order(l1_running, busy, timeline):
     assert elastic.max_new_tokens == (40 + 42 if "max_new_tokens" in applied else 100)
 
 
-def test_only_l2_is_degraded_and_none_policy_never_degrades():
+def test_the_cut_is_70_percent_of_what_is_left_when_it_is_applied():
     clock = Clock()
+    s = FlashScheduler(slots=2, clock=clock, l0_reserve=0.0, idle_window=1.0)
+    elastic = running_l2(s, clock, tokens=50, n_l1=1, n_waiting=1)
+    for at, generated, steps, max_new in [(1.0, 3, T1, 50), (2.0, 10, T2, 50), (3.0, 17, T3, 17 + 23),
+                                          (4.0, 30, T3, 40)]:
+        clock.t = 100.0 + at
+        elastic.generated = generated
+        s.tick()
+        assert (elastic.degraded, elastic.max_new_tokens) == (steps, max_new), at
+    assert (elastic.temperature, elastic.top_p) == (0.8, 0.85)
+    assert s.snapshot()["degrade_steps"] == {"temperature": 1, "top_p": 1, "max_new_tokens": 1}
+    assert s.snapshot()["degraded_requests"] == 1
+
+
+def test_a_burst_shorter_than_the_window_does_not_degrade():
+    # 10 slots: L1 demand at 100 % for 2 s, then 50 % -- the 5 s average never leaves < 10 %.
+    clock = Clock()
+    s = FlashScheduler(slots=10, clock=clock, l0_reserve=0.0)
+    elastic = running_l2(s, clock, n_l1=9, n_waiting=3)
+    clock.t += 2.0
+    s.tick()
+    for r in list(s.running):
+        if r.priority_class == "L1" and len(s.running) > 6:
+            s.finish(r)
+    s.queued[:] = []
+    s._note_demand()
+    for step in range(100):
+        clock.t += 0.1
+        s.tick()
+    assert elastic.degraded == [] and 0.4 < s.idle_fraction() < 0.6
+
+
+@pytest.mark.parametrize("busy", [0.0, 0.96, 1.0])
+def test_l2_alone_on_an_idle_server_is_never_degraded(busy):
+    # One slot, the L2 request in it: the batch is full and the device busy, but nobody else wants
+    # anything -- an hour of steps, no degrade step.
+    clock = Clock()
+    s = FlashScheduler(slots=1, clock=clock, gpu_busy=lambda: busy)
+    elastic = running_l2(s, clock)
+    play(s, clock, elastic, [(t / 10, []) for t in range(0, 36000, 7)])
+    # Eight rows of L2 only: the same.
+    s = FlashScheduler(slots=10, clock=clock, gpu_busy=lambda: busy, l0_reserve=0.0)
+    admit(s, *(req(f"e{i}", "L2") for i in range(7)))
+    assert len(s.dispatch()) == 7
+    for _ in range(600):
+        clock.t += 1.0
+        assert s.tick() == []
+    assert s.idle_fraction() == 1.0
+
+
+# The device-busy trigger (10 slots, no reserve, 3 L2 + 7 L1 running): (busy, L1 waiting, timeline)
+BUSY_TABLE = [
+    # More than 95 % busy with an L1 request waiting: pressure once both have lasted 5 s (the
+    # 8-of-10 L0/L1 demand alone leaves 20 % headroom, no pressure).
+    (0.96, 1, [(0.0, []), (4.9, []), (5.0, T1), (6.0, T2)]),
+    # Exactly 95 % is not "more than 95 %".
+    (0.95, 1, [(0.0, []), (10.0, [])]),
+    # Busy, but nobody waits: degrading L2 would help no one.
+    (0.99, 0, [(0.0, []), (10.0, [])]),
+    # No reading (no NVML, no engine measure): only the headroom rule.
+    (None, 1, [(0.0, []), (10.0, [])]),
+]
+
+
+def busy_batch(busy, waiting):
+    """10 slots, no reserve: 3 L2 joined an idle server, then 7 L1 filled it and ``waiting`` more
+    L1 wait. Returns (scheduler, clock, the first L2 request)."""
+    clock = Clock()
+    s = FlashScheduler(slots=10, clock=clock, gpu_busy=lambda: busy, l0_reserve=0.0)
+    admit(s, req("e", "L2", temperature=0.7, top_p=0.95), req("f", "L2"), req("g", "L2"))
+    assert len(s.dispatch()) == 3
+    admit(s, *(req(f"r{i}") for i in range(7)))
+    assert len(s.dispatch()) == 7
+    admit(s, *(req(f"w{i}") for i in range(waiting)))
+    assert s.dispatch() == []
+    return s, clock, s.running[0]
+
+
+@pytest.mark.parametrize("busy, waiting, timeline", BUSY_TABLE)
+def test_device_busy_for_5s_with_l0_l1_waiting_degrades(busy, waiting, timeline):
+    s, clock, elastic = busy_batch(busy, waiting)
+    play(s, clock, elastic, timeline)
+
+
+def test_busy_must_last_with_someone_waiting_throughout():
+    s, clock, elastic = busy_batch(1.0, 1)
+    clock.t += 4.0
+    assert s.tick() == []
+    s.finish(s.queued[0])                   # the waiting request leaves: the clock restarts
+    clock.t += 1.0
+    assert s.tick() == []
+    admit(s, req("again"))
+    assert s.tick() == []
+    clock.t += 4.0
+    assert s.tick() == []
+    clock.t += 1.0
+    assert [(r.id, step) for r, step in s.tick()] == [("e", "temperature"), ("f", "temperature"),
+                                                      ("g", "temperature")]
+
+
+def test_only_l2_is_degraded_and_none_policy_never_degrades():
     for policy, expect in [("temperature_first", 1), ("none", 0)]:
+        clock = Clock()
         s = FlashScheduler(slots=2, clock=clock, l2_degrade_policy=policy, l0_reserve=0.0)
-        admit(s, req("e", "L2"))
-        s.dispatch()
-        admit(s, req("a", "L1"), req("q", "L1"))
-        s.dispatch()
+        running_l2(s, clock, n_l1=1, n_waiting=1)
+        clock.t += 5.0
         s.tick()
         assert sum(len(r.degraded) for r in s.running) == expect
         assert s.snapshot()["degraded_requests"] == expect

@@ -6,6 +6,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -22,7 +24,9 @@ def served(tiny_checkpoint, tmp_path_factory):
     from deepseek_flash.store import pack
 
     store = pack(tiny_checkpoint, tmp_path_factory.mktemp("serve-store") / "tiny-chat")
-    app, state = build(str(store), device="cpu", max_batch=4, max_model_len=MAX_LEN, embedded=True)
+    spill_root = tmp_path_factory.mktemp("spill-root")
+    app, state = build(str(store), device="cpu", max_batch=4, max_model_len=MAX_LEN, embedded=True,
+                       kv_spill_root=str(spill_root))
     sock = listen("127.0.0.1", 0)
     srv = server(app, sock, "warning")
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -79,7 +83,7 @@ def test_completion_is_the_greedy_continuation_with_flash_fields(served, client,
     flash = extra["flash"]
     assert (flash["class"], flash["priority"], flash["degrade_steps"]) == ("L0", 3, [])
     assert flash["queue_ms"] >= 0 and flash["ttft_ms"] >= flash["queue_ms"]
-    assert flash["kv"] == {"tokens": 13, "bytes": 13 * served[1].engine.cache.bytes_per_token}
+    assert flash["kv"] == {"tokens": 13, "cache": "rows", "bytes": 13 * served[1].engine.cache.bytes_per_token}
     assert (flash["bytes_streamed"], flash["prefetch_hit_rate"]) == (0, None)    # fully resident
 
 
@@ -152,9 +156,6 @@ def test_openai_error_shapes(served, client):
         client.completions.create(model="tiny-chat", prompt="x", extra_body={"flash_context": {"priority_class": "L9"}})
     assert e.value.response.json()["error"]["param"] == "flash_context"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny-chat", prompt="x", extra_body={"flash_context": {"kv_top_k_pages": 4}})
-    assert "kv_top_k_pages" in e.value.response.json()["error"]["message"]
-    with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny-chat", prompt="x", temperature=3)
     assert e.value.response.json()["error"]["param"] == "temperature"
     # Not through the client: a body that is not JSON, one without a model, a path that is not served.
@@ -206,3 +207,82 @@ def test_overload_is_429_with_retry_after_never_a_dropped_connection(served, cli
     assert 'deepseek_flash_serve_requests_total{class="L1",outcome="refused_429"} 1' in metrics
     assert 'deepseek_flash_serve_http_responses_total{code="429"} 1' in metrics
     assert "deepseek_flash_serve_time_to_first_token_seconds" in metrics
+
+
+def test_an_l2_request_alone_is_not_degraded_and_headroom_is_exported(served, client):
+    base, state = served
+    resp = client.completions.create(model="tiny-chat", prompt=[5, 6, 7], max_tokens=24, temperature=0,
+                                     extra_body={"flash_context": {"priority_class": "L2"}})
+    extra = resp.model_extra
+    assert (extra["degraded"], extra["flash"]["class"], extra["flash"]["degrade_steps"]) == (False, "L2", [])
+    assert resp.usage.completion_tokens == 24
+    metrics = httpx.get(base + "/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith("deepseek_flash_serve_l2_headroom_ratio "))
+    assert 0.0 <= float(line.split()[1]) <= 1.0
+
+
+# flash_context KV keys that are refused: (context, param, code, words in the message)
+KV_REFUSED = [
+    ({"kv_top_k_pages": 0}, "flash_context.kv_top_k_pages", "invalid_value", "null (every page: lossless)"),
+    ({"kv_top_k_pages": 1.5}, "flash_context.kv_top_k_pages", "invalid_value", "1.5"),
+    ({"kv_page_tokens": 24}, "flash_context.kv_page_tokens", "invalid_value", "16, 32, 64 or 128"),
+    ({"kv_gpu_tokens": -1}, "flash_context.kv_gpu_tokens", "invalid_value", "kv_gpu_tokens"),
+    ({"kv_sink_tokens": "4"}, "flash_context.kv_sink_tokens", "invalid_value", "kv_sink_tokens"),
+    ({"kv_host_bytes": "lots"}, "flash_context.kv_host_bytes", "invalid_value", "kv_host_bytes"),
+    ({"kv_host_bytes": "1MiB"}, "flash_context.kv_host_bytes", "invalid_value", "needs kv_spill_dir"),
+    ({"kv_spill_dir": "../../etc"}, "flash_context.kv_spill_dir", "invalid_value", "outside the server's spill root"),
+    ({"kv_spill_dir": "/tmp"}, "flash_context.kv_spill_dir", "invalid_value", "outside the server's spill root"),
+    ({"kv_prune_threshold": 0.1}, "flash_context.kv_prune_threshold", "unsupported_value", "no pruning"),
+    ({"kv_bogus": 1}, "flash_context", "invalid_value", "unknown flash_context key 'kv_bogus'"),
+]
+
+
+@pytest.mark.parametrize("context, param, code, words", KV_REFUSED)
+def test_bad_kv_keys_are_a_400_naming_the_key(client, context, param, code, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-chat", prompt="x", max_tokens=2, extra_body={"flash_context": context})
+    err = e.value.response.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
+    assert words in err["message"]
+
+
+def test_kv_keys_run_the_request_on_a_tiered_cache(served, client, tiny_reference):
+    base, state = served
+    prompt = [(3 * j) % 250 + 4 for j in range(40)]
+    want = greedy(tiny_reference, prompt, 20)
+    ctx = {"kv_gpu_tokens": 16, "kv_sink_tokens": 2, "kv_page_tokens": 16, "kv_top_k_pages": None,
+           "kv_host_bytes": "1KiB", "kv_spill_dir": "req-1"}
+    chunks = list(client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=20, temperature=0,
+                                            stream=True, extra_body={"flash_context": ctx}))
+    last = chunks[-1].model_extra
+    kv = last["flash"]["kv"]
+    assert (kv["cache"], kv["tokens"], kv["tiered"]["page_tokens"]) == ("tiered", 60, 16)
+    assert kv["tiered"]["spilled_bytes"] > 0 and kv["tiered"]["pages"] > 0
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected_text(state.tokenizer, want)[0]
+    assert not any((Path(state.kv_spill_root) / "req-1").iterdir())       # removed with the request
+
+
+def test_events_of_one_step_wake_the_event_loop_once():
+    import asyncio
+
+    from deepseek_flash.serve.app import Delivery
+
+    class Loop:
+        def __init__(self):
+            self.calls = []
+
+        def call_soon_threadsafe(self, fn):
+            self.calls.append(fn)
+
+    loop = Loop()
+    deliver = Delivery(loop)
+    queues = [asyncio.Queue() for _ in range(16)]
+    for i, q in enumerate(queues):                  # one step's token for each of 16 rows
+        deliver(q, ("token", i))
+    deliver(queues[3], ("done", {}))
+    assert len(loop.calls) == 1
+    loop.calls[0]()
+    assert [q.qsize() for q in queues] == [1, 1, 1, 2] + [1] * 12
+    assert queues[3].get_nowait() == ("token", 3) and queues[3].get_nowait() == ("done", {})
+    deliver(queues[0], ("token", 99))               # after the drain: a new wake-up
+    assert len(loop.calls) == 2

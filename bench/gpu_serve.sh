@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# bench/serve.py on a CUDA machine in one go: the serve extra's wheels (FastAPI, uvicorn and the
+# pydantic stack, carried in .whl/ since the machine has no network -- docs/benchmarks.md, "serve"),
+# the C++ core, then the bench against the scheduler and FIFO.
+#   bash bench/gpu_serve.sh OUTDIR [ARCH] [extra bench/serve.py arguments]
+set -u -o pipefail
+out=${1:-/tmp/flash-serve}; arch=${2:-llama}; shift 2 2>/dev/null || shift $#
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "installing the carried wheels failed"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c 'import fastapi, uvicorn' || { echo "FastAPI/uvicorn missing: carry .whl/ (docs/benchmarks.md, serve)"; exit 1; }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, transformers, fastapi, uvicorn; print("torch", torch.__version__, "transformers", transformers.__version__, "fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__)'
+  nproc; } > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
+  || { echo "build failed"; tail -20 "$out/build.log"; exit 1; }
+(cd bench && timeout 520 python3 serve.py --arch "$arch" --device cuda:0 --wave-seconds 8 \
+   --output "$out/serve_$arch.json" --png-dir "$out/png" "$@") > "$out/serve_$arch.log" 2>&1
+rc=$?
+echo "bench: $rc"
+tail -6 "$out/serve_$arch.log"
+exit $rc
