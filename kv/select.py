@@ -22,7 +22,7 @@ import math
 
 import torch
 
-SCORES = ("quest", "mass", "mass_max", "windowed")
+SCORES = ("quest", "hybrid", "mass", "mass_max", "windowed")
 
 
 def resolve_top_k(top_k_pages: int | float | None, n_pages: int) -> int | None:
@@ -71,6 +71,13 @@ def page_scores(bound: torch.Tensor, score: str = "quest", window_pages: int = 6
     if score in ("quest", "mass_max"):
         share = bound - bound.logsumexp(-1, keepdim=True)
         return share.amax(dim=(1, 2))
+    if score == "hybrid":
+        # a page ranked high by either rule: the union of the top j of both rankings, j growing
+        # until k pages are in (ties: the better Quest rank first)
+        n = bound.shape[-1]
+        rank_q = _ranks(page_scores(bound, "quest"))
+        rank_w = _ranks(page_scores(bound, "windowed", window_pages))
+        return -(torch.minimum(rank_q, rank_w) + rank_q / (2 * n + 2))
     if score == "windowed":
         b, h, g, n = bound.shape
         w = max(1, int(window_pages))
@@ -79,6 +86,11 @@ def page_scores(bound: torch.Tensor, score: str = "quest", window_pages: int = 6
         mass = padded.view(b, h, g, -1, w).softmax(-1).view(b, h, g, n + pad)[..., :n]
         return mass.sum(dim=(1, 2))
     raise ValueError(f"unknown page score {score!r}; choose from {SCORES}")
+
+
+def _ranks(scores: torch.Tensor) -> torch.Tensor:
+    """0 for the best page of each row, 1 for the next, ... (float)."""
+    return scores.argsort(-1, descending=True).argsort(-1).float()
 
 
 def select_pages(scores: torch.Tensor, k: int) -> torch.Tensor:

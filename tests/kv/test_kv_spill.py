@@ -122,3 +122,37 @@ def test_spill_dir_full_is_a_clear_error_and_nothing_is_lost(model, tmp_path, fu
     for a, b in zip(got, want):
         assert (a - b).abs().max().item() <= 1e-4
     assert cache.stats()["host_bytes"] <= 8 * PAGE_BYTES  # spilled once the disk had room
+
+
+def _corrupt_layer(tmp_path, layer):
+    """Flip one byte in every page of every spill file of ``layer``."""
+    paths = sorted(Path(tmp_path).glob(f"*L{layer:03d}-P*.pages"))
+    for path in paths:
+        raw = bytearray(path.read_bytes())
+        for page in range(len(raw) // PAGE_BYTES):
+            raw[page * PAGE_BYTES + 7] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    return paths
+
+
+@pytest.mark.parametrize("mode", ["strict", "graceful"])
+def test_corrupt_page_chosen_by_topk(model, tmp_path, mode):
+    """The top-K path reads single spilled pages: a corrupt one fails the step naming its file
+    and page (strict), or is left out of attention and never chosen again (graceful)."""
+    ids = torch.randint(1, 256, (1, 400), generator=torch.Generator().manual_seed(9))
+    cache = _cache(model, tmp_path, top_k_pages=3, dense_layers=0, error_recovery_mode=mode)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(model, cache))
+        paths = {str(p) for p in _corrupt_layer(tmp_path, 1)}
+        if mode == "strict":
+            with pytest.raises(KVPageCorrupt) as info:
+                model(ids[:, :1], **cache_kwargs(model, cache))
+            err = info.value
+            assert err.path in paths and err.layer == 1 and err.code == 702
+            assert err.path in str(err) and f"page {err.page}" in str(err)
+            return
+        outs = [model(ids[:, t:t + 1], **cache_kwargs(model, cache)).logits for t in range(3)]
+    lost = cache.layers[1].lost_pages
+    assert all(torch.isfinite(o).all() for o in outs)
+    assert len(lost) >= 1 and cache.stats()["pages_lost"] == len(lost)  # each found once
+    assert cache.layers[0].lost_pages == set()
