@@ -47,7 +47,7 @@ def make_cache(model, spec: dict):
     if spec["kind"] == "dynamic":
         return DynamicCache(config=model.config)
     return TieredCache.for_model(model, gpu_tokens=spec["gpu_tokens"],
-                                 top_k_pages=spec.get("fraction"), score=spec.get("score", "quest"))
+                                 top_k_pages=spec.get("fraction"), score=spec.get("score", "hybrid"))
 
 
 @torch.no_grad()
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
-    ap.add_argument("--scores", nargs="+", default=["mass", "quest", "windowed"],
+    ap.add_argument("--scores", nargs="+", default=["hybrid", "quest", "windowed", "mass"],
                     help="page scores; the first is run at --fractions, the others at --other-fractions")
     ap.add_argument("--other-fractions", "--windowed-fractions", type=float, nargs="+",
                     default=[0.25], help="fractions the scores after the first are run at")

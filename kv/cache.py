@@ -40,7 +40,7 @@ class TieredCache(Cache):
     def __init__(self, num_layers: int, *, kv_heads: int, head_dim: int, gpu_tokens: int = 512,
                  sink_tokens: int = 4, page_tokens: int | str = "auto",
                  top_k_pages: int | float | None = None, host_bytes: int | None = None,
-                 spill_dir=None, dense_layers: int = 2, score: str = "quest",
+                 spill_dir=None, dense_layers: int = 2, score: str = "hybrid",
                  window_pages: int = 64, select_max_queries: int = 16,
                  prefill_chunk: int = 4096, error_recovery_mode: str = "strict",
                  chunk_pages: int | None = None, report_interval: float | None = 1.0,
@@ -98,7 +98,7 @@ class TieredCache(Cache):
                   host_bytes: int | None = None, spill_dir=None, **options) -> "TieredCache":
         """Install the tiered attention function on ``model`` and return a new cache for one
         generation: ``model.generate(ids, cache=cache)``. Options: ``dense_layers``
-        (2), ``score`` ("quest" | "windowed"), ``window_pages`` (64), ``error_recovery_mode``
+        (2), ``score`` ("hybrid" | "quest" | "windowed" | "mass" | "mass_max"), ``window_pages`` (64), ``error_recovery_mode``
         ("strict" | "graceful"), ``prefill_chunk`` (4096 queries).
 
         A model from ``load_model`` brings its ``kv_*`` keys (``flash.json``, the model's

@@ -10,10 +10,14 @@ Every function takes tensors of fixed shape and returns tensors; no state, no co
   other heads ignore it. ``"windowed"``: each head's bounds are softmax-normalised inside windows
   of ``window_pages`` consecutive pages and summed over heads and queries -- an estimate of the
   attention mass a page receives, relative to its neighbourhood.
-* ``mass_logits`` + ``page_scores(.., "mass")`` (default): an estimate of each page's attention
-  mass from the same min/max (the keys' midpoint and spread per channel), softmax over the pages
-  for each head and query, summed. Measured closer to the true top-K by attention mass than the
-  Quest bound (docs/benchmarks.md, kv_accuracy).
+* ``"hybrid"`` (the default): the union of the ``"quest"`` and ``"windowed"`` rankings -- a page
+  either rule ranks in its top ``j`` is in, ``j`` growing until ``k`` pages are: the heads'
+  sharpest needs (Quest, what retrieval rests on) and the broad attention mass (windowed, what
+  perplexity rests on) share the budget (docs/benchmarks.md, kv_accuracy).
+* ``mass_logits`` + ``"mass"`` / ``"mass_max"``: an estimate of each page's attention mass from
+  the same min/max (the keys' midpoint and spread per channel), softmax over the pages per head
+  and query, summed (``mass``) or the best log-share of any head (``mass_max``). Measured, not
+  better than the Quest bound on the trained model (docs/benchmarks.md).
 * ``select_pages``: the top ``k`` pages per sequence, in page order.
 """
 from __future__ import annotations
