@@ -36,11 +36,16 @@ def test_cache_over_the_daemon_socket(daemon_factory, tiny_store):  # noqa: F811
         def tree(path):
             file = d.runtime / path
             return parse(file.read_text()) if file.exists() else {}
-        assert_eventually(lambda: tree("stats").get("kv_caches") == "1", what="kv_caches: 1")
+        # the tree is published from the daemon's latest snapshot: wait for this report in it
+        assert_eventually(lambda: tree("stats").get("kv_host_bytes") == str(s["host_bytes"]),
+                          what="the cache's report in the stats file")
         stats = tree("stats")
+        assert stats["kv_caches"] == "1"
         assert int(stats["kv_host_bytes"]) == int(stats["kv_arena_bytes"]) == s["host_bytes"]
         assert int(stats["kv_gpu_bytes"]) == s["gpu_bytes"]
         assert int(stats["kv_pages_fetched"]) == s["pages_fetched"] > 0
+        assert_eventually(lambda: tree(f"models/{name}/info").get("kv.tokens") == "153",
+                          what="the cache's report in the model's info")
         info = tree(f"models/{name}/info")
         assert int(info["kv.tokens"]) == 153 and int(info["kv.full_bytes"]) == s["full_bytes"]
         cache.close()
