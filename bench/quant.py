@@ -1,10 +1,11 @@
 """Benchmark: quantized weights (int4 per_block g128) against bf16 and a 4-bit peer, JSON out.
 
     python bench/quant.py --dir /var/tmp/flash-bench [--arch llama] [--output quant.json]
-    python bench/quant.py --kernel [--output kernel.json]    # the matmul alone, 8B layer shapes
-    python bench/quant.py --smoke [--arch qwen2]             # CPU, tiny model, same phases
+    python bench/quant.py --kernel [--arch llama] [--output kernel.json]   # the matmuls alone
+    python bench/quant.py --smoke [--arch qwen2] [--kernel]   # CPU, tiny model, same phases
+    bash bench/gpu_quant.sh OUTDIR [ARCH]                      # the H200 run: tests, kernel, show
 
-Model: a random 8B-shaped Llama (bf16), packed as it is and with ``--quantize int4_symmetric``
+Model: a random 7-8B-shaped checkpoint of ``--arch`` (bf16), packed as it is and with ``--quantize int4_symmetric``
 (per_block, group 128), both with the default settings. Phases, each against a limit measured in
 the same run:
 
@@ -16,13 +17,18 @@ the same run:
 * the peer: the same checkpoint in plain ``transformers`` with every linear layer but lm_head
   swapped for torch's own int4 weight-only kernel (``_weight_int4pack_mm``, the tinygemm kernel
   gpt-fast and torchao's int4 weight-only use; round-to-nearest asymmetric, group 128), resident,
-  same prompt: tok/s and GPU memory beside ours.
+  same prompt: tok/s and GPU memory beside ours (``torch.cuda.max_memory_allocated`` over the
+  phase: the arena's blocks, the int4 layers' derived kernel layouts -- ``derived_bytes`` -- and
+  activations).
 
-``--kernel``: each linear shape of the 8B model at M = 1, 8, 128: our fused kernel (int4 g128,
-int8 g128) and torch's int4 kernel against a bf16 ``F.linear``, microseconds, effective GB/s of
-weight bytes, and the max relative error against the float32 reference (dequantized weights,
-float32 matmul). ``--smoke`` runs every phase on the CPU with a tiny model (budgets scaled to the
-model: the whole int4 store, and the smallest budget that streams), so CI proves the script.
+``--kernel``: each linear shape of the model at M = 1, 8, 16, 32, 128: a bf16 ``F.linear``, our
+Triton kernel (int4 g128, int8 g128), torch's int4 kernel on our int4 codes (its layout derived
+once, and derived on every call as a streamed layer does), and ``QuantLinear`` itself (the
+runtime's choice by M, ``quant.linear.SMALL_M``): microseconds, effective GB/s of weight bytes,
+and the max relative error against the float32 reference (dequantized weights, float32 matmul).
+``--smoke`` runs every phase on the CPU with a tiny model (budgets scaled to the model: the whole
+int4 store, and the smallest budget that streams; ``--kernel`` with the tiny model's shapes and
+the CPU kernels), so CI proves the script.
 """
 from __future__ import annotations
 
@@ -34,10 +40,11 @@ import sys
 import time
 from pathlib import Path
 
-from _common import LLAMA_8B, emit, pinned_h2d, save, write_finite_llama
+from _common import ARCH_SHAPES, ARCHS, emit, pinned_h2d, save, write_finite_model
 
 PROMPT = 16
 GROUP = 128
+SMOKE_SHAPE = dict(hidden=256, intermediate=512, heads=4, kv_heads=2)
 
 
 def decode_rate(model, batch: int, tokens: int, device: str) -> tuple[float, object]:
@@ -131,46 +138,78 @@ def peer_model(src, device: str):
 
 
 # --- kernel microbenchmark ---------------------------------------------------------------------
-def kernel_bench(res: dict, output) -> None:
+def _timer(device: str):
+    """Microseconds per call of ``fn``: triton's ``do_bench`` on CUDA, best of a few on the CPU."""
+    if device != "cpu":
+        from triton.testing import do_bench
+
+        return lambda fn: round(do_bench(fn) * 1e3, 2)
+
+    def cpu(fn, repeat: int = 5):
+        fn()
+        best = float("inf")
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        return round(best * 1e6, 2)
+    return cpu
+
+
+def kernel_bench(res: dict, output, shape: dict, device: str, ms) -> None:
     import torch
     import torch.nn.functional as F
-    from triton.testing import do_bench
 
-    from deepseek_flash.quant import QuantSpec, quantize
-    from deepseek_flash.quant import kernels
+    from deepseek_flash.quant import QuantSpec, QuantizedTensor, int4pack, kernels, quantize
+    from deepseek_flash.quant.linear import SMALL_M, QuantLinear
 
-    h, inter, kv = LLAMA_8B["hidden"], LLAMA_8B["intermediate"], LLAMA_8B["hidden"] // 4
+    h, inter = shape["hidden"], shape["intermediate"]
+    kv = h // shape["heads"] * shape["kv_heads"]
     shapes = {"q_proj/o_proj": (h, h), "k_proj/v_proj": (kv, h), "gate/up_proj": (inter, h),
               "down_proj": (h, inter)}
-    specs = {"ours_int4_g128": QuantSpec("int4_symmetric", "per_block", 128),
-             "ours_int8_g128": QuantSpec("int8_symmetric", "per_block", 128)}
+    specs = {"int4_g128": QuantSpec("int4_symmetric", "per_block", GROUP),
+             "int8_g128": QuantSpec("int8_symmetric", "per_block", GROUP)}
+    bench = _timer(device)
+    res["small_m"] = SMALL_M
     rows = []
     torch.manual_seed(0)
     for label, (N, K) in shapes.items():
-        w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
-        qts = {k: quantize(w, s) for k, s in specs.items()}
-        qts = {k: (q, q.data.cuda(), q.scales.cuda()) for k, q in qts.items()}
-        try:
-            tg = TinyGemmInt4Linear.quantize(w)
-        except Exception as exc:  # noqa: BLE001 -- recorded: torch's kernel is the comparison
-            tg, res["tinygemm_error"] = None, repr(exc)
-        for M in (1, 8, 128):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(N, K, device=device) * 0.02).to(torch.bfloat16)
+        qts = {}
+        for k, spec in specs.items():
+            q = quantize(w, spec)
+            qts[k] = QuantizedTensor(spec, q.shape, q.data.to(device), q.scales.to(device), torch.bfloat16)
+        int4 = qts["int4_g128"]
+        plan = int4pack.plan(device, torch.bfloat16, int4.spec, N, K)
+        for M in ms:
+            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
             row = {"shape": label, "N": N, "K": K, "M": M}
-            row["bf16_us"] = round(do_bench(lambda: F.linear(x, w)) * 1e3, 2)
-            for k, (qt, codes, scales) in qts.items():
+            row["bf16_us"] = bench(lambda: F.linear(x, w))
+            for k, qt in qts.items():
                 spec = qt.spec
-                y = kernels.quant_matmul(x, codes, scales, spec.bits, spec.group_size, N, K)
-                ref = x.float() @ qt.dequantize(torch.float32).cuda().T
-                row[f"{k}_max_rel_err"] = float((y.float() - ref).abs().max() / ref.abs().max())
-                row[f"{k}_us"] = round(do_bench(
-                    lambda: kernels.quant_matmul(x, codes, scales, spec.bits, spec.group_size, N, K)) * 1e3, 2)
-                row[f"{k}_weight_gbps"] = round(qt.nbytes / (row[f"{k}_us"] * 1e-6) / 1e9, 1)
-                row[f"{k}_tiles"] = kernels.tiles(M, N, K, spec.group_size)
-            if tg is not None:
-                packed, sz = tg
-                row["torch_int4_us"] = round(do_bench(
-                    lambda: torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)) * 1e3, 2)
+                ref = x.float() @ qt.dequantize(torch.float32).T
+                if device != "cpu":
+                    fn = lambda: kernels.quant_matmul(x, qt.data, qt.scales, spec.bits,  # noqa: E731
+                                                      spec.group_size, N, K)
+                    row[f"triton_{k}_max_rel_err"] = float((fn().float() - ref).abs().max() / ref.abs().max())
+                    row[f"triton_{k}_us"] = bench(fn)
+                    row[f"triton_{k}_weight_gbps"] = round(qt.nbytes / (row[f"triton_{k}_us"] * 1e-6) / 1e9, 1)
+                layer = QuantLinear(K, N, qt)
+                row[f"runtime_{k}_us"] = bench(lambda: layer(x))
+                row[f"runtime_{k}_max_rel_err"] = float((layer(x).float() - ref).abs().max() / ref.abs().max())
+            if isinstance(plan, tuple):
+                inner, group = plan
+                packed = int4pack.layout(int4.data, inner)
+                sz = int4pack.scales_and_zeros(int4.scales, int4.spec, (N, K), group, torch.bfloat16)
+                ref = x.float() @ int4.dequantize(torch.float32).T
+                y = int4pack.matmul(x, packed, sz, group)
+                row["torch_int4_max_rel_err"] = float((y.float() - ref).abs().max() / ref.abs().max())
+                row["torch_int4_us"] = bench(lambda: int4pack.matmul(x, packed, sz, group))
+                row["torch_int4_derived_per_call_us"] = bench(lambda: int4pack.matmul(
+                    x, int4pack.layout(int4.data, inner),
+                    int4pack.scales_and_zeros(int4.scales, int4.spec, (N, K), group, torch.bfloat16), group))
+            else:
+                row["torch_int4_refused"] = plan
             rows.append(row)
             print(row, file=sys.stderr, flush=True)
             res["kernel"] = rows
@@ -202,7 +241,7 @@ def streamed_bytes(model, store) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/var/tmp/flash-bench")
-    ap.add_argument("--arch", default="llama", choices=("llama", "qwen2", "mistral"))
+    ap.add_argument("--arch", default="llama", choices=ARCHS)
     ap.add_argument("--budget", default="8GiB")
     ap.add_argument("--small-budget", default="3GiB")
     ap.add_argument("--batches", default="1,8")
@@ -225,9 +264,13 @@ def main(argv=None) -> int:
     device = "cpu" if args.smoke else "cuda:0"
     res = {"benchmark": "quant", "date": datetime.date.today().isoformat(), "host": platform.node(),
            "device": "cpu" if args.smoke else torch.cuda.get_device_name(0), "arch": args.arch,
-           "mode": "smoke" if args.smoke else ("kernel" if args.kernel else "show")}
+           "mode": "kernel" if args.kernel else ("smoke" if args.smoke else "show"),
+           "smoke": args.smoke}
     if args.kernel:
-        kernel_bench(res, args.output)
+        if args.smoke:
+            kernel_bench(res, args.output, SMOKE_SHAPE, "cpu", (1, 8, 16, 32))
+        else:
+            kernel_bench(res, args.output, ARCH_SHAPES[args.arch], "cuda", (1, 8, 16, 32, 128))
         emit(res, args.output)
         return 0
 
@@ -236,14 +279,13 @@ def main(argv=None) -> int:
         from deepseek_flash.testing import make_tiny_model
         src = work / f"src-{args.arch}"
         if not (src / "config.json").exists():
-            make_tiny_model(src, args.arch, dtype="bfloat16", hidden_size=256, num_layers=4,
-                            intermediate_size=512, num_heads=4, num_kv_heads=2, vocab_size=512)
+            make_tiny_model(src, args.arch, dtype="bfloat16", hidden_size=SMOKE_SHAPE["hidden"],
+                            num_layers=4, intermediate_size=SMOKE_SHAPE["intermediate"],
+                            num_heads=SMOKE_SHAPE["heads"], num_kv_heads=SMOKE_SHAPE["kv_heads"],
+                            vocab_size=512)
         config = {"host_cache_bytes": "256MiB", "unified_memory_ratio": 0.05}
     else:
-        if args.arch != "llama":
-            raise SystemExit(f"--arch {args.arch}: the 8B random checkpoint is Llama-shaped only "
-                             f"(bench/_common.write_finite_llama); use --smoke for {args.arch}")
-        src = write_finite_llama(work / "src", **LLAMA_8B)
+        src = write_finite_model(work / f"src-{args.arch}", args.arch)
         config = {"host_cache_bytes": args.host_cache, "unified_memory_ratio": 0.6}
     stores = {}
     for name, quant in (("bf16", None), ("int4", QuantSpec("int4_symmetric", "per_block", GROUP))):
@@ -272,6 +314,11 @@ def main(argv=None) -> int:
     save(res, args.output)
 
     def run(store, weight_budget, label):
+        from deepseek_flash.quant.linear import derived_nbytes
+
+        if device != "cpu":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         model = load_model(store.path, device=device, client=client, weight_budget=weight_budget)
         per_token = streamed_bytes(model, store)
         rates, outs = {}, {}
@@ -279,7 +326,9 @@ def main(argv=None) -> int:
             rate, out = decode_rate(model, b, args.tokens, device)
             rates[b], outs[b] = round(rate, 3), out.cpu()
         res[label] = {"tok_s": rates, "streamed_bytes_per_token": per_token,
-                      "streaming": model.flash.stream is not None}
+                      "streaming": model.flash.stream is not None,
+                      "derived_bytes": derived_nbytes(model),
+                      "gpu_peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else None}
         if model.flash.stream is not None:
             res[label]["prefetch_hit_rate"] = round(model.flash.stream.stats()["prefetch_hit_rate"], 4)
         save(res, args.output)
@@ -312,7 +361,8 @@ def main(argv=None) -> int:
         mem = torch.cuda.memory_allocated() - base
         rates = {b: round(decode_rate(peer, b, args.tokens, device)[0], 3) for b in batches}
         res["peer"] = {"kind": "transformers + torch _weight_int4pack_mm (tinygemm), int4 g128 RTN "
-                               "asymmetric, resident", "tok_s": rates, "gpu_weight_bytes": mem}
+                               "asymmetric, resident", "tok_s": rates, "gpu_weight_bytes": mem,
+                       "gpu_peak_bytes": torch.cuda.max_memory_allocated()}
         res["int4_vs_peer"] = {b: round(int4_res[b] / rates[b], 2) for b in batches}
         del peer
         free()

@@ -78,13 +78,14 @@ def build_skeleton(config_dict: dict):
     return model
 
 
-def bind_parameters(model, tensors: dict, complete: bool = True) -> None:
+def bind_parameters(model, tensors: dict, complete: bool = True, fixed: bool = True) -> None:
     """Make each named parameter of ``model`` the given tensor (a view; never copied).
 
     A quantized weight (``deepseek_flash.quant.QuantizedTensor``, from a quantized store) swaps its
     ``nn.Linear`` for a ``QuantLinear`` bound to the codes and scales: precision is chosen here,
     at bind time, never in the forward pass. With ``complete`` every parameter must be bound
-    afterwards (none left on meta).
+    afterwards (none left on meta). ``fixed``: the bytes under the views stay the same while bound
+    (False for a streaming slot, whose contents change every pass; ``QuantLinear.bind``).
     """
     import torch
 
@@ -94,7 +95,7 @@ def bind_parameters(model, tensors: dict, complete: bool = True) -> None:
     for name, tensor in tensors.items():
         module_name, _, leaf = name.rpartition(".")
         if isinstance(tensor, QuantizedTensor):
-            bind_quantized(model, module_name, tensor)
+            bind_quantized(model, module_name, tensor, fixed)
             continue
         module = model.get_submodule(module_name)
         if leaf not in module._parameters:

@@ -166,7 +166,7 @@ class StreamRuntime:
             for bid, offset in self._slot_layout[layer]:
                 block = self.blocks[bid]
                 tensors.update(block_tensors(block, slot[offset:offset + block.length]))
-        bind_parameters(model, tensors)
+        bind_parameters(model, tensors, fixed=False)
 
     # --- schedule --------------------------------------------------------------------------------
     def _slot_of(self, seq: int) -> int:

@@ -205,12 +205,13 @@ KEYS: dict[str, Key] = {
                                 restart=True),
     "quantization_granularity": Key("per_block", _choice("per_tensor", "per_block"),
                                     "per_tensor | per_block", "model", False,
-                                    "scale granularity of a quantized scheme (checked against the "
-                                    "store's when quantization_scheme is not none)"),
+                                    "scale granularity of a quantized scheme (checked against a "
+                                    "quantized store's; used to quantize an unquantized one)"),
     "quantization_scheme": Key("none", _choice("none", "int8_symmetric", "int4_symmetric"),
                                "none | int8_symmetric | int4_symmetric", "model", False,
-                               "weight quantization expected of the store: none serves it as "
-                               "packed; a scheme must match a store packed with --quantize"),
+                               "weight quantization: none serves the store as packed; a scheme "
+                               "must match a store packed with --quantize, and quantizes an "
+                               "unquantized store as its blocks enter the host tier (group 128)"),
     "error_recovery_mode": Key("strict", _choice("strict", "graceful"), "strict | graceful", "model",
                                True, "strict: a failed block fails its model until it is unloaded; "
                                      "graceful: the read is retried and the model keeps serving"),

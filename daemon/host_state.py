@@ -54,6 +54,7 @@ class BlockState:
         "requester",
         "retries",
         "saved_uses",
+        "staging",
         "state",
         "submitted_ns",
         "token",
@@ -79,6 +80,7 @@ class BlockState:
         self.dep_blocks: list[BlockState] = []
         self.requester = (DAEMON_CLIENT, None)   # (client id, pid) whose request read it
         self.submitted_ns = 0
+        self.staging = None      # the source payload being read, for a block quantized on entry
 
 
 class ModelState:

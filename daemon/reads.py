@@ -8,6 +8,10 @@ engine serves what it was given in submission order, so without this an urgent a
 request's layers) would queue behind all of another model's cold load; with it, behind at most
 ``inflight_bytes`` (a few times the engine's own queue, so the disk stays busy).
 
+A block of a model quantized as it enters the host tier (``quant.host_tier``) is read from its
+source block into a staging buffer (crc32c-checked against the source) and transcoded into its
+arena region by the completion thread, outside the lock, before it is marked resident.
+
 The completion thread waits on the engine with the GIL released, turns each completion into
 success or a typed error, and under the lock marks blocks resident or hands failures to the
 recovery policy (``read_errors``), then hands the engine the next chunks; futures are resolved
@@ -18,6 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import mmap
 import queue
 import threading
 import time
@@ -90,11 +95,16 @@ class ReadPipeline:
                 b.requester = requester
             s.tokens[token] = b
             tokens.append(token)
-            requests.append(ReadRequest(path=str(b.model.store.data_path(b.info)), offset=b.info.offset,
-                                        length=b.info.length,
-                                        dest=s.arena.view(b.offset, b.info.length), dest_offset=0,
-                                        block_id=token, expected_crc=b.info.crc32c))
-            size += b.info.length
+            source = _source_block(b)
+            if source is None:
+                info, dest = b.info, s.arena.view(b.offset, b.info.length)
+            else:
+                info = source
+                b.staging = dest = mmap.mmap(-1, max(source.length, 1))   # page-aligned
+            requests.append(ReadRequest(path=str(b.model.store.data_path(info)), offset=info.offset,
+                                        length=info.length, dest=dest, dest_offset=0,
+                                        block_id=token, expected_crc=info.crc32c))
+            size += info.length
             if size >= self.chunk_bytes:
                 heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, requests, size))
                 requests, tokens, size = [], [], 0
@@ -165,10 +175,32 @@ class ReadPipeline:
                 else:
                     for c in completions:
                         results[c.block_id] = results.get(c.block_id) or self._error_of(c)
+            self._transcode(tokens, results, error)
             try:
                 self._complete(tokens, results, error, size)
             except Exception:  # a bug here must not kill the only completion thread
                 log.exception("completing IO batch %s failed", batch)
+
+    def _transcode(self, tokens, results, batch_error) -> None:
+        """Quantize the blocks of this batch that were read into staging buffers into their arena
+        regions (outside the lock: a LOADING block's region is nobody else's); a failure is the
+        block's read error."""
+        for token in tokens:
+            block = self.s.tokens.get(token)
+            if block is None or block.staging is None:
+                continue
+            staging, block.staging = block.staging, None
+            if batch_error is None and results.get(token) is None:
+                info = block.info
+                try:
+                    block.model.store.transcode(info, staging, self.s.arena.view(block.offset, info.length))
+                except Exception as exc:  # noqa: BLE001 -- typed for the waiters, never lost
+                    log.exception("model %s: quantizing block %s failed", block.model.name, info.id)
+                    results[token] = FlashError(
+                        f"model {block.model.name}, block {info.id} ({info.role}, layer "
+                        f"{info.layer}): quantizing it as it entered the host tier failed: {exc!r}",
+                        model=block.model.name, block_id=info.id)
+            staging.close()
 
     def _error_of(self, completion) -> FlashError | None:
         """The native mapping's exception (``deepseek_flash.io``), naming the block and its model
@@ -206,7 +238,8 @@ class ReadPipeline:
                 if error is None:
                     block.state = RESIDENT
                     block.retries = 0
-                    s.counters["bytes_read_nvme"] += block.info.length
+                    source = _source_block(block)
+                    s.counters["bytes_read_nvme"] += (source or block.info).length
                     self.telemetry.record_load_locked(block)
                     self.wake_waiters_locked(block, resolved)
                     continue
@@ -262,3 +295,9 @@ class ReadPipeline:
             return UnknownClient(f"client {client.id} disconnected before its acquire finished",
                                  client=client.id)
         return self.residency.grant(client, m, ticket.pinned)
+
+
+def _source_block(block: BlockState):
+    """The source block a block quantized on entry is read from (None: read it as it is)."""
+    source_block = getattr(block.model.store, "source_block", None)
+    return None if source_block is None else source_block(block.info)

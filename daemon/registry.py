@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from ..errors import FlashError, LeaseError, StoreInUse, UnknownBlock, UnknownModel
-from ..quant.scheme import check_served
+from ..quant.scheme import check_served, quantized_at
 from ..wire import ModelInfo
 from .config import _NAME as MODEL_NAME_RE
 from .config import MODEL_SCOPE, FlashConfig, check_tunable
@@ -190,11 +190,16 @@ class Registry:
             with s.lock:
                 model = next((m for m in s.models.values() if m.path == real), None)
             if model is None:
+                from ..quant.host_tier import serving_store
+
                 store = Store.open(real)   # file IO outside the lock
                 check_data_files(store)
                 mconfig, ignored = config.model_overrides(store.config, store.name)
-                check_served(store.quant, mconfig.quantization_scheme,
-                             mconfig.quantization_granularity, store.name)
+                # The first open decides how the host tier holds the model: an unquantized store
+                # with a scheme is quantized as its blocks enter the host tier.
+                first = mconfig.override(dict(flash_context or {}), scope="model")
+                store = serving_store(store, first.quantization_scheme,
+                                      first.quantization_granularity)
                 file_overrides = {k: v for k, v in (store.config.get("flash_config") or {}).items()
                                   if k not in ignored}
                 self.residency.check_budget(store)
@@ -207,8 +212,10 @@ class Registry:
                         s.models[name] = model
                         s.generation += 1
                         opened = model
-                        log.info("opened model %s from %s (%d blocks, %s)", name, real,
-                                 len(store.blocks), fmt_bytes(store.total_bytes))
+                        log.info("opened model %s from %s (%d blocks, %s%s)", name, real,
+                                 len(store.blocks), fmt_bytes(store.total_bytes),
+                                 "" if quantized_at(store) != "host_tier" else
+                                 f", quantized {store.spec.label()} as blocks enter the host tier")
         if opened is not None:
             for hook in s.open_hooks:
                 try:
@@ -218,7 +225,7 @@ class Registry:
         context = dict(flash_context or {})
         handle_config = model.config.override(context, scope="model")
         check_served(model.store.quant, handle_config.quantization_scheme,
-                     handle_config.quantization_granularity, model.name)
+                     handle_config.quantization_granularity, model.name, quantized_at(model.store))
         with s.lock:
             client = s.client(client_id)
             client.handles[model.name] = HandleState(model, context, handle_config)

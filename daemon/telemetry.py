@@ -179,7 +179,7 @@ class Telemetry:
                 "blocks": len(m.blocks), "resident_blocks": len(resident),
                 "resident_bytes": sum(b.info.length for b in resident),
                 "total_bytes": m.store.total_bytes, "num_layers": m.store.num_layers,
-                **_quantization(m.store.quant),
+                **_quantization(m.store),
                 "leased_blocks": sum(1 for b in m.blocks.values() if b.refs),
                 "clients": sorted(c.id for c in self.s.clients.values() if m.name in c.handles),
                 "error": str(m.failed) if m.failed else None,
@@ -220,10 +220,18 @@ class Telemetry:
                     "tunables": self.s.config.tunables()}
 
 
-def _quantization(quant: dict | None) -> dict:
-    """A model's quantization fields in its status entry (``none`` and 0 for a plain store)."""
+def _quantization(store) -> dict:
+    """A model's quantization fields in its status entry (``none`` and 0 for a plain store):
+    scheme, granularity, group size, where the weights were quantized (``pack``, ``host_tier``
+    for an unquantized store quantized as its blocks are loaded, ``none``) and the payload bytes
+    read from disk for the whole model (``total_bytes`` is what the tiers hold)."""
+    from ..quant.scheme import quantized_at
+
+    quant = store.quant
+    source = getattr(store, "source", store)
+    fields = {"quantized_at": quantized_at(store), "disk_bytes": source.total_bytes}
     if not quant:
         return {"quantization_scheme": "none", "quantization_granularity": "none",
-                "quantization_group_size": 0}
+                "quantization_group_size": 0, **fields}
     return {"quantization_scheme": quant["scheme"], "quantization_granularity": quant["granularity"],
-            "quantization_group_size": quant["group_size"]}
+            "quantization_group_size": quant["group_size"], **fields}

@@ -157,3 +157,14 @@ def quantize(weight: torch.Tensor, spec: QuantSpec, name: str = "tensor",
         rows, cols // spec.group_size)
     return QuantizedTensor(spec=spec, shape=(rows, cols), data=data.contiguous().cpu(),
                            scales=scales16.contiguous().cpu(), dtype=weight.dtype)
+
+
+def quantized_bytes(t, source, device="cpu") -> tuple[bytes, bytes]:
+    """(codes, scales) of a stored tensor map ``t`` (with its ``quant`` map) quantized from
+    ``source``, the tensor's bytes in its source dtype: the bytes docs/format.md lays out, as the
+    packer writes them (and the host tier, for a store quantized as it is loaded)."""
+    from ..store.views import TORCH_DTYPES
+
+    weight = torch.frombuffer(source, dtype=TORCH_DTYPES[t.quant["dtype"]]).view(tuple(t.shape))
+    qt = quantize(weight.to(device), QuantSpec.from_dict(t.quant), t.name)
+    return qt.data.numpy().tobytes(), qt.scales.numpy().astype("<f2").tobytes()

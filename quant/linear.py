@@ -2,32 +2,54 @@
 model is bound (gpt-fast's handler style), so the model code never branches on precision.
 
 Its codes and scales are the views ``store.views.block_tensors`` gives (host arena, GPU arena or a
-streaming slot): nothing is copied at bind time. CUDA inputs go through the fused Triton kernel
-(``kernels.quant_matmul``); CPU inputs dequantize to the compute dtype and multiply.
+streaming slot): nothing is copied at bind time. The matmul is chosen per call by the number of
+rows ``M`` of the input (tokens x batch), the same way for every layer wherever its bytes live:
+
+* int4 and ``M <= SMALL_M`` (decode): torch's own int4 kernel (``int4pack``; CUDA with bfloat16
+  activations, CPU with any float dtype), over its tile layout derived from the stored codes. A
+  layer bound to fixed bytes (resident: host or GPU arena) derives it at its first such call and
+  keeps it (plus the int4 bytes of the layer again, on the layer's device; ``derived_nbytes``); a
+  layer bound to a streaming slot, whose bytes change every pass, derives it on every call.
+  Shapes or dtypes the kernel refuses (``int4pack.plan``) take the path below, logged once each;
+* otherwise: CUDA -> the fused Triton kernel (``kernels.quant_matmul``), measured faster than
+  torch's at M = 128 on the H200; CPU (and CUDA shapes Triton refuses) -> dequantize to the compute
+  dtype and multiply, bit-identical to plain transformers on the dequantized weights.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import int4pack, kernels
 from .codec import QuantizedTensor, dequantize
+
+log = logging.getLogger(__name__)
+
+# Rows up to which int4 layers use torch's int4 kernel: on the H200 it beat bf16 and our Triton
+# kernel 2-7x at M = 1 and 8 and lost 2x to Triton at M = 128 (docs/benchmarks.md); its tiles
+# are 16 rows high.
+SMALL_M = 16
+_logged: set = set()
 
 
 class QuantLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held as int8/int4 codes and float16 scales."""
 
     def __init__(self, in_features: int, out_features: int, quantized: QuantizedTensor,
-                 bias: nn.Parameter | None = None):
+                 bias: nn.Parameter | None = None, fixed: bool = True):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.register_parameter("bias", bias)
-        self.bind(quantized)
+        self.bind(quantized, fixed)
 
-    def bind(self, quantized: QuantizedTensor) -> None:
-        """Point the layer at (new) codes and scales; they are views, never copied."""
+    def bind(self, quantized: QuantizedTensor, fixed: bool = True) -> None:
+        """Point the layer at (new) codes and scales; they are views, never copied. ``fixed``:
+        the bytes under them stay the same while bound (resident), so a kernel layout derived
+        from them may be kept; False for a streaming slot."""
         if tuple(quantized.shape) != (self.out_features, self.in_features):
             raise ValueError(f"quantized weight of shape {list(quantized.shape)} bound to a "
                              f"{self.in_features}->{self.out_features} linear layer")
@@ -35,6 +57,14 @@ class QuantLinear(nn.Module):
         self.compute_dtype = quantized.dtype
         self.register_buffer("codes", quantized.data, persistent=False)
         self.register_buffer("scales", quantized.scales, persistent=False)
+        self.fixed = fixed
+        self._int4 = {}         # (device, dtype) -> plan, and its derived layout when fixed
+
+    @property
+    def derived_nbytes(self) -> int:
+        """Bytes of the kernel layouts this layer keeps (fixed bytes only)."""
+        return sum(t.numel() * t.element_size() for entry in self._int4.values()
+                   if isinstance(entry, tuple) for t in entry[2:])
 
     @property
     def weight_nbytes(self) -> int:
@@ -45,8 +75,41 @@ class QuantLinear(nn.Module):
         return dequantize(self.codes, self.scales, self.spec, (self.out_features, self.in_features),
                           dtype or self.compute_dtype)
 
+    def _int4_kernel(self, x: torch.Tensor):
+        """(packed, scales_and_zeros, group) for torch's int4 kernel, or None when it cannot
+        take this layer (logged once per reason)."""
+        key = (x.device, x.dtype)
+        entry = self._int4.get(key)
+        if entry is None:
+            K, N = self.in_features, self.out_features
+            entry = int4pack.plan(x.device.type, x.dtype, self.spec, N, K)
+            if isinstance(entry, str):
+                if entry not in _logged:
+                    _logged.add(entry)
+                    log.info("torch's int4 kernel not used for %s: %s", self.extra_repr(), entry)
+            elif self.fixed:
+                entry = entry + self._derive(x, entry)
+            self._int4[key] = entry
+        if isinstance(entry, str):
+            return None
+        packed, sz = entry[2:] if self.fixed else self._derive(x, entry)
+        return packed, sz, entry[1]
+
+    def _derive(self, x, plan) -> tuple:
+        inner, group = plan
+        shape = (self.out_features, self.in_features)
+        return (int4pack.layout(self.codes, inner),
+                int4pack.scales_and_zeros(self.scales, self.spec, shape, group, x.dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         K, N = self.in_features, self.out_features
+        if self.spec.bits == 4 and x.numel() <= SMALL_M * K:
+            kernel = self._int4_kernel(x)
+            if kernel is not None:
+                packed, sz, group = kernel
+                y = int4pack.matmul(x.reshape(-1, K).contiguous(), packed, sz, group)
+                y = y.view(*x.shape[:-1], N)
+                return y if self.bias is None else y + self.bias
         if kernels.supports(x, K, self.spec.group_size):
             y = kernels.quant_matmul(x.reshape(-1, K), self.codes, self.scales, self.spec.bits,
                                      self.spec.group_size, N, K).view(*x.shape[:-1], N)
@@ -58,18 +121,25 @@ class QuantLinear(nn.Module):
                 f"bias={self.bias is not None}, {self.spec.label()}")
 
 
-def bind_quantized(model: nn.Module, module_name: str, quantized: QuantizedTensor) -> QuantLinear:
+def bind_quantized(model: nn.Module, module_name: str, quantized: QuantizedTensor,
+                   fixed: bool = True) -> QuantLinear:
     """Bind ``quantized`` as the weight of the linear layer ``module_name``: the first time, the
-    ``nn.Linear`` is replaced by a ``QuantLinear`` keeping its bias; later, the codes are rebound."""
+    ``nn.Linear`` is replaced by a ``QuantLinear`` keeping its bias; later, the codes are rebound.
+    ``fixed``: as ``QuantLinear.bind``."""
     module = model.get_submodule(module_name)
     if isinstance(module, QuantLinear):
-        module.bind(quantized)
+        module.bind(quantized, fixed)
         return module
     if not isinstance(module, nn.Linear):
         raise TypeError(f"{module_name}: a quantized weight needs an nn.Linear, found "
                         f"{type(module).__name__}")
     layer = QuantLinear(module.in_features, module.out_features, quantized,
-                        module._parameters.get("bias"))
+                        module._parameters.get("bias"), fixed)
     parent_name, _, child = module_name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
     return layer
+
+
+def derived_nbytes(model: nn.Module) -> int:
+    """Bytes of the int4 kernel layouts the quantized layers of ``model`` keep beside the codes."""
+    return sum(m.derived_nbytes for m in model.modules() if isinstance(m, QuantLinear))

@@ -90,14 +90,24 @@ class QuantSpec:
         return cls(d["scheme"], d["granularity"], int(d.get("group_size") or 0) or DEFAULT_GROUP_SIZE)
 
 
-def check_served(store_quant: dict | None, scheme: str, granularity: str, model: str) -> None:
-    """The ``quantization_scheme``/``quantization_granularity`` keys of a model against how its
-    store was packed (``store_quant``: the blocks' ``quant`` map, None when unquantized).
+def quantized_at(store) -> str:
+    """Where a served store's weights were quantized: ``pack``, ``host_tier`` (quantized as its
+    blocks are loaded: ``quant.host_tier``) or ``none``."""
+    if store.quant is None:
+        return "none"
+    return getattr(store, "quantized_at", "pack")
 
-    ``none`` serves the store as packed. A scheme must match the store's scheme and granularity;
-    otherwise ConfigError names both. A scheme for an unquantized store would mean quantizing the
-    blocks as they enter the host tier, which this release does not do: ConfigError says so and
-    how to pack the store quantized instead.
+
+def check_served(store_quant: dict | None, scheme: str, granularity: str, model: str,
+                 where: str = "pack") -> None:
+    """The ``quantization_scheme``/``quantization_granularity`` keys of an open of a model against
+    how the model is served (``store_quant``: its blocks' ``quant`` map, None when unquantized;
+    ``where``: ``pack`` or ``host_tier``, as ``quantized_at``).
+
+    ``none`` serves the model as it is held. Otherwise the scheme and granularity must match the
+    model's; a scheme for a model already open unquantized cannot be served (the first open
+    decides how the host tier holds a model, ``quant.host_tier``). Either way ConfigError names
+    both and what to do.
     """
     from ..errors import ConfigError
 
@@ -106,16 +116,21 @@ def check_served(store_quant: dict | None, scheme: str, granularity: str, model:
     if store_quant is None:
         raise ConfigError(
             f"model {model}: quantization_scheme {scheme!r} asks for quantized weights, but the "
-            f"store is packed unquantized; quantizing blocks as they enter the host tier is not "
-            f"implemented -- pack it quantized: deepseek-flash pack SRC DST --quantize {scheme} "
-            f"--granularity {granularity}, or set quantization_scheme to 'none'",
+            f"model is open unquantized (its first open had quantization_scheme 'none'; an "
+            f"unquantized store is quantized when its model is opened, not later) -- unload it "
+            f"(deepseek-flash unload {model}) and open it again with this key, put the key in the "
+            f"model's flash_config, or pack it quantized: deepseek-flash pack SRC DST --quantize "
+            f"{scheme} --granularity {granularity}",
             key="quantization_scheme", value=scheme, allowed=["none"])
     packed = QuantSpec.from_dict(store_quant)
+    how = ("the store is packed " + packed.label() if where == "pack" else
+           f"the model is served {packed.label()} (quantized as its blocks enter the host tier)")
     if (packed.scheme, packed.granularity) != (scheme, granularity):
         raise ConfigError(
-            f"model {model}: the store is packed {packed.label()}, but the configuration asks for "
+            f"model {model}: {how}, but the configuration asks for "
             f"quantization_scheme {scheme!r}, quantization_granularity {granularity!r}; they must "
             f"agree (set them to {packed.scheme!r} and {packed.granularity!r}, or to 'none', or "
-            f"repack)", key="quantization_scheme" if packed.scheme != scheme else
+            f"{'repack' if where == 'pack' else 'unload the model and open it again'})",
+            key="quantization_scheme" if packed.scheme != scheme else
             "quantization_granularity", value=scheme if packed.scheme != scheme else granularity,
             allowed=[packed.scheme if packed.scheme != scheme else packed.granularity, "none"])

@@ -9,14 +9,17 @@ from .common import add_location_arguments, require_live_tree, runtime_dir, with
 
 HELP = "list the daemon's models, or show one (info, residency, --blocks)"
 DESCRIPTION = """Without NAME: one line per open model (name, state, resident/total blocks, bytes in the
-host tier / on disk / on GPUs, quantization scheme, granularity and group size).
+host tier / served in total / on GPUs, quantization scheme, granularity, group size and where the
+weights were quantized: pack, or host_tier for an unquantized store quantized as it is loaded).
 With NAME: models/NAME/info and models/NAME/residency, and with --blocks every block's line.
 Without a status tree the daemon is asked over the control socket."""
 
-# total_bytes: on disk (the store's payloads); resident_bytes: in the host tier; gpu_bytes: in GPU
-# arenas (resident loads, not streaming slots).
-COLUMNS = ("name", "state", "blocks", "resident_blocks", "resident_bytes", "total_bytes", "gpu_bytes",
-           "quantization_scheme", "quantization_granularity", "quantization_group_size")
+# total_bytes: the model's payloads as served (on disk, or after quantizing on entry); disk_bytes:
+# the payloads read from disk; resident_bytes: in the host tier; gpu_bytes: in GPU arenas
+# (resident loads, not streaming slots).
+COLUMNS = ("name", "state", "blocks", "resident_blocks", "resident_bytes", "total_bytes", "disk_bytes",
+           "gpu_bytes", "quantization_scheme", "quantization_granularity", "quantization_group_size",
+           "quantized_at")
 
 
 def add_arguments(parser):

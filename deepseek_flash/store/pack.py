@@ -293,21 +293,10 @@ def _remove_stale_temps(out: Path) -> None:
 
 
 # --- the packer -------------------------------------------------------------------------------
-def _quantized_bytes(t, source: bytearray, device) -> tuple[bytes, bytes]:
-    """(codes, scales) of tensor ``t``'s source bytes, in the layout of docs/format.md."""
-    import torch
-
-    from ..quant import QuantSpec, quantize
-    from .views import TORCH_DTYPES
-
-    weight = torch.frombuffer(source, dtype=TORCH_DTYPES[t.quant["dtype"]]).view(t.shape)
-    qt = quantize(weight.to(device), QuantSpec.from_dict(t.quant), t.name)
-    return qt.data.numpy().tobytes(), qt.scales.numpy().astype("<f2").tobytes()
-
-
 def _write_blocks(shards: _Shards, blocks: list[BlockInfo], data_path: Path, progress,
                   quant_device="cpu") -> None:
     from .. import _core
+    from ..quant.codec import quantized_bytes
 
     writer = _core.AlignedWriter(str(data_path), buffer_size=_CHUNK)
     headers = []
@@ -337,7 +326,7 @@ def _write_blocks(shards: _Shards, blocks: list[BlockInfo], data_path: Path, pro
                         continue
                     del gathered[name]
                     parts = zip((t.offset, t.quant["scales_offset"]),
-                                _quantized_bytes(t, source, quant_device))
+                                quantized_bytes(t, source, quant_device))
                 else:
                     parts = ((max(pos, t.offset), piece),)
                 for offset, data in parts:

@@ -30,9 +30,10 @@ def tree(tmp_path):
                    "socket": str(tmp_path / "rt" / "control.sock")},
         "stats": {"prefetch_miss_count": 4, "bytes_read_nvme": 8192},
         "models": {"alpha": {"state": "open", "blocks": 2, "resident_blocks": 1, "resident_bytes": 4096,
-                             "total_bytes": 8192, "gpu_bytes": 4096,
+                             "total_bytes": 8192, "disk_bytes": 24576, "gpu_bytes": 4096,
                              "quantization_scheme": "int4_symmetric",
                              "quantization_granularity": "per_block", "quantization_group_size": 128,
+                             "quantized_at": "host_tier",
                              "residency": [{"id": 0, "role": "embed", "state": "resident", "bytes": 4096},
                                            {"id": 1, "role": "lm_head", "state": "absent", "bytes": 4096}]},
                    "beta-long-name": {"state": "failed", "blocks": 0}},
@@ -52,18 +53,18 @@ def test_models_table_and_one_model(tree, capsys):
     rc, out, _ = run(capsys, "models", "--runtime-dir", str(tree))
     assert rc == 0
     assert out.splitlines() == [
-        "NAME            STATE   BLOCKS  RESIDENT_BLOCKS  RESIDENT_BYTES  TOTAL_BYTES  GPU_BYTES  "
-        "QUANTIZATION_SCHEME  QUANTIZATION_GRANULARITY  QUANTIZATION_GROUP_SIZE",
-        "alpha           open    2       1                4096            8192         4096       "
-        "int4_symmetric       per_block                 128",
-        "beta-long-name  failed  0       -                -               -            -          "
-        "-                    -                         -",
+        "NAME            STATE   BLOCKS  RESIDENT_BLOCKS  RESIDENT_BYTES  TOTAL_BYTES  DISK_BYTES  "
+        "GPU_BYTES  QUANTIZATION_SCHEME  QUANTIZATION_GRANULARITY  QUANTIZATION_GROUP_SIZE  QUANTIZED_AT",
+        "alpha           open    2       1                4096            8192         24576       "
+        "4096       int4_symmetric       per_block                 128                      host_tier",
+        "beta-long-name  failed  0       -                -               -            -           "
+        "-          -                    -                         -                        -",
     ]
     rc, out, _ = run(capsys, "models", "alpha", "--blocks", "--runtime-dir", str(tree))
     assert rc == 0
     assert out == ("name: alpha\nstate: open\nblocks: 2\nresident_blocks: 1\nresident_bytes: 4096\n"
-                   "total_bytes: 8192\ngpu_bytes: 4096\nquantization_scheme: int4_symmetric\n"
-                   "quantization_granularity: per_block\nquantization_group_size: 128\nresidency:\n  absent_blocks: 1\n  absent_bytes: 4096\n"
+                   "total_bytes: 8192\ndisk_bytes: 24576\ngpu_bytes: 4096\nquantization_scheme: int4_symmetric\n"
+                   "quantization_granularity: per_block\nquantization_group_size: 128\nquantized_at: host_tier\nresidency:\n  absent_blocks: 1\n  absent_bytes: 4096\n"
                    "  resident_blocks: 1\n  resident_bytes: 4096\nblocks:\n"
                    "  0: role=embed state=resident bytes=4096\n  1: role=lm_head state=absent bytes=4096\n")
     rc, _, err = run(capsys, "models", "gamma", "--runtime-dir", str(tree))

@@ -30,3 +30,20 @@ def test_smoke_runs_every_phase(tmp_path):
     assert "needs" not in res["peer"] and "no GPU" in res["peer"]["not_run"]
     assert set(res["goals"]) == {"int4_fits_budget", "batch1_vs_bf16_streamed>=3",
                                  "small_budget_vs_bound>=0.9"}
+
+
+def test_smoke_kernel_phase(tmp_path):
+    out = tmp_path / "kernel.json"
+    run = subprocess.run([sys.executable, str(BENCH), "--smoke", "--kernel", "--output", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["mode"] == "kernel" and res["smoke"] is True and res["small_m"] == 16
+    assert {r["shape"] for r in res["kernel"]} == {"q_proj/o_proj", "k_proj/v_proj", "gate/up_proj",
+                                                   "down_proj"}
+    for row in res["kernel"]:
+        assert row["torch_int4_us"] > 0 and row["torch_int4_derived_per_call_us"] > 0
+        # bfloat16 outputs against the float32 reference: about half of bfloat16's last place
+        # (0.0022-0.0046 measured).
+        assert row["torch_int4_max_rel_err"] < 0.01 and row["runtime_int4_g128_max_rel_err"] < 0.01
+        assert row["runtime_int8_g128_max_rel_err"] < 0.01

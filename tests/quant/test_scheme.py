@@ -34,10 +34,19 @@ def test_served(store, scheme, granularity):
     (INT4_G128, "int4_symmetric", "per_tensor", "quantization_granularity",
      "quantization_granularity 'per_tensor'; they must agree"),
     (None, "int4_symmetric", "per_block", "quantization_scheme",
-     "the store is packed unquantized; quantizing blocks as they enter the host tier is not "
-     "implemented -- pack it quantized: deepseek-flash pack SRC DST --quantize int4_symmetric"),
+     "model m: quantization_scheme 'int4_symmetric' asks for quantized weights, but the model is "
+     "open unquantized"),
 ])
 def test_disagreement_is_a_config_error_naming_both(store, scheme, granularity, key, message):
     with pytest.raises(ConfigError) as info:
         check_served(store, scheme, granularity, "m")
     assert message in str(info.value) and info.value.key == key and info.value.code == 500
+
+
+def test_host_tier_quantized_model_says_so():
+    with pytest.raises(ConfigError) as info:
+        check_served(INT4_G128, "int8_symmetric", "per_block", "m", "host_tier")
+    assert ("model m: the model is served int4_symmetric per_block g128 (quantized as its blocks "
+            "enter the host tier), but the configuration asks for quantization_scheme "
+            "'int8_symmetric'") in str(info.value)
+    assert "unload the model and open it again" in str(info.value)
