@@ -13,9 +13,9 @@ from __future__ import annotations
 import inspect
 
 MIN_TRANSFORMERS = (5, 10)
-"""Oldest transformers the tiered cache is known to run on (tests/kv passes on 5.10.4, 5.14.1,
-5.16.1, 5.17.0 and 5.24.0; 5.0 to 5.5 build causal masks differently, 4.x lacks the layered
-caches). ``TieredCache.for_model`` refuses an older one with ``KVUnsupported``."""
+"""Oldest transformers the tiered cache is known to run on (tests/kv passes on 5.10.4, 5.17.0 and
+5.24.0, its cache tests also on 5.14.1 and 5.16.1; 5.0 to 5.5 fail in mask building, 4.x lacks
+parts of the layered caches). ``TieredCache.for_model`` refuses an older one with ``KVUnsupported``."""
 
 
 def transformers_version_text() -> str:
