@@ -269,6 +269,27 @@ class DecodeCapacityExceeded(DecodeError):
     code = 801
 
 
+# --- several devices (9xx) ---------------------------------------------------------------------
+class PlacementError(FlashError, ValueError):
+    """A model cannot be placed as asked across devices or processes (base)."""
+
+    code = 900
+
+
+class DeviceMapError(PlacementError):
+    """A ``device_map`` that cannot be executed: an unknown device, a layer missing, repeated or
+    out of range, a budget for a device the map does not use; ``device``/``layer`` name it."""
+
+    code = 901
+
+
+class ShardError(PlacementError):
+    """A model a tensor-parallel world cannot split (a dimension not divisible by the world
+    size, a quantized store, a rank outside the world); ``dimension``/``world`` name it."""
+
+    code = 902
+
+
 def _all_subclasses(cls):
     for sub in cls.__subclasses__():
         yield sub

@@ -109,24 +109,56 @@ class Generation:
         self.cancelled = True
 
 
+def prefill_budget(chunk: int, decode_s: float | None, per_token_s: float | None, l0_recent: bool,
+                   floor: int = 16) -> int:
+    """Tokens of other prompts one step may prefill (in one forward). Without L0 traffic in the last
+    seconds: a whole ``chunk``. With it: as many as keep that forward to about half a decode
+    forward's time -- ``decode_s`` and the measured prefill cost per token ``per_token_s`` -- so an
+    L0 request arriving meanwhile waits about as long as for a decode, not for a long prefill; at
+    least ``floor`` tokens (prompts still progress), at most ``chunk``. Where a forward's cost hardly
+    depends on its tokens (a launch-bound GPU step) this is the whole chunk again."""
+    if not l0_recent or not decode_s or not per_token_s:
+        return chunk
+    return min(chunk, max(floor, int(decode_s / per_token_s / 2)))
+
+
 def _sample(torch, logits, gens):
-    """Next token per row: greedy where temperature is 0, else temperature + top-p with the
-    request's own generator (seeded when the request gave a ``seed``)."""
-    out = logits.argmax(dim=-1).tolist()
-    for i, g in enumerate(gens):
-        t, top_p = g.sched.temperature, g.sched.top_p
-        if t <= 1e-5:
-            continue
-        probs = torch.softmax(logits[i].float() / t, dim=-1)
-        if top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        if g.generator is None:
-            g.generator = torch.Generator(device=probs.device)
-            g.generator.manual_seed(g.seed if g.seed is not None else torch.seed())
-        out[i] = int(torch.multinomial(probs, 1, generator=g.generator))
+    """Next token per row: greedy where temperature is 0, else temperature + top-p, all sampled rows
+    in one pass over the vocabulary (softmax, nucleus, inverse CDF) whatever the batch size. Each
+    request draws its uniform number from its own generator (seeded by ``seed``), so its tokens do
+    not depend on which other requests share the batch."""
+    greedy = logits.argmax(dim=-1)
+    hot = [i for i, g in enumerate(gens) if g.sched.temperature > 1e-5]
+    if not hot:
+        return greedy.tolist()
+    device = logits.device
+    temps = torch.tensor([gens[i].sched.temperature for i in hot], device=device)
+    probs = torch.softmax(logits[hot].float() / temps[:, None], dim=-1)
+    top_ps = [gens[i].sched.top_p for i in hot]
+    order = None
+    if any(p < 1.0 for p in top_ps):
+        probs, order = probs.sort(dim=-1, descending=True)
+        limit = torch.tensor(top_ps, device=device)[:, None]
+        keep = (probs.cumsum(-1) - probs < limit) | (limit >= 1.0)
+        probs = probs * keep
+    cdf = probs.cumsum(-1)
+    u = torch.tensor([_uniform(torch, gens[i]) for i in hot], device=device, dtype=cdf.dtype)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
+    if order is not None:
+        picked = order.gather(-1, picked)
+    out = greedy.tolist()
+    for i, token in zip(hot, picked[:, 0].tolist()):
+        out[i] = token
     return out
+
+
+def _uniform(torch, gen) -> float:
+    """A uniform number in [0, 1) from the request's own generator (on the CPU; made at its first
+    draw, seeded by the request's ``seed`` or at random)."""
+    if gen.generator is None:
+        gen.generator = torch.Generator()
+        gen.generator.manual_seed(gen.seed if gen.seed is not None else torch.seed())
+    return float(torch.rand((), generator=gen.generator))
 
 
 class Engine:
@@ -171,6 +203,11 @@ class Engine:
         self._busy_s = 0.0
         self._util_mark = (time.monotonic(), 0.0)
         self._util = 0.0
+        # Forward costs (EWMA, seconds) for the prefill budget under L0 traffic; the last L0 arrival.
+        self._decode_s: float | None = None
+        self._per_token_s: float | None = None
+        self._l0_at: float | None = None
+        self.l0_recent_s = 10.0
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
@@ -193,6 +230,8 @@ class Engine:
         """Route ``gen`` through the scheduler; admitted requests run from the next step boundary."""
         with self._lock:
             route = self.scheduler.route(gen.sched)
+            if route.admitted and gen.sched.priority_class == "L0":
+                self._l0_at = time.monotonic()
             if route.admitted:
                 self._gens[id(gen.sched)] = gen
                 self._lock.notify()
@@ -391,7 +430,12 @@ class Engine:
         positions = torch.tensor(pos, device=self.device)
         kv_len = max(g.prefilled + n for g, n in group) + (1 if any(n < width for _, n in group) else 0)
         self._read_priority([g for g, _ in group])
+        began = time.perf_counter()
         logits = self._forward(rows, torch.tensor(ids, device=self.device), positions, kv_len)
+        spent = time.perf_counter() - began
+        # What a prompt token adds to a forward: the time beyond a decode forward's, per token.
+        sample = max(0.0, spent - (self._decode_s or 0.0)) / (len(group) * width)
+        self._per_token_s = sample if self._per_token_s is None else 0.8 * self._per_token_s + 0.2 * sample
         self.stats["prefill_forwards"] += 1
         done = []
         for i, (gen, n) in enumerate(group):
@@ -431,14 +475,20 @@ class Engine:
             batch = [g for g in self._rows if g is not None]
         self._apply_window(batch)
         self._prefill_l0()
-        budget, group = self.prefill_chunk, []
+        l0_recent = self._l0_at is not None and time.monotonic() - self._l0_at < self.l0_recent_s
+        budget = prefill_budget(self.prefill_chunk, self._decode_s, self._per_token_s, l0_recent)
+        # Packed in join order while rows x the widest chunk stays within the budget (padding is
+        # compute too); the first prompt in line always gets its share.
+        group, width = [], 0
         for gen in sorted((g for g in batch if g.sched.priority_class != "L0" and not g.cancelled
-                           and g.kv_cache is None and g.prefilled < len(g.prompt_ids)), key=lambda g: (g.sched.started, g.sched.seq)):
-            n = min(budget, len(gen.prompt_ids) - gen.prefilled)
-            if n <= 0:
+                           and g.kv_cache is None and g.prefilled < len(g.prompt_ids)),
+                          key=lambda g: (g.sched.started, g.sched.seq)):
+            need = len(gen.prompt_ids) - gen.prefilled
+            n = min(need, budget) if not group else min(need, max(width, budget // (len(group) + 1)))
+            if group and (len(group) + 1) * max(width, n) > budget:
                 break
             group.append((gen, n))
-            budget -= n
+            width = max(width, n)
         if group:
             self._prefill(group)
         with self._lock:
@@ -460,7 +510,10 @@ class Engine:
             lengths = [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding]
             pos = torch.tensor(lengths, device=self.device)[:, None]
             self._read_priority(decoding)
+            began = time.perf_counter()
             logits = self._forward(rows, ids, pos, max(lengths) + 1)
+            spent = time.perf_counter() - began
+            self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
             produced = list(zip(decoding, _sample(torch, logits, decoding)))
             self.stats["decode_steps"] += 1
             self.stats["batch_rows_sum"] += len(decoding)

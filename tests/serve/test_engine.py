@@ -358,3 +358,79 @@ def test_incremental_detokenization_answers_what_the_whole_output_decodes_to(tin
         assert text == tiny_tokenizer.decode(ids)
     # One token event per generated token; the done event last.
     assert [k for k, _ in g.on_event.events] == ["token"] * len(g.output_ids) + ["done"]
+
+
+def hot(temperature=1.0, top_p=1.0, seed=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(sched=SimpleNamespace(temperature=temperature, top_p=top_p), seed=seed, generator=None)
+
+
+def test_sampling_rows_are_greedy_nucleus_and_the_given_distribution():
+    from deepseek_flash.serve.engine import _sample
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None].repeat(4, 1)
+    logits[0, 2] = 5.0                                   # the greedy row's argmax
+    gens = [hot(0.0), hot(1.0, 0.85, seed=1), hot(1.0, 0.6, seed=2), hot(1.0, seed=3)]
+    draws = [_sample(torch, logits, gens) for _ in range(4000)]
+    cols = list(zip(*draws))
+    assert set(cols[0]) == {2}                           # temperature 0: argmax, every time
+    assert set(cols[1]) == {0, 1, 2}                     # top_p 0.85: 0.05 left out
+    assert set(cols[2]) == {0, 1}                        # top_p 0.6: the first two
+    freq = [cols[3].count(t) / 4000 for t in range(4)]
+    assert all(abs(f - p) < 0.03 for f, p in zip(freq, probs.tolist())), freq
+    # Renormalised nucleus: 0.5 / 0.8 of row 2's draws are token 0.
+    assert abs(cols[2].count(0) / 4000 - 0.625) < 0.03
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch():
+    from deepseek_flash.serve.engine import _sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 260)
+    alone = hot(0.8, 0.9, seed=7)
+    solo = [_sample(torch, logits[1:2], [alone])[0] for _ in range(50)]
+    batch = [hot(1.2, seed=1), hot(0.8, 0.9, seed=7), hot(0.0)]
+    together = [_sample(torch, logits, batch)[1] for _ in range(50)]
+    assert solo == together and len(set(solo)) > 1
+
+
+# (chunk, decode forward s, prefill s per token, L0 seen lately) -> prompt tokens this step
+BUDGET_TABLE = [
+    (512, None, None, True, 512),         # nothing measured yet
+    (512, 0.005, 0.0002, False, 512),     # no L0 traffic: a whole chunk
+    (512, 0.005, 0.0002, True, 16),       # CPU-like: half a decode's time is 12 tokens -> the floor
+    (512, 0.020, 0.0001, True, 100),      # 100 tokens ~ half a decode forward
+    (512, 0.067, 0.00001, True, 512),     # launch-bound GPU step: tokens are nearly free
+    (8, 0.005, 0.0002, True, 8),          # never more than a chunk, even at the floor
+]
+
+
+@pytest.mark.parametrize("chunk, decode_s, per_token_s, l0_recent, budget", BUDGET_TABLE)
+def test_prefill_budget(chunk, decode_s, per_token_s, l0_recent, budget):
+    from deepseek_flash.serve.engine import prefill_budget
+
+    assert prefill_budget(chunk, decode_s, per_token_s, l0_recent) == budget
+
+
+@pytest.mark.parametrize("prompts, chunks", [
+    ([32] * 16, [32] * 16),               # 16 newcomers: one forward of 16 x 32 tokens
+    ([4, 400], [4, 256]),                 # the second widens the forward to half the budget each
+    ([400, 300], [400]),                  # two rows of 400 would be 800 tokens of compute
+    ([600, 8], [512]),
+])
+def test_other_prompts_are_packed_into_one_forward_within_the_budget(tiny_reference, tiny_tokenizer, prompts,
+                                                                     chunks):
+    eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=16, l0_reserve=0.0), max_batch=16,
+                 max_model_len=1024)
+    gens = [generation([(i + j) % 250 + 3 for j in range(n)], 50) for i, n in enumerate(prompts)]
+    for g in gens:
+        assert eng.submit(g).admitted
+    boundary(eng)
+    rec = Forwards(eng)
+    with torch.inference_mode():
+        eng._step()
+    assert rec.log[0] == ("prefill", [g.row for g in gens[:len(chunks)]], max(chunks))
+    assert [g.prefilled for g in gens] == chunks + [0] * (len(prompts) - len(chunks))
+    eng.close(timeout=0)
