@@ -9,8 +9,10 @@ request's layers) would queue behind all of another model's cold load; with it, 
 ``inflight_bytes`` (a few times the engine's own queue, so the disk stays busy).
 
 A block of a model quantized as it enters the host tier (``quant.host_tier``) is read from its
-source block into a staging buffer (crc32c-checked against the source) and transcoded into its
-arena region by the completion thread, outside the lock, before it is marked resident.
+source block into a staging buffer (crc32c-checked against the source); the completion thread
+hands such a batch to the ``flash-quantize`` thread, which transcodes the blocks into their arena
+regions outside the lock and then completes the batch -- so seconds of quantization never hold up
+the completion of other reads.
 
 The completion thread waits on the engine with the GIL released, turns each completion into
 success or a typed error, and under the lock marks blocks resident or hands failures to the
@@ -61,6 +63,8 @@ class ReadPipeline:
         self._thread = threading.Thread(target=self._completion_loop, name="flash-io-completion",
                                         daemon=True)
         self._thread.start()
+        self._transcodes: queue.Queue = queue.Queue()
+        self._transcoder: threading.Thread | None = None   # started by the first staged batch
 
     def close(self) -> None:
         """Stop the completion thread once every read asked for has finished (the waiting chunks
@@ -70,6 +74,9 @@ class ReadPipeline:
             self._pump_locked()
         self._batches.put(None)
         self._thread.join()
+        if self._transcoder is not None:
+            self._transcodes.put(None)
+            self._transcoder.join()
 
     def submit_locked(self, blocks, client_id: int | None = None, priority: int = 0) -> None:
         """Read ``blocks`` on behalf of ``client_id`` (None: a retry, which keeps the block's
@@ -175,11 +182,29 @@ class ReadPipeline:
                 else:
                     for c in completions:
                         results[c.block_id] = results.get(c.block_id) or self._error_of(c)
-            self._transcode(tokens, results, error)
+            if any(getattr(self.s.tokens.get(t), "staging", None) is not None for t in tokens):
+                if self._transcoder is None:
+                    self._transcoder = threading.Thread(target=self._transcode_loop,
+                                                        name="flash-quantize", daemon=True)
+                    self._transcoder.start()
+                self._transcodes.put((batch, tokens, results, error, size))
+                continue
             try:
                 self._complete(tokens, results, error, size)
             except Exception:  # a bug here must not kill the only completion thread
                 log.exception("completing IO batch %s failed", batch)
+
+    def _transcode_loop(self) -> None:
+        while True:
+            item = self._transcodes.get()
+            if item is None:
+                return
+            batch, tokens, results, error, size = item
+            try:
+                self._transcode(tokens, results, error)
+                self._complete(tokens, results, error, size)
+            except Exception:  # a bug here must not kill the thread: the batch's waiters would hang
+                log.exception("completing quantized IO batch %s failed", batch)
 
     def _transcode(self, tokens, results, batch_error) -> None:
         """Quantize the blocks of this batch that were read into staging buffers into their arena

@@ -150,3 +150,34 @@ def test_a_failed_quantization_is_the_blocks_typed_error(stores, monkeypatch):
                                              r"entered the host tier failed: RuntimeError\('codec "
                                              r"failure'\)"):
             client.acquire(info.name, [2])
+
+
+def test_quantizing_does_not_hold_up_other_reads(stores, monkeypatch):
+    import threading
+
+    plain, packed = stores["llama"]
+    real = QuantizingStore.transcode
+    entered, go = threading.Event(), threading.Event()
+
+    def slow(self, info, source, dest):
+        entered.set()
+        assert go.wait(30)
+        return real(self, info, source, dest)
+
+    monkeypatch.setattr(QuantizingStore, "transcode", slow)
+    with Client(embedded=True, config=CONFIG) as client:
+        quantized = client.open_model(plain, KEYS)
+        other = client.open_model(packed)
+        done = []
+        t = threading.Thread(target=lambda: done.append(client.acquire(quantized.name, [3])))
+        t.start()
+        try:
+            assert entered.wait(30)
+            lease = client.acquire(other.name, [3])       # read and completed meanwhile
+            assert not done
+            client.release(lease)
+        finally:
+            go.set()
+            t.join(30)
+        assert done and 3 in done[0].blocks
+        client.release(done[0])
