@@ -76,17 +76,22 @@ def gpu_bytes(cache) -> int:
     return cache.stats()["gpu_bytes"] if hasattr(cache, "stats") else cache.gpu_bytes()
 
 
+def cache_kwargs(model, cache):
+    from deepseek_flash.kv import cache_kwargs as kw
+    return kw(model, cache)
+
+
 @torch.no_grad()
 def decode_nll(model, ids: torch.Tensor, prefill: int, spec: dict):
     """Sum of next-token NLL over positions prefill..end, count, GPU KV byte samples, cache."""
     cache = make_cache(model, spec)
-    logits = model(ids[:, :prefill], cache=cache, logits_to_keep=1).logits[:, -1]
+    logits = model(ids[:, :prefill], **cache_kwargs(model, cache), logits_to_keep=1).logits[:, -1]
     total, count, samples = 0.0, 0, []
     for i, t in enumerate(range(prefill, ids.shape[1])):
         total += torch.nn.functional.cross_entropy(logits.float(), ids[:, t], reduction="sum").item()
         count += ids.shape[0]
         if t + 1 < ids.shape[1]:
-            logits = model(ids[:, t:t + 1], cache=cache).logits[:, -1]
+            logits = model(ids[:, t:t + 1], **cache_kwargs(model, cache)).logits[:, -1]
             if spec["kind"] != "dynamic" and i % 8 == 7:
                 samples.append(gpu_bytes(cache))
     return total, count, samples, cache

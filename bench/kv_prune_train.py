@@ -33,14 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @torch.no_grad()
 def collect(model, windows: torch.Tensor, prefill: int, observe: int, horizon: int):
-    from deepseek_flash.kv import TieredCache
+    from deepseek_flash.kv import TieredCache, cache_kwargs
     from deepseek_flash.kv.prune.scorers import features
 
     cache = TieredCache.for_model(model, prune_threshold=0.0)
-    model(windows[:, :prefill], cache=cache)
+    model(windows[:, :prefill], **cache_kwargs(model, cache))
     t = prefill
     for _ in range(observe):
-        model(windows[:, t:t + 1], cache=cache)
+        model(windows[:, t:t + 1], **cache_kwargs(model, cache))
         t += 1
     xs, spans = [], []
     for layer in cache.layers:
@@ -51,7 +51,7 @@ def collect(model, windows: torch.Tensor, prefill: int, observe: int, horizon: i
         spans.append((s, s + n))
     future = [torch.zeros(windows.shape[0], e - s) for s, e in spans]
     for _ in range(horizon):
-        model(windows[:, t:t + 1], cache=cache)
+        model(windows[:, t:t + 1], **cache_kwargs(model, cache))
         t += 1
         for i, layer in enumerate(cache.layers):
             s, e = spans[i]
