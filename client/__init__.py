@@ -32,7 +32,8 @@ __all__ = ["Client", "Lease", "ModelInfo"]
 # Operations that only let go of what the daemon holds for this client. Once the connection is
 # lost that state died with the daemon, so they are answered here (None) instead of reconnecting:
 # under socket activation a reconnect would start a stopped daemon just to be told so.
-RELEASING_OPS = frozenset({"release", "detach", "close_model", "report_stream"})
+RELEASING_OPS = frozenset({"release", "detach", "close_model", "report_stream", "report_kv",
+                           "kv_free"})
 
 
 class _SocketBackend:
@@ -257,6 +258,16 @@ class Client:
         self._models[info.name] = (what, dict(flash_context or {}))
         return info
 
+    def shard(self, model, rank: int, world: int, flash_context: dict | None = None) -> ModelInfo:
+        """Open rank ``rank``'s shard of a ``world``-wide tensor-parallel split of ``model``: a
+        model of its own whose linear weights are ``1/world`` of the source's (derived by the
+        daemon the first time; docs/multigpu.md)."""
+        args = {"model": str(model), "rank": int(rank), "world": int(world),
+                "flash_context": flash_context or {}}
+        info = ModelInfo.from_wire(self._backend.call("shard", args))
+        self._models[info.name] = (("shard", args), dict(flash_context or {}))
+        return info
+
     def acquire(self, model, blocks: list[int] | None = None, layer: int | None = None,
                 priority: int = 0, wait: bool = True) -> Lease:
         args = {"model": _name(model), "priority": priority, "wait": wait}
@@ -299,10 +310,12 @@ class Client:
         return result
 
     # --- device tier (used by load_model) ---------------------------------------------------------
-    def attach(self, model, device, weight_budget: int | None = None, priority: int = 0) -> dict:
+    def attach(self, model, device, weight_budget: int | None = None, priority: int = 0,
+               blocks: list[int] | None = None, part: int = 0) -> dict:
         """The model's memory on ``device`` ("cpu" or a CUDA index) for this client: plan,
         control page (gates, block offsets), GPU arena and events, streaming slots. A load this
-        attach starts reads with ``priority`` (higher goes to the disk first)."""
+        attach starts reads with ``priority`` (higher goes to the disk first). ``blocks``/``part``:
+        one device's share of a model split over devices (``load_model(device_map=...)``)."""
         # Only a client in another process needs CUDA IPC handles; sharing memory with oneself
         # would pin it in torch's IPC bookkeeping for good.
         args = {"model": _name(model), "device": device, "ipc": self.mode == "daemon"}
@@ -310,6 +323,9 @@ class Client:
             args["weight_budget"] = int(weight_budget)
         if priority:
             args["priority"] = int(priority)
+        if blocks is not None:
+            args["blocks"] = [int(b) for b in blocks]
+            args["part"] = int(part)
         return self._backend.call("attach", args)
 
     def detach(self, model=None) -> None:
@@ -390,6 +406,9 @@ class Client:
         self._drop_mappings()
         for name, (what, context) in list(self._models.items()):
             try:
+                if isinstance(what, tuple):     # a tensor-parallel shard: asked for again
+                    self._backend.call(*what)
+                    continue
                 self._backend.call("open_model", {"model": what, "flash_context": context})
             except FlashError as exc:
                 log.warning("could not reopen model %s after reconnect: %s", name, exc)

@@ -13,16 +13,19 @@ model size) are handled by ``client.stream``; the skeleton and the binding by ``
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 
-from ..errors import FlashIOError
+from ..errors import BudgetTooSmall, DeviceMapError, FlashIOError
+from ..fsutil import align_up
 from ..sizes import parse_size
 from ..store.views import block_tensors
-from ..wire import GATE_FAILED, GATE_PENDING, GATE_READY, Plan, control_views
+from ..wire import GATE_FAILED, GATE_PENDING, GATE_READY, SLOT_ALIGNMENT, Plan, control_views
 from .skeleton import bind_parameters, build_skeleton, decoder_parts
-from .stream import start_streaming
+from .placement import resolve
+from .stream import StreamGroup, start_reports, start_streaming
 
 log = logging.getLogger("deepseek_flash.model")
 
@@ -35,16 +38,24 @@ class Gates:
     waits on them, so the CPU never waits for a copy, only for the loader to have *issued* it.
     """
 
-    def __init__(self, model, control, events=None, on_failure=None):
+    def __init__(self, model, control, events=None, on_failure=None, part=None, device=None):
         self.control = control
         self.events = events
         self.on_failure = on_failure
-        self.opened = [False] * len(control)
+        self.device = device                 # CUDA index whose compute stream waits (None: current)
         self.handles = []
         self._lock = threading.Lock()
         embed, layers, norm, head = decoder_parts(model)
         targets = [(embed, 0)] + [(layer, i + 1) for i, layer in enumerate(layers)]
         targets += [(norm, len(layers) + 1), (head, len(layers) + 1)]
+        if part is not None:
+            # One device's share of a split model: only its modules wait on its load's gates
+            # (the other gates of its control page are empty, opened at once).
+            keep = {0} if part.first else set()
+            keep |= {i + 1 for i in part.layers} | ({len(layers) + 1} if part.last else set())
+            targets = [(m, g) for m, g in targets if g in keep]
+        watched = {g for _, g in targets}
+        self.opened = [g not in watched for g in range(len(control))]
         for module, gate in targets:
             self.handles.append(module.register_forward_pre_hook(self._hook(gate)))
 
@@ -69,7 +80,7 @@ class Gates:
         if self.events is not None:
             import torch
 
-            torch.cuda.current_stream().wait_event(self.events[gate])
+            torch.cuda.current_stream(self.device).wait_event(self.events[gate])
         with self._lock:
             self.opened[gate] = True
             if all(self.opened):
@@ -83,6 +94,18 @@ class Gates:
     @property
     def active(self) -> bool:
         return bool(self.handles)
+
+
+class PartHandle:
+    """One device slice of a model loaded with ``device_map``: the part (``client.placement``),
+    the attach reply for its blocks, its gates and its streaming runtime (None: all resident)."""
+
+    def __init__(self, part, desc):
+        self.part = part
+        self.desc = desc
+        self.plan = Plan.from_wire(desc["plan"])
+        self.gates = None
+        self.stream = None
 
 
 class FlashModelHandle:
@@ -102,6 +125,8 @@ class FlashModelHandle:
         self.decoder = None                     # decode.GraphDecoder with decode="graphs"
         self.timings: dict[str, float] = {}     # load_model's phases, ms
         self.priority = 0                       # of this model's reads in the controller
+        self.parts: list[PartHandle] = []      # device_map: one per device slice
+        self._hooks: list = []                  # device_map: activation moves between devices
         self._owns_client = owns_client
         self.closed = False
 
@@ -111,14 +136,22 @@ class FlashModelHandle:
         reads of the same blocks queued earlier). ``deepseek-flash serve`` sets it before each
         forward from the classes of the requests in it."""
         self.priority = int(priority)
-        side = getattr(self.stream, "host_side", None)
-        if side is not None:
-            side.priority = self.priority
+        # A model split over devices streams through one runtime per part (a StreamGroup).
+        for runtime in getattr(self.stream, "runtimes", [self.stream]):
+            side = getattr(runtime, "host_side", None)
+            if side is not None:
+                side.priority = self.priority
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for part in self.parts:
+            if part.gates is not None:
+                part.gates.remove()
         if self.gates is not None:
             self.gates.remove()
         if self.stream is not None:
@@ -128,9 +161,9 @@ class FlashModelHandle:
             self.client.close()
 
 
-def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, flash_context=None,
+def load_model(name_or_path, device=None, weight_budget=None, embedded=None, flash_context=None,
                *, client=None, socket_path=None, config=None, decode="eager", decode_capacity=None,
-               priority: int = 0):
+               priority: int = 0, device_map=None, tensor_parallel=None):
     """A ``transformers`` causal LM whose weights are views into the controller's memory.
 
     ``name_or_path``: a registered model name or a store directory (``deepseek-flash pack``).
@@ -141,6 +174,16 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
     ``flash_context``: ``flash_config`` overrides for this model (e.g. ``prefetch_window``).
     ``priority``: of this model's disk reads in the controller (its load, its streamed layers):
     higher goes before waiting reads of other models, e.g. another model's cold load.
+    ``device_map``: instead of ``device``, the decoder layers placed across devices --
+    ``"auto"``, ``{"devices": [...]}`` or ``{"layers": ...}`` (``client.placement``,
+    docs/multigpu.md); each device's share is its own load in its own arena, streamed through
+    its own copy stream under its own budget (``weight_budget``: a total split by bytes, a dict
+    per device, or a list per part); activations move between devices at the layer boundary and
+    the logits come back on the first device. ``model.flash.parts`` lists the parts.
+    ``tensor_parallel``: True (the default ``torch.distributed`` group) or a process group: this
+    process runs its rank's shard of every linear weight (``client.tensor_parallel``), derived
+    and served by the daemon; ``device`` is this rank's device. Logits equal the single-process
+    model's up to the order of the sums (docs/multigpu.md).
     ``decode``: ``"eager"`` (transformers' ``generate``) or ``"graphs"``: ``generate()`` decodes
     each token as one CUDA-graph replay over a static KV cache of ``decode_capacity`` tokens per
     sequence (prompt + new; default ``min(4096, max_position_embeddings)``), see
@@ -155,6 +198,23 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
     from . import Client
 
     check_mode(decode)
+    if device_map is not None:
+        if device is not None:
+            raise DeviceMapError("load_model: give device or device_map, not both",
+                                 device=str(device))
+        if decode != "eager":
+            raise DeviceMapError(f"load_model: decode={decode!r} is not implemented for a model "
+                                 f"split over devices (device_map); use decode='eager'",
+                                 device=str(device_map))
+    device = "cpu" if device is None else device
+    tp = None
+    if tensor_parallel is not None and tensor_parallel is not False:
+        if device_map is not None:
+            raise DeviceMapError("load_model: tensor_parallel with a device_map is not implemented; "
+                                 "give each rank its device", device=str(device_map))
+        from .tensor_parallel import group_of
+
+        tp = group_of(tensor_parallel)
     owns_client = client is None
     if client is None:
         client = Client(socket_path=socket_path, embedded=embedded, config=config)
@@ -169,7 +229,20 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
 
     handle = None
     try:
-        info = client.open_model(name_or_path, flash_context)
+        if tp is not None:
+            info = client.shard(name_or_path, tp[1], tp[2], flash_context)
+        else:
+            info = client.open_model(name_or_path, flash_context)
+        if device_map is not None:
+            handle = _load_parts(client, info, device_map, weight_budget, priority, owns_client,
+                                 lap)
+            model = handle.model
+            del handle.model
+            model.flash = handle
+            timings.update(handle.timings)
+            handle.timings = timings
+            timings["total_ms"] = round(sum(timings.values()), 3)
+            return model
         dev = torch.device(device)
         target = "cpu" if dev.type == "cpu" else (dev.index if dev.index is not None else 0)
         budget = None if weight_budget is None else parse_size("weight_budget", weight_budget)
@@ -189,6 +262,10 @@ def load_model(name_or_path, device="cpu", weight_budget=None, embedded=None, fl
                         module._buffers[name] = buf.to(dev)
         lap("skeleton_ms")
         _bind(model, handle, target, lap)
+        if tp is not None:
+            from .tensor_parallel import install
+
+            handle._hooks = install(model, *tp)
         model.flash = handle
         for_loaded_model(model, handle, decode, decode_capacity)
         timings["total_ms"] = round(sum(timings.values()), 3)
@@ -225,3 +302,166 @@ def _bind(model, handle, target, lap) -> None:
     if not bool((gates == GATE_READY).all()):
         handle.gates = Gates(model, gates, events)
     lap("bind_ms")
+
+
+# --- a model split over devices (device_map) -----------------------------------------------------
+
+def _devices_here() -> tuple[list[str], dict]:
+    """The devices that exist in this process and the free memory of each CUDA device."""
+    import torch
+
+    devices, free = ["cpu"], {}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            devices.append(f"cuda:{i}")
+            free[f"cuda:{i}"] = torch.cuda.mem_get_info(i)[0]
+    return devices, free
+
+
+def _load_parts(client, info, device_map, weight_budget, priority, owns_client, lap):
+    """``load_model`` with a ``device_map``: resolve the parts, attach each (its blocks, its
+    device, its budget), then one skeleton bound part by part. The handle carries the model in
+    ``handle.model`` for the caller to take."""
+    import torch
+
+    # Sizes as the planner counts them (each block at an aligned offset), so a total budget's
+    # shares hold what the parts' plans ask for.
+    layer_bytes = [0] * info.num_layers
+    edges = [0, 0]
+    for b in info.blocks:
+        size = align_up(b.length, SLOT_ALIGNMENT)
+        if b.layer >= 0:
+            layer_bytes[b.layer] += size
+        else:
+            edges[0 if b.role == "embed" else 1] += size
+    available, free = _devices_here()
+    parts = resolve(device_map, num_layers=info.num_layers, layer_bytes=layer_bytes,
+                    edge_bytes=tuple(edges), weight_budget=weight_budget, available=available,
+                    free_bytes=free)
+    first = torch.device(parts[0].device)
+    handle = FlashModelHandle(client, info, first, None, owns_client)
+    handle.priority = priority
+    try:
+        for part in parts:
+            try:
+                desc = client.attach(info.name, part.target, weight_budget=part.budget,
+                                     priority=priority, blocks=part.blocks(info.blocks),
+                                     part=part.index)
+            except BudgetTooSmall as exc:
+                raise BudgetTooSmall(f"{part.describe()}: {exc.message}", **{
+                    **exc.fields, "device": part.device, "layers": list(part.layers)}) from None
+            handle.parts.append(PartHandle(part, desc))
+        handle.desc = handle.parts[0].desc
+        lap("attach_ms")
+        model = build_skeleton(info.config)
+        _, layers, _, _ = decoder_parts(model)
+        device_of = {}
+        for p in parts:
+            device_of.update({id(layers[i]): torch.device(p.device) for i in p.layers})
+        last = torch.device(parts[-1].device)
+        for name, module in model.named_modules():
+            # Rotary tables and other buffers are computed here; each goes to its module's device.
+            dev = first
+            if name.startswith("model.layers."):
+                dev = device_of[id(layers[int(name.split(".")[2])])]
+            elif name.startswith(("model.norm", "lm_head")):
+                dev = last
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.device != dev:
+                    module._buffers[key] = buf.to(dev)
+        lap("skeleton_ms")
+        runtimes = []
+        for ph in handle.parts:
+            part, desc, plan = ph.part, ph.desc, ph.plan
+            memory, events = client.device_memory(part.target, desc)
+            gates, offsets = control_views(client.arena, desc["control_offset"], desc["num_gates"],
+                                           desc["num_blocks"])
+            resident = set(plan.resident)
+            tensors = {}
+            for i, block in enumerate(info.blocks):
+                if block.id in resident:
+                    off = int(offsets[i])
+                    tensors.update(block_tensors(block, memory[off:off + block.length]))
+            bind_parameters(model, {n: t for n, t in tensors.items() if part.owns(n)},
+                            complete=False)
+            if plan.streaming:
+                ph.stream = start_streaming(model, handle, plan, desc, memory, part.target,
+                                            part=True)
+                runtimes.append(ph.stream)
+            if not bool((gates == GATE_READY).all()):
+                ph.gates = Gates(model, gates, events, part=part,
+                                 device=None if part.target == "cpu" else part.target)
+        bind_parameters(model, {})     # every parameter bound by some part
+        if runtimes:
+            handle.stream = StreamGroup(runtimes)
+            start_reports(handle.stream, handle)
+        handle._hooks = move_activations(model, parts)
+        lap("bind_ms")
+        handle.model = model
+        return handle
+    except BaseException:
+        if handle.parts:
+            try:
+                handle.close()
+            except Exception:  # noqa: BLE001 -- the original error is the one to report
+                log.exception("detaching %s after a failed load_model", info.name)
+        elif owns_client:
+            client.close()
+        raise
+
+
+def _to(value, device, memo: dict | None = None):
+    """``value`` with every tensor in it on ``device``. ``memo`` (id -> (source, copy)) reuses a
+    copy made for an earlier layer of the same part: the rotary tables and masks are the same
+    tensors for every layer of a pass, so they cross once per part, not once per layer."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.device == device:
+            return value
+        hit = memo.get(id(value)) if memo is not None else None
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        # Non-blocking only towards a GPU: a copy to the host must be complete when read.
+        moved = value.to(device, non_blocking=device.type == "cuda")
+        if memo is not None:
+            memo[id(value)] = (value, moved)
+        return moved
+    if isinstance(value, tuple):
+        return tuple(_to(v, device, memo) for v in value)
+    if isinstance(value, list):
+        return [_to(v, device, memo) for v in value]
+    if isinstance(value, dict):
+        return {k: _to(v, device, memo) for k, v in value.items()}
+    return value
+
+
+def move_activations(model, parts) -> list:
+    """Hooks that carry activations across devices: before each decoder layer, its tensor
+    arguments (hidden states, rotary tables, masks, positions) move to the layer's device where
+    they are elsewhere (only at a part boundary does anything move); the logits go back to the
+    embeddings' device, where ``generate()`` keeps its tokens. Nothing is hooked where every part
+    shares one device. The KV cache needs nothing: transformers makes each layer's cache on its
+    keys' device."""
+    import torch
+
+    _, layers, _, head = decoder_parts(model)
+    if len({p.device for p in parts}) == 1:
+        return []
+    first = torch.device(parts[0].device)
+    hooks = []
+    for part in parts:
+        memo: dict = {}
+        start = part.layers[0]
+
+        def pre(module, args, kwargs, device=torch.device(part.device), memo=memo, start=start,
+                index=None):
+            if index == start:
+                memo.clear()          # a new pass: last pass's copies are not reused
+            return _to(args, device, memo), _to(kwargs, device, memo)
+
+        for i in part.layers:
+            hooks.append(layers[i].register_forward_pre_hook(
+                functools.partial(pre, index=i), with_kwargs=True))
+    hooks.append(head.register_forward_hook(lambda module, args, out: _to(out, first)))
+    return hooks

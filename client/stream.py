@@ -100,11 +100,47 @@ class _CudaOps:
         self.torch.cuda.current_stream(self.device).synchronize()
 
 
-class StreamRuntime:
+class _Reporting:
+    """Counters sent to the controller from a background thread (``stats()`` is the subclass's)."""
+
+    _reporter = None
+
+    def start_reporting(self, send, interval: float = 1.0) -> None:
+        """Send ``stats()`` to the controller every ``interval`` seconds from a background
+        thread (never from the per-layer path), and once more at close."""
+        self._send = send
+        self._stop = threading.Event()
+
+        def loop():
+            last = None
+            while not self._stop.wait(interval):
+                stats = self.stats(settle=False)
+                if stats != last:
+                    self._report(stats)
+                    last = stats
+
+        self._reporter = threading.Thread(target=loop, daemon=True, name="flash-stream-report")
+        self._reporter.start()
+
+    def _report(self, stats: dict) -> None:
+        try:
+            self._send(stats)
+        except (FlashError, OSError) as exc:   # the controller may be restarting; the next report catches up
+            log.debug("stream report not sent: %s", exc)
+
+    def _stop_reporting(self) -> None:
+        if self._reporter is not None:
+            self._stop.set()
+            self._reporter.join()
+            self._report(self.stats())
+            self._reporter = None
+
+
+class StreamRuntime(_Reporting):
     """Runs one client's ring of slots for one model (see the module docstring)."""
 
     def __init__(self, model, plan: Plan, blocks: dict, host, host_offsets: dict, slots: list,
-                 device, window: int, fetch_host=None):
+                 device, window: int, fetch_host=None, complete: bool = True):
         self.plan = plan
         self.blocks = blocks                 # block id -> BlockInfo
         self.host = host                     # uint8 tensor over the host arena (this mapping)
@@ -136,7 +172,6 @@ class StreamRuntime:
         self._pass_stalls = 0
         self._timing: deque = deque()       # (start, end) timing events in flight, oldest first
         self._timing_pool: list = []
-        self._reporter = None
         self.host_side = None                # StreamedHost (daemon mode on a GPU), else None
         self.close_hooks: list = []          # run once at close (the host leases go back)
         self._slot_layout = {}
@@ -146,7 +181,7 @@ class StreamRuntime:
                 layout.append((bid, offset))
                 offset += align_up(blocks[bid].length, SLOT_ALIGNMENT)
             self._slot_layout[layer] = layout
-        self._bind(model)
+        self._bind(model, complete)
         self.link = LinkSampler(int(device), self.completed_bytes).start() if self.is_cuda else None
         self._hooks = []
         embed, decoder_layers, _, _ = decoder_parts(model)
@@ -159,14 +194,16 @@ class StreamRuntime:
             self._hooks.append(module.register_forward_hook(self._post_hook(idx)))
 
     # --- binding ---------------------------------------------------------------------------------
-    def _bind(self, model) -> None:
+    def _bind(self, model, complete: bool) -> None:
         tensors = {}
         for idx, layer in enumerate(self.layers):
             slot = self.slots[idx % self.n]
             for bid, offset in self._slot_layout[layer]:
                 block = self.blocks[bid]
                 tensors.update(block_tensors(block, slot[offset:offset + block.length]))
-        bind_parameters(model, tensors, fixed=False)
+        # ``complete``: every parameter is bound afterwards (not so for one part of a split model);
+        # not ``fixed``: a slot's bytes change every pass.
+        bind_parameters(model, tensors, complete=complete, fixed=False)
 
     # --- schedule --------------------------------------------------------------------------------
     def _slot_of(self, seq: int) -> int:
@@ -317,29 +354,6 @@ class StreamRuntime:
                     "bytes_streamed": self.bytes_streamed, "passes": self.tokens,
                     "decisions": list(self.controller.decisions)}
 
-    def start_reporting(self, send, interval: float = 1.0) -> None:
-        """Send ``stats()`` to the controller every ``interval`` seconds from a background
-        thread (never from the per-layer path), and once more at close."""
-        self._send = send
-        self._stop = threading.Event()
-
-        def loop():
-            last = None
-            while not self._stop.wait(interval):
-                stats = self.stats(settle=False)
-                if stats != last:
-                    self._report(stats)
-                    last = stats
-
-        self._reporter = threading.Thread(target=loop, daemon=True, name="flash-stream-report")
-        self._reporter.start()
-
-    def _report(self, stats: dict) -> None:
-        try:
-            self._send(stats)
-        except (FlashError, OSError) as exc:   # the controller may be restarting; the next report catches up
-            log.debug("stream report not sent: %s", exc)
-
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
@@ -347,14 +361,39 @@ class StreamRuntime:
         if self.link is not None:
             self.link.stop()
         self.ops.synchronize()
-        if self._reporter is not None:
-            self._stop.set()
-            self._reporter.join()
-            self._report(self.stats())
-            self._reporter = None
+        self._stop_reporting()
         for hook in self.close_hooks:
             hook()
         self.close_hooks = []
+
+
+_SUMMED = ("streamed_layers", "slots", "prefetch_hits", "prefetch_miss_count", "fabric_stall_us",
+           "fabric_stall_cycles", "bytes_streamed")
+
+
+class StreamGroup(_Reporting):
+    """The streaming runtimes of one model split over devices (one per streaming part,
+    ``load_model(device_map=...)``), seen as one: summed counters (each part's under ``parts``),
+    one report to the controller, one close. Each runtime keeps its own slots, copy stream,
+    window and link sampler: the parts' links work side by side."""
+
+    def __init__(self, runtimes: list):
+        self.runtimes = list(runtimes)
+
+    def stats(self, settle: bool = True) -> dict:
+        parts = [r.stats(settle) for r in self.runtimes]
+        out = {k: sum(p[k] for p in parts) for k in _SUMMED}
+        total = out["prefetch_hits"] + out["prefetch_miss_count"]
+        out.update(prefetch_hit_rate=out["prefetch_hits"] / total if total else 0.0,
+                   prefetch_window=max(p["prefetch_window"] for p in parts),
+                   passes=max(p["passes"] for p in parts),
+                   decisions=[d for p in parts for d in p["decisions"]], parts=parts)
+        return out
+
+    def close(self) -> None:
+        for runtime in self.runtimes:
+            runtime.close()
+        self._stop_reporting()
 
 
 class LinkSampler:
@@ -526,12 +565,14 @@ def _merged_ranges(offsets: dict, blocks: dict) -> list[tuple[int, int]]:
     return [(a, b) for a, b in ranges]
 
 
-def start_streaming(model, handle, plan: Plan, desc: dict, memory, target) -> StreamRuntime:
+def start_streaming(model, handle, plan: Plan, desc: dict, memory, target,
+                    part: bool = False) -> StreamRuntime:
     """The streamed part of an attach (``load_model`` bound the resident part): slots, host
     leases of the streamed blocks (after a prefetch hint that starts their disk reads now), the
     runtime, and its counter reports. In daemon mode on a GPU the leases and the page-locking
     of the streamed ranges run in the background (``StreamedHost``); embedded, the controller
-    pinned the whole arena already."""
+    pinned the whole arena already. ``part``: one device's share of a split model (its
+    parameters are not all of the model's; its counters are reported with the other parts')."""
     import torch
 
     client, info = handle.client, handle.info
@@ -562,9 +603,16 @@ def start_streaming(model, handle, plan: Plan, desc: dict, memory, target) -> St
             for lease in leases:
                 client.release(lease)
 
-    runtime = StreamRuntime(model, plan, blocks, host, {}, slots, target, plan.window, fetch_host)
+    runtime = StreamRuntime(model, plan, blocks, host, {}, slots, target, plan.window, fetch_host,
+                            complete=not part)
     runtime.host_side = side
-    runtime.start_reporting(lambda stats: client.call(
-        "report_stream", {"model": info.name, "stats": stats}))
+    if not part:
+        start_reports(runtime, handle)
     runtime.close_hooks.append(close)
     return runtime
+
+
+def start_reports(source, handle) -> None:
+    """``source``'s counters (a runtime or a ``StreamGroup``) to the controller once a second."""
+    client, name = handle.client, handle.info.name
+    source.start_reporting(lambda stats: client.call("report_stream", {"model": name, "stats": stats}))

@@ -21,7 +21,13 @@ import logging
 import threading
 import time
 
-from ..cuda import cuda_available, nvidia_driver_present, register_host_memory, unregister_host_memory
+from ..cuda import (
+    cuda_available,
+    link_bytes_per_s,
+    nvidia_driver_present,
+    register_host_memory,
+    unregister_host_memory,
+)
 from ..errors import DeviceError, FlashError
 from ..prefetch import ForwardOrder
 from .gpu_arena import GpuArena
@@ -57,6 +63,7 @@ class Fabric:
         self.arenas: dict[int, GpuArena] = {}
         self.placements: dict[tuple, DevicePlacement] = {}
         self.slots: dict[tuple, list[int]] = {}      # (client, device) -> slot offsets
+        self.slot_bytes: dict[tuple, int] = {}       # (client, device) -> bytes of the ring
         self.host_pinned = False
         self._pin_tried = False
         self._pin_lock = threading.Lock()
@@ -66,6 +73,9 @@ class Fabric:
         self._lock = threading.Lock()            # arena creation
         self._count_lock = threading.Lock()      # bytes_h2d: every load thread adds to it
         self.bytes_h2d = 0
+        self.device_h2d: dict[int, int] = {}     # per device: bytes the loads copied to it
+        self._rate_marks: dict[int, tuple[float, int]] = {}   # device -> (time, device_h2d) last read
+        self._links: dict[int, float | None] = {}             # device -> PCIe capacity (NVML)
         self._available: bool | None = None
         self._closing = threading.Event()
 
@@ -152,18 +162,22 @@ class Fabric:
             self._host_tensor = torch.frombuffer(self.host_arena, dtype=torch.uint8)
         return self._host_tensor
 
-    def place(self, key, device: int, blocks) -> DevicePlacement:
+    def place(self, key, device: int, blocks, num_layers: int | None = None) -> DevicePlacement:
         """Allocate device ranges for ``blocks`` (BlockInfo list) or raise naming the sizes.
 
         ``key`` names the placement (the loader's load key; its first item is the model name).
+        ``num_layers``: the model's (the gates are the whole model's, also where ``blocks`` is
+        one device's share of a split model); default: the last layer among ``blocks``.
         """
         model = key[0]
         arena = self.arena(device)
         offsets = dict(zip([b.id for b in blocks], arena.alloc_many(
             (b.length for b in blocks), what=f"model {model!r}")))
-        num_layers = 1 + max((b.layer for b in blocks), default=-1)
+        if num_layers is None:
+            num_layers = 1 + max((b.layer for b in blocks), default=-1)
         stages = ForwardOrder(blocks, num_layers).stages
         placement = DevicePlacement(self, model, device, arena, offsets, stages)
+        placement.bytes = sum(b.length for b in blocks)
         self.placements[key] = placement
         return placement
 
@@ -185,6 +199,7 @@ class Fabric:
             placement.events[gate].record(arena.copy_stream)
         with self._count_lock:
             self.bytes_h2d += copied
+            self.device_h2d[arena.device] = self.device_h2d.get(arena.device, 0) + copied
 
     def prepare(self) -> threading.Thread | None:
         """At start, on a background thread: the CUDA context and arena (a ceiling, nothing
@@ -225,9 +240,11 @@ class Fabric:
         """A client's ring of streaming slots in the arena (freed by ``free_slots``)."""
         offsets = self.arena(device).alloc_many([slot_bytes] * n_slots, what="a streaming slot ring")
         self.slots[(owner, device)] = offsets
+        self.slot_bytes[(owner, device)] = n_slots * slot_bytes
         return offsets
 
     def free_slots(self, owner, device: int) -> None:
+        self.slot_bytes.pop((owner, device), None)
         for off in self.slots.pop((owner, device), []):
             self.arenas[device].free(off)
 
@@ -254,6 +271,7 @@ class Fabric:
             arena.close()
         self.placements.clear()
         self.slots.clear()
+        self.slot_bytes.clear()
         self.arenas.clear()
         self._host_tensor = None
         if self.host_pinned:
@@ -264,13 +282,32 @@ class Fabric:
 
             torch.cuda.empty_cache()
 
-    def telemetry(self) -> dict:
-        """Per device: arena size/used and, through pynvml, PCIe throughput and memory."""
+    def telemetry(self, now: float | None = None) -> dict:
+        """Per device: its arena (size, used, ceiling, segments), what is in it (models placed
+        and their bytes, streaming slot rings and theirs), its link (bytes our loads copied to
+        it, their rate since the previous call, the PCIe capacity) and, through pynvml, the
+        link's measured throughput (all traffic, clients' streaming included) and memory."""
+        now = time.monotonic() if now is None else now
         out = {}
+        placements = list(self.placements.values())
+        rings = dict(self.slot_bytes)
         for device, arena in self.arenas.items():
-            out[f"cuda:{device}"] = {"arena_bytes": arena.size, "arena_used_bytes": arena.used,
-                                     "arena_ceiling_bytes": arena.ceiling,
-                                     "arena_segments": len(arena.memory)}
+            mine = [p for p in placements if p.device == device]
+            ring = [n for (_, d), n in rings.items() if d == device]
+            copied = self.device_h2d.get(device, 0)
+            last_t, last_bytes = self._rate_marks.get(device, (now, copied))
+            self._rate_marks[device] = (now, copied)
+            if device not in self._links:
+                self._links[device] = link_bytes_per_s(device) if self.available else None
+            out[f"cuda:{device}"] = {
+                "arena_bytes": arena.size, "arena_used_bytes": arena.used,
+                "arena_ceiling_bytes": arena.ceiling, "arena_segments": len(arena.memory),
+                "models": ",".join(sorted({p.model for p in mine})),
+                "placements": len(mine), "placed_bytes": sum(getattr(p, "bytes", 0) for p in mine),
+                "slot_rings": len(ring), "slot_bytes": sum(ring),
+                "bytes_h2d": copied,
+                "h2d_bytes_per_s": int((copied - last_bytes) / (now - last_t)) if now > last_t else 0,
+                "link_capacity_bytes_per_s": int(self._links[device] or 0)}
         for name, fields in nvml_telemetry().items():
             out.setdefault(name, {}).update(fields)
         return out

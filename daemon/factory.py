@@ -27,6 +27,7 @@ from .config import FlashConfig
 from .loader import Attachments, build_device_tier
 from .operations import Operations
 from .recovery import DeviceWatch
+from .shards import Shards
 
 log = logging.getLogger("deepseek_flash.daemon")
 
@@ -53,6 +54,7 @@ class Controller:
     recovery: DeviceWatch
     attachments: Attachments
     ops: Operations = field(repr=False)
+    shards: Shards | None = None
 
     @property
     def fabric(self):
@@ -116,5 +118,7 @@ def build_controller(config, *, arena_name: str = "deepseek-flash", status=None,
         raise
     controller = Controller(config=config, arena=arena, engine=engine, manager=manager,
                             recovery=recovery, attachments=attachments, ops=None)
-    controller.ops = Operations(manager, status=status or controller.snapshot, attachments=attachments)
+    controller.shards = Shards(manager, paths.state_dir() / "shards")
+    controller.ops = Operations(manager, status=status or controller.snapshot, attachments=attachments,
+                                shards=controller.shards)
     return controller

@@ -34,6 +34,7 @@ from ..errors import (
     FlashError,
     LeaseError,
     StoreInUse,
+    UnknownBlock,
     UnknownClient,
 )
 from ..prefetch import ForwardOrder
@@ -201,10 +202,12 @@ class Loader:
         self._serial = itertools.count(1)
         self.evictions = 0                       # idle GPU loads dropped to make room
 
-    def attach(self, client_id: int, info, device, resident: list[int], priority: int = 0) -> Load:
+    def attach(self, client_id: int, info, device, resident: list[int], priority: int = 0,
+               part: int = 0) -> Load:
         """A load of ``resident`` blocks of the model on ``device`` for this client.
 
-        CPU loads are per client (its leases keep the host blocks). A GPU load is shared: a client
+        CPU loads are per client and ``part`` (a model split over several devices attaches each
+        part on its own; its leases keep the host blocks). A GPU load is shared: a client
         joins any load of the model on that device whose blocks cover what it needs; otherwise a
         new load (its own device copy) is started -- a client with a smaller budget never
         changes what another client already computes with.
@@ -212,7 +215,7 @@ class Loader:
         wanted = frozenset(resident)
         with self._lock:
             if device == "cpu":
-                key = (info.name, "cpu", client_id)
+                key = (info.name, "cpu", client_id, part)
                 load = self._loads.get(key)
                 if load is not None and load.resident != wanted:
                     self._drop(key, LeaseError(f"client {client_id} attached {info.name} again with "
@@ -237,7 +240,8 @@ class Loader:
                                           f"fabric", device=device)
                     key = (info.name, device, next(self._serial))
                     blocks = [b for b in info.blocks if b.id in wanted]
-                    placement = self.with_room(device, lambda: self.fabric.place(key, device, blocks))
+                    placement = self.with_room(device, lambda: self.fabric.place(
+                        key, device, blocks, info.num_layers))
                     load = self._loads[key] = Load(self.manager, self.arena, info, device,
                                                    owner=DAEMON_CLIENT, resident=resident,
                                                    placement=placement, requester=client_id,
@@ -306,6 +310,10 @@ class Loader:
             return list(self._loads.values())
 
 
+def _device_name(device) -> str:
+    return "cpu" if device == "cpu" else f"cuda:{int(device)}"
+
+
 def _when_done(load: Load, result: dict) -> Future:
     future: Future = Future()
 
@@ -335,12 +343,17 @@ class Attachments:
         self._slots_lock = threading.Lock()
 
     def attach(self, client_id: int, model: str, device, weight_budget=None,
-               ipc: bool = True, priority: int = 0) -> dict | Future:
+               ipc: bool = True, priority: int = 0, blocks: list[int] | None = None,
+               part: int = 0) -> dict | Future:
         """The attach reply, or a Future of it: a CPU attach answers once the blocks are read;
         the first attach to a device whose arena does not exist yet runs on its own thread (it
         waits for CUDA to start in the daemon: importing torch and making the context take ~1.5 s
         on the H200 machine), so the daemon's loop keeps serving everyone else meanwhile, and
-        the model's first blocks are read from disk in the meantime (``read_ahead``)."""
+        the model's first blocks are read from disk in the meantime (``read_ahead``).
+
+        ``blocks`` (a model split over devices, ``load_model(device_map=...)``): only these
+        blocks are planned and placed, as part ``part`` of this client's attachment of the
+        model; each part has its own load, plan and slot ring."""
         if device != "cpu" and self.fabric is not None and not self.fabric.ready(int(device)):
             self.read_ahead(client_id, model)
             future: Future = Future()
@@ -349,7 +362,8 @@ class Attachments:
                 try:
                     # Outside the loader's lock, which other clients' attaches need meanwhile.
                     self.fabric.arena(int(device))
-                    out = self._attach(client_id, model, device, weight_budget, ipc, priority)
+                    out = self._attach(client_id, model, device, weight_budget, ipc, priority,
+                                       blocks, part)
                 except BaseException as exc:   # noqa: BLE001 -- delivered to the client, typed
                     future.set_exception(exc)
                     return
@@ -360,7 +374,7 @@ class Attachments:
 
             threading.Thread(target=run, daemon=True, name=f"flash-attach-cuda:{device}").start()
             return future
-        return self._attach(client_id, model, device, weight_budget, ipc, priority)
+        return self._attach(client_id, model, device, weight_budget, ipc, priority, blocks, part)
 
     def read_ahead(self, client_id: int, model: str) -> int:
         """Start reading the model's first blocks in forward order, up to half the host arena
@@ -382,41 +396,58 @@ class Attachments:
             return 0
 
     def _attach(self, client_id: int, model: str, device, weight_budget, ipc: bool,
-                priority: int = 0) -> dict | Future:
+                priority: int = 0, blocks: list[int] | None = None, part: int = 0) -> dict | Future:
         from .planner import plan_residency
 
         info = self.manager.open_model(client_id, model)
         from ..cuda import link_bytes_per_s
 
+        placed = info.blocks
+        if blocks is not None:
+            known = {b.id for b in info.blocks}
+            unknown = sorted(set(blocks) - known)
+            if unknown:
+                raise UnknownBlock(f"attach: model {info.name} has no block {unknown[0]} "
+                                   f"(blocks 0-{len(info.blocks) - 1})", model=info.name,
+                                   block_id=unknown[0])
+            wanted = set(blocks)
+            placed = [b for b in info.blocks if b.id in wanted]
         link = None if device == "cpu" else link_bytes_per_s(int(device))
-        plan = plan_residency(info.blocks, weight_budget, info.flash_config["prefetch_window"],
-                              info.name, link)
-        load = self.loader.attach(client_id, info, device, plan.resident, priority)
+        where = "" if blocks is None else f" part {part} on {_device_name(device)}"
+        plan = plan_residency(placed, weight_budget, info.flash_config["prefetch_window"],
+                              info.name + where, link)
+        load = self.loader.attach(client_id, info, device, plan.resident, priority, part)
         out = load.describe()
         out["plan"] = plan.to_wire()
         if device != "cpu":
             if plan.streaming:
                 with self._slots_lock:
-                    self._free_slots(client_id, info.name)
+                    key = (client_id, info.name, part)
+                    self._free_slots(*key)
                     out["slots"] = self.loader.with_room(int(device), lambda: self.fabric.alloc_slots(
-                        (client_id, info.name), int(device), plan.n_slots, plan.slot_bytes))
-                    self._slots[(client_id, info.name)] = int(device)
+                        key, int(device), plan.n_slots, plan.slot_bytes))
+                    self._slots[key] = int(device)
             if ipc:
                 # After the slots: the descriptor lists every segment the reply's offsets are in.
                 out["gpu_arena"] = self.fabric.arena(int(device)).ipc_descriptor()
-        self.manager.set_plan(info.name, {**info.plan, "device": str(device),
-                                          **{k: v for k, v in plan.to_wire().items()
-                                             if k not in ("resident", "stream_blocks")},
-                                          "resident_blocks": len(plan.resident)})
+        summary = {"device": _device_name(device),
+                   **{k: v for k, v in plan.to_wire().items() if k not in ("resident", "stream_blocks")},
+                   "resident_blocks": len(plan.resident)}
+        if blocks is None:
+            self.manager.set_plan(info.name, {**info.plan, **summary})
+        else:
+            parts = {**info.plan.get("parts", {}), str(part): summary}
+            self.manager.set_plan(info.name, {**info.plan, "parts": parts})
         if device == "cpu" and not load.finished.done():
             # CPU views are made from host offsets, known once the blocks are read: answer then.
             return _when_done(load, out)
         return out
 
-    def _free_slots(self, client_id: int, model: str) -> None:
-        device = self._slots.pop((client_id, model), None)
+    def _free_slots(self, client_id: int, model: str, part: int = 0) -> None:
+        key = (client_id, model, part)
+        device = self._slots.pop(key, None)
         if device is not None:
-            self.fabric.free_slots((client_id, model), device)
+            self.fabric.free_slots(key, device)
 
     def unload(self, model: str) -> int:
         """Drop the model's device copies; refused while a client is attached to one."""

@@ -34,9 +34,10 @@ def _arg(op: str, args: dict, name: str, kind, required: bool = True, default=No
 class Operations:
     """The op table: ``call(client_id, op, args)`` -> a wire result, or a Future of one."""
 
-    def __init__(self, manager: BlockManager, status=None, attachments=None):
+    def __init__(self, manager: BlockManager, status=None, attachments=None, shards=None):
         self.manager = manager
         self.attachments = attachments
+        self.shards = shards
         self._status = status or manager.snapshot
         self._table = {op: getattr(self, "op_" + op) for op in OPS if op != "hello"}
 
@@ -134,9 +135,27 @@ class Operations:
         budget = _arg("attach", args, "weight_budget", int, required=False)
         ipc = _arg("attach", args, "ipc", bool, required=False, default=True)
         priority = _arg("attach", args, "priority", int, required=False, default=0)
+        blocks = _arg("attach", args, "blocks", list, required=False)
+        part = _arg("attach", args, "part", int, required=False, default=0)
+        if blocks is not None and not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+            raise MalformedFrame("attach: 'blocks' must be a list of block ids", op="attach",
+                                 argument="blocks")
         if self.attachments is None:
             raise UnknownOperation("attach: this controller has no device tier", op="attach")
-        return self.attachments.attach(cid, model, device, budget, ipc=ipc, priority=priority)
+        return self.attachments.attach(cid, model, device, budget, ipc=ipc, priority=priority,
+                                       blocks=blocks, part=part)
+
+    def op_shard(self, cid, args):
+        """Rank ``rank`` of a ``world``-wide tensor-parallel split of ``model``: its shard,
+        derived once and opened for this client (``daemon.shards``); a ModelInfo like
+        ``open_model``'s, or a Future of it while the shard is derived."""
+        model = _arg("shard", args, "model", str)
+        rank = _arg("shard", args, "rank", int)
+        world = _arg("shard", args, "world", int)
+        context = _arg("shard", args, "flash_context", dict, required=False, default={})
+        if self.shards is None:
+            raise UnknownOperation("shard: this controller derives no shards", op="shard")
+        return self.shards.shard(cid, model, rank, world, context)
 
     def op_detach(self, cid, args):
         if self.attachments is not None:
@@ -169,6 +188,28 @@ class Operations:
         model = _arg("report_stream", args, "model", str)
         stats = _arg("report_stream", args, "stats", dict)
         self.manager.report_stream(cid, model, stats)
+
+    def op_kv_alloc(self, cid, args):
+        """Host arena space for this client's tiered KV pages on ``model``: ``{offset, bytes}``."""
+        model = _arg("kv_alloc", args, "model", str)
+        nbytes = _arg("kv_alloc", args, "bytes", int)
+        if nbytes <= 0:
+            raise MalformedFrame(f"kv_alloc: bytes must be positive, not {nbytes}", op="kv_alloc",
+                                 argument="bytes")
+        return {"offset": self.manager.kv_alloc(cid, model, nbytes), "bytes": nbytes}
+
+    def op_kv_free(self, cid, args):
+        return {"freed": self.manager.kv_free(cid, _arg("kv_free", args, "offset", int))}
+
+    def op_report_kv(self, cid, args):
+        """A client's tiered KV cache stats (``deepseek_flash.kv``): bytes per tier, page fetches."""
+        model = _arg("report_kv", args, "model", str)
+        stats = _arg("report_kv", args, "stats", dict)
+        for key, value in stats.items():
+            if not isinstance(value, (int, bool)) and value is not None:
+                raise MalformedFrame(f"report_kv: stats field {key!r} must be an integer",
+                                     op="report_kv", argument="stats")
+        self.manager.report_kv(cid, model, stats)
 
 
 def _chain(future: Future, convert) -> Future:

@@ -248,6 +248,15 @@ class KVUnsupported(KVError):
     code = 704
 
 
+class KVCacheBypassed(KVError):
+    """A ``TieredCache`` reached the model under a keyword its ``forward`` does not take
+    (``cache=`` on a transformers whose keyword is ``past_key_values``, or the reverse): the model
+    ran with a cache of its own and the tiered one would have stayed empty. ``keyword`` names the
+    keyword given, ``expected`` the model's."""
+
+    code = 705
+
+
 # --- decode (8xx) ------------------------------------------------------------------------------
 class DecodeError(FlashError):
     code = 800
@@ -258,6 +267,27 @@ class DecodeCapacityExceeded(DecodeError):
     ``new_tokens``, ``capacity``)."""
 
     code = 801
+
+
+# --- several devices (9xx) ---------------------------------------------------------------------
+class PlacementError(FlashError, ValueError):
+    """A model cannot be placed as asked across devices or processes (base)."""
+
+    code = 900
+
+
+class DeviceMapError(PlacementError):
+    """A ``device_map`` that cannot be executed: an unknown device, a layer missing, repeated or
+    out of range, a budget for a device the map does not use; ``device``/``layer`` name it."""
+
+    code = 901
+
+
+class ShardError(PlacementError):
+    """A model a tensor-parallel world cannot split (a dimension not divisible by the world
+    size, a quantized store, a rank outside the world); ``dimension``/``world`` name it."""
+
+    code = 902
 
 
 def _all_subclasses(cls):

@@ -53,11 +53,52 @@ def test_telemetry_merges_nvml_into_each_device(monkeypatch):
     fabric.arenas[0].alloc(8192)
     assert fabric.telemetry() == {
         "cuda:0": {"arena_bytes": 2 << 20, "arena_used_bytes": 8192, "arena_ceiling_bytes": 2 << 20,
-                   "arena_segments": 1,
+                   "arena_segments": 1, "models": "", "placements": 0, "placed_bytes": 0,
+                   "slot_rings": 0, "slot_bytes": 0, "bytes_h2d": 0, "h2d_bytes_per_s": 0,
+                   "link_capacity_bytes_per_s": 0,
                    "gpu_memory_used_bytes": 1000, "gpu_memory_total_bytes": 8000,
                    "pcie_rx_kbps": 11, "pcie_tx_kbps": 10},
         "cuda:1": {"gpu_memory_used_bytes": 1001, "gpu_memory_total_bytes": 8000,
                    "pcie_rx_kbps": 21, "pcie_tx_kbps": 20}}
+
+
+def test_telemetry_shows_each_device_its_models_rings_and_link(monkeypatch):
+    """Two devices: each lists what is placed in its own arena, its slot rings, the bytes the
+    loads copied to it and their rate between two reads."""
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(fabric_module, "link_bytes_per_s", lambda device: 63e9 + device)
+    fabric = Fabric(host_arena=bytearray(1 << 16), unified_memory_ratio=0.5)
+    fabric._available = True
+    monkeypatch.setattr(fabric, "pin_host", lambda wait=True: False)
+    for device in (0, 1):
+        fabric.arenas[device] = cpu_arena(device)
+    blocks = [types.SimpleNamespace(id=i, length=4096, layer=i - 1, role="attn") for i in range(3)]
+    for key, device in ((("a", 0, 1), 0), (("b", 1, 2), 1), (("a", 1, 3), 1)):
+        placement = DevicePlacement.__new__(DevicePlacement)
+        placement.model, placement.device, placement.arena = key[0], device, fabric.arenas[device]
+        placement.offsets = dict(zip(range(3), fabric.arenas[device].alloc_many([4096] * 3)))
+        placement.bytes = 3 * 4096
+        placement.stages = [[0], [1], [2]]
+        placement.events = [types.SimpleNamespace(record=lambda stream: None)] * 3
+        fabric.placements[key] = placement
+    fabric.alloc_slots((7, "a", 1), 1, 2, 8192)
+    first = fabric.telemetry(now=100.0)
+    assert first["cuda:0"]["models"] == "a" and first["cuda:1"]["models"] == "a,b"
+    assert (first["cuda:0"]["placed_bytes"], first["cuda:1"]["placed_bytes"]) == (12288, 24576)
+    assert (first["cuda:1"]["slot_rings"], first["cuda:1"]["slot_bytes"]) == (1, 16384)
+    assert first["cuda:0"]["slot_rings"] == 0
+    assert first["cuda:1"]["link_capacity_bytes_per_s"] == 63e9 + 1
+    # Device 1's load copies two gates in the next two seconds; device 0 copies nothing.
+    placement = fabric.placements[("b", 1, 2)]
+    for gate in (0, 1):
+        fabric.copy_gate(placement, gate, {0: 0, 1: 4096}, {0: 4096, 1: 4096})
+    second = fabric.telemetry(now=102.0)
+    assert second["cuda:1"]["bytes_h2d"] == 8192 and second["cuda:1"]["h2d_bytes_per_s"] == 4096
+    assert second["cuda:0"]["bytes_h2d"] == 0 and second["cuda:0"]["h2d_bytes_per_s"] == 0
+    assert fabric.bytes_h2d == 8192
+    fabric.free_slots((7, "a", 1), 1)
+    assert fabric.telemetry(now=103.0)["cuda:1"]["slot_rings"] == 0
 
 
 def test_prepare_survives_a_device_that_does_not_fit_and_close_joins_it(monkeypatch):

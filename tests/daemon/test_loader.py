@@ -101,9 +101,10 @@ class _FakeFabric:
         self.allocator = RangeAllocator(size, 4096, name="fake device")
         self.placements = {}
 
-    def place(self, key, device, blocks):
+    def place(self, key, device, blocks, num_layers=None):
         offsets = dict(zip([b.id for b in blocks], self.allocator.alloc_many(b.length for b in blocks)))
-        stages = ForwardOrder(blocks, 1 + max(b.layer for b in blocks)).stages
+        num_layers = 1 + max(b.layer for b in blocks) if num_layers is None else num_layers
+        stages = ForwardOrder(blocks, num_layers).stages
         placement = SimpleNamespace(fabric=self, offsets=offsets, events=[_FakeEvent() for _ in stages],
                                     event_handles=[b"" for _ in stages])
         self.placements[key] = placement
@@ -189,12 +190,86 @@ class _SlowFirstFabric(_FakeFabric):
         self.created = True
         return SimpleNamespace(ipc_descriptor=lambda: {"device": device})
 
-    def place(self, key, device, blocks):
+    def place(self, key, device, blocks, num_layers=None):
         self.arena(device)
-        return super().place(key, device, blocks)
+        return super().place(key, device, blocks, num_layers)
 
     def close(self):
         pass
+
+
+class _TwoDeviceFabric(_FakeFabric):
+    """Two fake devices, each with its own allocator; slot rings recorded per (owner, device)."""
+
+    def __init__(self, size):
+        from deepseek_flash.daemon.ranges import RangeAllocator
+
+        super().__init__(size)
+        self.allocators = {d: RangeAllocator(size, 4096, name=f"fake cuda:{d}") for d in (0, 1)}
+        self.devices_placed = {}
+        self.slots = {}
+
+    def ready(self, device):
+        return True
+
+    def arena(self, device):
+        return SimpleNamespace(ipc_descriptor=lambda: {"device": device})
+
+    def place(self, key, device, blocks, num_layers=None):
+        self.allocator = self.allocators[device]
+        self.devices_placed[key] = device
+        return super().place(key, device, blocks, num_layers)
+
+    def alloc_slots(self, owner, device, n_slots, slot_bytes):
+        self.slots[(owner, device)] = self.allocators[device].alloc_many([slot_bytes] * n_slots)
+        return self.slots[(owner, device)]
+
+    def free_slots(self, owner, device):
+        for off in self.slots.pop((owner, device)):
+            self.allocators[device].free(off)
+
+    def evict(self, key):
+        self.allocator = self.allocators[self.devices_placed.pop(key)]
+        return super().evict(key)
+
+
+@pytest.mark.parametrize("devices", [(0, 1), (0, 0)], ids=["two-devices", "two-slices-of-one"])
+def test_parts_of_a_split_model_are_loads_of_their_own(controller, tiny_store, devices):
+    """``attach`` with ``blocks``/``part`` (load_model's device_map): each part is planned under
+    its own budget and placed on its own device -- only its blocks, the gates still the whole
+    model's -- with its own slot ring; two parts on one device are two loads."""
+    from deepseek_flash.daemon.planner import resident_minimum
+
+    manager, arena = controller
+    fabric = _TwoDeviceFabric(64 << 20)
+    attachments = Attachments(manager, Loader(manager, arena, fabric), fabric)
+    cid = manager.connect({"name": "split"})
+    info = manager.open_model(cid, str(tiny_store))
+    half = 1                            # part 1: three layers, two slots -> it streams
+    first = [b.id for b in info.blocks if b.layer < half and (b.layer >= 0 or b.role == "embed")]
+    second = [b.id for b in info.blocks if b.id not in set(first)]
+    need = resident_minimum([b for b in info.blocks if b.id in set(second)])
+    out0 = attachments.attach(cid, info.name, devices[0], blocks=first, part=0)
+    out1 = attachments.attach(cid, info.name, devices[1], weight_budget=need, blocks=second, part=1)
+    loads = {ld.control_offset: ld for ld in attachments.loader.loads()}
+    load0, load1 = loads[out0["control_offset"]], loads[out1["control_offset"]]
+    assert load0 is not load1 and (load0.device, load1.device) == devices
+    for load in (load0, load1):
+        load.finished.result(timeout=30)
+        assert load.num_gates == info.num_layers + 2 and (load.gates == GATE_READY).all()
+    assert set(load0.placement.offsets) == set(first)
+    plan1 = out1["plan"]
+    assert plan1["streamed_layers"] and set(load1.placement.offsets) == set(plan1["resident"])
+    assert set(plan1["resident"]) < set(second) and "slots" in out1 and "slots" not in out0
+    assert fabric.devices_placed == {k: d for k, d in zip(
+        [k for k, ld in attachments.loader._loads.items() if ld in (load0, load1)], devices)}
+    assert list(fabric.slots) == [((cid, info.name, 1), devices[1])]
+    parts = manager.open_model(cid, str(tiny_store)).plan["parts"]
+    assert parts["1"]["device"] == f"cuda:{devices[1]}" and parts["1"]["streamed_layers"]
+    attachments.detach(cid, info.name)
+    assert fabric.slots == {}          # the ring went; the device loads stay for the next client
+    assert len(attachments.loader.loads()) == 2
+    attachments.loader.close()
 
 
 def test_first_attach_to_a_device_does_not_hold_the_caller(controller, tiny_store):

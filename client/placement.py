@@ -1,0 +1,301 @@
+"""Where a model's decoder layers run: a ``device_map`` resolved into *parts*, one per device slice.
+
+Pure (no torch, no IO): ``load_model`` passes in what it learned (the model's blocks, the devices
+that exist, their free memory) and executes the parts this module returns. Each part is attached
+on its own (``attach`` with the part's blocks): its own load and arena on its device, its own
+residency plan under its own budget, its own slot ring and copy stream when it streams.
+
+``device_map`` forms (docs/multigpu.md):
+
+* ``"auto"``: every visible CUDA device (``["cpu"]`` without one);
+* ``{"devices": ["cuda:0", "cuda:1"]}``: these devices, in this order; a device may repeat (two
+  *logical slices* of one GPU: two parts, two loads, two slot rings, two copy streams);
+* ``{"layers": {"cuda:0": range(0, 16), "cuda:1": range(16, 32)}}`` or, where a device repeats,
+  ``{"layers": [["cuda:0", [0, 1]], ["cuda:0", [2, 3]]]}``: every layer exactly once.
+
+Either dict may add ``"l0_device": "cuda:0"``: the seed's rule for real-time (L0) work -- that
+device's parts are held whole (never streamed), so once loaded its PCIe link carries no weight
+copies and is left to the L0 requests whose KV lives there; the weight budget goes to the other
+parts. It places weights; it does not route requests (docs/multigpu.md).
+
+Automatic maps cut the layers into contiguous runs whose bytes follow each part's *capacity*:
+its budget where ``weight_budget`` is a dict, else its device's free memory (a device's slices
+share it equally), else equal shares. The embeddings go with layer 0's part, the final norm and
+lm_head with the last layer's part (and, for tied embeddings, a copy of the embedding block).
+
+``weight_budget``: None (everything resident), a total (``int`` or ``"8GiB"``: split over the
+parts in proportion to their bytes, so each streams the same fraction), a dict
+``{device: budget}`` (a device's slices split its budget by bytes; a device left out is not
+capped), or a list with one budget per part.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import DeviceMapError
+from ..sizes import parse_size
+
+EMBED_PREFIX = "model.embed_tokens."
+HEAD_PREFIXES = ("model.norm.", "lm_head.")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One device slice of a model: its layers, whether it holds the embeddings (``first``) and
+    the final norm + lm_head (``last``), and its weight budget (None: uncapped)."""
+
+    index: int
+    device: str                      # "cpu" or "cuda:N"
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+    budget: int | None = None
+    l0: bool = False                 # on the map's ``l0_device``: held whole, never streamed
+
+    @property
+    def target(self):
+        """What ``attach`` takes: "cpu" or the CUDA index."""
+        return "cpu" if self.device == "cpu" else int(self.device.split(":")[1])
+
+    def owns(self, name: str) -> bool:
+        """Whether parameter ``name`` (HF name) is bound by this part."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in self.layers
+        if name.startswith(EMBED_PREFIX):
+            return self.first
+        return self.last and name.startswith(HEAD_PREFIXES)
+
+    def blocks(self, blocks) -> list:
+        """The block ids this part places (BlockInfo list in store order)."""
+        layers = set(self.layers)
+        aliased_head = not any(b.role == "lm_head" for b in blocks)
+        out = []
+        for b in blocks:
+            if b.layer >= 0:
+                keep = b.layer in layers
+            elif b.role == "embed":
+                # Tied embeddings: lm_head is an alias of the embedding block's bytes.
+                keep = self.first or (self.last and aliased_head)
+            else:
+                keep = self.last
+            if keep:
+                out.append(b.id)
+        return out
+
+    def describe(self) -> str:
+        span = (f"layers {self.layers[0]}-{self.layers[-1]}" if self.layers and
+                list(self.layers) == list(range(self.layers[0], self.layers[-1] + 1))
+                else f"layers {list(self.layers)}")
+        return f"part {self.index} on {self.device} ({span})"
+
+
+def normalize_device(device, available: list[str]) -> str:
+    """``"cpu"`` or ``"cuda:N"`` for a device a user typed; DeviceMapError for one that does not
+    exist here (``available``: the devices that do)."""
+    text = str(device).strip()
+    if text == "cuda":
+        text = "cuda:0"
+    if isinstance(device, int) and not isinstance(device, bool):
+        text = f"cuda:{device}"
+    if text != "cpu":
+        head, _, index = text.partition(":")
+        if head != "cuda" or not index.isdigit():
+            raise DeviceMapError(f"device_map: {device!r} is not a device ('cpu' or 'cuda:N')",
+                                 device=str(device))
+        text = f"cuda:{int(index)}"
+    if text not in available:
+        raise DeviceMapError(f"device_map: device {text} does not exist here (devices: "
+                             f"{', '.join(available)})", device=text, available=list(available))
+    return text
+
+
+def _layer_list(device: str, layers, num_layers: int) -> list[int]:
+    try:
+        out = [int(x) for x in layers]
+    except (TypeError, ValueError):
+        raise DeviceMapError(f"device_map: the layers of {device} must be a list or range of "
+                             f"layer numbers, not {layers!r}", device=device) from None
+    for layer in out:
+        if not 0 <= layer < num_layers:
+            raise DeviceMapError(f"device_map: layer {layer} given to {device} does not exist "
+                                 f"(the model has layers 0-{num_layers - 1})", device=device,
+                                 layer=layer)
+    return out
+
+
+def _explicit(spec, num_layers: int, available: list[str]) -> list[tuple[str, list[int]]]:
+    items = list(spec.items()) if isinstance(spec, dict) else list(spec)
+    runs, owner = [], {}
+    for item in items:
+        try:
+            raw_device, layers = item
+        except (TypeError, ValueError):
+            raise DeviceMapError(f"device_map: {item!r} is not a (device, layers) pair",
+                                 device=str(item)) from None
+        device = normalize_device(raw_device, available)
+        layer_list = _layer_list(device, layers, num_layers)
+        for layer in layer_list:
+            if layer in owner:
+                raise DeviceMapError(f"device_map: layer {layer} is given twice ({owner[layer]} "
+                                     f"and {device})", device=device, layer=layer)
+            owner[layer] = device
+        if layer_list:
+            runs.append((device, sorted(layer_list)))
+    missing = [layer for layer in range(num_layers) if layer not in owner]
+    if missing:
+        raise DeviceMapError(f"device_map: layers {missing} are on no device", layer=missing[0],
+                             missing=missing)
+    # Parts in forward order (by their first layer): the embeddings go with layer 0's part.
+    return sorted(runs, key=lambda run: run[1][0])
+
+
+def _auto(devices: list[str], capacity: list[float], layer_bytes: list[int], edge_bytes: tuple[int, int]
+          ) -> list[tuple[str, list[int]]]:
+    n, parts = len(layer_bytes), len(devices)
+    if parts > n:
+        raise DeviceMapError(f"device_map: {parts} devices for {n} layers; give at most one "
+                             f"device per layer", device=devices[-1])
+    total_cap = sum(capacity) or float(parts)
+    shares = [c / total_cap if sum(capacity) else 1.0 / parts for c in capacity]
+    total = sum(layer_bytes) + sum(edge_bytes)
+    bounds, acc = [], 0.0
+    for share in shares:
+        acc += share
+        bounds.append(acc * total)
+    # Each layer goes to the part whose byte range holds the layer's middle byte.
+    starts, cum, part = [0] * parts, edge_bytes[0], 0
+    owner = []
+    for size in layer_bytes:
+        middle = cum + size / 2
+        while part < parts - 1 and middle >= bounds[part]:
+            part += 1
+        owner.append(part)
+        cum += size
+    for k in range(parts):
+        starts[k] = next((i for i, p in enumerate(owner) if p >= k), n)
+    # Every part gets at least one layer: clamp the starts into [k, n - (parts - k)].
+    for k in range(1, parts):
+        starts[k] = min(max(starts[k], starts[k - 1] + 1), n - (parts - k))
+    ends = starts[1:] + [n]
+    return [(devices[k], list(range(starts[k], ends[k]))) for k in range(parts)]
+
+
+def resolve(device_map, *, num_layers: int, layer_bytes: list[int], edge_bytes: tuple[int, int],
+            weight_budget=None, available: list[str], free_bytes: dict | None = None) -> list[Part]:
+    """The parts of ``device_map`` (see the module docstring) for a model of ``num_layers``
+    layers of ``layer_bytes`` each plus ``edge_bytes`` (embeddings, norm + head) bytes.
+
+    ``available``: the devices that exist (``"cpu"`` and ``"cuda:N"``); ``free_bytes``: free
+    memory per CUDA device for automatic maps. Raises ``DeviceMapError`` naming the device or
+    layer at fault."""
+    if len(layer_bytes) != num_layers:
+        raise ValueError("layer_bytes must list every layer")
+    budgets = weight_budget if isinstance(weight_budget, dict) else None
+    l0 = None
+    if isinstance(device_map, dict) and "l0_device" in device_map:
+        device_map = dict(device_map)
+        l0 = normalize_device(device_map.pop("l0_device"), available)
+    if device_map == "auto":
+        cuda = [d for d in available if d != "cpu"]
+        runs_spec = ("devices", cuda or ["cpu"])
+    elif isinstance(device_map, dict) and set(device_map) == {"devices"}:
+        devices = device_map["devices"]
+        if isinstance(devices, (str, bytes)) or not list(devices):
+            raise DeviceMapError(f"device_map: 'devices' must be a non-empty list, not {devices!r}",
+                                 device=str(devices))
+        runs_spec = ("devices", [normalize_device(d, available) for d in devices])
+    elif isinstance(device_map, dict) and set(device_map) == {"layers"}:
+        runs_spec = ("layers", device_map["layers"])
+    else:
+        raise DeviceMapError(f"device_map must be \"auto\", {{\"devices\": [...]}} or "
+                             f"{{\"layers\": ...}}, not {device_map!r}", device=str(device_map))
+
+    if budgets is not None:
+        budgets = {normalize_device(d, available): parse_size("weight_budget", b)
+                   for d, b in budgets.items()}
+    if runs_spec[0] == "devices":
+        devices = runs_spec[1]
+        count = {d: devices.count(d) for d in devices}
+        if budgets is not None and all(d in budgets for d in devices):
+            capacity = [budgets[d] / count[d] for d in devices]
+        elif free_bytes and all(d in free_bytes for d in devices):
+            capacity = [free_bytes[d] / count[d] for d in devices]
+        else:
+            capacity = [1.0] * len(devices)
+        runs = _auto(devices, capacity, layer_bytes, edge_bytes)
+    else:
+        runs = _explicit(runs_spec[1], num_layers, available)
+
+    used = {d for d, _ in runs}
+    if l0 is not None and l0 not in used:
+        raise DeviceMapError(f"device_map: l0_device {l0} holds no layers of the map (devices: "
+                             f"{', '.join(sorted(used))})", device=l0)
+    if budgets is not None:
+        for device in budgets:
+            if device not in used:
+                raise DeviceMapError(f"weight_budget names {device}, which the device_map does "
+                                     f"not use (devices: {', '.join(sorted(used))})", device=device)
+    part_bytes = []
+    for k, (device, layers) in enumerate(runs):
+        size = sum(layer_bytes[i] for i in layers)
+        size += edge_bytes[0] if 0 in layers else 0
+        size += edge_bytes[1] if num_layers - 1 in layers else 0
+        part_bytes.append(size)
+    if l0 is None:
+        part_budgets = _split_budget(weight_budget, budgets, runs, part_bytes)
+    else:
+        part_budgets = _l0_budgets(l0, weight_budget, budgets, runs, part_bytes)
+    return [Part(index=k, device=device, layers=tuple(layers), first=0 in layers,
+                 last=num_layers - 1 in layers, budget=part_budgets[k], l0=device == l0)
+            for k, (device, layers) in enumerate(runs)]
+
+
+def _l0_budgets(l0: str, weight_budget, budgets, runs, part_bytes) -> list[int | None]:
+    """Budgets where the parts on ``l0`` are held whole (None: nothing of theirs streams, so
+    their device's link carries no weight copies once loaded) and the rest of the budget goes
+    to the other parts."""
+    held = sum(b for (d, _), b in zip(runs, part_bytes) if d == l0)
+    if weight_budget is None:
+        return [None] * len(runs)
+    if budgets is not None:
+        if l0 in budgets and budgets[l0] < held:
+            raise DeviceMapError(f"device_map: l0_device {l0} must hold its layers whole "
+                                 f"({held} bytes) but its weight_budget is {budgets[l0]}",
+                                 device=l0, needed=held, budget=budgets[l0])
+        out = _split_budget(weight_budget, budgets, runs, part_bytes)
+    elif isinstance(weight_budget, (list, tuple)):
+        out = _split_budget(weight_budget, budgets, runs, part_bytes)
+    else:
+        total = parse_size("weight_budget", weight_budget)
+        if total < held:
+            raise DeviceMapError(f"device_map: l0_device {l0} must hold its layers whole "
+                                 f"({held} bytes) but the whole weight_budget is {total}",
+                                 device=l0, needed=held, budget=total)
+        others = [(run, b) for run, b in zip(runs, part_bytes) if run[0] != l0]
+        rest = _split_budget(total - held, None, [r for r, _ in others], [b for _, b in others])
+        it = iter(rest)
+        out = [None if d == l0 else next(it) for d, _ in runs]
+    return [None if d == l0 else b for (d, _), b in zip(runs, out)]
+
+
+def _split_budget(weight_budget, budgets, runs, part_bytes) -> list[int | None]:
+    if weight_budget is None:
+        return [None] * len(runs)
+    if budgets is not None:
+        out = []
+        for device, _ in runs:
+            if device not in budgets:
+                out.append(None)
+                continue
+            mine = [b for (d, _), b in zip(runs, part_bytes) if d == device]
+            share = part_bytes[len(out)] / sum(mine)
+            out.append(int(budgets[device] * share))
+        return out
+    if isinstance(weight_budget, (list, tuple)):
+        if len(weight_budget) != len(runs):
+            raise DeviceMapError(f"weight_budget lists {len(weight_budget)} budgets for "
+                                 f"{len(runs)} parts", device=runs[0][0])
+        return [None if b is None else parse_size("weight_budget", b) for b in weight_budget]
+    total = parse_size("weight_budget", weight_budget)
+    whole = sum(part_bytes)
+    return [int(total * b / whole) for b in part_bytes]
