@@ -70,12 +70,20 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def cache_kwargs(model, cache) -> dict:
+    """The cache under the keyword the installed transformers takes (``past_key_values`` up to
+    the rename, ``cache`` after): a cache under the other keyword would be ignored and the model
+    would run with a fresh cache of its own."""
+    from deepseek_flash.kv import cache_kwargs as kwargs_for
+    return kwargs_for(model, cache)
+
+
 def prefill(model, ids, cache, device):
     import torch
     sync(device)
     t = time.perf_counter()
     with torch.no_grad():
-        logits = model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
+        logits = model(ids, **cache_kwargs(model, cache), logits_to_keep=1).logits[:, -1]
     tok = logits.argmax(-1, keepdim=True)
     sync(device)
     return tok, time.perf_counter() - t
@@ -85,11 +93,11 @@ def decode(model, cache, tok, steps, device, warmup=2):
     import torch
     with torch.no_grad():
         for _ in range(warmup):
-            tok = model(tok, cache=cache).logits[:, -1:].argmax(-1)
+            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
         sync(device)
         t = time.perf_counter()
         for _ in range(steps):
-            tok = model(tok, cache=cache).logits[:, -1:].argmax(-1)
+            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
         sync(device)
     return tok, steps / (time.perf_counter() - t)
 

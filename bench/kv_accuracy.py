@@ -32,7 +32,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from deepseek_flash.kv import TieredCache
+from deepseek_flash.kv import TieredCache, cache_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,20 +47,20 @@ def make_cache(model, spec: dict):
     if spec["kind"] == "dynamic":
         return DynamicCache(config=model.config)
     return TieredCache.for_model(model, gpu_tokens=spec["gpu_tokens"],
-                                 top_k_pages=spec.get("fraction"), score=spec.get("score", "quest"))
+                                 top_k_pages=spec.get("fraction"), score=spec.get("score", "hybrid"))
 
 
 @torch.no_grad()
 def decode_nll(model, ids: torch.Tensor, prefill: int, spec: dict) -> tuple[float, int]:
     """Sum of next-token NLL over positions prefill..end (decoded one at a time), and count."""
     cache = make_cache(model, spec)
-    logits = model(ids[:, :prefill], cache=cache, logits_to_keep=1).logits[:, -1]
+    logits = model(ids[:, :prefill], **cache_kwargs(model, cache), logits_to_keep=1).logits[:, -1]
     total, count = 0.0, 0
     for t in range(prefill, ids.shape[1]):
         total += torch.nn.functional.cross_entropy(logits.float(), ids[:, t], reduction="sum").item()
         count += ids.shape[0]
         if t + 1 < ids.shape[1]:
-            logits = model(ids[:, t:t + 1], cache=cache).logits[:, -1]
+            logits = model(ids[:, t:t + 1], **cache_kwargs(model, cache)).logits[:, -1]
     return total, count
 
 
@@ -115,12 +115,12 @@ def retrieval(model, probes: torch.Tensor, answers, decode: int, spec: dict,
         ids = probes[i:i + batch]
         start = ids.shape[1] - decode
         cache = make_cache(model, spec)
-        logits = model(ids[:, :start], cache=cache, logits_to_keep=1).logits[:, -1]
+        logits = model(ids[:, :start], **cache_kwargs(model, cache), logits_to_keep=1).logits[:, -1]
         preds = {}
         for t in range(start, ids.shape[1]):
             preds[t] = logits.argmax(-1)
             if t + 1 < ids.shape[1]:
-                logits = model(ids[:, t:t + 1], cache=cache).logits[:, -1]
+                logits = model(ids[:, t:t + 1], **cache_kwargs(model, cache)).logits[:, -1]
         for row in range(ids.shape[0]):
             ok = [int(preds[p][row]) == int(ids[row, p]) for p in answers[i + row]]
             right, total, exact = right + sum(ok), total + len(ok), exact + all(ok)
@@ -135,9 +135,11 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
-    ap.add_argument("--scores", nargs="+", default=["quest", "windowed"])
-    ap.add_argument("--windowed-fractions", type=float, nargs="+", default=[0.25],
-                    help="fractions the windowed score is run at (quest: --fractions)")
+    ap.add_argument("--scores", nargs="+", default=["hybrid", "quest", "windowed", "mass"],
+                    help="page scores; the first is run at --fractions, the others at --other-fractions")
+    ap.add_argument("--other-fractions", "--windowed-fractions", type=float, nargs="+",
+                    default=[0.25], help="fractions the scores after the first are run at")
+    ap.add_argument("--no-control", action="store_true", help="leave out the top-1 page row")
     ap.add_argument("--gpu-tokens", type=int, nargs="+", default=[512])
     ap.add_argument("--probes", type=int, default=16)
     ap.add_argument("--probe-decode", type=int, default=32)
@@ -160,10 +162,11 @@ def main(argv=None) -> int:
     for g in args.gpu_tokens:
         if args.lossless:
             specs.append(dict(name=f"tiered lossless g{g}", kind="tiered", gpu_tokens=g))
-        specs.append(dict(name=f"top-1 page (control) g{g}", kind="tiered", gpu_tokens=g,
-                          fraction=1, score="quest"))
+        if not args.no_control:
+            specs.append(dict(name=f"top-1 page (control) g{g}", kind="tiered", gpu_tokens=g,
+                              fraction=1, score=args.scores[0]))
         for score in args.scores:
-            for f in (args.fractions if score == "quest" else args.windowed_fractions):
+            for f in (args.fractions if score == args.scores[0] else args.other_fractions):
                 specs.append(dict(name=f"top-K {f:.1%} {score} g{g}", kind="tiered",
                                   gpu_tokens=g, fraction=f, score=score))
     rows = []

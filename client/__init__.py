@@ -32,7 +32,8 @@ __all__ = ["Client", "Lease", "ModelInfo"]
 # Operations that only let go of what the daemon holds for this client. Once the connection is
 # lost that state died with the daemon, so they are answered here (None) instead of reconnecting:
 # under socket activation a reconnect would start a stopped daemon just to be told so.
-RELEASING_OPS = frozenset({"release", "detach", "close_model", "report_stream"})
+RELEASING_OPS = frozenset({"release", "detach", "close_model", "report_stream", "report_kv",
+                           "kv_free"})
 
 
 class _SocketBackend:

@@ -57,6 +57,8 @@ class BlockManager:
         self.connect = registry.connect
         self.disconnect = registry.disconnect
         self.connected = registry.connected
+        self.kv_alloc = registry.kv_alloc
+        self.kv_free = registry.kv_free
         # models
         self.resolve = registry.resolve
         self.open_model = registry.open_model
@@ -81,6 +83,7 @@ class BlockManager:
         self.residency = telemetry.residency
         self.snapshot = telemetry.snapshot
         self.report_stream = telemetry.report_stream
+        self.report_kv = telemetry.report_kv
         self.clients_of_pid = telemetry.clients_of_pid
         self.load_samples = telemetry.load_samples
 

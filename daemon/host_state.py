@@ -123,6 +123,7 @@ class ClientState:
         self.info = info
         self.leases: dict[int, Lease] = {}
         self.handles: dict[str, HandleState] = {}
+        self.kv_regions: dict[int, tuple[str, int]] = {}  # arena offset -> (model, bytes)
         self.connected = True
 
 

@@ -189,6 +189,28 @@ class Operations:
         stats = _arg("report_stream", args, "stats", dict)
         self.manager.report_stream(cid, model, stats)
 
+    def op_kv_alloc(self, cid, args):
+        """Host arena space for this client's tiered KV pages on ``model``: ``{offset, bytes}``."""
+        model = _arg("kv_alloc", args, "model", str)
+        nbytes = _arg("kv_alloc", args, "bytes", int)
+        if nbytes <= 0:
+            raise MalformedFrame(f"kv_alloc: bytes must be positive, not {nbytes}", op="kv_alloc",
+                                 argument="bytes")
+        return {"offset": self.manager.kv_alloc(cid, model, nbytes), "bytes": nbytes}
+
+    def op_kv_free(self, cid, args):
+        return {"freed": self.manager.kv_free(cid, _arg("kv_free", args, "offset", int))}
+
+    def op_report_kv(self, cid, args):
+        """A client's tiered KV cache stats (``deepseek_flash.kv``): bytes per tier, page fetches."""
+        model = _arg("report_kv", args, "model", str)
+        stats = _arg("report_kv", args, "stats", dict)
+        for key, value in stats.items():
+            if not isinstance(value, (int, bool)) and value is not None:
+                raise MalformedFrame(f"report_kv: stats field {key!r} must be an integer",
+                                     op="report_kv", argument="stats")
+        self.manager.report_kv(cid, model, stats)
+
 
 def _chain(future: Future, convert) -> Future:
     out: Future = Future()

@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from ..errors import FlashError, StoreInUse, UnknownBlock, UnknownModel
+from ..errors import FlashError, LeaseError, StoreInUse, UnknownBlock, UnknownModel
 from ..quant.scheme import check_served, quantized_at
 from ..wire import ModelInfo
 from .config import _NAME as MODEL_NAME_RE
@@ -94,6 +94,9 @@ class Registry:
             for lease in client.leases.values():
                 self.residency.unpin(s.models.get(lease.model), lease.blocks)
             client.leases.clear()
+            for offset in client.kv_regions:
+                s.arena.free(offset)
+            client.kv_regions.clear()
             self.telemetry.client_gone_locked(client_id)
             s.generation += 1
         if released:
@@ -104,6 +107,36 @@ class Registry:
             except Exception:   # one tier's bug must not keep the others from cleaning up
                 log.exception("disconnect hook %r failed for client %s", hook, client_id)
         return released
+
+    # --- host memory a client holds for itself (a tiered KV cache's pages) ------------------------
+    def kv_alloc(self, client_id: int, model: str, nbytes: int) -> int:
+        """Arena space of ``nbytes`` for the KV pages of ``client_id``'s cache on open ``model``
+        (made as a demand load makes room; OutOfMemory when all in the way is leased); the arena
+        offset. Freed by ``kv_free`` or when the client leaves."""
+        s = self.s
+        if nbytes <= 0:
+            raise FlashError(f"kv_alloc: {nbytes} bytes")
+        with s.lock:
+            client = s.client(client_id)
+            s.model(model)
+            offset = self.residency.reserve(
+                nbytes, f"KV pages of client {client_id} on model {model}", model=model)
+            client.kv_regions[offset] = (model, aligned(nbytes))
+            s.generation += 1
+            return offset
+
+    def kv_free(self, client_id: int, offset: int) -> int:
+        """Give back a region ``kv_alloc`` returned; its bytes."""
+        s = self.s
+        with s.lock:
+            client = s.client(client_id)
+            region = client.kv_regions.pop(offset, None)
+            if region is None:
+                raise LeaseError(f"client {client_id} holds no KV region at arena offset {offset}",
+                                 offset=offset)
+            s.arena.free(offset)
+            s.generation += 1
+            return region[1]
 
     def connected(self, client_id: int) -> bool:
         with self.s.lock:

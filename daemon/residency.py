@@ -84,6 +84,25 @@ class Residency:
 
     def _make_room(self, block: BlockState, protect, prefetch: bool):
         need = aligned(block.info.length)
+        offset = self._room(need, protect, prefetch)
+        if offset is not None or prefetch:
+            return offset
+        return self._out_of_memory(
+            need, f"block {block.info.id} ({block.info.role}, layer {block.info.layer}) of model "
+            f"{block.model.name}", model=block.model.name, block_id=block.info.id)
+
+    def reserve(self, nbytes: int, what: str, **fields) -> int:
+        """Arena space of ``nbytes`` for a client's own data (a tiered KV cache's pages), made
+        as a demand load makes room (unleased cold blocks first, hot ones last); raises
+        OutOfMemory naming ``what`` when everything in the way is leased. Under the lock."""
+        need = aligned(nbytes)
+        offset = self._room(need, set(), False)
+        if offset is None:
+            raise self._out_of_memory(need, what, **fields)
+        return offset
+
+    def _room(self, need: int, protect, prefetch: bool):
+        """An arena offset for ``need`` bytes, evicting as needed; None when it cannot fit."""
         arena = self.s.arena
         limit = self.s.config.eviction_threshold * arena.size
         # Soft pass: keep the arena under the threshold, evicting cold (non-hot) blocks only.
@@ -106,17 +125,18 @@ class Residency:
                     return arena.alloc(need)
                 except ArenaFull:
                     continue
-        if prefetch:
-            return None
+        return None
+
+    def _out_of_memory(self, need: int, what: str, **fields) -> OutOfMemory:
+        arena = self.s.arena
         leased = sum(aligned(b.info.length) for m in self.s.models.values() for b in m.blocks.values()
                      if b.refs and b.state != ABSENT)
         return OutOfMemory(
-            f"host tier full: block {block.info.id} ({block.info.role}, layer {block.info.layer}) of "
-            f"model {block.model.name} needs {fmt_bytes(need)}; {fmt_bytes(arena.used)} of "
+            f"host tier full: {what} needs {fmt_bytes(need)}; {fmt_bytes(arena.used)} of "
             f"{fmt_bytes(arena.size)} in use, {fmt_bytes(leased)} of it leased or loading, largest "
             f"free extent {fmt_bytes(arena.largest_free())}; release leases or raise host_cache_bytes",
-            model=block.model.name, block_id=block.info.id, needed=need, used=arena.used,
-            budget=arena.size, leased=leased, largest_free=arena.largest_free())
+            **fields, needed=need, used=arena.used, budget=arena.size, leased=leased,
+            largest_free=arena.largest_free())
 
     def candidates(self, protect, hot: bool, prefetch: bool) -> list:
         """Blocks that may be evicted now, first to go first."""

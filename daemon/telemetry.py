@@ -16,6 +16,10 @@ from .host_state import DAEMON_CLIENT, RESIDENT, BlockState, HostState
 # Counters a streaming client reports (cumulative per client and model).
 STREAM_COUNTERS = ("prefetch_hits", "prefetch_miss_count_stream", "fabric_stall_cycles",
                    "fabric_stall_us", "bytes_streamed")
+# What a client's tiered KV cache reports (deepseek_flash.kv, ``report_kv``): gauges of the bytes
+# it holds per tier and its cumulative page fetches.
+KV_GAUGES = ("tokens", "gpu_bytes", "host_bytes", "spilled_bytes", "full_bytes")
+KV_COUNTERS = ("pages_fetched",)
 # Completed block loads kept for `profile` (flash-profiler): ~100 B each, so ~10 MiB at most.
 LOAD_LOG_SIZE = 100_000
 LOAD_FIELDS = ("seq", "time", "client", "pid", "model", "block", "layer", "role", "latency_us", "bytes")
@@ -31,6 +35,10 @@ class Telemetry:
         # plus the totals of clients that are gone.
         self.streams: dict[tuple, dict] = {}
         self._stream_totals = dict.fromkeys(STREAM_COUNTERS, 0)
+        # Tiered KV caches of clients: (client, model, cache) -> latest report; a cache that
+        # closes (or whose client leaves) drops its gauges and folds its counters into totals.
+        self.kv: dict[tuple, dict] = {}
+        self._kv_totals = dict.fromkeys(KV_COUNTERS, 0)
         # Completed reads, oldest first (see ``load_samples``); appended on the completion thread.
         self.load_log: collections.deque = collections.deque(maxlen=LOAD_LOG_SIZE)
         self._load_seq = itertools.count(1)
@@ -76,11 +84,44 @@ class Telemetry:
             self.s.generation += 1
 
     def client_gone_locked(self, client_id: int) -> None:
-        """Fold a departed client's streaming reports into the totals."""
+        """Fold a departed client's streaming and KV reports into the totals."""
         for key in [k for k in self.streams if k[0] == client_id]:
             report = self.streams.pop(key)
             for k in STREAM_COUNTERS:
                 self._stream_totals[k] += report[k]
+        for key in [k for k in self.kv if k[0] == client_id]:
+            self._kv_gone_locked(key)
+
+    # --- tiered KV caches ---------------------------------------------------------------------
+    def report_kv(self, client_id: int, model: str, stats: dict) -> None:
+        """Record a client's tiered KV cache stats (``deepseek_flash.kv``; docs/kv.md): ``cache``
+        (the client's id for it), the ``KV_GAUGES`` and ``KV_COUNTERS`` now, and ``closed``
+        (true on the last report: the cache let its memory go)."""
+        with self.s.lock:
+            self.s.client(client_id)
+            self.s.model(model)
+            key = (client_id, model, int(stats.get("cache") or 0))
+            self.kv[key] = {k: int(stats.get(k) or 0) for k in KV_GAUGES + KV_COUNTERS}
+            if stats.get("closed"):
+                self._kv_gone_locked(key)
+            self.s.generation += 1
+
+    def _kv_gone_locked(self, key) -> None:
+        report = self.kv.pop(key)
+        for k in KV_COUNTERS:
+            self._kv_totals[k] += report[k]
+
+    def _kv_stats_locked(self, model: str | None = None) -> dict:
+        """``kv_*`` fields: gauges summed over the live caches (of ``model``, or all), page fetches
+        of every cache ever reported (for all models only: a closed cache's model may be gone)."""
+        live = [r for (cid, name, _), r in self.kv.items() if model is None or name == model]
+        out = {"caches": len(live), **{k: sum(r[k] for r in live) for k in KV_GAUGES}}
+        out["arena_bytes"] = sum(nbytes for c in self.s.clients.values()
+                                 for name, nbytes in c.kv_regions.values()
+                                 if model is None or name == model)
+        for k in KV_COUNTERS:
+            out[k] = sum(r[k] for r in live) + (self._kv_totals[k] if model is None else 0)
+        return out
 
     def _stream_counts(self) -> dict:
         out = dict(self._stream_totals)
@@ -117,6 +158,10 @@ class Telemetry:
         c["quarantined_blocks"] = sum(1 for m in s.models.values() for b in m.blocks.values()
                                       if b.quarantined)
         c["host_only_models"] = sum(1 for m in s.models.values() if m.host_only is not None)
+        kv = self._kv_stats_locked()
+        c.update(kv_caches=kv["caches"], kv_gpu_bytes=kv["gpu_bytes"], kv_host_bytes=kv["host_bytes"],
+                 kv_spilled_bytes=kv["spilled_bytes"], kv_pages_fetched=kv["pages_fetched"],
+                 kv_arena_bytes=kv["arena_bytes"])
         return c
 
     def list_models(self) -> list[dict]:
@@ -142,7 +187,8 @@ class Telemetry:
                 "quarantined_blocks": sorted(b.info.id for b in m.blocks.values() if b.quarantined),
                 "unified_memory_fabric": "HOST_ONLY" if m.host_only is not None else "ENABLED",
                 "host_only_reason": m.host_only,
-                **{f"device_{k}": v for k, v in m.device.items()}}
+                **{f"device_{k}": v for k, v in m.device.items()},
+                "kv": self._kv_stats_locked(m.name)}
 
     def residency(self, name: str) -> dict[int, str]:
         """block id -> "absent" | "loading" | "resident" for one open model."""

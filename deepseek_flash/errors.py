@@ -248,6 +248,15 @@ class KVUnsupported(KVError):
     code = 704
 
 
+class KVCacheBypassed(KVError):
+    """A ``TieredCache`` reached the model under a keyword its ``forward`` does not take
+    (``cache=`` on a transformers whose keyword is ``past_key_values``, or the reverse): the model
+    ran with a cache of its own and the tiered one would have stayed empty. ``keyword`` names the
+    keyword given, ``expected`` the model's."""
+
+    code = 705
+
+
 # --- decode (8xx) ------------------------------------------------------------------------------
 class DecodeError(FlashError):
     code = 800

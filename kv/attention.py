@@ -15,7 +15,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
-from deepseek_flash.errors import KVUnsupported
+from deepseek_flash.errors import KVCacheBypassed, KVUnsupported
 
 from .compute import sdpa as _sdpa
 
@@ -38,7 +38,29 @@ def tiered_attention(module, query, key, value, attention_mask, scaling=None, dr
                                   f"layer {layer.index}")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return layer.attend(module, query, attention_mask, scale), None
+    if kwargs:
+        _refuse_bypassed_cache(module, kwargs)
     return _plain_attention(module, query, key, value, attention_mask, scaling)
+
+
+def _refuse_bypassed_cache(module, kwargs) -> None:
+    """A ``TieredCache`` among the attention's keyword arguments while the keys came from another
+    cache: it was passed to the model under a keyword its ``forward`` does not take, so the model
+    built a cache of its own (kv/compat.py). Refused before that goes unnoticed."""
+    from .cache import TieredCache
+
+    for name, value in kwargs.items():
+        if isinstance(value, TieredCache):
+            import transformers
+
+            expected = value.cache_keyword or "past_key_values"
+            raise KVCacheBypassed(
+                f"a TieredCache reached {type(module).__name__}'s attention as the keyword "
+                f"argument {name!r}, which the model's forward (transformers "
+                f"{transformers.__version__}) does not take: the model ran with a cache of its own "
+                f"and this one stayed empty; pass it as {expected}=cache "
+                f"(deepseek_flash.kv.cache_kwargs(model, cache) gives the keyword)",
+                keyword=name, expected=expected)
 
 
 def _plain_attention(module, query, key, value, pad_mask, scaling):
@@ -57,9 +79,11 @@ def _plain_attention(module, query, key, value, pad_mask, scaling):
     return _sdpa(query, key, value, mask, False, scaling).transpose(1, 2).contiguous(), None
 
 
-def tiered_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+def tiered_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
                 mask_function=causal_mask_function, attention_mask=None, **kwargs):
-    """The key-validity mask ``[batch, kv_length]`` (bool) when some key is padding, else None."""
+    """The key-validity mask ``[batch, kv_length]`` (bool) when some key is padding, else None.
+    (transformers before 5.1x passes ``cache_position`` instead of ``q_length``/``q_offset``;
+    neither is needed here.)"""
     if mask_function is not causal_mask_function:
         raise KVUnsupported("the tiered KV cache serves plain causal attention only (no sliding "
                             "window, chunked or bidirectional masks)")

@@ -17,10 +17,14 @@ from transformers.cache_utils import Cache
 from deepseek_flash.errors import KVCacheMismatch, KVError, KVSpillFailed
 
 from . import stats as _stats
+from . import compat
+from .compat import cache_keyword
 from .compute import sdpa as _sdpa  # noqa: F401  (kept importable from here)
 from .config import CONFIG_KEYS, explicit_args, flash_kv_settings, validate
 from .layer import TieredLayer
 from .layout import PageLayout, auto_page_tokens
+from .hostmem import ArenaMemory, OwnMemory
+from .report import Reporter, client_of
 from .pages import CHUNK_BYTES, FIRST_CHUNK_PAGES, Chunk
 from .spill import SpillStore
 
@@ -36,10 +40,17 @@ class TieredCache(Cache):
     def __init__(self, num_layers: int, *, kv_heads: int, head_dim: int, gpu_tokens: int = 512,
                  sink_tokens: int = 4, page_tokens: int | str = "auto",
                  top_k_pages: int | float | None = None, host_bytes: int | None = None,
-                 spill_dir=None, dense_layers: int = 2, score: str = "quest",
+                 spill_dir=None, dense_layers: int = 2, score: str = "hybrid",
                  window_pages: int = 64, select_max_queries: int = 16,
                  prefill_chunk: int = 4096, error_recovery_mode: str = "strict",
-                 chunk_pages: int | None = None):
+                 chunk_pages: int | None = None, report_interval: float | None = 1.0,
+                 host_arena: bool = True):
+        if report_interval is not None and (isinstance(report_interval, bool) or not isinstance(
+                report_interval, (int, float)) or report_interval < 0):
+            from deepseek_flash.errors import ConfigError
+            raise ConfigError(f"report_interval: {report_interval!r} is not allowed; use null (no "
+                              f"reports) or seconds >= 0", key="report_interval",
+                              value=report_interval, allowed="null or seconds >= 0")
         validate(gpu_tokens=gpu_tokens, sink_tokens=sink_tokens, page_tokens=page_tokens,
                   top_k_pages=top_k_pages, host_bytes=host_bytes, spill_dir=spill_dir,
                   dense_layers=dense_layers, score=score, window_pages=window_pages,
@@ -68,6 +79,12 @@ class TieredCache(Cache):
         self.counters = _stats.new_counters()
         self._modules = weakref.WeakSet()
         self._model_name = ""
+        self.cache_keyword: str | None = None  # the model's keyword for a cache (kv/compat.py)
+        self.report_interval = report_interval
+        self.host_arena = host_arena
+        self._controller = None  # (client, model name) of a load_model model
+        self.host_memory = None  # OwnMemory or ArenaMemory (kv/hostmem.py), once the layout is known
+        self._reporter: Reporter | None = None  # stats to a load_model model's controller
         self._poisoned: str | None = None
         self._spill_error: KVSpillFailed | None = None
         self._copy_stream = None
@@ -81,7 +98,7 @@ class TieredCache(Cache):
                   host_bytes: int | None = None, spill_dir=None, **options) -> "TieredCache":
         """Install the tiered attention function on ``model`` and return a new cache for one
         generation: ``model.generate(ids, cache=cache)``. Options: ``dense_layers``
-        (2), ``score`` ("quest" | "windowed"), ``window_pages`` (64), ``error_recovery_mode``
+        (2), ``score`` ("hybrid" | "quest" | "windowed" | "mass" | "mass_max"), ``window_pages`` (64), ``error_recovery_mode``
         ("strict" | "graceful"), ``prefill_chunk`` (4096 queries).
 
         A model from ``load_model`` brings its ``kv_*`` keys (``flash.json``, the model's
@@ -89,6 +106,7 @@ class TieredCache(Cache):
         arguments left at their default values; an argument given another value wins."""
         from .attention import install
 
+        compat.require_transformers()
         given = dict(gpu_tokens=gpu_tokens, sink_tokens=sink_tokens, page_tokens=page_tokens,
                      top_k_pages=top_k_pages, host_bytes=host_bytes, spill_dir=spill_dir)
         args = {**flash_kv_settings(model), **explicit_args(given)}
@@ -107,6 +125,12 @@ class TieredCache(Cache):
             if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups"):
                 self._modules.add(module)
         self._model_name = type(model).__name__
+        self.cache_keyword = cache_keyword(model)
+        target = client_of(model)
+        if self.layout is None:
+            self._controller = target  # host chunks from its arena (set up with the layout)
+        if target is not None and self.report_interval is not None and self._reporter is None:
+            self._reporter = Reporter(self, *target, interval=self.report_interval)
 
     def _check_geometry(self, layer: int, kv_heads: int, head_dim: int, v_dim: int) -> None:
         if kv_heads != self.kv_heads or head_dim != self.head_dim or v_dim != self.head_dim:
@@ -126,6 +150,11 @@ class TieredCache(Cache):
         self.layout = PageLayout(kv_heads, head_dim, self.page_tokens, dtype)
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
+        if self._controller is not None and self.host_arena:
+            self.host_memory = ArenaMemory(*self._controller, self.pinned, self.counters)
+            weakref.finalize(self, self.host_memory.close).atexit = False
+        else:
+            self.host_memory = OwnMemory(self.pinned)
         if self.chunk_pages_setting is not None:
             self.max_chunk_pages = self.chunk_pages_setting
         else:
@@ -166,6 +195,8 @@ class TieredCache(Cache):
                 raise err
         if self.host_bytes_limit is not None and self.host_bytes() > self.host_bytes_limit:
             self._spill_oldest()  # retry what an earlier failure left on the host
+        if self._reporter is not None:
+            self._reporter.tick(self)
 
     def _poison(self, why: str) -> None:
         self._poisoned = why
@@ -255,6 +286,7 @@ class TieredCache(Cache):
                 if self._spill_error is None:
                     self._spill_error = exc
                 return
+            self.host_memory.free(chunk.tensor)
             chunk.spilled, chunk.tensor = spilled, None
             self.counters["chunks_spilled"] += 1
 
@@ -266,12 +298,25 @@ class TieredCache(Cache):
         """Bytes per tier, ``full_bytes`` and the counters (docs/kv.md, kv/stats.py)."""
         return _stats.collect(self)
 
+    def report(self) -> bool:
+        """Send the stats to the controller of the model's ``load_model`` now (they also go at
+        the start of a step every ``report_interval`` seconds and at close); False when the
+        model has no controller or reporting is off (``report_interval=None``)."""
+        if self._reporter is None:
+            return False
+        self._reporter.send(self)
+        return True
+
     def close(self) -> None:
         """Free the host pages and remove the spill files now (also done when collected)."""
         for layer in self.layers:
             layer.pages.clear()
         if self.spill is not None:
             self.spill.close()
+        if self.host_memory is not None:
+            self.host_memory.close()
+        if self._reporter is not None:
+            self._reporter.close()
 
     def __del__(self):
         try:

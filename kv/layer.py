@@ -11,7 +11,11 @@ from __future__ import annotations
 import weakref
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+
+try:
+    from transformers.cache_utils import CacheLayerMixin
+except ImportError:  # transformers too old: TieredCache.for_model says so (KVUnsupported)
+    CacheLayerMixin = object
 
 from deepseek_flash.errors import KVCacheMismatch, KVError
 
@@ -97,6 +101,9 @@ class TieredLayer(CacheLayerMixin):
         return self.length + query_length, 0
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # the same, under its name before transformers 5
         return -1
 
     def reset(self) -> None:

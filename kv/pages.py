@@ -82,6 +82,10 @@ class LayerPages:
         return [c for c in self.chunks if c.tensor is not None and c.filled == c.capacity]
 
     def clear(self) -> None:
+        for chunk in self.chunks:
+            if chunk.tensor is not None:
+                self._cache.host_memory.free(chunk.tensor)
+                chunk.tensor = None
         self.chunks.clear()
         self._firsts.clear()
 
@@ -111,7 +115,7 @@ class LayerPages:
         first = last.first + last.capacity if last else 0
         capacity = cache.next_chunk_pages(last.capacity if last else 0)
         shape = (capacity * self.batch, *cache.layout.shape)
-        tensor = torch.empty(shape, dtype=self.dtype, pin_memory=cache.pinned)
+        tensor = cache.host_memory.alloc(shape, self.dtype)
         chunk = Chunk(first, capacity, tensor)
         self.chunks.append(chunk)
         self._firsts.append(first)

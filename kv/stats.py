@@ -3,7 +3,8 @@ what a ``DynamicCache`` would hold for the same tokens, and the counters of fetc
 NVMe tier."""
 from __future__ import annotations
 
-COUNTERS = ("pages_fetched", "pages_read_spilled", "pages_lost", "spill_errors", "chunks_spilled")
+COUNTERS = ("pages_fetched", "pages_read_spilled", "pages_lost", "spill_errors", "chunks_spilled",
+            "arena_fallbacks")
 """The cache's event counters (``cache.counters``), all starting at 0."""
 
 

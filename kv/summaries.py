@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .select import group_queries, page_scores, quest_bound, select_pages
+from .select import group_queries, mass_logits, page_scores, quest_bound, select_pages
 
 
 class PageSummaries:
@@ -54,9 +54,11 @@ class PageSummaries:
     def scores(self, query: torch.Tensor, scale: float, score: str,
                window_pages: int) -> torch.Tensor:
         """``query`` ``[b, q_heads, q_len, d]`` -> one score per page ``[b, n]`` (fp32)."""
-        bound = quest_bound(group_queries(query, self.kmin.shape[1]),
-                            self.kmin[:, :, :self.n], self.kmax[:, :, :self.n], scale)
-        return page_scores(bound, score, window_pages)
+        queries = group_queries(query, self.kmin.shape[1])
+        kmin, kmax = self.kmin[:, :, :self.n], self.kmax[:, :, :self.n]
+        if score in ("mass", "mass_max"):
+            return page_scores(mass_logits(queries, kmin, kmax, scale), score)
+        return page_scores(quest_bound(queries, kmin, kmax, scale), score, window_pages)
 
     def choose(self, query: torch.Tensor, k: int, *, scale: float, score: str,
                window_pages: int, lost: set[int] | None = None) -> torch.Tensor:

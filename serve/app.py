@@ -30,9 +30,11 @@ DEFAULT_CHAT_TEMPLATE = (
 # TieredCache of its own, built with ``TieredCache.for_model(model, gpu_tokens=..., ...)``.
 KV_KEYS = ("kv_gpu_tokens", "kv_sink_tokens", "kv_page_tokens", "kv_top_k_pages", "kv_host_bytes",
            "kv_spill_dir")
-FLASH_CONTEXT_KEYS = ("priority_class", "prefetch_window") + KV_KEYS
-# Named by the design, not yet in the controller's configuration (KV pruning): refused by name.
+# Named by the design; served once the controller's configuration knows them (KV pruning:
+# ``TieredCache.for_model(..., prune_threshold=...)``), refused by name until then.
 KV_KEYS_PENDING = ("kv_prune_threshold",)
+FLASH_CONTEXT_KEYS = ("priority_class", "prefetch_window") + KV_KEYS + tuple(
+    k for k in KV_KEYS_PENDING if k in CONFIG_KEYS)
 
 
 class ApiError(Exception):

@@ -8,7 +8,8 @@ status                  controller_state, prefetch_hit_rate, semantic_block_coun
                         unified_memory_fabric, config_state, last_reload_error, ...
 stats                   counters and gauges: prefetch_miss_count, bytes_read_nvme, ...
 devices                 <device>.<field> lines (GPU arenas, NVMe devices)
-models/<name>/info      the model's own fields and its plan (plan.<key>)
+models/<name>/info      the model's own fields, its plan (plan.<key>) and its clients' tiered
+                        KV caches (kv.caches, kv.tokens, kv.gpu_bytes, kv.host_bytes, ...)
 models/<name>/blocks    one line per block: <id>: role=... layer=... bytes=... ...
 models/<name>/residency where the model's bytes live (tier counts and sizes)
 metrics.prom            the numbers above in the Prometheus text format (version 0.0.4)
@@ -78,6 +79,11 @@ STATS_FIELDS: dict[str, tuple[str, str]] = {
     "resident_blocks": ("gauge", "Blocks resident in the host tier."),
     "loading_blocks": ("gauge", "Blocks being read now."),
     "open_models": ("gauge", "Models open in the controller."),
+    "kv_caches": ("gauge", "Tiered KV caches of connected clients (deepseek_flash.kv) now."),
+    "kv_gpu_bytes": ("gauge", "KV bytes the clients' tiered caches hold on GPUs."),
+    "kv_host_bytes": ("gauge", "KV bytes the clients' tiered caches hold in host memory."),
+    "kv_spilled_bytes": ("gauge", "KV bytes the clients' tiered caches hold in spill files."),
+    "kv_pages_fetched": ("counter", "KV pages the clients' tiered caches copied to the device."),
 }
 
 _COUNTER_SUFFIXES = ("_count", "_total", "_cycles")

@@ -4,6 +4,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from deepseek_flash.kv import cache_kwargs
 from deepseek_flash.testing import tiny_config
 
 
@@ -18,7 +19,8 @@ def greedy(model, ids, mask, cache, steps):
     """Greedy tokens and per-step logits (fp32) of ``generate`` with ``cache``."""
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
-                             cache=cache, output_logits=True, return_dict_in_generate=True,
+                             **cache_kwargs(model, cache), output_logits=True,
+                             return_dict_in_generate=True,
                              pad_token_id=0)
     return out.sequences, torch.stack(out.logits)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from deepseek_flash.errors import ConfigError, KVCacheMismatch, KVError
-from deepseek_flash.kv import TieredCache
+from deepseek_flash.kv import TieredCache, cache_kwargs
 
 from kvmodels import greedy, reference, tiny_model
 
@@ -76,20 +76,20 @@ def test_cache_given_to_another_model_is_refused():
     cache = TieredCache.for_model(a, gpu_tokens=8, page_tokens=16)
     TieredCache.for_model(b)
     with torch.no_grad(), pytest.raises(KVCacheMismatch, match="another model"):
-        b(ids, cache=cache)
+        b(ids, **cache_kwargs(b, cache))
     # a model never set up: its sdpa attention leaves the keys unconsumed
     plain = tiny_model("llama", seed=3)
     cache2 = TieredCache.for_model(a, gpu_tokens=8, page_tokens=16)
     with torch.no_grad(), pytest.raises(KVCacheMismatch, match="did not set up"):
-        plain(ids, cache=cache2)
+        plain(ids, **cache_kwargs(plain, cache2))
     with torch.no_grad(), pytest.raises(KVError, match="unusable"):
-        a(ids, cache=cache2)
+        a(ids, **cache_kwargs(a, cache2))
     # other geometry
     wide = tiny_model("llama", seed=4, num_kv_heads=4)
     cache3 = TieredCache.for_model(a)
     TieredCache.for_model(wide)
     with torch.no_grad(), pytest.raises(KVCacheMismatch, match="4 heads"):
-        wide(ids, cache=cache3)
+        wide(ids, **cache_kwargs(wide, cache3))
 
 
 @pytest.mark.parametrize("kwargs,key", [

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from deepseek_flash.kv.select import (group_queries, page_scores, quest_bound, resolve_top_k,
+from deepseek_flash.kv.select import (group_queries, mass_logits, page_scores, quest_bound,
+                                      resolve_top_k,
                                       select_pages)
 
 
@@ -63,3 +64,24 @@ def test_group_queries_follows_gqa_head_order():
     g = group_queries(q, 2)
     assert g.shape == (1, 2, 4, 3)
     assert torch.equal(g[0, 1, 0], q[0, 2, 0]) and torch.equal(g[0, 1, 3], q[0, 3, 1])
+
+
+def test_hybrid_score_takes_the_best_page_of_each_rule():
+    # one head, one query, two windows of 2 pages: quest's best is page 0 (largest bound),
+    # windowed's best is page 3 (dominates its own window [0.0, 4.0]); pages 1 and 2 are neither
+    bound = torch.tensor([[[[6.0, 5.9, 0.0, 4.0]]]])
+    assert select_pages(page_scores(bound, "quest"), 2).tolist() == [[0, 1]]
+    assert select_pages(page_scores(bound, "windowed", window_pages=2), 1).tolist() == [[3]]
+    hybrid = page_scores(bound, "hybrid", window_pages=2)
+    assert select_pages(hybrid, 2).tolist() == [[0, 3]]
+    # ranks: quest 0,1,3,2 -- windowed 1,2,3,0 -> min 0,1,3,0, ties by quest rank: 0 then 3
+    assert hybrid.argsort(descending=True).tolist() == [[0, 3, 1, 2]]
+
+
+def test_mass_logits_is_the_midpoint_logit_plus_the_spread_term():
+    q = torch.tensor([[[[1.0, -2.0]]]])
+    kmin = torch.tensor([[[[0.0, -1.0]]]])
+    kmax = torch.tensor([[[[2.0, 3.0]]]])
+    # mid (1, 1): q.mid = -1; sd (0.5, 1): q^2 . sd^2 = 0.25 + 4 = 4.25; scale 0.5
+    want = -1 * 0.5 + 4.25 * 0.5 * 0.25
+    assert mass_logits(q, kmin, kmax, scale=0.5).item() == pytest.approx(want)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deepseek_flash.errors import KVPageCorrupt, KVSpillFailed
-from deepseek_flash.kv import TieredCache
+from deepseek_flash.kv import TieredCache, cache_kwargs
 
 from kvmodels import greedy, reference, tiny_model
 
@@ -63,10 +63,10 @@ def test_corrupt_page_strict_names_file_and_page(model, tmp_path):
     ids = torch.randint(1, 256, (1, 400))
     cache = _cache(model, tmp_path)
     with torch.no_grad():
-        model(ids, cache=cache)
+        model(ids, **cache_kwargs(model, cache))
         path = _corrupt_one(tmp_path)
         with pytest.raises(KVPageCorrupt) as info:
-            model(ids[:, :1], cache=cache)
+            model(ids[:, :1], **cache_kwargs(model, cache))
     err = info.value
     assert err.path == str(path) and err.layer == 1 and err.page == 3 and err.row == 0
     assert str(path) in str(err) and "page 3" in str(err) and err.code == 702
@@ -76,10 +76,10 @@ def test_corrupt_page_graceful_leaves_it_out(model, tmp_path):
     ids = torch.randint(1, 256, (1, 400))
     cache = _cache(model, tmp_path, error_recovery_mode="graceful")
     with torch.no_grad():
-        model(ids, cache=cache)
+        model(ids, **cache_kwargs(model, cache))
         _corrupt_one(tmp_path)
-        out = model(ids[:, :1], cache=cache)
-        model(ids[:, :1], cache=cache)
+        out = model(ids[:, :1], **cache_kwargs(model, cache))
+        model(ids[:, :1], **cache_kwargs(model, cache))
     assert torch.isfinite(out.logits).all()
     assert cache.stats()["pages_lost"] == 1  # found once, then never read again
     assert cache.layers[1].lost_pages == {3}
@@ -103,22 +103,56 @@ def test_spill_dir_full_is_a_clear_error_and_nothing_is_lost(model, tmp_path, fu
     ids = torch.randint(1, 256, (1, 400))
     with torch.no_grad():
         full = TieredCache.for_model(model, gpu_tokens=32, page_tokens=16)
-        want = [model(ids, cache=full).logits[:, -1]]
+        want = [model(ids, **cache_kwargs(model, full)).logits[:, -1]]
         for t in range(1, 4):
-            want.append(model(ids[:, t:t + 1], cache=full).logits[:, -1])
+            want.append(model(ids[:, t:t + 1], **cache_kwargs(model, full)).logits[:, -1])
         cache = _cache(model, tmp_path, error_recovery_mode=mode)
         full_disk(True)
-        got = [model(ids, cache=cache).logits[:, -1]]
+        got = [model(ids, **cache_kwargs(model, cache)).logits[:, -1]]
         assert cache.stats()["spill_errors"] >= 1
         assert cache.host_bytes() > 8 * PAGE_BYTES  # kept on the host, not dropped
         assert not list(Path(tmp_path).glob("*.pages"))  # no partial file left behind
         if mode == "strict":
             with pytest.raises(KVSpillFailed) as info:
-                model(ids[:, 1:2], cache=cache)
+                model(ids[:, 1:2], **cache_kwargs(model, cache))
             assert str(tmp_path) in str(info.value) and info.value.errno != 0
         full_disk(False)
         for t in range(1, 4):
-            got.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
+            got.append(model(ids[:, t:t + 1], **cache_kwargs(model, cache)).logits[:, -1])
     for a, b in zip(got, want):
         assert (a - b).abs().max().item() <= 1e-4
     assert cache.stats()["host_bytes"] <= 8 * PAGE_BYTES  # spilled once the disk had room
+
+
+def _corrupt_layer(tmp_path, layer):
+    """Flip one byte in every page of every spill file of ``layer``."""
+    paths = sorted(Path(tmp_path).glob(f"*L{layer:03d}-P*.pages"))
+    for path in paths:
+        raw = bytearray(path.read_bytes())
+        for page in range(len(raw) // PAGE_BYTES):
+            raw[page * PAGE_BYTES + 7] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    return paths
+
+
+@pytest.mark.parametrize("mode", ["strict", "graceful"])
+def test_corrupt_page_chosen_by_topk(model, tmp_path, mode):
+    """The top-K path reads single spilled pages: a corrupt one fails the step naming its file
+    and page (strict), or is left out of attention and never chosen again (graceful)."""
+    ids = torch.randint(1, 256, (1, 400), generator=torch.Generator().manual_seed(9))
+    cache = _cache(model, tmp_path, top_k_pages=3, dense_layers=0, error_recovery_mode=mode)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(model, cache))
+        paths = {str(p) for p in _corrupt_layer(tmp_path, 1)}
+        if mode == "strict":
+            with pytest.raises(KVPageCorrupt) as info:
+                model(ids[:, :1], **cache_kwargs(model, cache))
+            err = info.value
+            assert err.path in paths and err.layer == 1 and err.code == 702
+            assert err.path in str(err) and f"page {err.page}" in str(err)
+            return
+        outs = [model(ids[:, t:t + 1], **cache_kwargs(model, cache)).logits for t in range(3)]
+    lost = cache.layers[1].lost_pages
+    assert all(torch.isfinite(o).all() for o in outs)
+    assert len(lost) >= 1 and cache.stats()["pages_lost"] == len(lost)  # each found once
+    assert cache.layers[0].lost_pages == set()

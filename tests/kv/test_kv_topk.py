@@ -62,7 +62,7 @@ def test_topk_covering_every_page_is_lossless():
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("score", ["quest", "windowed"])
+@pytest.mark.parametrize("score", ["hybrid", "quest", "windowed", "mass"])
 def test_generate_with_topk_fetches_a_quarter(score):
     model = tiny_model("llama", seed=11, layers=3)
     ids = torch.randint(1, 256, (1, 700))
@@ -79,3 +79,8 @@ def test_generate_with_topk_fetches_a_quarter(score):
     assert a["pages_fetched"] == 3 * 3 * pages
     # the dense layer reads all, the other two ceil(0.25 * 41) = 11 each
     assert b["pages_fetched"] == 3 * pages + 2 * 3 * 11
+
+
+def test_default_score_is_hybrid():
+    cache = TieredCache.for_model(tiny_model("llama", seed=11, layers=1), top_k_pages=0.25)
+    assert cache.score == "hybrid"
