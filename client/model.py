@@ -234,10 +234,8 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         else:
             info = client.open_model(name_or_path, flash_context)
         if device_map is not None:
-            handle = _load_parts(client, info, device_map, weight_budget, priority, owns_client,
-                                 lap)
-            model = handle.model
-            del handle.model
+            handle, model = _load_parts(client, info, device_map, weight_budget, priority,
+                                        owns_client, lap)
             model.flash = handle
             timings.update(handle.timings)
             handle.timings = timings
@@ -320,8 +318,7 @@ def _devices_here() -> tuple[list[str], dict]:
 
 def _load_parts(client, info, device_map, weight_budget, priority, owns_client, lap):
     """``load_model`` with a ``device_map``: resolve the parts, attach each (its blocks, its
-    device, its budget), then one skeleton bound part by part. The handle carries the model in
-    ``handle.model`` for the caller to take."""
+    device, its budget), then one skeleton bound part by part. Returns (handle, model)."""
     import torch
 
     # Sizes as the planner counts them (each block at an aligned offset), so a total budget's
@@ -397,8 +394,7 @@ def _load_parts(client, info, device_map, weight_budget, priority, owns_client, 
             start_reports(handle.stream, handle)
         handle._hooks = move_activations(model, parts)
         lap("bind_ms")
-        handle.model = model
-        return handle
+        return handle, model
     except BaseException:
         if handle.parts:
             try:
