@@ -279,13 +279,9 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         raise
 
 
-def _bind(model, handle, target, lap) -> None:
-    """Bind the resident blocks of the controller's answer to ``attach`` (``handle.desc``), start
-    streaming the rest if the plan says so, and gate layers still loading."""
-    client, info, desc = handle.client, handle.info, handle.desc
-    plan = Plan.from_wire(desc["plan"])
-    memory, events = client.device_memory(target, desc)
-    lap("device_memory_ms")
+def _resident_views(client, info, desc, plan, memory) -> tuple:
+    """The load's gate views (its control page in the host arena) and the tensors of the plan's
+    resident blocks, as views of ``memory`` at the offsets the control page gives."""
     gates, offsets = control_views(client.arena, desc["control_offset"], desc["num_gates"],
                                    desc["num_blocks"])
     resident = set(plan.resident)
@@ -294,6 +290,17 @@ def _bind(model, handle, target, lap) -> None:
         if block.id in resident:
             off = int(offsets[i])
             tensors.update(block_tensors(block, memory[off:off + block.length]))
+    return gates, tensors
+
+
+def _bind(model, handle, target, lap) -> None:
+    """Bind the resident blocks of the controller's answer to ``attach`` (``handle.desc``), start
+    streaming the rest if the plan says so, and gate layers still loading."""
+    client, info, desc = handle.client, handle.info, handle.desc
+    plan = Plan.from_wire(desc["plan"])
+    memory, events = client.device_memory(target, desc)
+    lap("device_memory_ms")
+    gates, tensors = _resident_views(client, info, desc, plan, memory)
     bind_parameters(model, tensors, complete=not plan.streaming)
     if plan.streaming:
         handle.stream = start_streaming(model, handle, plan, desc, memory, target)
@@ -371,14 +378,7 @@ def _load_parts(client, info, device_map, weight_budget, priority, owns_client, 
         for ph in handle.parts:
             part, desc, plan = ph.part, ph.desc, ph.plan
             memory, events = client.device_memory(part.target, desc)
-            gates, offsets = control_views(client.arena, desc["control_offset"], desc["num_gates"],
-                                           desc["num_blocks"])
-            resident = set(plan.resident)
-            tensors = {}
-            for i, block in enumerate(info.blocks):
-                if block.id in resident:
-                    off = int(offsets[i])
-                    tensors.update(block_tensors(block, memory[off:off + block.length]))
+            gates, tensors = _resident_views(client, info, desc, plan, memory)
             bind_parameters(model, {n: t for n, t in tensors.items() if part.owns(n)},
                             complete=False)
             if plan.streaming:
