@@ -65,8 +65,9 @@ def start_daemon(workdir: Path, store: Path):
     env = dict(os.environ, DEEPSEEK_FLASH_RUNTIME_DIR=str(runtime),
                DEEPSEEK_FLASH_SOCKET=str(runtime / "control.sock"), DEEPSEEK_FLASH_CONFIG=str(config))
     env.pop("NOTIFY_SOCKET", None)
-    exe = shutil.which("deepseek-flashd")
-    cmd = [exe] if exe else [sys.executable, "-m", "deepseek_flash.daemon.app"]
+    from deepseek_flash.ops.install_units import daemon_argv
+
+    cmd = daemon_argv()
     log = open(workdir / "daemon.log", "wb")  # noqa: SIM115 -- the daemon's life
     proc = subprocess.Popen([*cmd, "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
     sock = runtime / "control.sock"

@@ -234,10 +234,8 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         else:
             info = client.open_model(name_or_path, flash_context)
         if device_map is not None:
-            handle = _load_parts(client, info, device_map, weight_budget, priority, owns_client,
-                                 lap)
-            model = handle.model
-            del handle.model
+            handle, model = _load_parts(client, info, device_map, weight_budget, priority,
+                                        owns_client, lap)
             model.flash = handle
             timings.update(handle.timings)
             handle.timings = timings
@@ -281,13 +279,9 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         raise
 
 
-def _bind(model, handle, target, lap) -> None:
-    """Bind the resident blocks of the controller's answer to ``attach`` (``handle.desc``), start
-    streaming the rest if the plan says so, and gate layers still loading."""
-    client, info, desc = handle.client, handle.info, handle.desc
-    plan = Plan.from_wire(desc["plan"])
-    memory, events = client.device_memory(target, desc)
-    lap("device_memory_ms")
+def _resident_views(client, info, desc, plan, memory) -> tuple:
+    """The load's gate views (its control page in the host arena) and the tensors of the plan's
+    resident blocks, as views of ``memory`` at the offsets the control page gives."""
     gates, offsets = control_views(client.arena, desc["control_offset"], desc["num_gates"],
                                    desc["num_blocks"])
     resident = set(plan.resident)
@@ -296,6 +290,17 @@ def _bind(model, handle, target, lap) -> None:
         if block.id in resident:
             off = int(offsets[i])
             tensors.update(block_tensors(block, memory[off:off + block.length]))
+    return gates, tensors
+
+
+def _bind(model, handle, target, lap) -> None:
+    """Bind the resident blocks of the controller's answer to ``attach`` (``handle.desc``), start
+    streaming the rest if the plan says so, and gate layers still loading."""
+    client, info, desc = handle.client, handle.info, handle.desc
+    plan = Plan.from_wire(desc["plan"])
+    memory, events = client.device_memory(target, desc)
+    lap("device_memory_ms")
+    gates, tensors = _resident_views(client, info, desc, plan, memory)
     bind_parameters(model, tensors, complete=not plan.streaming)
     if plan.streaming:
         handle.stream = start_streaming(model, handle, plan, desc, memory, target)
@@ -320,8 +325,7 @@ def _devices_here() -> tuple[list[str], dict]:
 
 def _load_parts(client, info, device_map, weight_budget, priority, owns_client, lap):
     """``load_model`` with a ``device_map``: resolve the parts, attach each (its blocks, its
-    device, its budget), then one skeleton bound part by part. The handle carries the model in
-    ``handle.model`` for the caller to take."""
+    device, its budget), then one skeleton bound part by part. Returns (handle, model)."""
     import torch
 
     # Sizes as the planner counts them (each block at an aligned offset), so a total budget's
@@ -374,14 +378,7 @@ def _load_parts(client, info, device_map, weight_budget, priority, owns_client, 
         for ph in handle.parts:
             part, desc, plan = ph.part, ph.desc, ph.plan
             memory, events = client.device_memory(part.target, desc)
-            gates, offsets = control_views(client.arena, desc["control_offset"], desc["num_gates"],
-                                           desc["num_blocks"])
-            resident = set(plan.resident)
-            tensors = {}
-            for i, block in enumerate(info.blocks):
-                if block.id in resident:
-                    off = int(offsets[i])
-                    tensors.update(block_tensors(block, memory[off:off + block.length]))
+            gates, tensors = _resident_views(client, info, desc, plan, memory)
             bind_parameters(model, {n: t for n, t in tensors.items() if part.owns(n)},
                             complete=False)
             if plan.streaming:
@@ -397,8 +394,7 @@ def _load_parts(client, info, device_map, weight_budget, priority, owns_client, 
             start_reports(handle.stream, handle)
         handle._hooks = move_activations(model, parts)
         lap("bind_ms")
-        handle.model = model
-        return handle
+        return handle, model
     except BaseException:
         if handle.parts:
             try:

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .ops.install_units import daemon_argv
+
 HELP = "make, pack, verify and serve a tiny random model end to end (no root, no daemon needed)"
 DESCRIPTION = """Run the product end to end on a tiny random Llama-shaped model and say what each step
 did: make the model (transformers, random weights), pack it into a block store, verify every block's
@@ -53,11 +55,6 @@ def _step(n: int, text: str) -> None:
     print(f"[{n}] {text}", flush=True)
 
 
-def _daemon_command() -> list[str]:
-    exe = shutil.which("deepseek-flashd")
-    return [exe] if exe else [sys.executable, "-m", "deepseek_flash.daemon.app"]
-
-
 class _DaemonProcess:
     """``deepseek-flashd`` with every root in a private temp tree."""
 
@@ -77,7 +74,7 @@ class _DaemonProcess:
         env.update(DEEPSEEK_FLASH_RUNTIME_DIR=str(self.runtime), DEEPSEEK_FLASH_SOCKET=str(self.socket),
                    DEEPSEEK_FLASH_CONFIG=str(self.config), DEEPSEEK_FLASH_STATE_DIR=str(work / "state"))
         self._log = open(self.log_path, "wb")  # noqa: SIM115 -- the daemon's stdout for its life
-        self.proc = subprocess.Popen(_daemon_command(), env=env, stdout=self._log,
+        self.proc = subprocess.Popen(daemon_argv(), env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT)
 
     def connect(self, timeout: float = 60.0):

@@ -258,7 +258,11 @@ void IOEngine::close() {
         if (stop_ && threads_.empty()) return;
         stop_ = true;
         for (Extent* e : queue_) {
-            if (!e->carving_done()) e->cancelled = true;
+            // An extent whose carving is done (it failed, or was cancelled, with its front still
+            // queued) completes when its last read lands -- it may have completed already, its
+            // batch even collected: finishing it here again would count it twice.
+            if (e->carving_done()) continue;
+            e->cancelled = true;
             if (e->outstanding == 0) finished.push_back(e);
         }
         queue_.clear();

@@ -110,6 +110,16 @@ def daemon_command(python: str) -> str:
     return _environment_command(python, "deepseek-flashd", "deepseek_flash.daemon.app")
 
 
+def daemon_argv() -> list[str]:
+    """How this interpreter's install starts the daemon (demo, tests, benches): the
+    ``deepseek-flashd`` script beside ``sys.executable``, else ``python -m`` -- never another
+    install's script that happens to come first on PATH."""
+    script = Path(sys.executable).parent / "deepseek-flashd"
+    if os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "deepseek_flash.daemon.app"]
+
+
 def cli_command(python: str) -> str:
     """The environment's ``deepseek-flash`` script, else ``python -m deepseek_flash``."""
     return _environment_command(python, "deepseek-flash", "deepseek_flash")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from deepseek_flash.ops.install_units import daemon_argv
+
 
 def packed_model(root: Path, name: str, **kwargs) -> Path:
     from deepseek_flash.store import pack
@@ -56,8 +58,7 @@ def raw_connection(socket_path, hello: bool = True, timeout: float = 10.0):
 
 
 def daemon_command() -> list[str]:
-    exe = shutil.which("deepseek-flashd")
-    return [exe] if exe else [sys.executable, "-m", "deepseek_flash.daemon.app"]
+    return daemon_argv()
 
 
 class Daemon:

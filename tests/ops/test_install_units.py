@@ -92,6 +92,17 @@ def test_without_a_deepseek_flashd_script_the_unit_runs_the_module(tmp_path):
     assert install_units.daemon_command(str(python)) == f"{python} -m deepseek_flash.daemon.app"
 
 
+def test_daemon_argv_is_this_interpreters_install_not_the_first_on_path(tmp_path, monkeypatch):
+    other = fake_python(tmp_path / "other" / "bin", with_script=True)      # first on PATH
+    monkeypatch.setenv("PATH", f"{other.parent}:{os.environ['PATH']}")
+    mine = fake_python(tmp_path / "mine" / "bin", with_script=True)
+    monkeypatch.setattr(install_units.sys, "executable", str(mine))
+    assert install_units.daemon_argv() == [str(mine.parent / "deepseek-flashd")]
+    bare = fake_python(tmp_path / "bare" / "bin", with_script=False)
+    monkeypatch.setattr(install_units.sys, "executable", str(bare))
+    assert install_units.daemon_argv() == [str(bare), "-m", "deepseek_flash.daemon.app"]
+
+
 def test_exec_start_quoting(tmp_path):
     python = fake_python(tmp_path / "my env 100%" / "bin", with_script=True)
     assert install_units.daemon_command(str(python)) == f'"{tmp_path}/my env 100%%/bin/deepseek-flashd"'
