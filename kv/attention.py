@@ -97,16 +97,21 @@ def tiered_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset
     return mask
 
 
-_registered = False
+_registered: set[str] = set()
+
+
+def register_pair(name: str, attention, mask) -> None:
+    """Register an attention function and its mask function with transformers under ``name``
+    (idempotent): what a model's ``attn_implementation = name`` then calls."""
+    if name not in _registered:
+        AttentionInterface.register(name, attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask)
+        _registered.add(name)
 
 
 def register() -> None:
-    """Register the attention and mask functions with transformers (idempotent)."""
-    global _registered
-    if not _registered:
-        AttentionInterface.register(NAME, tiered_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, tiered_mask)
-        _registered = True
+    """Register the tiered cache's attention and mask functions (idempotent)."""
+    register_pair(NAME, tiered_attention, tiered_mask)
 
 
 def install(model):

@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from ..attention import register_pair
 
 NAME = "evict_kv"
 POLICIES = ("streaming", "h2o")
@@ -148,12 +148,5 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
     return None
 
 
-_registered = False
-
-
 def register() -> None:
-    global _registered
-    if not _registered:
-        AttentionInterface.register(NAME, evict_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
-        _registered = True
+    register_pair(NAME, evict_attention, _mask)
