@@ -330,16 +330,20 @@ class Engine:
         gen.row = None
         self.scheduler.finish(gen.sched)
         self._lock.notify_all()
+        # A request's own KV cache (and its spill files) is gone before its client hears the end.
         if error is not None:
             self.stats["failed"] += 1
-            gen.on_event("error", error)
             self._close_kv(gen)
+            gen.on_event("error", error)
             return
         gen.finish_reason = reason
-        if reason != "cancelled":
-            self.stats["finished"] += 1
-            gen.on_event("done", self.flash_stats(gen))
+        if reason == "cancelled":
+            self._close_kv(gen)
+            return
+        self.stats["finished"] += 1
+        final = self.flash_stats(gen)
         self._close_kv(gen)
+        gen.on_event("done", final)
 
     @staticmethod
     def _close_kv(gen: Generation) -> None:
