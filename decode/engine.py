@@ -22,6 +22,8 @@ import threading
 import time
 
 from ..errors import DecodeCapacityExceeded
+from . import fused as fusion
+from . import kernels
 from . import request as requests
 from .cache import Cursor, KVStore
 from .step import (PACKED_ATTENTION, MaskSpec, StepModules, cache_keyword, choose, decode_allowed,
@@ -93,12 +95,15 @@ class GraphDecoder:
     ``packed_attention``: single-token attention over grouped key/value heads without repeating
     the cache (``step.packed_gqa_attention``; models using sdpa). ``fused_norm``: RMSNorm
     statistics in one kernel (``step.fused_rms_norm``). ``length_step``: the visible length grows
-    in steps of this many tokens.
+    in steps of this many tokens. ``fused``: decode steps run the model's own fused forward
+    (``decode.fused``: merged q|k|v and gate|up GEMVs, rotary + cache write, residual add + norm and
+    SiLU x up as one kernel each) where the model allows it; prefill always runs transformers'
+    modules.
     """
 
     def __init__(self, model, capacity: int | None = None, graphs: bool = True, before_capture=None,
                  hooks_ok=(), packed_attention: bool = True, fused_norm: bool = True,
-                 length_step: int = LENGTH_BUCKET):
+                 length_step: int = LENGTH_BUCKET, fused: bool = True):
         import torch
 
         self.torch = torch
@@ -125,7 +130,12 @@ class GraphDecoder:
                 register_attention()
                 self.attention = PACKED_ATTENTION
             self.swaps = StepModules(config, self.attention, rms_norms(model) if fused_norm else ())
+        self.fused = None                       # fusion.FusedForward once built
+        self.fused_reason = "fused=False" if not fused else (
+            self.unsupported or fusion.unsupported(model))
         self.store: KVStore | None = None
+        self._caches: dict = {}
+        self._kv_rows: dict = {}
         self.states: dict[int, _State] = {}
         self.graphs: dict[tuple, object] = {}
         self.pool = None
@@ -196,6 +206,10 @@ class GraphDecoder:
     def stats(self) -> dict:
         return {"mode": self.mode, "capacity": self.capacity, "attention": self.attention or "model's",
                 "fused_norms": len(self.swaps.norms) if self.unsupported is None else 0,
+                "step": "fused" if self.fused is not None else "modules",
+                "fused_reason": self.fused_reason,
+                "merged": self.fused.stats.as_dict() if self.fused is not None else None,
+                "triton": kernels.BACKEND.reason if self.device.type == "cuda" else "cpu",
                 "eager_reason": self.eager_reason,
                 "unsupported": self.unsupported, "last_fallback": self.last_fallback,
                 "graphs": len(self.graphs), "kv_bytes": self.store.nbytes if self.store else 0,
@@ -217,6 +231,7 @@ class GraphDecoder:
     # --- decode ----------------------------------------------------------------------------------
     def _run(self, req):
         torch = self.torch
+        self._ensure_fused()
         bucket = batch_bucket(req.batch)
         st = self._state(bucket)
         sampling_kind = None if not req.do_sample else (req.top_k, req.top_p < 1.0)
@@ -274,6 +289,34 @@ class GraphDecoder:
             st.logits[:b, 0] = logits
         return choose(logits, self._sampling(st, sampling_kind))
 
+    def _wait_loaded(self) -> None:
+        if self.before_capture is not None:
+            self.before_capture()
+            self.before_capture = None
+
+    def _ensure_fused(self) -> None:
+        """Build the fused forward on the first call (after a load in flight has finished: merged
+        copies need the bytes; the load's per-layer hooks are gone by then)."""
+        if self.fused is not None or self.fused_reason is not None:
+            return
+        self._wait_loaded()
+        hooked = fusion.hooked_module(self.model)
+        if hooked is not None:
+            self.fused_reason = f"{hooked} (the fused step would not run them)"
+            self._log_once(f"decode steps run transformers' modules: {self.fused_reason}")
+            return
+        if self.device.type == "cuda":
+            config = self.model.config
+            heads = config.num_attention_heads
+            kernels.check_triton(self.device, self.model.dtype, dict(
+                hidden=config.hidden_size, heads=heads,
+                kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                intermediate=config.intermediate_size))
+        # Merged matrices are ordinary tensors (usable outside inference mode afterwards).
+        with self.torch.inference_mode(False), self.torch.no_grad():
+            self.fused = fusion.FusedForward.build(self.model)
+
     def _sampling(self, st, kind):
         if _records_logits(kind):
             kind = kind[0]
@@ -290,9 +333,15 @@ class GraphDecoder:
         cursor.visible = visible
         positions = (st.slot - st.valid_from).clamp(min=0)[:, None]
         mask = self.masks.build(lambda w: decode_allowed(st.slot, visible, st.valid_from, st.key_slots, w))
-        cache = self._caches[st.batch]
-        logits = forward_last(self.model, self.cache_kw, st.tokens[:, None], positions, mask, cache,
-                              self.swaps)
+        if self.fused is not None:
+            rows = self._kv_rows.get(st.batch)
+            if rows is None:
+                rows = self._kv_rows[st.batch] = ([k[:st.batch] for k in self.store.keys],
+                                                  [v[:st.batch] for v in self.store.values])
+            logits = self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
+        else:
+            logits = forward_last(self.model, self.cache_kw, st.tokens[:, None], positions, mask,
+                                  self._caches[st.batch], self.swaps)
         if st.logits is not None:
             st.logits.index_copy_(1, st.step, logits[:, None])
         nxt = choose(logits, self._sampling(st, sampling_kind))
@@ -323,9 +372,7 @@ class GraphDecoder:
         if reason is not None:
             self._to_eager(reason)
             return None
-        if self.before_capture is not None:
-            self.before_capture()
-            self.before_capture = None
+        self._wait_loaded()
         t0 = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
         saved = st.snapshot()
@@ -397,6 +444,7 @@ class GraphDecoder:
             self.store = KVStore(config.num_hidden_layers, bucket, kv_heads, self.capacity, head_dim,
                                  self.model.dtype, self.device)
             self._caches = {}
+            self._kv_rows = {}
         st = self.states.get(bucket)
         if st is None:
             st = self.states[bucket] = _State(bucket, self.capacity, self.device, self.torch)
