@@ -98,12 +98,13 @@ class GraphDecoder:
     in steps of this many tokens. ``fused``: decode steps run the model's own fused forward
     (``decode.fused``: merged q|k|v and gate|up GEMVs, rotary + cache write, residual add + norm and
     SiLU x up as one kernel each) where the model allows it; prefill always runs transformers'
-    modules.
+    modules. ``ring``: a streamed model's ``client.stream.StaticRing``: decode steps run the ring's
+    copies themselves (inside the graph), in place of its per-layer hooks; needs the fused step.
     """
 
     def __init__(self, model, capacity: int | None = None, graphs: bool = True, before_capture=None,
                  hooks_ok=(), packed_attention: bool = True, fused_norm: bool = True,
-                 length_step: int = LENGTH_BUCKET, fused: bool = True):
+                 length_step: int = LENGTH_BUCKET, fused: bool = True, ring=None):
         import torch
 
         self.torch = torch
@@ -115,7 +116,11 @@ class GraphDecoder:
         if self.capacity <= 0:
             raise ValueError(f"decode capacity must be a positive number of tokens, not {capacity}")
         self.before_capture = before_capture
+        self.ring = ring
+        if ring is not None:
+            hooks_ok = list(hooks_ok) + ring.runtime.hooked_modules()
         self.hooks_ok = set(map(id, hooks_ok))
+        self._ring_checked = False
         self.unsupported = unsupported(model)
         self.device = next(p.device for p in model.parameters() if not p.is_meta)
         self.eager_reason = None if graphs else "graphs=False"
@@ -204,7 +209,8 @@ class GraphDecoder:
                 capacity=self.capacity)
 
     def stats(self) -> dict:
-        return {"mode": self.mode, "capacity": self.capacity, "attention": self.attention or "model's",
+        return {"mode": self.mode, "capacity": self.capacity,
+                "ring": self.ring.stats() if self.ring is not None else None, "attention": self.attention or "model's",
                 "fused_norms": len(self.swaps.norms) if self.unsupported is None else 0,
                 "step": "fused" if self.fused is not None else "modules",
                 "fused_reason": self.fused_reason,
@@ -258,12 +264,21 @@ class GraphDecoder:
         st.step.fill_(1)
 
         steps = 1
-        while steps < req.new_tokens:
-            if req.eos and steps % CHECK_EVERY == 0 and bool(st.done[steps - 1]):
-                break
-            visible = length_bucket(prompt + steps, self.capacity, self.length_step)
-            self._advance(st, visible, sampling_kind)
-            steps += 1
+        ring = self._ring_for_steps()
+        if ring is not None:
+            ring.enter()
+        try:
+            while steps < req.new_tokens:
+                if req.eos and steps % CHECK_EVERY == 0 and bool(st.done[steps - 1]):
+                    break
+                visible = length_bucket(prompt + steps, self.capacity, self.length_step)
+                self._advance(st, visible, sampling_kind)
+                if ring is not None:
+                    ring.count_step()
+                steps += 1
+        finally:
+            if ring is not None:
+                ring.exit()
         new = st.out[:b, :steps]
         if req.eos:
             done = st.done[:steps].nonzero()
@@ -289,6 +304,21 @@ class GraphDecoder:
             st.logits[:b, 0] = logits
         return choose(logits, self._sampling(st, sampling_kind))
 
+    def _ring_for_steps(self):
+        """The static ring when decode steps run it (the fused step of a streamed model); the
+        first time, its host side is made ready (offsets leased, pages locked) or the reason it
+        cannot be captured is logged (the steps then run eagerly)."""
+        if self.ring is None or self.fused is None:
+            if self.ring is not None and self.eager_reason is None:
+                self._to_eager(f"{STREAMED_REASON} ({self.fused_reason})")
+            return None
+        if not self._ring_checked:
+            self._ring_checked = True
+            reason = self.ring.host_ready()
+            if reason is not None and self.eager_reason is None:
+                self._to_eager(reason)
+        return self.ring
+
     def _wait_loaded(self) -> None:
         if self.before_capture is not None:
             self.before_capture()
@@ -300,7 +330,7 @@ class GraphDecoder:
         if self.fused is not None or self.fused_reason is not None:
             return
         self._wait_loaded()
-        hooked = fusion.hooked_module(self.model)
+        hooked = fusion.hooked_module(self.model, self.hooks_ok)
         if hooked is not None:
             self.fused_reason = f"{hooked} (the fused step would not run them)"
             self._log_once(f"decode steps run transformers' modules: {self.fused_reason}")
@@ -315,7 +345,7 @@ class GraphDecoder:
                 intermediate=config.intermediate_size))
         # Merged matrices are ordinary tensors (usable outside inference mode afterwards).
         with self.torch.inference_mode(False), self.torch.no_grad():
-            self.fused = fusion.FusedForward.build(self.model)
+            self.fused = fusion.FusedForward.build(self.model, self.ring)
 
     def _sampling(self, st, kind):
         if _records_logits(kind):
@@ -471,7 +501,7 @@ def enable(model, capacity: int | None = None, graphs: bool = True, **options) -
 
 
 DECODE_MODES = ("eager", "graphs")
-STREAMED_REASON = "streamed layers: the copies into the slot ring are not captured in the graph yet"
+STREAMED_REASON = "streamed layers need the fused step to run the slot ring's copies in the graph"
 
 
 def check_mode(mode: str) -> None:
@@ -497,13 +527,9 @@ def for_loaded_model(model, handle, mode: str, capacity: int | None) -> GraphDec
                 if not gates.opened[gate]:
                     gates.wait(gate)
 
-    if handle.stream is not None:
-        # The ring's per-layer hooks issue copies and events from Python; a graph would run them
-        # once. Each step still runs over the static cache, eagerly, with the hooks as they are.
-        decoder = enable(model, capacity=capacity, graphs=False)
-        decoder.eager_reason = STREAMED_REASON
-        decoder._log_once(f"decode steps run eagerly over the static cache: {STREAMED_REASON}")
-    else:
-        decoder = enable(model, capacity=capacity, before_capture=wait_for_load)
+    # A streamed model: decode steps run the ring's copies as a fixed schedule (``StaticRing``)
+    # in place of its per-layer hooks, so they are captured with the step.
+    ring = handle.stream.static_ring() if handle.stream is not None else None
+    decoder = enable(model, capacity=capacity, before_capture=wait_for_load, ring=ring)
     handle.decoder = decoder
     return decoder

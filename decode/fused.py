@@ -21,6 +21,9 @@ A projection that is not a plain ``nn.Linear`` (a quantized one) runs as its mod
 
 Used only where the model is exactly this structure and no module has forward hooks (a hook would
 not run: the step does not call the layer modules); otherwise the step runs transformers' modules.
+A streamed model's ring hooks are the exception: the forward runs the same ring itself as a fixed
+schedule (``client.stream.StaticRing``: copies into the slots on the copy stream, events the
+compute waits on), which a CUDA graph captures with the rest of the step.
 """
 from __future__ import annotations
 
@@ -62,12 +65,15 @@ def unsupported(model) -> str | None:
     return None
 
 
-def hooked_module(model) -> str | None:
-    """The first module with forward hooks (the fused forward would skip them), or None."""
+def hooked_module(model, allowed=()) -> str | None:
+    """The first module with forward hooks (the fused forward would skip them), or None;
+    ``allowed``: ids of modules whose hooks the caller replaces (a streaming ring's)."""
     hooks = torch.nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
         return "global forward hooks"
     for name, module in model.named_modules():
+        if id(module) in allowed:
+            continue
         if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
             return f"module {name or type(module).__name__} has forward hooks"
     return None
@@ -112,7 +118,7 @@ class Merged:
     """Several ``nn.Linear`` of one input as one matrix; ``__call__`` returns each one's output
     (views of one GEMV's result). Modules that are not plain Linear run one by one."""
 
-    def __init__(self, modules, stats: MergeStats):
+    def __init__(self, modules, stats: MergeStats, fixed: bool = True):
         self.modules = list(modules)
         self.sizes = [m.out_features if hasattr(m, "out_features") else m.weight.shape[0]
                       for m in self.modules]
@@ -131,6 +137,10 @@ class Merged:
         if view is not None:
             self.weight = view
             stats.views += 1
+            return
+        if not fixed:      # bytes that change under us (a streamed slot): never a copy
+            self.bias = None
+            stats.unmerged += 1
             return
         self.weight = torch.cat(weights)
         if all(_owns_storage(w) for w in weights):
@@ -169,12 +179,16 @@ class FusedForward:
     """The fused decode forward of one model (built once; ``merge`` stats in ``stats``)."""
 
     model: object
+    ring: object = None
     layers: list = field(default_factory=list)
     stats: MergeStats = field(default_factory=MergeStats)
 
     @classmethod
-    def build(cls, model) -> FusedForward:
-        self = cls(model)
+    def build(cls, model, ring=None) -> FusedForward:
+        """``ring``: the ``client.stream.StaticRing`` of a streamed model (its layers' weights are
+        views into slots: merged only where they are views side by side, never copied)."""
+        self = cls(model, ring=ring)
+        streamed = set(ring.layers) if ring is not None else set()
         config = model.config
         kinds = getattr(config, "layer_types", None) if config.model_type == "qwen2" else None
         with torch.no_grad():
@@ -182,10 +196,11 @@ class FusedForward:
                 attn, mlp = layer.self_attn, layer.mlp
                 self.layers.append(_Layer(
                     layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
-                    Merged((attn.q_proj, attn.k_proj, attn.v_proj), self.stats), attn.o_proj,
+                    Merged((attn.q_proj, attn.k_proj, attn.v_proj), self.stats, i not in streamed),
+                    attn.o_proj,
                     layer.post_attention_layernorm.weight,
                     float(layer.post_attention_layernorm.variance_epsilon),
-                    Merged((mlp.gate_proj, mlp.up_proj), self.stats), mlp.down_proj,
+                    Merged((mlp.gate_proj, mlp.up_proj), self.stats, i not in streamed), mlp.down_proj,
                     float(attn.scaling), kinds[i] if kinds else "full_attention"))
         return self
 
@@ -193,12 +208,17 @@ class FusedForward:
         """Float32 logits of the next token for each row: ``tokens`` (batch,), ``positions``
         (batch, 1), ``mask`` as ``step.MaskSpec.build`` gives it, ``keys``/``values`` one cache
         buffer per layer (batch, kv_heads, capacity, head_dim), ``slot`` the (1,) slot written."""
-        inner = self.model.model
+        inner, ring = self.model.model, self.ring
+        if ring is not None:
+            ring.begin()
         hidden = inner.embed_tokens(tokens[:, None])
         cos, sin = inner.rotary_emb(hidden, positions)
         residual = hidden
         x = None
         for i, layer in enumerate(self.layers):
+            streamed = ring is not None and i in ring.index
+            if streamed:
+                ring.before(i)
             normed = kernels.add_rms_norm(x, residual, layer.in_norm, layer.in_eps)
             q, k, v = layer.qkv(normed)
             query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
@@ -210,9 +230,14 @@ class FusedForward:
             normed = kernels.add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
             gate, up = layer.gate_up(normed)
             x = layer.down(kernels.silu_mul(gate, up))
+            if streamed:
+                ring.after(i)
         final = self.model.model.norm
         hidden = kernels.add_rms_norm(x, residual, final.weight, float(final.variance_epsilon))
-        return self.model.lm_head(hidden)[:, -1, :].float()
+        logits = self.model.lm_head(hidden)[:, -1, :].float()
+        if ring is not None:
+            ring.end()
+        return logits
 
 
 class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
