@@ -75,3 +75,17 @@ def test_a_disagreeing_kernel_turns_triton_off_with_the_reason(monkeypatch):
     assert kernels.check_triton("cpu", torch.float32) == (
         "triton is not installed" if kernels.triton is None else "rope_cache disagrees")
     assert kernels.BACKEND.triton is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_kernels_compile_and_agree_on_cuda_at_the_8b_shape():
+    backend = kernels._Backend()
+    saved, kernels.BACKEND = kernels.BACKEND, backend
+    try:
+        dims = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
+        for dtype in (torch.bfloat16, torch.float32):
+            assert kernels.check_triton("cuda:0", dtype, dims) is None
+        assert backend.triton is True
+    finally:
+        kernels.BACKEND = saved
