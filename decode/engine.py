@@ -500,7 +500,7 @@ def enable(model, capacity: int | None = None, graphs: bool = True, **options) -
     return decoder
 
 
-DECODE_MODES = ("eager", "graphs")
+DECODE_MODES = ("eager", "graphs", "auto")
 STREAMED_REASON = "streamed layers need the fused step to run the slot ring's copies in the graph"
 
 
@@ -515,8 +515,11 @@ def check_mode(mode: str) -> None:
 def for_loaded_model(model, handle, mode: str, capacity: int | None) -> GraphDecoder | None:
     """``load_model``'s hook: ``mode`` ``"eager"`` leaves transformers' ``generate``; ``"graphs"``
     installs a ``GraphDecoder`` that first waits for a load still in flight (the gates' hooks
-    remove themselves once every layer is there, so nothing per layer is left to capture)."""
+    remove themselves once every layer is there, so nothing per layer is left to capture);
+    ``"auto"``: ``"graphs"`` on a CUDA device, ``"eager"`` elsewhere."""
     check_mode(mode)
+    if mode == "auto":
+        mode = "graphs" if handle.device.type == "cuda" else "eager"
     if mode == "eager":
         return None
 

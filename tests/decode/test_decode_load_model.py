@@ -44,7 +44,10 @@ def test_eager_is_the_default_and_a_bad_mode_is_refused(store):
         model.flash.close()
         with pytest.raises(ConfigError) as err:
             load_model(path, client=client, decode="fast")
-        assert err.value.key == "decode" and err.value.allowed == ["eager", "graphs"]
+        assert err.value.key == "decode" and err.value.allowed == ["eager", "graphs", "auto"]
+        cpu = load_model(path, client=client, decode="auto")      # auto: graphs on CUDA only
+        assert cpu.flash.decoder is None and "generate" not in vars(cpu)
+        cpu.flash.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)
