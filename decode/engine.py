@@ -136,6 +136,7 @@ class GraphDecoder:
                 self.attention = PACKED_ATTENTION
             self.swaps = StepModules(config, self.attention, rms_norms(model) if fused_norm else ())
         self.fused = None                       # fusion.FusedForward once built
+        self._fused_ran = False
         self.fused_reason = "fused=False" if not fused else (
             self.unsupported or fusion.unsupported(model))
         self.store: KVStore | None = None
@@ -273,7 +274,7 @@ class GraphDecoder:
                     break
                 visible = length_bucket(prompt + steps, self.capacity, self.length_step)
                 self._advance(st, visible, sampling_kind)
-                if ring is not None:
+                if ring is not None and self.fused is not None:
                     ring.count_step()
                 steps += 1
         finally:
@@ -363,13 +364,8 @@ class GraphDecoder:
         cursor.visible = visible
         positions = (st.slot - st.valid_from).clamp(min=0)[:, None]
         mask = self.masks.build(lambda w: decode_allowed(st.slot, visible, st.valid_from, st.key_slots, w))
-        if self.fused is not None:
-            rows = self._kv_rows.get(st.batch)
-            if rows is None:
-                rows = self._kv_rows[st.batch] = ([k[:st.batch] for k in self.store.keys],
-                                                  [v[:st.batch] for v in self.store.values])
-            logits = self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
-        else:
+        logits = self._fused_logits(st, positions, mask, visible) if self.fused is not None else None
+        if logits is None:
             logits = forward_last(self.model, self.cache_kw, st.tokens[:, None], positions, mask,
                                   self._caches[st.batch], self.swaps)
         if st.logits is not None:
@@ -382,6 +378,32 @@ class GraphDecoder:
         st.tokens.copy_(nxt)
         st.slot += 1
         st.step += 1
+
+    def _fused_logits(self, st, positions, mask, visible: int):
+        """The fused forward's logits; its first run is checked: should it raise (a kernel this
+        device cannot run), the step falls back to transformers' modules for good, logged (the
+        retry rewrites the same cache slot; a streamed model's hooks take the ring back)."""
+        rows = self._kv_rows.get(st.batch)
+        if rows is None:
+            rows = self._kv_rows[st.batch] = ([k[:st.batch] for k in self.store.keys],
+                                              [v[:st.batch] for v in self.store.values])
+        if self._fused_ran:
+            return self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
+        try:
+            logits = self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
+        except Exception as exc:   # noqa: BLE001 -- any failure: the modules' step, with the reason
+            self.fused = None
+            self.fused_reason = f"the fused step failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+            self._log_once(f"decode steps run transformers' modules: {self.fused_reason}")
+            if self.ring is not None:
+                if self.device.type == "cuda":
+                    self.torch.cuda.synchronize(self.device)
+                self.ring.exit()
+                if self.eager_reason is None:   # the ring's hooks issue copies from Python
+                    self._to_eager(f"{STREAMED_REASON} ({self.fused_reason})")
+            return None
+        self._fused_ran = True
+        return logits
 
     def _advance(self, st, visible: int, sampling_kind) -> None:
         if self.eager_reason is None:
@@ -413,6 +435,8 @@ class GraphDecoder:
                 self._step(st, visible, sampling_kind)
         torch.cuda.current_stream(self.device).wait_stream(side)
         st.restore(saved)
+        if self.eager_reason is not None:      # the warm-up fell back (the fused step failed)
+            return None
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

@@ -112,3 +112,21 @@ def test_forward_hooks_keep_transformers_modules_and_say_why():
     assert len(seen) == 2 * calls                       # the hook ran at every step
     stats = decoder.stats()
     assert stats["step"] == "modules" and "layers.1.mlp has forward hooks" in stats["fused_reason"]
+
+
+def test_a_fused_step_that_raises_falls_back_to_the_modules_with_the_reason(monkeypatch):
+    from deepseek_flash.decode import kernels
+
+    model = tiny_model("llama", num_layers=2)
+    ids, mask = left_padded(2, 6)
+    want = greedy(model, ids, mask, 12)
+    decoder = enable(model, capacity=32)
+
+    def broken(*args):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(kernels, "silu_mul", broken)
+    assert torch.equal(greedy(model, ids, mask, 12), want)
+    stats = decoder.stats()
+    assert stats["step"] == "modules" and "no kernel image" in stats["fused_reason"]
+    assert stats["eager_steps"] == 11
