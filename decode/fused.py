@@ -213,6 +213,8 @@ class FusedForward:
             ring.begin()
         hidden = inner.embed_tokens(tokens[:, None])
         cos, sin = inner.rotary_emb(hidden, positions)
+        mask = {k: _additive(m, hidden.dtype) for k, m in mask.items()} if isinstance(mask, dict) \
+            else _additive(mask, hidden.dtype)
         residual = hidden
         x = None
         for i, layer in enumerate(self.layers):
@@ -238,6 +240,14 @@ class FusedForward:
         if ring is not None:
             ring.end()
         return logits
+
+
+def _additive(mask, dtype):
+    """A boolean mask as sdpa turns it into a bias (0 / -inf), once per step instead of once per
+    layer inside every sdpa call."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
