@@ -109,12 +109,13 @@ if triton is not None:
             tl.store(dst + cols, (x1 * c1 - x2 * s1).to(dst.dtype.element_ty), mask=live)
             tl.store(dst + HALF + cols, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=live)
         else:
-            src = v_ptr + row * v_stride + (head - HEADS - KV_HEADS) * 2 * HALF
-            dst = vc_ptr + row * c_row + (head - HEADS - KV_HEADS) * c_head + slot * c_pos
-            x1 = tl.load(src + cols, mask=live, other=0.0)
-            x2 = tl.load(src + HALF + cols, mask=live, other=0.0)
-            tl.store(dst + cols, x1.to(dst.dtype.element_ty), mask=live)
-            tl.store(dst + HALF + cols, x2.to(dst.dtype.element_ty), mask=live)
+            # Names apart from the branch above: Triton merges same-named values of both branches.
+            v_src = v_ptr + row * v_stride + (head - HEADS - KV_HEADS) * 2 * HALF
+            v_dst = vc_ptr + row * c_row + (head - HEADS - KV_HEADS) * c_head + slot * c_pos
+            v1 = tl.load(v_src + cols, mask=live, other=0.0)
+            v2 = tl.load(v_src + HALF + cols, mask=live, other=0.0)
+            tl.store(v_dst + cols, v1.to(vc_ptr.dtype.element_ty), mask=live)
+            tl.store(v_dst + HALF + cols, v2.to(vc_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, g_stride, u_stride, n, BLOCK: tl.constexpr):

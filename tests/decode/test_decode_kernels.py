@@ -89,3 +89,35 @@ def test_triton_kernels_compile_and_agree_on_cuda_at_the_8b_shape():
         assert backend.triton is True
     finally:
         kernels.BACKEND = saved
+
+
+def test_triton_kernels_compile_for_the_h200():
+    """Triton's compiler with its bundled ptxas, sm_90 (the H200), at the 8B shape and a tiny fp32
+    one: catches what the interpreter does not (e.g. branches whose values differ in type)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_(fn, dtype, names, constexprs):
+        sig = {n: t.replace("T", dtype) for n, t in names.items()}
+        sig.update({n: "constexpr" for n in constexprs})
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert ".entry" in kernel.asm["ptx"]
+
+    ptrs = lambda *n: {k: "*T" for k in n}           # noqa: E731
+    ints = lambda *n: {k: "i32" for k in n}          # noqa: E731
+    for dtype, (heads, kv, half, n, inter) in (("bf16", (32, 8, 64, 4096, 14336)),
+                                               ("fp32", (4, 2, 8, 64, 128))):
+        for has_x in (True, False):
+            compile_(kernels._add_rms_norm_kernel, dtype,
+                     {**ptrs("x_ptr", "res_ptr", "w_ptr", "out_ptr"),
+                      **ints("x_stride", "res_stride", "out_stride", "n"), "eps": "fp32"},
+                     {"HAS_X": has_x, "BLOCK": triton.next_power_of_2(n)})
+        compile_(kernels._rope_cache_kernel, dtype,
+                 {**ptrs("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr"), "slot_ptr": "*i64",
+                  **ptrs("kc_ptr", "vc_ptr", "qo_ptr"),
+                  **ints("q_stride", "k_stride", "v_stride", "cs_stride", "c_row", "c_head", "c_pos")},
+                 {"HEADS": heads, "KV_HEADS": kv, "HALF": half, "BLOCK": half})
+        compile_(kernels._silu_mul_kernel, dtype,
+                 {**ptrs("g_ptr", "u_ptr", "out_ptr"), **ints("g_stride", "u_stride", "n")}, {"BLOCK": 1024})
