@@ -85,6 +85,17 @@ def cuda_layout(codes: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
     return words.contiguous().view(torch.int32).squeeze(-1)
 
 
+def codes_from_cuda_layout(words: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The inverse of ``cuda_layout``: the stored int4 bytes uint8 [N, K/2] of a tile layout."""
+    inner_k_tiles = words.shape[-1] * 2
+    nib = words.contiguous().view(torch.uint8).reshape(*words.shape[:-1], inner_k_tiles // 2, 4)
+    nib = torch.stack((nib & 15, nib >> 4), dim=-1)            # ..., i, byte, lo/hi -> p = 4b + a
+    nib = nib.view(N // 8, K // (inner_k_tiles * 16), 8, 4, inner_k_tiles // 2, 2, 4)
+    #               nt   ko                           row r  i                   b  a
+    nib = nib.permute(0, 2, 1, 4, 6, 3, 5).reshape(N, K)      # nt, row, ko, i, a, r, b
+    return nib[:, 0::2] | (nib[:, 1::2] << 4)
+
+
 def cpu_layout(codes: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
     """What ``_weight_int4pack_mm_for_cpu`` takes for our stored bytes."""
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles(codes).to(torch.int32),
