@@ -162,10 +162,11 @@ def tiled_block(info: BlockInfo) -> BlockInfo:
                      header_offset=info.header_offset, header_size=info.header_size)
 
 
-def tile_payload(info: BlockInfo, base: BlockInfo, source, dest) -> None:
+def tile_payload(info: BlockInfo, base: BlockInfo, source, dest, device: str = "cpu") -> None:
     """Write ``info``'s payload (tile layout) into ``dest`` from ``source``, the payload of
-    ``base`` (the same block in the stored layout): codes through ``int4pack.cuda_layout``, scales
-    through ``int4pack.scales_and_zeros`` in bfloat16, every other tensor copied."""
+    ``base`` (the same block in the stored layout): codes through ``int4pack.cuda_layout`` (run on
+    ``device``: the same integer operations give the same bytes anywhere), scales through
+    ``int4pack.scales_and_zeros`` in bfloat16, every other tensor copied."""
     import torch
 
     from . import int4pack
@@ -184,7 +185,7 @@ def tile_payload(info: BlockInfo, base: BlockInfo, source, dest) -> None:
         codes = torch.frombuffer(source[bt.offset:bt.offset + bt.nbytes], dtype=torch.uint8)
         at = q["scales_offset"]
         scales = torch.frombuffer(source[at:at + q["scales_nbytes"]], dtype=torch.float16)
-        words = int4pack.cuda_layout(codes.view(N, K // 2), t.quant["inner_k_tiles"])
+        words = int4pack.cuda_layout(codes.view(N, K // 2).to(device), t.quant["inner_k_tiles"]).cpu()
         sz = int4pack.scales_and_zeros(scales.view(tuple(q["scales_shape"])), QuantSpec.from_dict(q),
                                        (N, K), t.quant["kernel_group"], torch.bfloat16)
         out[t.offset:t.offset + t.nbytes] = words.numpy().view("u1").reshape(-1).data
@@ -197,11 +198,15 @@ class TiledStore(Store):
     host tier in the tile layout of torch's CUDA int4 kernel (``int4pack.cuda_layout``) and their
     scales as the kernel's bfloat16 (scale, zero 0) pairs: derived once per block as it enters
     the host tier, so GPU copies, streaming slots and resident views are the kernel's operands
-    and nothing is derived on the GPU. Blocks grow by their scales' bytes (about 1.5 % at g128).
+    and nothing is derived per bind or call. Blocks grow by their scales' bytes (about 1.5 % at
+    g128). ``device``: where the permutation runs (``cuda`` where there is one: about 30-50 MB/s
+    per CPU thread measured on the development VM, tens of seconds for an 8B model on the CPU;
+    the result is the same bytes).
     """
 
-    def __init__(self, base: Store):
+    def __init__(self, base: Store, device: str = "cpu"):
         self.base = base
+        self.device = device
         self.source = getattr(base, "source", base)
         self.spec = getattr(base, "spec", None)
         self.quantized_at = getattr(base, "quantized_at", "pack")
@@ -235,7 +240,7 @@ class TiledStore(Store):
             self.base.transcode(base, source, tmp)
             source = tmp
         if info.id in self._tiled:
-            tile_payload(info, base, source, dest)
+            tile_payload(info, base, source, dest, self.device)
         else:
             memoryview(dest).cast("B")[:info.length] = memoryview(source).cast("B")[:info.length]
         info.crc32c = crc32c(memoryview(dest).cast("B")[:info.length])
@@ -247,7 +252,7 @@ class TiledStore(Store):
         if block_id not in self._tiled:
             return payload
         out = bytearray(self.block(block_id).length)
-        tile_payload(self.block(block_id), self.base.block(block_id), payload, out)
+        tile_payload(self.block(block_id), self.base.block(block_id), payload, out, self.device)
         return bytes(out)
 
 
@@ -264,9 +269,9 @@ def serving_store(store: Store, scheme: str, granularity: str, int4_layout: str 
         check_served(store.quant, scheme, granularity, store.name)
     if store.quant is None or store.quant["scheme"] != "int4_symmetric" or int4_layout == "stored":
         return store
-    if int4_layout == "auto":
-        from ..cuda import cuda_available
+    from ..cuda import cuda_available
 
-        if not cuda_available():
-            return store
-    return TiledStore(store)
+    cuda = cuda_available()
+    if int4_layout == "auto" and not cuda:
+        return store
+    return TiledStore(store, "cuda" if cuda else "cpu")

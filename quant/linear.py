@@ -5,6 +5,10 @@ Its codes and scales are the views ``store.views.block_tensors`` gives (host are
 streaming slot): nothing is copied at bind time. The matmul is chosen per call by the number of
 rows ``M`` of the input (tokens x batch), the same way for every layer wherever its bytes live:
 
+* int4 that the host tier holds in torch's CUDA tile layout (``quant.host_tier.TiledStore``;
+  ``layout`` ``int4_cuda_tiles``): on CUDA with bfloat16 activations, every M runs
+  ``_weight_int4pack_mm`` on the bound bytes -- nothing derived, kept or synced, so the call is
+  capturable in a CUDA graph; elsewhere it dequantizes from the tiles and multiplies;
 * int4 and ``M <= SMALL_M`` (decode): torch's own int4 kernel (``int4pack``; CUDA with bfloat16
   activations, CPU with any float dtype), over its tile layout derived from the stored codes. A
   layer bound to fixed bytes (resident: host or GPU arena) derives it at its first such call and

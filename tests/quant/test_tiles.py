@@ -25,6 +25,7 @@ from deepseek_flash.store import Store, pack
 from deepseek_flash.store.views import block_tensors
 from deepseek_flash.testing import make_tiny_model
 
+CUDA = torch.cuda.is_available()
 INT4 = QuantSpec("int4_symmetric", "per_block", 128)
 CONFIG = {"host_cache_bytes": "64MiB", "unified_memory_ratio": 0.05}
 TILED = {**CONFIG, "int4_layout": "cuda_tiles"}
@@ -116,3 +117,43 @@ def test_tiled_logits_follow_the_stored_layout(stores):
             model.flash.close()
     rel = float((out["tiles"] - out["stored"]).abs().max() / out["stored"].abs().max())
     assert 0 < rel < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_default_binds_the_kernel_operands_and_the_layer_captures_in_a_graph(stores):
+    """On a CUDA machine ``auto`` holds the tiles; the layer runs torch's kernel on the bound
+    bytes (nothing derived) within the kernel's tolerance of the float32 reference, and its
+    forward replays from a CUDA graph with the same result as eager."""
+    _src, _plain, int4 = stores
+    base = Store.open(int4)
+    on_cpu, on_gpu = TiledStore(base, "cpu"), TiledStore(base, "cuda")
+    for block in on_cpu.blocks:                  # the daemon derives on the GPU: same bytes
+        assert on_gpu.read_block(block.id) == on_cpu.read_block(block.id)
+    with Client(embedded=True, config=CONFIG) as client:
+        model = load_model(int4, device="cuda:0", client=client)
+        proj = model.model.layers[0].mlp.down_proj
+        assert proj.layout == TILES and proj.codes.is_cuda
+        g = torch.Generator(device="cuda:0").manual_seed(0)
+        x = torch.randn(1, 1, proj.in_features, device="cuda:0", dtype=torch.bfloat16, generator=g)
+        with torch.no_grad():
+            ref = x.float() @ proj.dequantized_weight(torch.float32).T
+            eager = proj(x)
+            rel = float((eager.float() - ref).abs().max() / ref.abs().max())
+            assert rel < 1.6e-2, rel
+            static = x.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                proj(static)                                  # warm up outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = proj(static)
+            y = torch.randn(x.shape, device="cuda:0", dtype=torch.bfloat16, generator=g)
+            static.copy_(y)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, proj(y))
+        assert derived_nbytes(model) == 0
+        model.flash.close()
