@@ -269,8 +269,6 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     model = build(args.arch, shape, device, dtype, args.layers)
     res["build_s"] = round(time.perf_counter() - t, 2)
-    if not args.only_peer:
-        res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
     res["weight_bytes_per_step"] = weight_bytes_per_step(model)
     if cuda:
         res["hbm_bound_tok_s_per_seq"] = round(
@@ -322,6 +320,9 @@ def main(argv=None) -> int:
                 res.setdefault("parity", {})[b] = guarded(logit_parity, torch, decoder, ids, mask,
                                                           args.parity_steps)
                 save(res, args.output)
+    if not args.only_peer:      # CPU work, after the GPU figures (a run cut short keeps those)
+        res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
+        save(res, args.output)
     if decoder is not None:
         decoder.reset()
     decoder = enable(model, capacity=capacity)
