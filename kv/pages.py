@@ -202,7 +202,7 @@ class LayerPages:
             return None
         try:
             self._span = HostSpan(self.chunks, self.batch, cache.layout, self.device)
-        except (RuntimeError, TypeError, ValueError) as exc:
+        except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
             log.warning("layer %d: no single-gather view of the host pages (%s); top-K pages are "
                         "copied run by run", self.index, exc)
             self._span_failed = True
