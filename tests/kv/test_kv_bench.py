@@ -22,6 +22,7 @@ def test_kv_bench_smoke(tmp_path):
     pages = (tokens + 2 + 2 - 4 - 512) // 32  # after the lossless warm-up and steps
     assert r["lossless_bytes_per_token"] == pages * 4 * 32 * 256
     assert r["topk25_pages_per_token"] > 0
+    assert r["topk25_one_gather_layers"] == 2  # 4 layers, the first 2 dense
     for key in ("dynamic_tok_s", "topk25_tok_s", "lossless_tok_s", "ttft_dynamic_s", "ttft_tiered_s"):
         assert r[key] > 0
 
