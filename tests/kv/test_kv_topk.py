@@ -139,3 +139,23 @@ def test_a_view_that_reads_other_bytes_falls_back_to_copies(monkeypatch, caplog)
     assert "differs from the page copied" in caplog.text
     want = torch.cat([keys[:, :, 2 + p * P:2 + (p + 1) * P] for p in (1, 4)], 2)
     assert torch.equal(k, want)
+
+
+def test_a_gather_refused_by_torch_falls_back_to_copies(monkeypatch):
+    import deepseek_flash.kv.span as span
+
+    torch.manual_seed(6)
+    n_tokens = 2 + 6 * P + P
+    keys, values = torch.randn(1, H, n_tokens, D), torch.randn(1, H, n_tokens, D)
+    cache = TieredCache(1, kv_heads=H, head_dim=D, gpu_tokens=P, sink_tokens=2, page_tokens=P,
+                        dense_layers=0, top_k_pages=2)
+    layer = cache.layers[0]
+    _step(layer, torch.zeros(1, 2 * H, n_tokens, D), keys, values)
+    assert layer.pages.span() is not None  # built (and self-checked) before gather is refused
+
+    def refuse(self, chosen):
+        raise RuntimeError("unsupported operation")
+    monkeypatch.setattr(span.HostSpan, "gather", refuse)
+    _, v = layer.pages.fetch_selected(torch.tensor([[0, 5]]))
+    assert layer.pages._span_failed and cache.counters["pages_fetched"] == 2
+    assert torch.equal(v, torch.cat([values[:, :, 2:2 + P], values[:, :, 2 + 5 * P:2 + 6 * P]], 2))
