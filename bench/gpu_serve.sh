@@ -20,7 +20,7 @@ python3 -c 'import fastapi, uvicorn' || { echo "FastAPI/uvicorn missing: carry .
 cat "$out/machine.txt"
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
   || { echo "build failed"; tail -20 "$out/build.log"; exit 1; }
-(cd bench && timeout 520 python3 serve.py --arch "$arch" --device cuda:0 --wave-seconds 8 \
+(cd bench && timeout 170 python3 serve.py --arch "$arch" --device cuda:0 --wave-seconds 6 --drain-seconds 25 \
    --output "$out/serve_$arch.json" --png-dir "$out/png" "$@") > "$out/serve_$arch.log" 2>&1
 rc=$?
 echo "bench: $rc"

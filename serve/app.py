@@ -360,11 +360,26 @@ def create_app(state: ServeState):
         headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        state.responses[response.status_code] = state.responses.get(response.status_code, 0) + 1
-        return response
+    class CountResponses:
+        """Counts HTTP answers by status as a plain ASGI middleware: Starlette's ``@app.middleware``
+        (``BaseHTTPMiddleware``) would pass every chunk of a streamed answer through a task and a
+        memory stream of its own -- per token and row, in the interpreter the engine needs."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+
+            async def counted(message):
+                if message["type"] == "http.response.start":
+                    code = message["status"]
+                    state.responses[code] = state.responses.get(code, 0) + 1
+                await send(message)
+            return await self.app(scope, receive, counted)
+
+    app.add_middleware(CountResponses)
 
     @app.exception_handler(ApiError)
     async def api_error(request, err: ApiError):

@@ -33,6 +33,18 @@ log = logging.getLogger("deepseek_flash.serve")
 # load and before the reads of L1/L2 forwards; L2 yields to everyone.
 READ_PRIORITY_BY_CLASS = {"L0": 1, "L1": 0, "L2": -1}
 
+# The attention reads a multiple of this many key positions (masked beyond each row's length), so
+# the shapes a forward's attention sees are few and repeat, whatever the rows' lengths.
+KV_BUCKET = 64
+# Attention kernels a forward may use on a CUDA device: every one but cuDNN's. cuDNN's attention
+# (torch's first choice on sm90/sm100 with a recent cuDNN) builds an execution plan for every new
+# shape -- hundreds of milliseconds each -- and a continuously batched engine makes new shapes all
+# the time (rows joining and leaving, lengths growing); the memory-efficient kernel takes the same
+# additive mask with no per-shape set-up.
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# Forwards kept for ``Engine.profile`` (the most recent).
+PROFILE_SAMPLES = 8192
+
 
 class RowCache:
     """The shared KV cache: a row per batch slot (duck-typed ``transformers`` cache).
@@ -210,6 +222,13 @@ class Engine:
         self.l0_recent_s = 10.0
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
+        self._sdpa = None
+        if self.device.type == "cuda":
+            from torch.nn.attention import SDPBackend
+
+            self._sdpa = [getattr(SDPBackend, name) for name in SDPA_BACKENDS]
+        # (kind, rows, tokens per row, launch seconds, seconds until the result was on the host)
+        self._profile: list = []
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
                       "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0,
                       "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
@@ -404,6 +423,7 @@ class Engine:
 
     def _forward(self, rows: list, ids, positions, kv_len):
         torch = self.torch
+        kv_len = min(self.cache.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)
         span = (rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[0] + len(rows))) else None
         self.cache.bind(torch.tensor(rows, device=self.device), positions, kv_len, span)
         keys = torch.arange(kv_len, device=self.device)
@@ -413,8 +433,53 @@ class Engine:
         kwargs = {self._cache_kw: self.cache, "use_cache": True}
         if self._keep_kw is not None:
             kwargs[self._keep_kw] = 1
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
+        if self._sdpa is None:
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
+        else:
+            from torch.nn.attention import sdpa_kernel
+
+            with sdpa_kernel(self._sdpa):
+                out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
         return out.logits[:, -1, :]
+
+    def _record(self, kind: str, rows: int, tokens: int, launch_s: float, total_s: float) -> None:
+        self._profile.append((kind, rows, tokens, launch_s, total_s))
+        if len(self._profile) > 2 * PROFILE_SAMPLES:
+            del self._profile[:-PROFILE_SAMPLES]
+
+    def profile(self, reset: bool = False) -> dict:
+        """Where the engine's time went since the last reset: per kind of forward (``decode`` by
+        rows in the batch, ``prefill``) the count and the p50/p99/max milliseconds from the
+        forward's start until its result was on the host (``ms``), and of that the time the host
+        spent issuing it (``launch_ms``: close to ``ms`` when the host, not the device, is the
+        bound). ``reset`` starts a new period."""
+        samples = self._profile[-PROFILE_SAMPLES:]
+        if reset:
+            self._profile = []
+        groups: dict = {}
+        for kind, rows, tokens, launch_s, total_s in samples:
+            if kind == "decode":
+                key = "decode_rows_" + next(f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in
+                                            ((1, 1), (2, 4), (5, 8), (9, 16), (17, 1 << 30)) if rows <= hi)
+            else:
+                key = kind
+            groups.setdefault(key, []).append((rows, tokens, launch_s, total_s))
+        out = {}
+        for key, items in sorted(groups.items()):
+            total = sorted(t for *_, t in items)
+            launch = sorted(item[2] for item in items)
+            q = ttft_quantiles(total, (0.5, 0.99))
+            ql = ttft_quantiles(launch, (0.5, 0.99))
+            out[key] = {"forwards": len(items), "rows_mean": round(sum(i[0] for i in items) / len(items), 2),
+                        "tokens_mean": round(sum(i[0] * i[1] for i in items) / len(items), 1),
+                        "ms_p50": round(q[0.5] * 1e3, 3), "ms_p99": round(q[0.99] * 1e3, 3),
+                        "ms_max": round(total[-1] * 1e3, 3), "launch_ms_p50": round(ql[0.5] * 1e3, 3),
+                        "launch_ms_p99": round(ql[0.99] * 1e3, 3)}
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
 
     def _prefill(self, group) -> None:
         """One forward over ``group`` -- (generation, tokens) pairs: the next ``tokens`` of each
@@ -436,7 +501,10 @@ class Engine:
         self._read_priority([g for g, _ in group])
         began = time.perf_counter()
         logits = self._forward(rows, torch.tensor(ids, device=self.device), positions, kv_len)
+        launched = time.perf_counter() - began
+        self._sync()                # the cost of this forward, not of the next one that waits
         spent = time.perf_counter() - began
+        self._record("prefill", len(group), width, launched, spent)
         # What a prompt token adds to a forward: the time beyond a decode forward's, per token.
         sample = max(0.0, spent - (self._decode_s or 0.0)) / (len(group) * width)
         self._per_token_s = sample if self._per_token_s is None else 0.8 * self._per_token_s + 0.2 * sample
@@ -516,9 +584,11 @@ class Engine:
             self._read_priority(decoding)
             began = time.perf_counter()
             logits = self._forward(rows, ids, pos, max(lengths) + 1)
-            spent = time.perf_counter() - began
-            self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
+            launched = time.perf_counter() - began
             produced = list(zip(decoding, _sample(torch, logits, decoding)))
+            spent = time.perf_counter() - began
+            self._record("decode", len(decoding), 1, launched, spent)
+            self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
             self.stats["decode_steps"] += 1
             self.stats["batch_rows_sum"] += len(decoding)
         else:

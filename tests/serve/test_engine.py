@@ -434,3 +434,46 @@ def test_other_prompts_are_packed_into_one_forward_within_the_budget(tiny_refere
     assert rec.log[0] == ("prefill", [g.row for g in gens[:len(chunks)]], max(chunks))
     assert [g.prefilled for g in gens] == chunks + [0] * (len(prompts) - len(chunks))
     eng.close(timeout=0)
+
+
+def test_attention_reads_a_bucket_of_key_positions_and_the_profile_counts_the_forwards(tiny_reference,
+                                                                                      tiny_tokenizer):
+    # A 3-token prompt and 70 new tokens in a 100-token cache: the attention reads 64 key positions
+    # while the row is shorter, then the whole cache (128 capped at 100) -- never a length per step.
+    eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=2, l0_reserve=0.0), max_batch=2,
+                 max_model_len=100)
+    seen, bind = [], eng.cache.bind
+
+    def record(rows, positions, kv_len, span=None):
+        seen.append(kv_len)
+        return bind(rows, positions, kv_len, span)
+    eng.cache.bind = record
+    g = generation([5, 6, 7], 70)
+    assert eng.submit(g).admitted
+    boundary(eng)
+    with torch.inference_mode():
+        while not g.on_event.done.is_set():
+            eng._step()
+            boundary(eng)
+    assert g.output_ids == alone(tiny_reference, g.prompt_ids, 70)
+    # The prefill and the decodes at positions 3..63 read 64 keys; those at 64..71 the whole cache.
+    assert seen == [64] * 62 + [100] * 8
+    prof = eng.profile(reset=True)
+    assert set(prof) == {"prefill", "decode_rows_1"}
+    assert prof["prefill"]["forwards"] == 1 and prof["prefill"]["tokens_mean"] == 3
+    assert prof["decode_rows_1"]["forwards"] == 69 and prof["decode_rows_1"]["rows_mean"] == 1
+    assert 0 < prof["decode_rows_1"]["launch_ms_p50"] <= prof["decode_rows_1"]["ms_p50"] <= prof["decode_rows_1"]["ms_max"]
+    assert eng.profile() == {}
+    eng.close(timeout=0)
+
+
+def test_cudnn_attention_is_left_out_of_the_kernels_a_cuda_forward_may_use(tiny_reference, tiny_tokenizer):
+    from torch.nn.attention import SDPBackend
+
+    from deepseek_flash.serve.engine import SDPA_BACKENDS
+
+    assert "CUDNN_ATTENTION" not in SDPA_BACKENDS and "MATH" in SDPA_BACKENDS
+    assert all(isinstance(getattr(SDPBackend, name), SDPBackend) for name in SDPA_BACKENDS)
+    eng = Engine(tiny_reference, tiny_tokenizer, max_batch=1)
+    assert eng._sdpa is None                       # on the CPU the model's choice stands
+    eng.close(timeout=0)
