@@ -308,6 +308,8 @@ class ServeState:
                [({"class": c, "outcome": o}, snap[o][c]) for o in outcomes for c in CLASSES])
         metric("degrade_steps_total", "counter", "L2 degrade steps applied, by step.",
                [({"step": s}, n) for s, n in snap["degrade_steps"].items()])
+        metric("preemptions_total", "counter", "Rows given back to an L0 request, by the class that gave it.",
+               [({"class": c}, snap["preempted"][c]) for c in CLASSES])
         metric("degraded_requests_total", "counter", "Requests degraded at least once.",
                [({}, snap["degraded_requests"])])
         metric("queued", "gauge", "Requests waiting, by class.", [({"class": c}, snap["queued"][c]) for c in CLASSES])

@@ -115,6 +115,15 @@ class Generation:
     generator: object = None
     kv_options: dict | None = None      # for_model arguments: runs on a TieredCache of its own
     kv_cache: object = None
+    fill_ids: list = None               # what prefill puts in the cache: the prompt, or after a
+    resumed: bool = False               # preemption the prompt and the tokens generated but the last
+    dispatched: bool = False
+
+    def __post_init__(self):
+        if self.fill_ids is None:
+            self.fill_ids = self.prompt_ids
+        # A request on a tiered KV cache of its own keeps its row (its cache is not recomputed).
+        self.sched.preemptible = self.kv_options is None
 
     def cancel(self) -> None:
         """The client went away: the engine frees the row at the next step boundary."""
@@ -230,7 +239,7 @@ class Engine:
         # (kind, rows, tokens per row, launch seconds, seconds until the result was on the host)
         self._profile: list = []
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
-                      "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0,
+                      "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0, "preempted": 0,
                       "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
 
     @staticmethod
@@ -328,10 +337,16 @@ class Engine:
             if gen.cancelled:
                 self.stats["cancelled"] += 1
                 self._retire(gen, "cancelled")
-        for req in self.scheduler.dispatch():
+        chosen = self.scheduler.dispatch()
+        for req in self.scheduler.take_preempted():
+            self._preempt(self._gens[id(req)])
+        for req in chosen:
             gen = self._gens[id(req)]
             gen.row = self._rows.index(None)
             self._rows[gen.row] = gen
+            if gen.dispatched:
+                continue                    # a preempted request rejoining: its state is kept
+            gen.dispatched = True
             if self.stream is not None:
                 gen.bytes_streamed_at_start = self.stream.bytes_streamed
             if gen.kv_options is not None:
@@ -340,6 +355,18 @@ class Engine:
                 except Exception as exc:   # noqa: BLE001 -- the request fails typed, the batch runs on
                     self._retire(gen, None, exc if isinstance(exc, FlashError)
                                  else FlashError(f"tiered KV cache: {exc}"))
+
+    def _preempt(self, gen: Generation) -> None:
+        """``gen`` gave its row to an L0 request (lock held): it waits in the queue and, when it
+        joins again, prefills its prompt and the tokens it generated but the last (whose keys were
+        in the row), then decodes on from the last -- its client sees no gap but the wait."""
+        if gen.row is not None and self._rows[gen.row] is gen:
+            self._rows[gen.row] = None
+        gen.row = None
+        gen.prefilled = 0
+        gen.resumed = bool(gen.output_ids)
+        gen.fill_ids = gen.prompt_ids + gen.output_ids[:-1] if gen.output_ids else gen.prompt_ids
+        self.stats["preempted"] += 1
 
     def _retire(self, gen: Generation, reason: str | None, error: Exception | None = None) -> None:
         """Take ``gen`` out of the batch and the scheduler and tell its client (lock held)."""
@@ -493,7 +520,7 @@ class Engine:
         for gen, n in group:
             start = gen.prefilled
             end = start + n
-            ids.append([0] * (width - n) + gen.prompt_ids[start:end])
+            ids.append([0] * (width - n) + gen.fill_ids[start:end])
             pos.append([end] * (width - n) + list(range(start, end)))
         rows = [g.row for g, _ in group]
         positions = torch.tensor(pos, device=self.device)
@@ -514,7 +541,7 @@ class Engine:
             gen.prefilled += n
             self.stats["prefill_chunks"] += 1
             self.stats["prompt_tokens"] += n
-            if gen.prefilled == len(gen.prompt_ids):
+            if gen.prefilled == len(gen.fill_ids) and not gen.resumed:
                 done.append(i)
         if done:
             # The first token goes out now, not after the batch's decode: TTFT is one prefill.
@@ -530,8 +557,8 @@ class Engine:
         """Every L0 prompt in the batch, one chunk each, in one forward of their own -- before any
         other prefill or the decode of this step."""
         with self._lock:
-            group = [(g, min(self.prefill_chunk, len(g.prompt_ids) - g.prefilled)) for g in self._rows
-                     if g is not None and g.sched.priority_class == "L0" and g.prefilled < len(g.prompt_ids)
+            group = [(g, min(self.prefill_chunk, len(g.fill_ids) - g.prefilled)) for g in self._rows
+                     if g is not None and g.sched.priority_class == "L0" and g.prefilled < len(g.fill_ids)
                      and not g.cancelled and g.kv_cache is None]
         if group:
             self._prefill(group)
@@ -553,9 +580,9 @@ class Engine:
         # compute too); the first prompt in line always gets its share.
         group, width = [], 0
         for gen in sorted((g for g in batch if g.sched.priority_class != "L0" and not g.cancelled
-                           and g.kv_cache is None and g.prefilled < len(g.prompt_ids)),
+                           and g.kv_cache is None and g.row is not None and g.prefilled < len(g.fill_ids)),
                           key=lambda g: (g.sched.started, g.sched.seq)):
-            need = len(gen.prompt_ids) - gen.prefilled
+            need = len(gen.fill_ids) - gen.prefilled
             n = min(need, budget) if not group else min(need, max(width, budget // (len(group) + 1)))
             if group and (len(group) + 1) * max(width, n) > budget:
                 break
@@ -573,7 +600,7 @@ class Engine:
                 self._solo_step(gen)
         # One batched decode over every row whose last token is not yet in the cache.
         with self._lock:
-            decoding = [g for g in self._rows if g is not None and g.prefilled == len(g.prompt_ids)
+            decoding = [g for g in self._rows if g is not None and g.prefilled == len(g.fill_ids)
                         and g.output_ids and g.finish_reason is None and not g.cancelled
                         and g.kv_cache is None]
         if decoding:
@@ -670,7 +697,7 @@ class Engine:
         stats = {"class": req.priority_class, "priority": req.priority,
                  "queue_ms": None if req.queue_ms is None else round(req.queue_ms, 3),
                  "ttft_ms": None if gen.first_token_at is None else round((gen.first_token_at - req.arrival) * 1e3, 3),
-                 "degrade_steps": list(req.degraded)}
+                 "degrade_steps": list(req.degraded), "preempted": req.preempted}
         tokens = len(gen.prompt_ids) + len(gen.output_ids)
         if gen.kv_cache is not None:
             tiered = gen.kv_cache.stats()
