@@ -360,6 +360,7 @@ def main(argv=None) -> int:
               "arch": args.arch, "smoke": args.smoke, "max_batch": args.max_batch, "load": args.load,
               "torch_threads": torch.get_num_threads(),
               "waves": {name: max(1, size // scale) for name, size in WAVES}, "l0_tokens": max(1, L0_TOKENS // scale)}
+    started = time.perf_counter()
     workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="flash-serve-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     store = args.model or str(prepare_store(workdir, args.arch, args.smoke, args.dtype))
@@ -369,10 +370,10 @@ def main(argv=None) -> int:
     max_len = args.prompt_len + max(size for _, size in WAVES) // scale + 8
     results, profiles, phases = {}, {}, {}
     result["phase_s"] = phases
-    started = time.perf_counter()
 
     def phase(name):
         phases[name] = round(time.perf_counter() - started, 2)
+    phase("model")
     # Requests still running this long after the last arrival are cut (recorded as unfinished).
     drain = args.drain_seconds if args.drain_seconds is not None else max(30.0, 4 * args.wave_seconds)
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))

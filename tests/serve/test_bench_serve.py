@@ -25,7 +25,7 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
     assert set(fit["measured"]) == {"1", "8"}
     assert result["capacity_rps"]["32"] == pytest.approx(4 / (fit["fixed_s"] + 32 * fit["per_token_s"]), rel=0.01)
     assert result["engine_profile"]["one"]["decode_rows_1"]["forwards"] >= 7
-    assert list(result["phase_s"]) == ["warm-up", "unloaded", "one", "full", "capacity", "load flash", "load fifo"]
+    assert list(result["phase_s"]) == ["model", "warm-up", "unloaded", "one", "full", "capacity", "load flash", "load fifo"]
     for mode in ("flash", "fifo"):
         summary = result[mode]
         counted = sum(summary[c]["answered"] + summary[c]["refused"] + summary[c]["lost"] + summary[c]["unfinished"]
