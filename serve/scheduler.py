@@ -15,7 +15,9 @@ The classes (``priority_class`` in a request's ``flash_context``):
   slot taken *preempts* a running request (``l0_preempts``): an L2 one first, else an L1 one, the
   one that started last (the least work to redo); the engine frees its row and the request goes
   back to the head of its class's queue (an L1 request keeps its finish tag) with what it
-  generated so far, which it recomputes when it joins again. L0 rows are never preempted.
+  generated so far, which it recomputes when it joins again. L0 rows are never preempted. So the
+  reserve is *lent* to L1 while no L0 request waits (L2 never takes it): an arriving L0 request
+  takes it back at once. ``l0_preempts=False``: no preemption, and the reserve stays idle.
 * **L1 balanced** (the default): weighted fair queueing. A request's finish tag is the virtual time
   at its arrival plus ``max_new_tokens / weight`` with ``weight = l1_weight_func(request)``
   (default ``max(1, max_new_tokens // 64)``); the lowest tag joins first and the virtual time
@@ -227,8 +229,11 @@ class FlashScheduler:
             start(r)
             free = max(0, free - 1)
         shared = self.slots - self.l0_reserved          # slots the other classes may hold
+        # With preemption the reserve is lent to L1 while no L0 request waits: an L0 request
+        # arriving takes it back at once, so the reserve costs L1 nothing while it is not needed.
+        lent = self.slots if self.l0_preempts else shared
         for r in self._order("L1"):
-            if free == 0 or self._count(self.running, "L1", "L2") >= shared:
+            if free == 0 or self._count(self.running, "L1", "L2") >= lent:
                 break
             start(r)
             free -= 1

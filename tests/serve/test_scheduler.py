@@ -42,8 +42,13 @@ ORDER_TABLE = [
     # L0 first, then L1 by finish tag: 32 tokens (w 1, tag 32) before 128 (w 2, tag 64) and 512
     # (w 8, tag 64); equal tags keep arrival order.
     (8, [], [("a", "L1", 512), ("b", "L1", 128), ("c", "L1", 32), ("d", "L0", 32)], ["d", "c", "a", "b"]),
-    # The L0 reserve (2 of 8 slots): six L1 at most; the rest wait although slots are free.
-    (8, [], [(f"l{i}", "L1", 64) for i in range(8)], [f"l{i}" for i in range(6)]),
+    # The L0 reserve (2 of 8 slots) without preemption: six L1 at most; the rest wait although
+    # slots are free.
+    (8, [], [(f"l{i}", "L1", 64) for i in range(8)], [f"l{i}" for i in range(6)], False),
+    # With preemption (the default) the reserve is lent to L1 while no L0 waits ...
+    (8, [], [(f"l{i}", "L1", 64) for i in range(8)], [f"l{i}" for i in range(8)]),
+    # ... L2 still stops at its 30 % idle line.
+    (10, [], [(f"e{i}", "L2", 64) for i in range(10)], [f"e{i}" for i in range(7)]),
     # ... and L0 takes the reserved slots.
     (8, [("r", "L1", 64)] * 6, [("x", "L0", 16), ("y", "L0", 16), ("z", "L1", 16)], ["x", "y"]),
     # L2 joins only while more than 30 % of the slots are wanted by nobody: 10 slots, 6 busy -> 40 %
@@ -56,9 +61,10 @@ ORDER_TABLE = [
 ]
 
 
-@pytest.mark.parametrize("slots, running, arrivals, joined", ORDER_TABLE)
-def test_join_order(slots, running, arrivals, joined):
-    s = FlashScheduler(slots=slots, clock=Clock())
+@pytest.mark.parametrize("slots, running, arrivals, joined, preempts", [row + (True,) * (5 - len(row))
+                                                                       for row in ORDER_TABLE])
+def test_join_order(slots, running, arrivals, joined, preempts):
+    s = FlashScheduler(slots=slots, clock=Clock(), l0_preempts=preempts)
     for i, (rid, cls, tokens) in enumerate(running):
         admit(s, req(f"{rid}{i}", cls, tokens))
     assert len(s.dispatch()) == len(running)
