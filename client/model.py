@@ -19,12 +19,11 @@ import threading
 import time
 
 from ..errors import BudgetTooSmall, DeviceMapError, FlashIOError
-from ..fsutil import align_up
 from ..sizes import parse_size
 from ..store.views import block_tensors
 from ..wire import GATE_FAILED, GATE_PENDING, GATE_READY, SLOT_ALIGNMENT, Plan, control_views
 from .skeleton import bind_parameters, build_skeleton, decoder_parts
-from .placement import resolve
+from .placement import block_sizes, resolve
 from .stream import StreamGroup, start_reports, start_streaming
 
 log = logging.getLogger("deepseek_flash.model")
@@ -328,20 +327,11 @@ def _load_parts(client, info, device_map, weight_budget, priority, owns_client, 
     device, its budget), then one skeleton bound part by part. Returns (handle, model)."""
     import torch
 
-    # Sizes as the planner counts them (each block at an aligned offset), so a total budget's
-    # shares hold what the parts' plans ask for.
-    layer_bytes = [0] * info.num_layers
-    edges = [0, 0]
-    for b in info.blocks:
-        size = align_up(b.length, SLOT_ALIGNMENT)
-        if b.layer >= 0:
-            layer_bytes[b.layer] += size
-        else:
-            edges[0 if b.role == "embed" else 1] += size
+    # Sizes as the planner counts them, so a total budget's split gives each part its resident
+    # minimum (anchors + slots) first.
     available, free = _devices_here()
-    parts = resolve(device_map, num_layers=info.num_layers, layer_bytes=layer_bytes,
-                    edge_bytes=tuple(edges), weight_budget=weight_budget, available=available,
-                    free_bytes=free)
+    parts = resolve(device_map, weight_budget=weight_budget, available=available, free_bytes=free,
+                    **block_sizes(info.blocks, info.num_layers, SLOT_ALIGNMENT))
     first = torch.device(parts[0].device)
     handle = FlashModelHandle(client, info, first, None, owns_client)
     handle.priority = priority
