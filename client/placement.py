@@ -41,8 +41,7 @@ from dataclasses import dataclass
 
 from ..errors import BudgetTooSmall, DeviceMapError
 from ..sizes import parse_size
-
-MIN_SLOTS = 2          # as the planner (daemon.planner.MIN_SLOTS): a streaming part's ring
+from ..wire import MIN_SLOTS, STREAM_ROLES
 
 EMBED_PREFIX = "model.embed_tokens."
 HEAD_PREFIXES = ("model.norm.", "lm_head.")
@@ -268,11 +267,9 @@ def resolve(device_map, *, num_layers: int, layer_bytes: list[int], edge_bytes: 
 def block_sizes(blocks, num_layers: int, alignment: int) -> dict:
     """``resolve``'s size arguments for a model's blocks (BlockInfo list), counted as the planner
     counts them (each block at an ``alignment``-aligned offset): ``layer_bytes``, ``stream_bytes``
-    (each layer's MLP: the blocks of ``daemon.planner.STREAM_ROLES``) and ``edge_bytes``
+    (each layer's MLP: the blocks of ``wire.STREAM_ROLES``) and ``edge_bytes``
     (embeddings; final norm + head, plus the embedding block again where the head is tied to it:
     the last part holds that block too, ``Part.blocks``)."""
-    from ..daemon.planner import STREAM_ROLES
-
     def aligned(n: int) -> int:
         return (n + alignment - 1) // alignment * alignment
 

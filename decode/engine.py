@@ -422,7 +422,7 @@ def enable(model, capacity: int | None = None, graphs: bool = True, **options) -
     return decoder
 
 
-DECODE_MODES = ("eager", "graphs")
+from ..client.model import DECODE_MODES  # noqa: E402 -- one list, checked by load_model too
 STREAMED_REASON = "streamed layers: the copies into the slot ring are not captured in the graph yet"
 
 
