@@ -3,7 +3,8 @@
 #   bash bench/gpu_multigpu.sh OUTDIR cuda:0 cuda:0   one GPU as two logical slices (code paths)
 #   bash bench/gpu_multigpu.sh OUTDIR cuda:0 cuda:1   two GPUs (the Show: split >= 1.8x one, TP attach)
 # Build (skipped where the C++ core already imports), the GPU-marked device_map and
-# tensor-parallel tests (GPU_TESTS=0 skips them), then bench/multigpu.py: ARCH (default mistral)
+# tensor-parallel tests (GPU_TESTS=0 skips them), then bench/multigpu.py (PHASES, default
+# stream,tp -- tp_stream runs with both): ARCH (default mistral)
 # cut to LAYERS (default 16: a 7.5 GB model, budget half of it -- each of the split's two parts
 # must hold its own anchors and two slots, so a model under ~14 layers of these shapes is too
 # short for that; the bench says so before starting). JSON under OUTDIR; a short table comes last.
@@ -31,7 +32,7 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
   grep -E "^(FAILED|ERROR)|Error|max \|logit" "$out/gpu_tests.log" | head -20
 fi
 timeout "${MG_TIMEOUT:-400}" python3 bench/multigpu.py --devices "${devices[@]}" --arch "${ARCH:-mistral}" \
-  --layers "${LAYERS:-16}" --tokens 16 \
+  --layers "${LAYERS:-16}" --tokens 16 --phases "${PHASES:-stream,tp}" \
   --dir $work --host-cache 24GiB --output "$out/multigpu.json" > "$out/multigpu.log" 2>&1
 rc=$?; echo "multigpu ${devices[*]}: rc $rc at $(( $(date +%s) - t0 )) s"
 [ $rc = 0 ] || tail -30 "$out/multigpu.log"
