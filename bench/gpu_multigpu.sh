@@ -43,7 +43,11 @@ if not p.exists():
     sys.exit("no multigpu.json")
 d = json.loads(p.read_text())
 s = d.get("stream", {})
-print(f"devices {d['devices']} h2d {d.get('pinned_h2d_gbps')} GB/s")
+print(f"devices {d['devices']} h2d {d.get('pinned_h2d_gbps')} GB/s; {d['arch']} {d.get('layers')} layers")
+b = d.get("budgets", {})
+if b:
+    print(f"budgets: total {b['total']} (one-device minimum {b['one_device_minimum']}); parts " +
+          ", ".join(f"{p['budget']} (min {p['minimum']})" for p in b["split"]))
 if s:
     o, sp = s["one_device"], s.get("split", {})
     print(f"stream: model {s['model_bytes']} budget {s['total_budget_bytes']}; one {o['tok_s']} tok/s "

@@ -44,6 +44,7 @@ from pathlib import Path
 from _common import ARCH_SHAPES, add_arch_argument, emit, pinned_h2d, save, write_finite_model
 
 PROMPT = 16
+SMOKE_LAYERS = 16
 HERE = Path(__file__).resolve().parent
 
 
@@ -333,7 +334,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1 if args.smoke else 4)
     # One directory per model shape: a store packed for another layer count is never reused.
-    layers = args.layers or ARCH_SHAPES[args.arch]["layers"]
+    layers = SMOKE_LAYERS if args.smoke else args.layers or ARCH_SHAPES[args.arch]["layers"]
     work = Path(args.dir) / (f"multigpu-smoke-{args.arch}" if args.smoke
                              else f"multigpu-{args.arch}-{layers}L")
     work.mkdir(parents=True, exist_ok=True)
@@ -347,7 +348,7 @@ def main(argv=None) -> int:
             # The proportions of the real run's default (a 16-layer Mistral-7B shape): attention
             # a quarter of the MLP, embeddings + head ~7 % of the layers -- so half the model
             # must hold each part's anchors and two slots here exactly as it must there.
-            make_tiny_model(src, args.arch, dtype="float32", num_layers=16, intermediate_size=256,
+            make_tiny_model(src, args.arch, dtype="float32", num_layers=layers, intermediate_size=256,
                             vocab_size=512, seed=2)
     else:
         src = write_finite_model(work / "src", args.arch, args.layers)
