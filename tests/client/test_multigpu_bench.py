@@ -20,7 +20,7 @@ def test_smoke_stream_phase_writes_json_with_identical_tokens(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     stream = res["stream"]
-    assert res["devices"] == ["cpu", "cpu"] and "tp" not in res
+    assert res["devices"] == ["cpu", "cpu"] and "tp" not in res and res["layers"] == 16
     # Twice the total budget: both runs stream, and the split's budgets share the same total.
     assert stream["total_budget_bytes"] * 2 <= stream["model_bytes"] + 1
     assert stream["one_device"]["streamed_bytes_per_token"] > 0
