@@ -36,6 +36,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -364,6 +365,9 @@ def main(argv=None) -> int:
            for d in dict.fromkeys(args.devices)}
     res["pinned_h2d_gbps"] = h2d
     res["budgets"] = check_budgets(store_dir, args.devices)
+    # A timeout's SIGTERM ends the run through the finally below, so the daemon (and its GPU
+    # memory) does not outlive the bench.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     proc, sock = start_daemon(work / "daemon", args.host_cache)
     try:
         phases = args.phases.split(",")
