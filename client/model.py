@@ -22,7 +22,8 @@ from ..errors import BudgetTooSmall, ConfigError, DeviceMapError, FlashIOError
 from ..sizes import parse_size
 from ..store.views import block_tensors
 from ..wire import GATE_FAILED, GATE_PENDING, GATE_READY, SLOT_ALIGNMENT, Plan, control_views
-from .skeleton import bind_parameters, build_skeleton, decoder_parts, prefetch_imports, skeleton_imported
+from .skeleton import (bind_parameters, build_skeleton, decoder_parts, imports_cached, prefetch_imports,
+                       skeleton_imported)
 from .placement import block_sizes, resolve
 from .stream import StreamGroup, start_reports, start_streaming
 
@@ -240,9 +241,10 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
             info = client.shard(name_or_path, tp[1], tp[2], flash_context)
         else:
             info = client.open_model(name_or_path, flash_context)
-        if not skeleton_imported(info.config):
-            # A fresh process: the skeleton's imports read thousands of small files, which a
-            # cold load's reads would queue one by one -- read them now, all at once.
+        if not skeleton_imported(info.config) and not imports_cached(info.config):
+            # A fresh process after the page cache lost transformers: the skeleton's imports
+            # read thousands of small files, which a cold load's reads would queue one by one --
+            # read them now, all at once.
             lap("open_model_ms")
             files = prefetch_imports()
             lap("prefetch_imports_ms")

@@ -91,6 +91,37 @@ def skeleton_imported(config_dict: dict) -> bool:
     return f"transformers.models.{kind}.modeling_{kind}" in sys.modules
 
 
+def imports_cached(config_dict: dict) -> bool:
+    """Whether the files the skeleton's imports start with -- the architecture's modeling source
+    and transformers' ``modeling_utils`` -- are in the page cache (``RWF_NOWAIT`` reads: no disk
+    access). False where that cannot be told (no such file, a filesystem without ``RWF_NOWAIT``):
+    then the files are read ahead, which costs a fraction of a second when they were cached."""
+    import importlib.util
+    import os
+
+    kind = str(config_dict.get("model_type", ""))
+    try:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations or not hasattr(os, "RWF_NOWAIT"):
+        return False
+    root = list(spec.submodule_search_locations)[0]
+    probe = bytearray(1)
+    for rel in (os.path.join("models", kind, f"modeling_{kind}.py"), "modeling_utils.py"):
+        try:
+            fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            os.preadv(fd, [probe], 0, os.RWF_NOWAIT)
+        except OSError:                 # BlockingIOError: not cached; others: cannot tell
+            return False
+        finally:
+            os.close(fd)
+    return True
+
+
 def prefetch_imports(packages=PREFETCH_PACKAGES, threads: int = PREFETCH_THREADS) -> int:
     """Ask the kernel to read the Python files of ``packages`` into the page cache: every
     directory listed by ``threads`` threads, each ``.py`` and each compiled module of this
