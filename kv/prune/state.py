@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compress import compress_pages, decompress_pages
+from .compress import compress_pages, decompress_pages, stack_compressed
 from .offsets import OffsetMatcher, check_offsets
 from .policy import adjust_scores, next_levels, page_offsets, page_scores
 from .scorers import TokenStats, attention_probs
@@ -140,13 +140,40 @@ class LayerPrune:
         self.l1_pages = [self.l1_pages[pos] for pos in keep]
         return out
 
-    def _page_to_device(self, page: int) -> torch.Tensor:
+    def _pages_to_device(self, pages: list[int]) -> torch.Tensor:
+        """Demoted ``pages`` on the device, ``[n, b, 2, h, p, d]`` in the order given: the level-2
+        ones in one copy, the level-3 ones in one copy of their int4 form, decompressed there."""
         layer = self.layer
         pinned = layer.device.type == "cuda"
-        if page in self.host:
-            return self.host[page].to(layer.device, non_blocking=pinned)
-        c = self.comp[page].to(layer.device, non_blocking=pinned)
-        return decompress_pages(c, layer.dtype)
+        out = torch.empty((len(pages), *self._page_shape()), dtype=layer.dtype,
+                          device=layer.device)
+        full = [i for i, pg in enumerate(pages) if pg in self.host]
+        small = [i for i, pg in enumerate(pages) if pg not in self.host]
+        if full:
+            got = torch.stack([self.host[pages[i]] for i in full])
+            out[torch.tensor(full, device=layer.device)] = got.to(layer.device,
+                                                                  non_blocking=pinned)
+        if small:
+            c = stack_compressed([self.comp[pages[i]] for i in small]).to(layer.device,
+                                                                         non_blocking=pinned)
+            out[torch.tensor(small, device=layer.device)] = decompress_pages(c, layer.dtype)
+        return out
+
+    def _page_shape(self) -> tuple:
+        cache = self.layer._cache
+        return (self.layer.batch, 2, cache.kv_heads, cache.page_tokens, cache.head_dim)
+
+    def _compress(self, pages: list[int]) -> None:
+        """Level-2 ``pages`` -> level 3: int4 in one batch (on the device when it is a GPU: the
+        pages go there, are quantized, and only their int4 form comes back)."""
+        layer = self.layer
+        batch = torch.stack([self.host.pop(pg) for pg in pages])
+        if layer.device.type == "cuda":
+            c = compress_pages(batch.to(layer.device, non_blocking=True)).to("cpu")
+        else:
+            c = compress_pages(batch)
+        for i, pg in enumerate(pages):
+            self.comp[pg] = c.select(i)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu":
@@ -162,15 +189,17 @@ class LayerPrune:
         if leaving:
             for page, t in self._leave_l1(leaving).items():
                 self.host[page] = self._to_host(t)          # 1 -> 2
-        joining = []
+        joining, compressing = [], []
         for page in changed:
             lv_old, lv_new = int(old[page]), int(new[page])
             if lv_new == 1:
                 joining.append(page)
             elif lv_new == 3 and lv_old == 2:
-                self.comp[page] = compress_pages(self.host.pop(page))
+                compressing.append(page)
+        if compressing:
+            self._compress(compressing)
         if joining:
-            got = torch.stack([self._page_to_device(pg) for pg in joining])
+            got = self._pages_to_device(joining)
             for pg in joining:
                 self.host.pop(pg, None)
                 self.comp.pop(pg, None)
@@ -202,10 +231,14 @@ class LayerPrune:
                 mask = torch.full((self.n_pages,), float("-inf"), device=scores.device)
                 mask[torch.tensor(demoted, device=scores.device)] = 0.0
                 rows = select_pages(scores + mask, k).cpu().tolist()
-            got = {pg: self._page_to_device(pg) for pg in sorted({pg for r in rows for pg in r})}
-            # [b, 2, h, k, p, d] per row, then keys/values [b, h, k * p, d]
-            per_row = torch.stack([torch.stack([got[pg][r] for pg in rows[r]])
-                                   for r in range(b)])  # [b, k, 2, h, p, d]
+            wanted = sorted({pg for r in rows for pg in r})
+            got = self._pages_to_device(wanted)  # [n, b, 2, h, p, d]
+            if all(r == wanted for r in rows):
+                per_row = got.transpose(0, 1)  # [b, k, 2, h, p, d]
+            else:
+                at = {pg: i for i, pg in enumerate(wanted)}
+                per_row = torch.stack([got[torch.tensor([at[pg] for pg in rows[r]],
+                                                        device=dev), r] for r in range(b)])
             kb = per_row[:, :, 0].permute(0, 2, 1, 3, 4).reshape(b, per_row.shape[3], -1,
                                                                  per_row.shape[-1])
             vb = per_row[:, :, 1].permute(0, 2, 1, 3, 4).reshape(b, per_row.shape[3], -1,

@@ -43,11 +43,10 @@ def test_threshold_zero_keeps_every_page_on_the_device_and_is_exact(model3):
     n = s["tokens"]
     assert n == 131 and s["level_tokens"] == [[n, 0, 0]] * 3
     assert s["demotions"] == s["promotions"] == s["recalls"] == s["host_bytes"] == 0
-    # gpu_bytes: every token's K and V (fp32, 2 heads x 16), the page summaries and the
-    # scorer's per-token statistics (3 floats + 2 norms per head)
-    pages = (n - 4 - 64) // 16
+    # gpu_bytes: every token's K and V (fp32, 2 heads x 16) and the scorer's per-token
+    # statistics (3 floats + 2 norms per head); no page summaries: lossless recall ranks no page
     kv = 2 * 2 * 16 * 4
-    per_layer = n * 2 * kv + 2 * pages * 2 * 2 * 16 * 4 + n * 2 * (3 + 2 * 2) * 4
+    per_layer = n * 2 * kv + n * 2 * (3 + 2 * 2) * 4
     assert s["gpu_bytes"] == 3 * per_layer
 
 
