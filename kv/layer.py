@@ -153,7 +153,7 @@ class TieredLayer(CacheLayerMixin):
 
     def level_tokens(self) -> list[int]:
         """Tokens (per sequence) at levels 1 (on the device: sinks, recent window, level-1 pages),
-        2 (full precision on the host or spilled) and 3 (int4 on the host)."""
+        2 (full precision on the host or spilled) and 3 (int4 on the host or spilled)."""
         if not self.is_initialized:
             return [0, 0, 0]
         p = self._cache.page_tokens
@@ -164,7 +164,7 @@ class TieredLayer(CacheLayerMixin):
         return [on_device + l1 * p, l2 * p, l3 * p]
 
     def spilled_bytes(self) -> int:
-        return self.pages.spilled_bytes()
+        return self.pages.spilled_bytes() + (self.prune.spilled_bytes() if self.prune else 0)
 
     def reads_every_page(self) -> bool:
         """Whether this layer's next decode step attends to every page (lossless or dense)."""

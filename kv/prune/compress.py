@@ -99,6 +99,28 @@ class CompressedPages:
                                tuple(self.shape[1:]), self.dtype)
 
 
+FIELDS = ("k_codes", "v_codes", "k_lo", "k_step", "v_lo", "v_step")
+
+
+def to_rows(pages: list[CompressedPages]) -> torch.Tensor:
+    """Pages compressed apart (equal shapes, CPU) as bytes, one row per page ``[n, nbytes]``
+    uint8: the six tensors of each page back to back in ``FIELDS`` order (the spill form)."""
+    return torch.stack([torch.cat([getattr(c, f).contiguous().view(-1).view(torch.uint8)
+                                   for f in FIELDS]) for c in pages])
+
+
+def from_rows(rows: torch.Tensor, like: CompressedPages) -> CompressedPages:
+    """``to_rows``' bytes ``[n, nbytes]`` back to a batch ``[n, ...]`` shaped like page ``like``."""
+    n = rows.shape[0]
+    out, at = {}, 0
+    for f in FIELDS:
+        t = getattr(like, f)
+        size = t.numel() * t.element_size()
+        out[f] = rows[:, at:at + size].contiguous().view(t.dtype).reshape(n, *t.shape)
+        at += size
+    return CompressedPages(**out, shape=(n, *like.shape), dtype=like.dtype)
+
+
 def stack_compressed(pages: list[CompressedPages]) -> CompressedPages:
     """Pages compressed apart (equal shapes) as one batch ``[n, ...]``."""
     st = lambda name: torch.stack([getattr(c, name) for c in pages])  # noqa: E731

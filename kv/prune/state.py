@@ -8,7 +8,9 @@ A page lives in exactly one place:
   ``[batch, heads, n * page_tokens, head_dim]`` holding pages ``l1_pages`` in that order (pages
   join at the end; a demotion copies its page out and compacts the run);
 * level 2: ``host[page]`` -- the same, on the host (page-locked when CUDA is present);
-* level 3: ``comp[page]`` -- int4 (kv/prune/compress.py) on the host.
+* level 3: ``comp[page]`` -- int4 (kv/prune/compress.py) on the host; past the cache's
+  ``host_bytes``, ``spilled[page]`` -- the same bytes in a spill file (kv/spill.py: the tiered
+  cache's NVMe path, crc32c per page), oldest pages first (``TieredCache._prune_spill``).
 
 A page of level 2 or 3 is attended when the step recalls it: every such page when ``top_k_pages``
 is None (lossless recall) or in a dense layer or a prefill, else the best ``top_k_pages`` of them
@@ -18,14 +20,17 @@ dropped after it.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from .compress import compress_pages, decompress_pages, stack_compressed
+from .compress import compress_pages, decompress_pages, from_rows, stack_compressed, to_rows
 from .offsets import OffsetMatcher, check_offsets
 from .policy import adjust_scores, next_levels, page_offsets, page_scores
 from .scorers import TokenStats, attention_probs
+
+log = logging.getLogger("deepseek_flash.kv.cache")
 
 PRUNE_GPU_TOKENS = 64
 """The recent window (``gpu_tokens``) when pruning is on and ``gpu_tokens`` is not given: the
@@ -81,6 +86,9 @@ class LayerPrune:
         self.l1_k = self.l1_v = None
         self.host: dict[int, torch.Tensor] = {}
         self.comp: dict = {}
+        self.spilled: dict[int, tuple] = {}   # page -> (SpilledChunk, row)
+        self.lost: set[int] = set()           # spilled pages whose bytes failed their crc (graceful)
+        self._like = None                     # a compressed page: the shapes of the spill form
         self.steps = 0
         self.counters = {"demotions": 0, "promotions": 0, "recalls": 0, "evaluations": 0}
 
@@ -100,10 +108,20 @@ class LayerPrune:
         return (sum(t.numel() * t.element_size() for t in self.host.values())
                 + sum(c.nbytes for c in self.comp.values()))
 
+    def spilled_bytes(self) -> int:
+        """Bytes of the spill files holding this layer's live level-3 pages."""
+        return sum(chunk.file_bytes for chunk in {id(c): c for c, _ in
+                                                   self.spilled.values()}.values())
+
     def compressed_saved(self) -> int:
         """Bytes level 3 saves against holding the same pages at full precision."""
-        return sum(int(torch.Size(c.shape).numel()) * torch.empty((), dtype=c.dtype).element_size()
-                   - c.nbytes for c in self.comp.values())
+        saved = sum(int(torch.Size(c.shape).numel()) * torch.empty((), dtype=c.dtype).element_size()
+                    - c.nbytes for c in self.comp.values())
+        if self.spilled and self._like is not None:
+            c = self._like
+            full = int(torch.Size(c.shape).numel()) * torch.empty((), dtype=c.dtype).element_size()
+            saved += len(self.spilled) * (full - c.nbytes)
+        return saved
 
     # --- pages ----------------------------------------------------------------------------------
     def append(self, pages: torch.Tensor) -> None:
@@ -154,10 +172,53 @@ class LayerPrune:
             out[torch.tensor(full, device=layer.device)] = got.to(layer.device,
                                                                   non_blocking=pinned)
         if small:
-            c = stack_compressed([self.comp[pages[i]] for i in small]).to(layer.device,
-                                                                         non_blocking=pinned)
+            c = stack_compressed([self.comp[pages[i]] if pages[i] in self.comp
+                                  else self._read_spilled(pages[i]) for i in small])
+            c = c.to(layer.device, non_blocking=pinned)
             out[torch.tensor(small, device=layer.device)] = decompress_pages(c, layer.dtype)
         return out
+
+    # --- level 3 on NVMe --------------------------------------------------------------------------
+    def spill(self, pages: list[int]) -> int:
+        """Write level-3 ``pages`` (held in ``comp``) to one spill file and free their host bytes
+        -> bytes freed. Raises ``KVSpillFailed`` with every page still on the host."""
+        cache = self.layer._cache
+        rows = to_rows([self.comp[pg] for pg in pages])
+        chunk = cache.spill.write_chunk(f"L{self.layer.index:03d}-P{pages[0]:08d}-int4", rows)
+        freed = 0
+        for i, pg in enumerate(pages):
+            freed += self.comp.pop(pg).nbytes
+            self.spilled[pg] = (chunk, i)
+        cache.counters["chunks_spilled"] += 1
+        return freed
+
+    def _read_spilled(self, page: int):
+        """A spilled level-3 page read back (crc-checked) -> its compressed form (CPU). A page
+        that fails its crc raises ``KVPageCorrupt`` (strict); graceful: it is lost -- left out of
+        attention from now on (``lost``, ``pages_lost``) and zeros stand in for this step."""
+        from deepseek_flash.errors import KVPageCorrupt
+
+        cache = self.layer._cache
+        chunk, row = self.spilled[page]
+        buf = torch.empty(chunk.page_bytes, dtype=torch.uint8)
+        try:
+            cache.spill.read_page(chunk, row, buf, layer=self.layer.index, page=page, row=0)
+        except KVPageCorrupt as exc:
+            if cache.error_recovery_mode == "strict":
+                raise
+            log.warning("%s; graceful mode: the page is left out of attention from now on", exc)
+            self.lost.add(page)
+            cache.counters["pages_lost"] += 1
+            buf.zero_()
+        else:
+            cache.counters["pages_read_spilled"] += 1
+        return from_rows(buf[None], self._like).select(0)
+
+    def _unspill(self, page: int) -> None:
+        """``page`` left level 3 on disk: remove its file once no live page is in it."""
+        chunk, _ = self.spilled.pop(page)
+        if all(c is not chunk for c, _ in self.spilled.values()):
+            self.layer._cache.spill.remove(chunk)
 
     def _page_shape(self) -> tuple:
         cache = self.layer._cache
@@ -174,6 +235,7 @@ class LayerPrune:
             c = compress_pages(batch)
         for i, pg in enumerate(pages):
             self.comp[pg] = c.select(i)
+        self._like = self.comp[pages[0]]
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu":
@@ -203,6 +265,8 @@ class LayerPrune:
             for pg in joining:
                 self.host.pop(pg, None)
                 self.comp.pop(pg, None)
+                if pg in self.spilled:
+                    self._unspill(pg)
             self._join_l1(joining, got)
 
     # --- a step ---------------------------------------------------------------------------------
@@ -220,6 +284,8 @@ class LayerPrune:
             idx = torch.tensor(self.l1_pages, device=dev)
             cols.append((s + idx[:, None] * p + ar).reshape(1, -1).expand(b, -1))
         demoted = torch.nonzero(self.level > 1).flatten().tolist()
+        if self.lost:
+            demoted = [pg for pg in demoted if pg not in self.lost]
         if demoted:
             from ..select import resolve_top_k, select_pages
             k = None if recall_all else resolve_top_k(cache.top_k_pages, len(demoted))
@@ -303,12 +369,15 @@ class LayerPrune:
         if self.n_pages == 0:
             return
         scores = self.page_scores()
+        if self.lost:  # a lost page has no bytes to come back with: it stays at level 3
+            scores[torch.tensor(sorted(self.lost))] = -1.0
         new, promoted, demoted = next_levels(self.level, scores, self.s.threshold)
         self._apply(self.level, new)
         self.level = new
         self.counters["promotions"] += int(promoted.sum())
         self.counters["demotions"] += int(demoted.sum())
         self.counters["evaluations"] += 1
+        self.layer._cache._prune_spill()
 
 
 def offset_values(matchers: list[OffsetMatcher], start: int, stop: int,
@@ -323,17 +392,12 @@ def offset_values(matchers: list[OffsetMatcher], start: int, stop: int,
     return torch.tensor(rows, dtype=torch.float32, device=device)
 
 
-def prune_settings(threshold, scorer, offsets, tokenizer, compensate, every, window,
-                   host_bytes) -> PruneSettings | None:
+def prune_settings(threshold, scorer, offsets, tokenizer, compensate, every,
+                   window) -> PruneSettings | None:
     """Validated settings, or None when pruning is off (``threshold`` None)."""
     validate_prune(threshold, scorer, offsets, tokenizer, compensate, every, window)
     if threshold is None:
         return None
-    if host_bytes is not None:
-        from deepseek_flash.errors import ConfigError
-        raise ConfigError("prune_threshold: pruning keeps its host levels in memory; it does not "
-                          "take host_bytes/spill_dir yet (set one or the other)",
-                          key="prune_threshold", value=threshold, allowed="null with host_bytes")
     from .scorers import resolve_scorer
     try:
         fn = resolve_scorer(scorer)
