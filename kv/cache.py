@@ -258,10 +258,12 @@ class TieredCache(Cache):
         if (nxt.index in self._prefetched or nxt.n_pages == 0 or not nxt.reads_every_page()
                 or not nxt.pages.all_on_host()):
             return
-        current = torch.cuda.current_stream(self.device)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
-        self._copy_stream.wait_stream(current)  # the pages' device->host copies came first
+        if nxt.pages.written is not None:
+            # the pages' device->host copies came first; nothing else orders the copy stream
+            # after the compute stream, so the copies of successive layers queue back to back
+            self._copy_stream.wait_event(nxt.pages.written)
         with torch.cuda.stream(self._copy_stream):
             k, v = nxt.pages.fetch_all()
             done = torch.cuda.Event()
@@ -351,6 +353,7 @@ class TieredCache(Cache):
                 return
             self.host_memory.free(chunk.tensor)
             chunk.spilled, chunk.tensor = spilled, None
+            layer.pages.invalidate_span()
             self.counters["chunks_spilled"] += 1
 
     # --- Cache API ---------------------------------------------------------------------------

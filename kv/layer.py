@@ -186,7 +186,7 @@ class TieredLayer(CacheLayerMixin):
                 recall_all = self.dense or q_len > cache.select_max_queries
                 k_parts, v_parts, cols = self.prune.past(query, recall_all)
             else:
-                k_parts, v_parts, cols = self._past(query, q_len)
+                k_parts, v_parts, cols = self._past(query, q_len, pad_mask is not None)
             out = attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling,
                                  length=self.length, prefill_chunk=cache.prefill_chunk)
             if self.prune is not None:
@@ -201,10 +201,11 @@ class TieredLayer(CacheLayerMixin):
             self.prune.committed(k_new, v_new, *shares, q_len)
         return out
 
-    def _past(self, query, q_len):
+    def _past(self, query, q_len, need_cols=True):
         """Keys and values of the committed tokens to attend (lists of parts in slot order) and
         which slots they are: None (every slot 0..length), a bool mask over the slots (pages
-        lost in graceful mode), or slot indices ``[b, n]`` (top-K)."""
+        lost in graceful mode), or slot indices ``[b, n]`` (top-K; only when ``need_cols``: the
+        slots matter to the padding mask alone, causality is over the new tokens)."""
         cache = self._cache
         k = resolve_top_k(cache.top_k_pages, self.n_pages) if self.n_pages else None
         if k is None or self.dense or q_len > cache.select_max_queries:
@@ -218,6 +219,8 @@ class TieredLayer(CacheLayerMixin):
         chosen = self.summaries.choose(query, k, scale=cache.scale, score=cache.score,
                                        window_pages=cache.window_pages, lost=self.lost_pages)
         pk, pv = self.pages.fetch_selected(chosen)
+        if not need_cols:
+            return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], None
         p, s, b = cache.page_tokens, self.sinks, self.batch
         dev = chosen.device
         page_cols = (s + chosen[:, :, None] * p + torch.arange(p, device=dev)).reshape(b, -1)

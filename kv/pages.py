@@ -2,8 +2,9 @@
 (page-locked when CUDA is present) and, past ``host_bytes``, in spill files (kv/spill.py).
 
 Pages are written once, in order, and never change (``append``); they are read back whole
-(``fetch_all``: one copy per chunk) or by index (``fetch_selected``: one copy per run of
-consecutive pages). A spilled chunk's pages are read back page by page, crc-checked; a corrupt
+(``fetch_all``: one copy per chunk) or by index (``fetch_selected``: one ``index_select`` over a
+view of all the layer's host chunks, kv/span.py; one copy per run of consecutive pages when a
+chunk is spilled or no such view can be made). A spilled chunk's pages are read back page by page, crc-checked; a corrupt
 page fails the step (strict) or is marked lost and left out of attention from then on (graceful).
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from deepseek_flash.errors import KVPageCorrupt
 
 from .layout import unpack_pages
+from .span import HostSpan
 from .spill import SpilledChunk
 
 log = logging.getLogger("deepseek_flash.kv.cache")
@@ -62,6 +64,9 @@ class LayerPages:
         self.chunks: list[Chunk] = []
         self._firsts: list[int] = []
         self.lost_pages: set[int] = set()
+        self._span: HostSpan | None = None  # the one-gather view of the host chunks (kv/span.py)
+        self._span_failed = False
+        self.written = None  # CUDA event after the last page write (what a prefetch waits for)
 
     def bind(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
         self.batch, self.dtype, self.device = batch, dtype, device
@@ -81,7 +86,12 @@ class LayerPages:
         """Full chunks still on the host, oldest first."""
         return [c for c in self.chunks if c.tensor is not None and c.filled == c.capacity]
 
+    def invalidate_span(self) -> None:
+        """A chunk was added or left the host: the gather view is rebuilt at the next fetch."""
+        self._span = None
+
     def clear(self) -> None:
+        self._span = None
         for chunk in self.chunks:
             if chunk.tensor is not None:
                 self._cache.host_memory.free(chunk.tensor)
@@ -106,6 +116,9 @@ class LayerPages:
             chunk.filled += m
             done += m
         self.n_pages += n
+        if cache.pinned:
+            self.written = torch.cuda.Event()
+            self.written.record()
 
     def _open_chunk(self) -> Chunk:
         cache = self._cache
@@ -117,6 +130,7 @@ class LayerPages:
         shape = (capacity * self.batch, *cache.layout.shape)
         tensor = cache.host_memory.alloc(shape, self.dtype)
         chunk = Chunk(first, capacity, tensor)
+        self._span = None
         self.chunks.append(chunk)
         self._firsts.append(first)
         return chunk
@@ -159,24 +173,56 @@ class LayerPages:
         return True
 
     def fetch_all(self):
-        """Every page onto the device -> keys, values ``[b, h, n_pages * page_tokens, d]``."""
+        """Every page onto the device -> keys, values ``[b, h, n_pages * page_tokens, d]``: one
+        copy per chunk, straight into one buffer."""
         cache = self._cache
-        parts = [self.chunk_pages(c).to(self.device, non_blocking=cache.pinned)
-                 for c in self.chunks]
-        pages = parts[0] if len(parts) == 1 else torch.cat(parts)
-        pages = pages.view(self.n_pages, self.batch, *cache.layout.shape)
+        b, shape = self.batch, cache.layout.shape
+        if len(self.chunks) == 1 and self.device.type == "cpu":
+            pages = self.chunk_pages(self.chunks[0])
+        else:
+            pages = torch.empty((self.n_pages * b, *shape), dtype=self.dtype, device=self.device)
+            at = 0
+            for c in self.chunks:
+                src = self.chunk_pages(c)
+                pages[at:at + src.shape[0]].copy_(src, non_blocking=cache.pinned)
+                at += src.shape[0]
+        pages = pages.view(self.n_pages, b, *shape)
         cache.counters["pages_fetched"] += self.n_pages * self.batch
         return unpack_pages(pages)
+
+    def span(self) -> HostSpan | None:
+        """The one-gather view of this layer's host chunks, or None where it cannot be used: a
+        chunk spilled, or (on a GPU) chunks in the controller's arena, or the view failed."""
+        if self._span is not None:
+            return self._span
+        cache = self._cache
+        if self._span_failed or not self.chunks or not self.all_on_host():
+            return None
+        if self.device.type == "cuda" and (not cache.pinned or cache.host_memory.arena):
+            return None
+        try:
+            self._span = HostSpan(self.chunks, self.batch, cache.layout, self.device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            log.warning("layer %d: no single-gather view of the host pages (%s); top-K pages are "
+                        "copied run by run", self.index, exc)
+            self._span_failed = True
+            return None
+        return self._span
 
     def fetch_selected(self, chosen: torch.Tensor):
         """Pages ``chosen`` ``[b, k]`` -> keys, values ``[b, h, k * page_tokens, d]``.
 
-        On a GPU each run of consecutive host pages is one host->device copy straight into the
+        With every chunk on the host: one ``index_select`` over the view of the chunks, indices
+        computed on the device (kv/span.py) -- no host sync. Otherwise, on a GPU each run of consecutive host pages is one host->device copy straight into the
         step's buffer (a page is contiguous: BICL); on the CPU one gather per chunk. Spilled
         pages are read into a host buffer first."""
         cache = self._cache
         b, k = chosen.shape
-        idx = chosen.cpu().tolist()  # the only host sync of a top-K step
+        span = self.span()
+        if span is not None:
+            cache.counters["pages_fetched"] += b * k
+            return span.gather(chosen)
+        idx = chosen.cpu().tolist()  # the only host sync of this path
         shape = cache.layout.shape
         if self.device.type == "cpu":
             out = torch.empty((k * b, *shape), dtype=self.dtype)

@@ -86,7 +86,7 @@ def page_scores(bound: torch.Tensor, score: str = "quest", window_pages: int = 6
         b, h, g, n = bound.shape
         w = max(1, int(window_pages))
         pad = (-n) % w
-        padded = torch.nn.functional.pad(bound, (0, pad), value=float("-inf"))
+        padded = torch.nn.functional.pad(bound, (0, pad), value=float("-inf")) if pad else bound
         mass = padded.view(b, h, g, -1, w).softmax(-1).view(b, h, g, n + pad)[..., :n]
         return mass.sum(dim=(1, 2))
     raise ValueError(f"unknown page score {score!r}; choose from {SCORES}")

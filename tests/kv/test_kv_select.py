@@ -85,3 +85,25 @@ def test_mass_logits_is_the_midpoint_logit_plus_the_spread_term():
     # mid (1, 1): q.mid = -1; sd (0.5, 1): q^2 . sd^2 = 0.25 + 4 = 4.25; scale 0.5
     want = -1 * 0.5 + 4.25 * 0.5 * 0.25
     assert mass_logits(q, kmin, kmax, scale=0.5).item() == pytest.approx(want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,q_heads,kv_heads,q_len,n,k,w", [
+    (1, 4, 2, 1, 37, 9, 8), (3, 8, 2, 1, 130, 33, 64), (2, 4, 4, 3, 64, 16, 16)])
+def test_hybrid_choice_in_few_ops_is_the_same_pages(dtype, b, q_heads, kv_heads, q_len, n, k, w):
+    # PageSummaries.choose's fast path for "hybrid" picks exactly the pages of the table-tested
+    # rules (quest_bound -> page_scores "hybrid" -> select_pages)
+    from deepseek_flash.kv.summaries import PageSummaries
+
+    g = torch.Generator().manual_seed(n)
+    d = 16
+    keys = torch.randn(b, kv_heads, n * 4, d, generator=g).to(dtype)
+    s = PageSummaries()
+    s.init(keys)
+    s.append_keys(keys, 4)
+    for trial in range(3):
+        q = (torch.randn(b, q_heads, q_len, d, generator=g) * (1 + trial)).to(dtype)
+        want = select_pages(page_scores(quest_bound(group_queries(q, kv_heads), s.kmin[:, :, :n],
+                                                    s.kmax[:, :, :n], 0.25), "hybrid", w), k)
+        got = s.choose(q, k, scale=0.25, score="hybrid", window_pages=w)
+        assert got.tolist() == want.tolist()

@@ -84,3 +84,36 @@ def test_generate_with_topk_fetches_a_quarter(score):
 def test_default_score_is_hybrid():
     cache = TieredCache.for_model(tiny_model("llama", seed=11, layers=1), top_k_pages=0.25)
     assert cache.score == "hybrid"
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_gather_fetch_is_the_bytes_of_the_chosen_pages(batch, monkeypatch):
+    # pages in 4 host chunks; the single index_select over a view of all chunks (kv/span.py)
+    # returns exactly the chosen pages' keys and values, with no host sync, and so does the
+    # run-by-run copy it replaces
+    torch.manual_seed(3)
+    n_tokens = 2 + 11 * P + P
+    keys, values = torch.randn(batch, H, n_tokens, D), torch.randn(batch, H, n_tokens, D)
+    chosen = torch.stack([torch.randperm(11, generator=torch.Generator().manual_seed(r))[:5]
+                          .sort().values for r in range(batch)])
+    want_k = torch.stack([torch.cat([keys[r, :, 2 + p * P:2 + (p + 1) * P] for p in chosen[r]], 1)
+                          for r in range(batch)])
+    want_v = torch.stack([torch.cat([values[r, :, 2 + p * P:2 + (p + 1) * P] for p in chosen[r]], 1)
+                          for r in range(batch)])
+    for one_gather in (True, False):
+        cache = TieredCache(1, kv_heads=H, head_dim=D, gpu_tokens=P, sink_tokens=2, page_tokens=P,
+                            dense_layers=0, top_k_pages=5, chunk_pages=3)
+        layer = cache.layers[0]
+        _step(layer, torch.zeros(batch, 2 * H, n_tokens, D), keys, values)
+        assert layer.n_pages == 11 and len(layer.pages.chunks) == 4
+        if one_gather:
+            def no_sync(*a, **k):
+                raise AssertionError("host sync in the one-gather fetch")
+            monkeypatch.setattr(torch.Tensor, "tolist", no_sync)
+        else:
+            layer.pages._span_failed = True
+        k, v = layer.pages.fetch_selected(chosen)
+        monkeypatch.undo()
+        assert (layer.pages._span is not None) == one_gather
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        assert cache.counters["pages_fetched"] == batch * 5
