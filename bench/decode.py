@@ -7,8 +7,12 @@ tokens, batch 1 and 8, all in one run:
   which a step reads one row per sequence) / device-to-device copy bandwidth measured in this run
   (bytes read + written per second, as a copy moves them);
 * ``decode.enable`` (what ``load_model(..., decode="graphs")`` installs): tok/s, time to capture,
-  memory the graphs hold, and the same with transformers' own attention (``packed_attention``
-  off) to show what the packed grouped-query attention buys;
+  memory the graphs hold; and the same step through transformers' modules (``fused`` off,
+  variant ``graphs_modules``) to show what the fused forward buys (``--variants`` adds
+  ``graphs_transformers_attention`` / ``graphs_transformers_norm``: that path without the packed
+  grouped-query attention / the one-kernel norm);
+* operations per decode step, fused and through the modules, counted with a dispatch hook on the
+  CPU over the same module structure (all layers, narrow widths): what a GPU step launches;
 * transformers' eager ``generate()`` (dynamic cache; fewer new tokens, ``--eager-tokens``: its
   rate is flat per token) and the compiled peer: ``generate(cache_implementation="static")``,
   which compiles the decode step with ``torch.compile(mode="reduce-overhead")`` (transformers'
@@ -177,6 +181,33 @@ def logit_parity(torch, decoder, ids, mask, steps: int) -> dict:
             "max_logit_diff": max(diffs), "logit_scale": eager_logits.abs().max().item()}
 
 
+def count_step_ops(arch: str, shape: dict, layers: int | None = None) -> dict:
+    """Operations of one decode step (generate(3) - generate(2)) on the CPU, fused and through
+    transformers' modules, for ``shape``'s layer structure at narrow widths."""
+    import torch
+
+    from deepseek_flash.decode import enable
+    from deepseek_flash.decode.fused import OpCounter
+
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    narrow = dict(shape, hidden_size=heads * 8, intermediate_size=heads * 16, vocab_size=512)
+    res = {}
+    for fused in (True, False):
+        model = build(arch, narrow, torch.device("cpu"), torch.float32, layers)
+        enable(model, capacity=32, fused=fused)
+        ids = torch.randint(1, 500, (1, 4), generator=torch.Generator().manual_seed(0))
+        counts = {}
+        for n in (3, 2, 3):
+            with OpCounter() as counter:
+                model.generate(ids, max_new_tokens=n, do_sample=False)
+            counts[n] = counter.counts
+        step = counts[3] - counts[2]
+        res["fused" if fused else "modules"] = {
+            "total": sum(step.values()), "kv_heads": kv_heads,
+            "by_op": dict(sorted(step.items(), key=lambda kv: -kv[1]))}
+    return res
+
+
 def guarded(fn, *args):
     """A diagnostic phase whose failure is recorded, not fatal to the figures around it."""
     try:
@@ -194,6 +225,11 @@ def main(argv=None) -> int:
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--eager-tokens", type=int, default=64)
     parser.add_argument("--parity-steps", type=int, default=64)
+    parser.add_argument("--variants", default="graphs,graphs_modules",
+                        help="graphs (the default step), graphs_modules, graphs_transformers_attention, "
+                             "graphs_transformers_norm")
+    parser.add_argument("--skip-eager", action="store_true",
+                        help="no eager generate() rates (measured before: they do not change)")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--only-peer", action="store_true", help="the compiled peer alone")
     parser.add_argument("--peer-budget-s", type=float, default=240.0,
@@ -233,6 +269,8 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     model = build(args.arch, shape, device, dtype, args.layers)
     res["build_s"] = round(time.perf_counter() - t, 2)
+    if not args.only_peer:
+        res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
     res["weight_bytes_per_step"] = weight_bytes_per_step(model)
     if cuda:
         res["hbm_bound_tok_s_per_seq"] = round(
@@ -244,10 +282,13 @@ def main(argv=None) -> int:
                for b in batches}
     capacity = args.prompt + args.new
     decoder = None
-    variants = (("graphs", {}), ("graphs_transformers_attention", {"packed_attention": False}),
-                ("graphs_transformers_norm", {"fused_norm": False}))
-    for variant, options in variants if not args.only_peer else ():
-        if variant != "graphs" and args.smoke:
+    known = {"graphs": {}, "graphs_modules": {"fused": False},
+             "graphs_transformers_attention": {"fused": False, "packed_attention": False},
+             "graphs_transformers_norm": {"fused": False, "fused_norm": False}}
+    chosen = ["graphs"] + [v for v in args.variants.split(",") if v and v != "graphs"]
+    for variant in chosen if not args.only_peer else ():
+        options = known[variant]
+        if variant not in ("graphs", "graphs_modules") and args.smoke:
             continue
         if decoder is not None:
             decoder.reset()
@@ -262,9 +303,11 @@ def main(argv=None) -> int:
             rate, out, tn = decode_rate(torch, model.generate, ids, mask, args.new, cuda)
             stats = decoder.stats()
             entry = {"tok_s": round(rate, 2), "generate_s": round(tn, 3), "first_call_s": round(t_first, 3),
-                     "mode": stats["mode"], "eager_reason": stats["eager_reason"]}
+                     "mode": stats["mode"], "eager_reason": stats["eager_reason"], "step": stats["step"],
+                     "fused_reason": stats["fused_reason"]}
             if variant == "graphs":
-                entry.update(captures=stats["captures"], capture_s=round(stats["capture_s"], 3),
+                entry.update(merged=stats["merged"], triton=stats["triton"],
+                             captures=stats["captures"], capture_s=round(stats["capture_s"], 3),
                              graph_pool_bytes=stats["graph_pool_bytes"], kv_bytes=stats["kv_bytes"],
                              memory_growth_bytes=(torch.cuda.memory_reserved() - reserved) if cuda else 0)
                 if cuda:
@@ -283,7 +326,7 @@ def main(argv=None) -> int:
         decoder.reset()
     decoder = enable(model, capacity=capacity)
 
-    for b in batches if not args.only_peer else ():
+    for b in batches if not (args.only_peer or args.skip_eager) else ():
         ids = prompts[b]
         mask = torch.ones_like(ids)
         rate, _, _ = decode_rate(torch, decoder.transformers_generate, ids, mask, args.eager_tokens, cuda)
@@ -321,8 +364,12 @@ def main(argv=None) -> int:
     summary = {}
     for b in batches:
         ours = res["graphs"][b]["tok_s"]
-        row = {"graphs_tok_s": ours, "eager_tok_s": res["eager_generate"][b]["tok_s"],
-               "vs_eager": round(ours / res["eager_generate"][b]["tok_s"], 2)}
+        row = {"graphs_tok_s": ours}
+        if "graphs_modules" in res:
+            row["modules_tok_s"] = res["graphs_modules"][b]["tok_s"]
+        if "eager_generate" in res:
+            row["eager_tok_s"] = res["eager_generate"][b]["tok_s"]
+            row["vs_eager"] = round(ours / res["eager_generate"][b]["tok_s"], 2)
         peer = res.get("compiled_peer", {}).get(b, {})
         if "tok_s" in peer:
             row["peer_tok_s"] = peer["tok_s"]
@@ -333,7 +380,8 @@ def main(argv=None) -> int:
     res["summary"] = summary
     if cuda:
         res["goals"] = {"batch1>=0.6*hbm_bound": res["graphs"][batches[0]]["vs_hbm_bound"] >= 0.6,
-                        "ahead_of_compiled_peer": all(r.get("vs_peer", 0) > 1 for r in summary.values())}
+                        "ahead_of_compiled_peer": (all(r.get("vs_peer", 0) > 1 for r in summary.values())
+                                                   if "compiled_peer" in res else "peer not run")}
     emit(res, args.output)
     print(json.dumps(summary), file=sys.stderr)
     return 0

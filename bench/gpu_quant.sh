@@ -56,7 +56,8 @@ if show.exists():
     for phase in ("int4_budget", "bf16_budget", "int4_small_budget"):
         p = r.get(phase, {})
         print(f"{phase:18} tok/s {p.get('tok_s')} streamed/token {p.get('streamed_bytes_per_token')} "
-              f"derived {p.get('derived_bytes')} gpu_peak {p.get('gpu_peak_bytes')}")
+              f"derived {p.get('derived_bytes')} gpu_peak {p.get('gpu_peak_bytes')}"
+              + (f" step {p['step_profile']}" if "step_profile" in p else ""))
     print("int4 vs bf16 streamed", r.get("int4_vs_bf16_streamed"), "small vs bound",
           r.get("int4_small_budget", {}).get("vs_bound"), "peer", r.get("peer"))
     print("goals", r.get("goals"))

@@ -18,8 +18,11 @@ the same run:
   swapped for torch's own int4 weight-only kernel (``_weight_int4pack_mm``, the tinygemm kernel
   gpt-fast and torchao's int4 weight-only use; round-to-nearest asymmetric, group 128), resident,
   same prompt: tok/s and GPU memory beside ours (``torch.cuda.max_memory_allocated`` over the
-  phase: the arena's blocks, the int4 layers' derived kernel layouts -- ``derived_bytes`` -- and
-  activations).
+  phase: the arena's blocks, the int4 layers' derived kernel layouts -- ``derived_bytes``, 0 when
+  the host tier holds the kernel's tile layout (``int4_layout``) -- and activations);
+* ``step_profile`` of our resident int4 model and of the peer (the peer's also beside our
+  embedded controller, before it is closed): aten ops per batch-1 decode step, host ms to issue
+  the step vs the synced step, the threads alive.
 
 ``--kernel``: each linear shape of the model at M = 1, 8, 16, 32, 128: a bf16 ``F.linear``, our
 Triton kernel (int4 g128, int8 g128), torch's int4 kernel on our int4 codes (its layout derived
@@ -103,14 +106,15 @@ class TinyGemmInt4Linear:
         from torch import nn
 
         packed, sz = cls.quantize(linear.weight.data, group)
-        out_features = linear.out_features
+        out_features, bias = linear.out_features, linear.bias
+        # Nothing below refers to ``linear``: its bf16 weight is freed once the module is swapped.
 
         class Int4(nn.Module):
             def __init__(self):
                 super().__init__()
                 self.register_buffer("packed", packed)
                 self.register_buffer("sz", sz)
-                self.bias = linear.bias
+                self.bias = bias
 
             def forward(self, x):
                 shape = x.shape
@@ -135,6 +139,48 @@ def peer_model(src, device: str):
                 setattr(module, child_name, TinyGemmInt4Linear.module(child))
     torch.cuda.empty_cache()
     return model.eval()
+
+
+def step_profile(model, device: str, steps: int = 8) -> dict:
+    """One batch-1 decode step (prompt 16, cache filled): aten ops dispatched, and milliseconds
+    of host time to issue it (returned without a sync) beside the whole step (synced) -- where
+    the host time is the step time, per-op CPU overhead limits decode, not the GPU."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT),
+                        generator=torch.Generator().manual_seed(0)).to(device)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    issue, total = [], []
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        with Count() as count:
+            model(nxt, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            sync()
+            t = time.perf_counter()
+            model(nxt, past_key_values=cache, use_cache=True)
+            issue.append(time.perf_counter() - t)
+            sync()
+            total.append(time.perf_counter() - t)
+    import threading
+
+    return {"ops": sum(count.ops.values()), "top_ops": dict(count.ops.most_common(6)),
+            "threads": sorted(t.name for t in threading.enumerate()),
+            "host_issue_ms": round(1e3 * sorted(issue)[steps // 2], 3),
+            "step_ms": round(1e3 * sorted(total)[steps // 2], 3)}
 
 
 # --- kernel microbenchmark ---------------------------------------------------------------------
@@ -230,12 +276,14 @@ def free(*objs) -> None:
         torch.cuda.empty_cache()
 
 
-def streamed_bytes(model, store) -> int:
+def streamed_bytes(model) -> int:
+    """Bytes a pass streams, as the host tier holds the blocks (the model's served block list)."""
     runtime = model.flash.stream
     if runtime is None:
         return 0
     plan = runtime.plan
-    return sum(store.block(b).length for layer in plan.streamed_layers for b in plan.stream_blocks[layer])
+    length = {b.id: b.length for b in model.flash.info.blocks}
+    return sum(length[b] for layer in plan.streamed_layers for b in plan.stream_blocks[layer])
 
 
 def main(argv=None) -> int:
@@ -320,15 +368,18 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         model = load_model(store.path, device=device, client=client, weight_budget=weight_budget)
-        per_token = streamed_bytes(model, store)
+        per_token = streamed_bytes(model)
         rates, outs = {}, {}
         for b in batches:
             rate, out = decode_rate(model, b, args.tokens, device)
             rates[b], outs[b] = round(rate, 3), out.cpu()
+        profile = step_profile(model, device) if label == "int4_budget" else None
         res[label] = {"tok_s": rates, "streamed_bytes_per_token": per_token,
                       "streaming": model.flash.stream is not None,
                       "derived_bytes": derived_nbytes(model),
                       "gpu_peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else None}
+        if profile is not None:
+            res[label]["step_profile"] = profile
         if model.flash.stream is not None:
             res[label]["prefetch_hit_rate"] = round(model.flash.stream.stats()["prefetch_hit_rate"], 4)
         save(res, args.output)
@@ -348,21 +399,27 @@ def main(argv=None) -> int:
     res["int4_small_budget"]["vs_bound"] = round(small_res[1] / bound, 3)
     res["streamed_tokens_equal_resident"] = all(torch.equal(small_out[b], int4_out[b]) for b in batches)
     res["int4_vs_bf16_streamed"] = {b: round(int4_res[b] / bf16_res[b], 2) for b in batches}
-    client.close()
-    gc.collect()
-
     if device == "cpu":
+        client.close()
         res["peer"] = {"not_run": "torch's int4 weight-only kernel (_weight_int4pack_mm) is the "
                                   "CUDA peer; the smoke run has no GPU"}
     else:
-        torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         peer = peer_model(src, device)
         mem = torch.cuda.memory_allocated() - base
+        # The peer's step once beside our embedded controller (its threads, arena and mappings in
+        # this process) and once without: tells the process apart from the model.
+        beside = step_profile(peer, device)
+        client.close()
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
         rates = {b: round(decode_rate(peer, b, args.tokens, device)[0], 3) for b in batches}
         res["peer"] = {"kind": "transformers + torch _weight_int4pack_mm (tinygemm), int4 g128 RTN "
                                "asymmetric, resident", "tok_s": rates, "gpu_weight_bytes": mem,
-                       "gpu_peak_bytes": torch.cuda.max_memory_allocated()}
+                       "gpu_peak_bytes": torch.cuda.max_memory_allocated(),
+                       "step_profile": step_profile(peer, device),
+                       "step_profile_beside_controller": beside}
         res["int4_vs_peer"] = {b: round(int4_res[b] / rates[b], 2) for b in batches}
         del peer
         free()

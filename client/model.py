@@ -161,7 +161,7 @@ class FlashModelHandle:
             self.client.close()
 
 
-DECODE_MODES = ("eager", "graphs")     # decode.engine's modes (importing it imports transformers)
+DECODE_MODES = ("eager", "graphs", "auto")   # decode.engine's modes (importing it imports transformers)
 
 
 def check_decode_mode(mode: str) -> None:
@@ -196,7 +196,9 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
     ``decode``: ``"eager"`` (transformers' ``generate``) or ``"graphs"``: ``generate()`` decodes
     each token as one CUDA-graph replay over a static KV cache of ``decode_capacity`` tokens per
     sequence (prompt + new; default ``min(4096, max_position_embeddings)``), see
-    ``deepseek_flash.decode``; where capture is impossible it says why in the log and runs eagerly.
+    ``deepseek_flash.decode``; where capture is impossible it says why in the log and runs eagerly;
+    a streamed model's copies into its slots are part of the captured step. ``"auto"``:
+    ``"graphs"`` on a CUDA device (a single one), ``"eager"`` elsewhere.
 
     The call may return before a GPU load has finished: a forward pass waits, per layer, only
     where that layer's bytes are not there yet. ``model.generate()`` works unchanged.
@@ -210,7 +212,7 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         if device is not None:
             raise DeviceMapError("load_model: give device or device_map, not both",
                                  device=str(device))
-        if decode != "eager":
+        if decode == "graphs":
             raise DeviceMapError(f"load_model: decode={decode!r} is not implemented for a model "
                                  f"split over devices (device_map); use decode='eager'",
                                  device=str(device_map))

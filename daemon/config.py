@@ -214,6 +214,12 @@ KEYS: dict[str, Key] = {
                                     "per_tensor | per_block", "model", False,
                                     "scale granularity of a quantized scheme (checked against a "
                                     "quantized store's; used to quantize an unquantized one)"),
+    "int4_layout": Key("auto", _choice("auto", "cuda_tiles", "stored"), "auto | cuda_tiles | stored",
+                       "model", False,
+                       "how the host tier holds int4 weights of a bfloat16 model: cuda_tiles in the "
+                       "tile layout of torch's CUDA int4 kernel (derived once as blocks enter the "
+                       "host tier), stored as on disk; auto: cuda_tiles when the controller sees "
+                       "a CUDA device (decided at the model's first open)"),
     "quantization_scheme": Key("none", _choice("none", "int8_symmetric", "int4_symmetric"),
                                "none | int8_symmetric | int4_symmetric", "model", False,
                                "weight quantization: none serves the store as packed; a scheme "

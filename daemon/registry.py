@@ -199,7 +199,7 @@ class Registry:
                 # with a scheme is quantized as its blocks enter the host tier.
                 first = mconfig.override(dict(flash_context or {}), scope="model")
                 store = serving_store(store, first.quantization_scheme,
-                                      first.quantization_granularity)
+                                      first.quantization_granularity, first.int4_layout)
                 file_overrides = {k: v for k, v in (store.config.get("flash_config") or {}).items()
                                   if k not in ignored}
                 self.residency.check_budget(store)

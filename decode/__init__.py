@@ -9,9 +9,16 @@ sync, no Python per layer. What cannot be captured falls back, with a logged rea
 static-cache step run eagerly (CPU, forward hooks, a capture that fails) or to transformers'
 ``generate`` (options the step does not implement: beams, logits processors, streamers, ...).
 
+Decode steps run the model's own fused forward (``fused``: merged q|k|v and gate|up GEMVs,
+rotary + cache write, residual add + norm, SiLU x up as one kernel each, ``kernels``) where the
+model has the Llama structure and no forward hooks; a streamed model's slot ring runs inside it
+as a fixed schedule (``client.stream.StaticRing``), so its copies are captured with the step.
+
 Modules: ``cache`` (the static KV cache, a transformers ``Cache``), ``request`` (which
-``generate()`` calls the step implements; pure), ``step`` (masks, positions, one forward, token
-choice), ``engine`` (buckets, capture, the decode loop).
+``generate()`` calls the step implements; pure), ``step`` (masks, positions, one forward through
+transformers' modules, token choice), ``fused`` (the step's own forward), ``kernels`` (its fused
+operations: Triton on CUDA, transformers' arithmetic on the CPU), ``engine`` (buckets, capture,
+the decode loop).
 """
 from .cache import KVStore, StaticKVCache
 from .engine import DEFAULT_CAPACITY, LENGTH_BUCKET, GraphDecoder, enable

@@ -22,6 +22,8 @@ import threading
 import time
 
 from ..errors import DecodeCapacityExceeded
+from . import fused as fusion
+from . import kernels
 from . import request as requests
 from .cache import Cursor, KVStore
 from .step import (PACKED_ATTENTION, MaskSpec, StepModules, cache_keyword, choose, decode_allowed,
@@ -93,12 +95,16 @@ class GraphDecoder:
     ``packed_attention``: single-token attention over grouped key/value heads without repeating
     the cache (``step.packed_gqa_attention``; models using sdpa). ``fused_norm``: RMSNorm
     statistics in one kernel (``step.fused_rms_norm``). ``length_step``: the visible length grows
-    in steps of this many tokens.
+    in steps of this many tokens. ``fused``: decode steps run the model's own fused forward
+    (``decode.fused``: merged q|k|v and gate|up GEMVs, rotary + cache write, residual add + norm and
+    SiLU x up as one kernel each) where the model allows it; prefill always runs transformers'
+    modules. ``ring``: a streamed model's ``client.stream.StaticRing``: decode steps run the ring's
+    copies themselves (inside the graph), in place of its per-layer hooks; needs the fused step.
     """
 
     def __init__(self, model, capacity: int | None = None, graphs: bool = True, before_capture=None,
                  hooks_ok=(), packed_attention: bool = True, fused_norm: bool = True,
-                 length_step: int = LENGTH_BUCKET):
+                 length_step: int = LENGTH_BUCKET, fused: bool = True, ring=None):
         import torch
 
         self.torch = torch
@@ -110,7 +116,11 @@ class GraphDecoder:
         if self.capacity <= 0:
             raise ValueError(f"decode capacity must be a positive number of tokens, not {capacity}")
         self.before_capture = before_capture
+        self.ring = ring
+        if ring is not None:
+            hooks_ok = list(hooks_ok) + ring.runtime.hooked_modules()
         self.hooks_ok = set(map(id, hooks_ok))
+        self._ring_checked = False
         self.unsupported = unsupported(model)
         self.device = next(p.device for p in model.parameters() if not p.is_meta)
         self.eager_reason = None if graphs else "graphs=False"
@@ -125,7 +135,13 @@ class GraphDecoder:
                 register_attention()
                 self.attention = PACKED_ATTENTION
             self.swaps = StepModules(config, self.attention, rms_norms(model) if fused_norm else ())
+        self.fused = None                       # fusion.FusedForward once built
+        self._fused_ran = False
+        self.fused_reason = "fused=False" if not fused else (
+            self.unsupported or fusion.unsupported(model))
         self.store: KVStore | None = None
+        self._caches: dict = {}
+        self._kv_rows: dict = {}
         self.states: dict[int, _State] = {}
         self.graphs: dict[tuple, object] = {}
         self.pool = None
@@ -194,8 +210,13 @@ class GraphDecoder:
                 capacity=self.capacity)
 
     def stats(self) -> dict:
-        return {"mode": self.mode, "capacity": self.capacity, "attention": self.attention or "model's",
+        return {"mode": self.mode, "capacity": self.capacity,
+                "ring": self.ring.stats() if self.ring is not None else None, "attention": self.attention or "model's",
                 "fused_norms": len(self.swaps.norms) if self.unsupported is None else 0,
+                "step": "fused" if self.fused is not None else "modules",
+                "fused_reason": self.fused_reason,
+                "merged": self.fused.stats.as_dict() if self.fused is not None else None,
+                "triton": kernels.BACKEND.reason if self.device.type == "cuda" else "cpu",
                 "eager_reason": self.eager_reason,
                 "unsupported": self.unsupported, "last_fallback": self.last_fallback,
                 "graphs": len(self.graphs), "kv_bytes": self.store.nbytes if self.store else 0,
@@ -217,6 +238,7 @@ class GraphDecoder:
     # --- decode ----------------------------------------------------------------------------------
     def _run(self, req):
         torch = self.torch
+        self._ensure_fused()
         bucket = batch_bucket(req.batch)
         st = self._state(bucket)
         sampling_kind = None if not req.do_sample else (req.top_k, req.top_p < 1.0)
@@ -243,12 +265,21 @@ class GraphDecoder:
         st.step.fill_(1)
 
         steps = 1
-        while steps < req.new_tokens:
-            if req.eos and steps % CHECK_EVERY == 0 and bool(st.done[steps - 1]):
-                break
-            visible = length_bucket(prompt + steps, self.capacity, self.length_step)
-            self._advance(st, visible, sampling_kind)
-            steps += 1
+        ring = self._ring_for_steps()
+        if ring is not None:
+            ring.enter()
+        try:
+            while steps < req.new_tokens:
+                if req.eos and steps % CHECK_EVERY == 0 and bool(st.done[steps - 1]):
+                    break
+                visible = length_bucket(prompt + steps, self.capacity, self.length_step)
+                self._advance(st, visible, sampling_kind)
+                if ring is not None and self.fused is not None:
+                    ring.count_step()
+                steps += 1
+        finally:
+            if ring is not None:
+                ring.exit()
         new = st.out[:b, :steps]
         if req.eos:
             done = st.done[:steps].nonzero()
@@ -274,6 +305,49 @@ class GraphDecoder:
             st.logits[:b, 0] = logits
         return choose(logits, self._sampling(st, sampling_kind))
 
+    def _ring_for_steps(self):
+        """The static ring when decode steps run it (the fused step of a streamed model); the
+        first time, its host side is made ready (offsets leased, pages locked) or the reason it
+        cannot be captured is logged (the steps then run eagerly)."""
+        if self.ring is None or self.fused is None:
+            if self.ring is not None and self.eager_reason is None:
+                self._to_eager(f"{STREAMED_REASON} ({self.fused_reason})")
+            return None
+        if not self._ring_checked:
+            self._ring_checked = True
+            reason = self.ring.host_ready()
+            if reason is not None and self.eager_reason is None:
+                self._to_eager(reason)
+        return self.ring
+
+    def _wait_loaded(self) -> None:
+        if self.before_capture is not None:
+            self.before_capture()
+            self.before_capture = None
+
+    def _ensure_fused(self) -> None:
+        """Build the fused forward on the first call (after a load in flight has finished: merged
+        copies need the bytes; the load's per-layer hooks are gone by then)."""
+        if self.fused is not None or self.fused_reason is not None:
+            return
+        self._wait_loaded()
+        hooked = fusion.hooked_module(self.model, self.hooks_ok)
+        if hooked is not None:
+            self.fused_reason = f"{hooked} (the fused step would not run them)"
+            self._log_once(f"decode steps run transformers' modules: {self.fused_reason}")
+            return
+        if self.device.type == "cuda":
+            config = self.model.config
+            heads = config.num_attention_heads
+            kernels.check_triton(self.device, self.model.dtype, dict(
+                hidden=config.hidden_size, heads=heads,
+                kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                intermediate=config.intermediate_size))
+        # Merged matrices are ordinary tensors (usable outside inference mode afterwards).
+        with self.torch.inference_mode(False), self.torch.no_grad():
+            self.fused = fusion.FusedForward.build(self.model, self.ring)
+
     def _sampling(self, st, kind):
         if _records_logits(kind):
             kind = kind[0]
@@ -290,9 +364,10 @@ class GraphDecoder:
         cursor.visible = visible
         positions = (st.slot - st.valid_from).clamp(min=0)[:, None]
         mask = self.masks.build(lambda w: decode_allowed(st.slot, visible, st.valid_from, st.key_slots, w))
-        cache = self._caches[st.batch]
-        logits = forward_last(self.model, self.cache_kw, st.tokens[:, None], positions, mask, cache,
-                              self.swaps)
+        logits = self._fused_logits(st, positions, mask, visible) if self.fused is not None else None
+        if logits is None:
+            logits = forward_last(self.model, self.cache_kw, st.tokens[:, None], positions, mask,
+                                  self._caches[st.batch], self.swaps)
         if st.logits is not None:
             st.logits.index_copy_(1, st.step, logits[:, None])
         nxt = choose(logits, self._sampling(st, sampling_kind))
@@ -303,6 +378,32 @@ class GraphDecoder:
         st.tokens.copy_(nxt)
         st.slot += 1
         st.step += 1
+
+    def _fused_logits(self, st, positions, mask, visible: int):
+        """The fused forward's logits; its first run is checked: should it raise (a kernel this
+        device cannot run), the step falls back to transformers' modules for good, logged (the
+        retry rewrites the same cache slot; a streamed model's hooks take the ring back)."""
+        rows = self._kv_rows.get(st.batch)
+        if rows is None:
+            rows = self._kv_rows[st.batch] = ([k[:st.batch] for k in self.store.keys],
+                                              [v[:st.batch] for v in self.store.values])
+        if self._fused_ran:
+            return self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
+        try:
+            logits = self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
+        except Exception as exc:   # noqa: BLE001 -- any failure: the modules' step, with the reason
+            self.fused = None
+            self.fused_reason = f"the fused step failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+            self._log_once(f"decode steps run transformers' modules: {self.fused_reason}")
+            if self.ring is not None:
+                if self.device.type == "cuda":
+                    self.torch.cuda.synchronize(self.device)
+                self.ring.exit()
+                if self.eager_reason is None:   # the ring's hooks issue copies from Python
+                    self._to_eager(f"{STREAMED_REASON} ({self.fused_reason})")
+            return None
+        self._fused_ran = True
+        return logits
 
     def _advance(self, st, visible: int, sampling_kind) -> None:
         if self.eager_reason is None:
@@ -323,9 +424,7 @@ class GraphDecoder:
         if reason is not None:
             self._to_eager(reason)
             return None
-        if self.before_capture is not None:
-            self.before_capture()
-            self.before_capture = None
+        self._wait_loaded()
         t0 = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
         saved = st.snapshot()
@@ -336,6 +435,8 @@ class GraphDecoder:
                 self._step(st, visible, sampling_kind)
         torch.cuda.current_stream(self.device).wait_stream(side)
         st.restore(saved)
+        if self.eager_reason is not None:      # the warm-up fell back (the fused step failed)
+            return None
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -397,6 +498,7 @@ class GraphDecoder:
             self.store = KVStore(config.num_hidden_layers, bucket, kv_heads, self.capacity, head_dim,
                                  self.model.dtype, self.device)
             self._caches = {}
+            self._kv_rows = {}
         st = self.states.get(bucket)
         if st is None:
             st = self.states[bucket] = _State(bucket, self.capacity, self.device, self.torch)
@@ -423,7 +525,7 @@ def enable(model, capacity: int | None = None, graphs: bool = True, **options) -
 
 
 from ..client.model import DECODE_MODES  # noqa: E402 -- one list, checked by load_model too
-STREAMED_REASON = "streamed layers: the copies into the slot ring are not captured in the graph yet"
+STREAMED_REASON = "streamed layers need the fused step to run the slot ring's copies in the graph"
 
 
 def check_mode(mode: str) -> None:
@@ -437,8 +539,11 @@ def check_mode(mode: str) -> None:
 def for_loaded_model(model, handle, mode: str, capacity: int | None) -> GraphDecoder | None:
     """``load_model``'s hook: ``mode`` ``"eager"`` leaves transformers' ``generate``; ``"graphs"``
     installs a ``GraphDecoder`` that first waits for a load still in flight (the gates' hooks
-    remove themselves once every layer is there, so nothing per layer is left to capture)."""
+    remove themselves once every layer is there, so nothing per layer is left to capture);
+    ``"auto"``: ``"graphs"`` on a CUDA device, ``"eager"`` elsewhere."""
     check_mode(mode)
+    if mode == "auto":
+        mode = "graphs" if handle.device.type == "cuda" else "eager"
     if mode == "eager":
         return None
 
@@ -449,13 +554,9 @@ def for_loaded_model(model, handle, mode: str, capacity: int | None) -> GraphDec
                 if not gates.opened[gate]:
                     gates.wait(gate)
 
-    if handle.stream is not None:
-        # The ring's per-layer hooks issue copies and events from Python; a graph would run them
-        # once. Each step still runs over the static cache, eagerly, with the hooks as they are.
-        decoder = enable(model, capacity=capacity, graphs=False)
-        decoder.eager_reason = STREAMED_REASON
-        decoder._log_once(f"decode steps run eagerly over the static cache: {STREAMED_REASON}")
-    else:
-        decoder = enable(model, capacity=capacity, before_capture=wait_for_load)
+    # A streamed model: decode steps run the ring's copies as a fixed schedule (``StaticRing``)
+    # in place of its per-layer hooks, so they are captured with the step.
+    ring = handle.stream.static_ring() if handle.stream is not None else None
+    decoder = enable(model, capacity=capacity, before_capture=wait_for_load, ring=ring)
     handle.decoder = decoder
     return decoder

@@ -45,16 +45,35 @@ class QuantizedTensor:
 
     spec: QuantSpec
     shape: tuple
-    data: torch.Tensor      # int8 [N, K] or uint8 [N, K/2]
-    scales: torch.Tensor    # float16 [N, K/g] or [1]
+    data: torch.Tensor      # int8 [N, K] or uint8 [N, K/2]; int32 tiles (layout below)
+    scales: torch.Tensor    # float16 [N, K/g] or [1]; bfloat16 [K/g', N, 2] (layout below)
     dtype: torch.dtype = torch.float32
+    # "rows": the stored layout above. "int4_cuda_tiles": int4 held by the host tier in torch's
+    # CUDA int4 kernel's layout (``int4pack.cuda_layout``, scales as its bfloat16 (scale, 0)
+    # pairs over groups of g'); ``kernel`` is then that kernel's (inner_k_tiles, g').
+    layout: str = "rows"
+    kernel: tuple | None = None
 
     def dequantize(self, dtype=None) -> torch.Tensor:
-        return dequantize(self.data, self.scales, self.spec, self.shape, dtype or self.dtype)
+        data, scales, spec = self.rows()
+        return dequantize(data, scales, spec, self.shape, dtype or self.dtype)
+
+    def rows(self) -> tuple:
+        """(codes, scales, spec) in the stored row layout; for the tile layout, new tensors with
+        the scales as the kernel holds them (bfloat16 values) and the kernel's groups."""
+        if self.layout == "rows":
+            return self.data, self.scales, self.spec
+        from . import int4pack
+
+        N, K = self.shape
+        data = int4pack.codes_from_cuda_layout(self.data, N, K)
+        group = self.kernel[1]
+        return data, self.scales[..., 0].t(), QuantSpec(self.spec.scheme, "per_block", group)
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scales.numel() * 2
+        return (self.data.numel() * self.data.element_size() +
+                self.scales.numel() * self.scales.element_size())
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

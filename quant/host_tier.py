@@ -16,6 +16,8 @@ payload's (the recovery path checks copies of a block against it).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..fsutil import align_up
 from ..store.format import TENSOR_ALIGN, BlockInfo, TensorInfo
 from ..store.layout import TensorSpec, quantizable_tensor, quantized_info
@@ -106,13 +108,170 @@ class QuantizingStore(Store):
         return bytes(out)
 
 
-def serving_store(store: Store, scheme: str, granularity: str) -> Store:
+# --- int4 in the CUDA kernel's tile layout ------------------------------------------------------
+
+TILES = "int4_cuda_tiles"
+
+
+def tiled_tensor(t: TensorInfo, offset: int) -> TensorInfo | None:
+    """The tensor map of ``t`` (stored int4 codes + float16 scales) held in the layout torch's CUDA
+    int4 kernel takes, codes at ``offset``; None when that kernel cannot take it (not int4, not a
+    bfloat16 model, a shape ``int4pack.plan`` refuses)."""
+    import torch
+
+    from . import int4pack
+
+    q = t.quant
+    if not q or t.dtype != "int4" or q.get("dtype") != "bfloat16":
+        return None
+    N, K = t.shape
+    plan = int4pack.plan("cuda", torch.bfloat16, QuantSpec.from_dict(q), N, K)
+    if isinstance(plan, str):
+        return None
+    inner, group = plan
+    scales_offset = align_up(offset + t.nbytes, TENSOR_ALIGN)
+    scales_shape = [K // group, N, 2]
+    return TensorInfo(name=t.name, dtype=t.dtype, shape=tuple(t.shape), offset=offset,
+                      nbytes=t.nbytes, aliases=list(t.aliases),
+                      quant={**q, "layout": TILES, "inner_k_tiles": inner, "kernel_group": group,
+                             "scales_dtype": "bfloat16", "scales_shape": scales_shape,
+                             "scales_offset": scales_offset, "scales_nbytes": K // group * N * 4})
+
+
+def tiled_block(info: BlockInfo) -> BlockInfo:
+    """``info`` with its int4 tensors in the CUDA tile layout (``info`` itself when none is)."""
+    tensors, offset, changed = [], 0, False
+    for t in info.tensors:
+        offset = align_up(offset, TENSOR_ALIGN)
+        tiled = tiled_tensor(t, offset)
+        if tiled is None:
+            quant = dict(t.quant) if t.quant else None
+            if quant:
+                quant["scales_offset"] += offset - t.offset      # codes and scales move together
+            tiled = dataclasses.replace(t, offset=offset, aliases=list(t.aliases), quant=quant)
+        else:
+            changed = True
+        tensors.append(tiled)
+        offset = tensors[-1].end
+    if not changed:
+        return info
+    return BlockInfo(id=info.id, role=info.role, layer=info.layer, file=info.file,
+                     offset=info.offset, length=offset, crc32c=info.crc32c, tensors=tensors,
+                     deps=list(info.deps), access_freq=info.access_freq,
+                     precision_req=info.precision_req, quant=info.quant,
+                     header_offset=info.header_offset, header_size=info.header_size)
+
+
+def tile_payload(info: BlockInfo, base: BlockInfo, source, dest, device: str = "cpu") -> None:
+    """Write ``info``'s payload (tile layout) into ``dest`` from ``source``, the payload of
+    ``base`` (the same block in the stored layout): codes through ``int4pack.cuda_layout`` (run on
+    ``device``: the same integer operations give the same bytes anywhere), scales through
+    ``int4pack.scales_and_zeros`` in bfloat16, every other tensor copied."""
+    import torch
+
+    from . import int4pack
+
+    out = memoryview(dest).cast("B")[:info.length]
+    torch.frombuffer(out, dtype=torch.uint8).zero_()
+    source = memoryview(source).cast("B")
+    by_name = {t.name: t for t in base.tensors}
+    for t in info.tensors:
+        bt = by_name[t.name]
+        if not (t.quant and t.quant.get("layout") == TILES):
+            out[t.offset:t.offset + bt.end - bt.offset] = source[bt.offset:bt.end]
+            continue
+        N, K = t.shape
+        q = bt.quant
+        codes = torch.frombuffer(source[bt.offset:bt.offset + bt.nbytes], dtype=torch.uint8)
+        at = q["scales_offset"]
+        scales = torch.frombuffer(source[at:at + q["scales_nbytes"]], dtype=torch.float16)
+        words = int4pack.cuda_layout(codes.view(N, K // 2).to(device), t.quant["inner_k_tiles"]).cpu()
+        sz = int4pack.scales_and_zeros(scales.view(tuple(q["scales_shape"])), QuantSpec.from_dict(q),
+                                       (N, K), t.quant["kernel_group"], torch.bfloat16)
+        out[t.offset:t.offset + t.nbytes] = words.numpy().view("u1").reshape(-1).data
+        at = t.quant["scales_offset"]
+        out[at:at + t.quant["scales_nbytes"]] = sz.view(torch.int16).numpy().view("u1").reshape(-1).data
+
+
+class TiledStore(Store):
+    """``base`` (a quantized ``Store`` or a ``QuantizingStore``) with its int4 weights held in the
+    host tier in the tile layout of torch's CUDA int4 kernel (``int4pack.cuda_layout``) and their
+    scales as the kernel's bfloat16 (scale, zero 0) pairs: derived once per block as it enters
+    the host tier, so GPU copies, streaming slots and resident views are the kernel's operands
+    and nothing is derived per bind or call. Blocks grow by their scales' bytes (about 1.5 % at
+    g128). ``device``: where the permutation runs (``cuda`` where there is one: about 30-50 MB/s
+    per CPU thread measured on the development VM, tens of seconds for an 8B model on the CPU;
+    the result is the same bytes).
+    """
+
+    def __init__(self, base: Store, device: str = "cpu"):
+        self.base = base
+        self.device = device
+        self.source = getattr(base, "source", base)
+        self.spec = getattr(base, "spec", None)
+        self.quantized_at = getattr(base, "quantized_at", "pack")
+        self.layout = TILES
+        self._tiled = set()
+        blocks = []
+        for b in base.blocks:
+            t = tiled_block(b)
+            if t is not b:
+                self._tiled.add(b.id)
+            blocks.append(t)
+        super().__init__(base.path, blocks, base.model, base.config)
+
+    def source_block(self, info: BlockInfo) -> BlockInfo | None:
+        """The block read from disk for ``info`` (None: ``info``'s own bytes, read into place)."""
+        base_source = getattr(self.base, "source_block", None)
+        src = base_source(self.base.block(info.id)) if base_source is not None else None
+        if src is None and info.id in self._tiled:
+            return self.base.block(info.id)
+        return src
+
+    def transcode(self, info: BlockInfo, source, dest) -> int:
+        """Write ``info``'s payload into ``dest`` from the payload of its ``source_block``;
+        returns and records its crc32c."""
+        from .._core import crc32c
+
+        base = self.base.block(info.id)
+        base_source = getattr(self.base, "source_block", None)
+        if base_source is not None and base_source(base) is not None:
+            tmp = bytearray(base.length)
+            self.base.transcode(base, source, tmp)
+            source = tmp
+        if info.id in self._tiled:
+            tile_payload(info, base, source, dest, self.device)
+        else:
+            memoryview(dest).cast("B")[:info.length] = memoryview(source).cast("B")[:info.length]
+        info.crc32c = crc32c(memoryview(dest).cast("B")[:info.length])
+        return info.crc32c
+
+    def read_block(self, block_id: int, verify: bool = True) -> bytes:
+        """The payload of ``block_id`` as the host tier holds it."""
+        payload = self.base.read_block(block_id, verify)
+        if block_id not in self._tiled:
+            return payload
+        out = bytearray(self.block(block_id).length)
+        tile_payload(self.block(block_id), self.base.block(block_id), payload, out, self.device)
+        return bytes(out)
+
+
+def serving_store(store: Store, scheme: str, granularity: str, int4_layout: str = "stored") -> Store:
     """The store as a model opened with these keys serves it: a packed store as it is (the keys
     checked by ``scheme.check_served``), an unquantized one with a scheme quantized on entering
-    the host tier."""
+    the host tier; int4 weights in the CUDA kernel's tile layout (``TiledStore``) when
+    ``int4_layout`` is ``cuda_tiles``, or ``auto`` and this process sees a CUDA device."""
     from .scheme import DEFAULT_GROUP_SIZE, check_served
 
     if scheme != "none" and store.quant is None:
-        return QuantizingStore(store, QuantSpec(scheme, granularity, DEFAULT_GROUP_SIZE))
-    check_served(store.quant, scheme, granularity, store.name)
-    return store
+        store = QuantizingStore(store, QuantSpec(scheme, granularity, DEFAULT_GROUP_SIZE))
+    else:
+        check_served(store.quant, scheme, granularity, store.name)
+    if store.quant is None or store.quant["scheme"] != "int4_symmetric" or int4_layout == "stored":
+        return store
+    from ..cuda import cuda_available
+
+    cuda = cuda_available()
+    if int4_layout == "auto" and not cuda:
+        return store
+    return TiledStore(store, "cuda" if cuda else "cpu")

@@ -72,17 +72,34 @@ def cuda_layout(codes: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
     Per int4mm.cu: lane ``t`` of n-tile ``nt`` holds row ``nt*8 + t//4``; the int32 at inner pair
     ``i`` of outer k-tile ``ko`` covers the 32 columns from ``c0 = (ko*inner_k_tiles + 2i) * 16``
     and holds, from bit 0 up, the nibbles of columns ``c0 + 2r + 8a + b`` (``r = t % 4``) in the
-    order b = 0, a = 0..3, then b = 1, a = 0..3.
+    order b = 0, a = 0..3, then b = 1, a = 0..3. Columns ``c0 + 2r + 8a`` and ``+ 1`` are the low
+    and high nibble of our byte ``4a + r`` of the chunk, so the word's bytes are, low to high,
+    ``lo(B0) | lo(B1) << 4``, ``lo(B2) | lo(B3) << 4``, ``hi(B0) | hi(B1) << 4``,
+    ``hi(B2) | hi(B3) << 4`` with ``Ba`` = byte ``4a + r``: byte-wide operations, then one
+    permutation of whole words.
     """
     N, K = codes.shape[0], codes.shape[1] * 2
-    nib = nibbles(codes)
-    # columns: ko, i, a, r, b (32-column chunks of a then r then b); rows: nt, row.
-    nib = nib.view(N // 8, 8, K // (inner_k_tiles * 16), inner_k_tiles // 2, 4, 4, 2)
-    #                nt  row ko                           i                    a  r  b
-    nib = nib.permute(0, 2, 1, 5, 3, 6, 4)        # nt, ko, row, r, i, b, a  -> nibble p = 4b + a
-    nib = nib.reshape(N // 8, K // (inner_k_tiles * 16), 32, inner_k_tiles // 2, 4, 2)
-    words = nib[..., 0] | (nib[..., 1] << 4)      # little-endian bytes of each int32
-    return words.contiguous().view(torch.int32).squeeze(-1)
+    x = codes.reshape(N, K // 32, 2, 2, 4)          # row, chunk, a // 2, a % 2, r
+    even, odd = x[:, :, :, 0], x[:, :, :, 1]         # B0, B2 | B1, B3
+    out = torch.empty(N, K // 32, 4, 2, 2, dtype=torch.uint8, device=codes.device)
+    torch.bitwise_or(even & 15, odd << 4, out=out[:, :, :, 0].permute(0, 1, 3, 2))
+    torch.bitwise_or(even >> 4, odd & 0xF0, out=out[:, :, :, 1].permute(0, 1, 3, 2))
+    words = out.view(N, K // 32, 16).view(torch.int32)          # row, chunk, r (little-endian)
+    words = words.view(N // 8, 8, K // (inner_k_tiles * 16), inner_k_tiles // 2, 4)
+    #                  nt      row ko                          i                   r
+    return words.permute(0, 2, 1, 4, 3).reshape(N // 8, K // (inner_k_tiles * 16), 32,
+                                                 inner_k_tiles // 2)
+
+
+def codes_from_cuda_layout(words: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The inverse of ``cuda_layout``: the stored int4 bytes uint8 [N, K/2] of a tile layout."""
+    inner_k_tiles = words.shape[-1] * 2
+    nib = words.contiguous().view(torch.uint8).reshape(*words.shape[:-1], inner_k_tiles // 2, 4)
+    nib = torch.stack((nib & 15, nib >> 4), dim=-1)            # ..., i, byte, lo/hi -> p = 4b + a
+    nib = nib.view(N // 8, K // (inner_k_tiles * 16), 8, 4, inner_k_tiles // 2, 2, 4)
+    #               nt   ko                           row r  i                   b  a
+    nib = nib.permute(0, 2, 1, 4, 6, 3, 5).reshape(N, K)      # nt, row, ko, i, a, r, b
+    return nib[:, 0::2] | (nib[:, 1::2] << 4)
 
 
 def cpu_layout(codes: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:

@@ -5,6 +5,10 @@ Its codes and scales are the views ``store.views.block_tensors`` gives (host are
 streaming slot): nothing is copied at bind time. The matmul is chosen per call by the number of
 rows ``M`` of the input (tokens x batch), the same way for every layer wherever its bytes live:
 
+* int4 that the host tier holds in torch's CUDA tile layout (``quant.host_tier.TiledStore``;
+  ``layout`` ``int4_cuda_tiles``): on CUDA with bfloat16 activations, every M runs
+  ``_weight_int4pack_mm`` on the bound bytes -- nothing derived, kept or synced, so the call is
+  capturable in a CUDA graph; elsewhere it dequantizes from the tiles and multiplies;
 * int4 and ``M <= SMALL_M`` (decode): torch's own int4 kernel (``int4pack``; CUDA with bfloat16
   activations, CPU with any float dtype), over its tile layout derived from the stored codes. A
   layer bound to fixed bytes (resident: host or GPU arena) derives it at its first such call and
@@ -55,6 +59,10 @@ class QuantLinear(nn.Module):
                              f"{self.in_features}->{self.out_features} linear layer")
         self.spec = quantized.spec
         self.compute_dtype = quantized.dtype
+        self.layout, self.kernel = quantized.layout, quantized.kernel
+        # Tile layout: (inner_k_tiles, group) of torch's CUDA int4 kernel, whose operands the
+        # codes and scales already are.
+        self._tiles_group = quantized.kernel[1] if quantized.layout != "rows" else 0
         self.register_buffer("codes", quantized.data, persistent=False)
         self.register_buffer("scales", quantized.scales, persistent=False)
         self.fixed = fixed
@@ -68,12 +76,16 @@ class QuantLinear(nn.Module):
 
     @property
     def weight_nbytes(self) -> int:
-        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 2
+        return (self.codes.numel() * self.codes.element_size() +
+                self.scales.numel() * self.scales.element_size())
 
     def dequantized_weight(self, dtype=None) -> torch.Tensor:
         """The weight as the CPU path computes it (a new tensor; tests and references)."""
-        return dequantize(self.codes, self.scales, self.spec, (self.out_features, self.in_features),
-                          dtype or self.compute_dtype)
+        shape = (self.out_features, self.in_features)
+        if self.layout != "rows":
+            return QuantizedTensor(self.spec, shape, self.codes, self.scales, self.compute_dtype,
+                                   self.layout, self.kernel).dequantize(dtype)
+        return dequantize(self.codes, self.scales, self.spec, shape, dtype or self.compute_dtype)
 
     def _int4_kernel(self, x: torch.Tensor):
         """(packed, scales_and_zeros, group) for torch's int4 kernel, or None when it cannot
@@ -103,6 +115,15 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         K, N = self.in_features, self.out_features
+        if self._tiles_group:
+            if x.is_cuda and x.dtype == torch.bfloat16:
+                # The host tier's tile layout: the kernel's operands as bound, nothing derived, no
+                # host sync, output shaped by x alone (capturable in a CUDA graph).
+                y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, K).contiguous(), self.codes,
+                                                       self._tiles_group, self.scales)
+                y = y.view(*x.shape[:-1], N)
+                return y if self.bias is None else y + self.bias
+            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         if self.spec.bits == 4 and x.numel() <= SMALL_M * K:
             kernel = self._int4_kernel(x)
             if kernel is not None:

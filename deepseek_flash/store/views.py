@@ -21,10 +21,17 @@ def _row(t) -> tuple:
     from ..quant import QuantSpec
     q = t.quant
     rows, cols = t.shape
-    data_shape = (rows, cols // 2) if t.dtype == "int4" else (rows, cols)
-    scales = (q["scales_offset"], q["scales_nbytes"], tuple(q["scales_shape"]))
-    return ((t.name, *t.aliases), t.offset, t.nbytes, _STORAGE[t.dtype], data_shape,
-            (QuantSpec.from_dict(q), tuple(t.shape), TORCH_DTYPES[q["dtype"]], scales))
+    storage, data_shape = _STORAGE[t.dtype], (rows, cols // 2) if t.dtype == "int4" else (rows, cols)
+    layout, kernel = q.get("layout", "rows"), None
+    if layout != "rows":
+        # The CUDA int4 kernel's tile layout, held by the host tier (quant.host_tier.TiledStore).
+        inner = q["inner_k_tiles"]
+        storage, data_shape = torch.int32, (rows // 8, cols // (inner * 16), 32, inner // 2)
+        kernel = (inner, q["kernel_group"])
+    scales = (q["scales_offset"], q["scales_nbytes"], tuple(q["scales_shape"]),
+              TORCH_DTYPES[q.get("scales_dtype", "float16")])
+    return ((t.name, *t.aliases), t.offset, t.nbytes, storage, data_shape,
+            (QuantSpec.from_dict(q), tuple(t.shape), TORCH_DTYPES[q["dtype"]], scales, layout, kernel))
 
 
 def _spec(block: BlockInfo) -> list:
@@ -63,9 +70,9 @@ def block_tensors(block: BlockInfo, payload) -> dict:
         view = payload[offset:offset + nbytes].view(dtype).view(shape)
         if quant is not None:
             from ..quant import QuantizedTensor
-            qspec, logical, compute, (s_off, s_len, s_shape) = quant
-            scales = payload[s_off:s_off + s_len].view(torch.float16).view(s_shape)
-            view = QuantizedTensor(qspec, logical, view, scales, compute)
+            qspec, logical, compute, (s_off, s_len, s_shape, s_dtype), layout, kernel = quant
+            scales = payload[s_off:s_off + s_len].view(s_dtype).view(s_shape)
+            view = QuantizedTensor(qspec, logical, view, scales, compute, layout, kernel)
         for name in names:
             out[name] = view
     return out

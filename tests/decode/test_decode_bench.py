@@ -18,5 +18,24 @@ def test_smoke_mode_runs_and_reports(tmp_path):
         assert res["graphs"][b]["tok_s"] > 0 and res["eager_generate"][b]["tok_s"] > 0
         assert res["parity"][b]["tokens_identical"] is True
         assert res["parity"][b]["max_logit_diff"] < 1e-4
+        assert res["graphs"][b]["step"] == "fused" and res["graphs_modules"][b]["step"] == "modules"
+    # the smoke shape: 2 layers; fused 9 per layer + 33 around them, modules 34 + 33
+    assert res["ops_per_step"]["fused"]["total"] == 51 and res["ops_per_step"]["modules"]["total"] == 101
     assert res["weight_bytes_per_step"] == sum(  # norms + layers + head, the input embedding apart
         n * 4 for n in [2 * (2 * 64 + 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128), 64, 256 * 64])
+
+
+def test_streamed_smoke_runs_the_static_ring(tmp_path):
+    out = tmp_path / "stream.json"
+    bench = BENCH.parent / "decode_stream.py"
+    proc = subprocess.run([sys.executable, str(bench), "--smoke", "--dir", str(tmp_path / "w"),
+                           "--batches", "1,2", "--prompt", "6", "--new", "10", "--output", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["plan"]["slots"] < res["plan"]["streamed_layers"]
+    for b in ("1", "2"):
+        row = res["batches"][b]
+        assert row["step"] == "fused" and row["first_divergent_step"] == [10] * int(b)
+        # the warm-up call, two of 1 token, one timed: 9 + 0 + 0 + 9 static steps per batch size
+        assert row["ring"]["static_steps"] == 18 * int(b == "1") + 36 * int(b == "2")

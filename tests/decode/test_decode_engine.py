@@ -33,6 +33,7 @@ def test_greedy_tokens_identical_for_64_steps(arch, config, device):
         assert stats["mode"] == "eager" and stats["eager_steps"] == STEPS - 1
     else:
         assert stats["mode"] == "graphs" and stats["replays"] == STEPS - 1 and stats["graphs"] == 5
+        assert stats["step"] == "fused" and stats["triton"] == "on"
     # Another prompt length and batch within the capacity: same graphs, same tokens as transformers.
     ids1, mask1 = left_padded(1, 20, device, seed=1)
     got1 = reference(model, ids1, mask1, max_new_tokens=40)

@@ -44,28 +44,63 @@ def test_eager_is_the_default_and_a_bad_mode_is_refused(store):
         model.flash.close()
         with pytest.raises(ConfigError) as err:
             load_model(path, client=client, decode="fast")
-        assert err.value.key == "decode" and err.value.allowed == ["eager", "graphs"]
+        assert err.value.key == "decode" and err.value.allowed == ["eager", "graphs", "auto"]
+        cpu = load_model(path, client=client, decode="auto")      # auto: graphs on CUDA only
+        assert cpu.flash.decoder is None and "generate" not in vars(cpu)
+        cpu.flash.close()
 
 
-def test_streamed_model_decodes_eagerly_over_the_static_cache_and_says_why(store, caplog):
-    import logging
-
+@pytest.mark.parametrize("device", DEVICES)
+def test_streamed_model_runs_the_slot_ring_inside_the_step(store, device):
+    """Under the minimum budget the MLPs of a tail of layers stream through slots; the decode
+    steps run the ring as a fixed schedule (captured on CUDA) and give transformers' tokens, and
+    a later generate() -- whose prefill runs the ring through its hooks again -- does too."""
     from deepseek_flash.daemon.planner import resident_minimum
-    from deepseek_flash.decode.engine import STREAMED_REASON
     from deepseek_flash.store import Store
 
     src, path = store
-    ref = load_reference(src)
-    ids, mask = left_padded(2, 8)
+    ref = load_reference(src, device=device)
+    ids, mask = left_padded(2, 8, device)
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    ids2, mask2 = left_padded(1, 5, device, seed=3)
+    want2 = ref.generate(ids2, attention_mask=mask2, max_new_tokens=40, do_sample=False, pad_token_id=0)
     budget = resident_minimum(Store.open(path).blocks)
-    with Client(embedded=True, config=CONFIG) as client, \
-            caplog.at_level(logging.WARNING, logger="deepseek_flash.decode"):
-        model = load_model(path, client=client, weight_budget=budget, decode="graphs")
-        assert model.flash.stream is not None
+    with Client(embedded=True, config=CONFIG) as client:
+        model = load_model(path, device=device, client=client, weight_budget=budget, decode="graphs")
+        runtime = model.flash.stream
+        assert runtime is not None and runtime.n < runtime.m          # fewer slots than layers
         got = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
         assert torch.equal(got, want)
-        assert model.flash.decoder.eager_reason == STREAMED_REASON
-        assert model.flash.decoder.stats()["eager_steps"] == 23
-        assert any(STREAMED_REASON in r.getMessage() for r in caplog.records)
+        stats = model.flash.decoder.stats()
+        assert stats["step"] == "fused" and stats["ring"]["static_steps"] == 23
+        assert stats["mode"] == ("eager" if device == "cpu" else "graphs")
+        streamed = runtime.stats()["bytes_streamed"]
+        got2 = model.generate(ids2, attention_mask=mask2, max_new_tokens=40, do_sample=False,
+                              pad_token_id=0)
+        assert torch.equal(got2, want2)
+        # 39 static steps plus one pass through the hooks (the prefill), every layer's bytes each,
+        # and the hooks' prefetch of the next pass's first layers (less than a pass)
+        moved = runtime.stats()["bytes_streamed"] - streamed
+        assert 40 * stats["ring"]["step_bytes"] <= moved < 41 * stats["ring"]["step_bytes"]
+        model.flash.close()
+
+
+def test_static_ring_schedule_is_the_same_every_step(store):
+    """The copies of a step: the first n layers at its start, then layer idx + n after layer idx,
+    each into slot idx % n -- the same list at every step (what a graph replays)."""
+    from deepseek_flash.daemon.planner import resident_minimum
+    from deepseek_flash.store import Store
+
+    _, path = store
+    budget = resident_minimum(Store.open(path).blocks)
+    with Client(embedded=True, config=CONFIG) as client:
+        model = load_model(path, client=client, weight_budget=budget, decode="graphs")
+        ring = model.flash.decoder.ring
+        ids, mask = left_padded(1, 6)
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        first = list(ring.copies)
+        model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert ring.copies == first
+        layers = model.flash.stream.layers
+        assert first == [(layer, idx % ring.n) for idx, layer in enumerate(layers)]
         model.flash.close()

@@ -25,6 +25,9 @@ def test_smoke_runs_every_phase(tmp_path):
     assert small["streaming"] is True and 0 < small["streamed_bytes_per_token"] < res["store_bytes"]["int4"]
     assert small["prefetch_hit_rate"] > 0
     assert res["streamed_tokens_equal_resident"] is True
+    profile = res["int4_budget"]["step_profile"]
+    assert profile["ops"] >= sum(profile["top_ops"].values()) > 0
+    assert 0 < profile["host_issue_ms"] <= profile["step_ms"]
     assert all(r > 0 for phase in ("int4_budget", "bf16_budget", "int4_small_budget")
                for r in res[phase]["tok_s"].values())
     assert "needs" not in res["peer"] and "no GPU" in res["peer"]["not_run"]

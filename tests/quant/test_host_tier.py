@@ -24,7 +24,9 @@ from deepseek_flash.store import Store, pack
 from deepseek_flash.testing import make_tiny_model
 
 INT4 = QuantSpec("int4_symmetric", "per_block", 128)      # the keys' group size: 128
-CONFIG = {"host_cache_bytes": "64MiB", "unified_memory_ratio": 0.05}
+# The stored layout in the host tier on any machine (a CUDA one would default to the kernel's tile
+# layout: tests/quant/test_tiles.py).
+CONFIG = {"host_cache_bytes": "64MiB", "unified_memory_ratio": 0.05, "int4_layout": "stored"}
 KEYS = {"quantization_scheme": "int4_symmetric", "quantization_granularity": "per_block"}
 
 

@@ -1,0 +1,276 @@
+"""The decode step's own forward for the Llama family: merged projections and fused elementwise ops.
+
+One token per row through every decoder layer with the fewest kernels the math allows:
+
+    add_rms_norm -> q|k|v GEMV -> rope_cache -> sdpa -> o GEMV -> add_rms_norm -> gate|up GEMV
+    -> silu_mul -> down GEMV        (and after the last layer: add_rms_norm, lm_head)
+
+against 34 per layer through transformers' modules (rotary alone is 5 small kernels per q
+and per k; dtype casts; residual adds; SiLU then the product). The residual add of each sub-block
+runs inside the next norm (``kernels.add_rms_norm``); rotary, the cache write and the packed
+grouped-query layout are one kernel (``kernels.rope_cache``).
+
+The q, k, v (and gate, up) weights become one matrix per layer, so one GEMV reads them:
+* a **view** where they already lie side by side in memory (a store block that holds them in that
+  order);
+* else, where each parameter owns its memory (a model of the user's), one concatenated matrix and
+  the parameters **rebound** to views of it (no extra memory: the old storage is freed);
+* else (views into memory shared with others, e.g. the daemon's arena) one concatenated **copy**
+  (extra memory, counted in ``stats()["merged"]``).
+A projection that is not a plain ``nn.Linear`` (a quantized one) runs as its module, unmerged.
+
+Used only where the model is exactly this structure and no module has forward hooks (a hook would
+not run: the step does not call the layer modules); otherwise the step runs transformers' modules.
+A streamed model's ring hooks are the exception: the forward runs the same ring itself as a fixed
+schedule (``client.stream.StaticRing``: copies into the slots on the copy stream, events the
+compute waits on), which a CUDA graph captures with the rest of the step.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from . import kernels
+
+ARCHS = ("llama", "qwen2", "mistral")
+
+
+def unsupported(model) -> str | None:
+    """Why the fused forward cannot run ``model`` (None: it can)."""
+    config = model.config
+    if config.model_type not in ARCHS:
+        return f"model type {config.model_type!r}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (the fused MLP is SiLU x up)"
+    inner = model.model
+    for part in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(inner, part):
+            return f"a decoder without .{part}"
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = [(attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj")),
+                 (layer, ("input_layernorm", "post_attention_layernorm"))]
+        for owner, parts in names:
+            if owner is None or not all(hasattr(owner, p) for p in parts):
+                return f"layer {i} is not a Llama-style decoder layer"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
+                return f"layer {i}: a norm that is not RMSNorm"
+        if any(hasattr(attn, extra) for extra in ("q_norm", "k_norm")):
+            return f"layer {i}: query/key norms"
+    if not hasattr(inner.norm, "variance_epsilon"):
+        return "a final norm that is not RMSNorm"
+    return None
+
+
+def hooked_module(model, allowed=()) -> str | None:
+    """The first module with forward hooks (the fused forward would skip them), or None;
+    ``allowed``: ids of modules whose hooks the caller replaces (a streaming ring's)."""
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return "global forward hooks"
+    for name, module in model.named_modules():
+        if id(module) in allowed:
+            continue
+        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+            return f"module {name or type(module).__name__} has forward hooks"
+    return None
+
+
+def _plain(modules) -> bool:
+    return all(type(m) is torch.nn.Linear for m in modules) and len(
+        {(m.weight.dtype, m.weight.device, m.weight.shape[1]) for m in modules}) == 1
+
+
+def _owns_storage(t) -> bool:
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _adjacent_view(weights):
+    """One (rows, cols) view over ``weights`` when they lie back to back in one storage."""
+    first = weights[0]
+    if not all(w.is_contiguous() for w in weights):
+        return None
+    ptr = first.data_ptr()
+    for w in weights:
+        if w.data_ptr() != ptr or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        ptr += w.numel() * w.element_size()
+    rows = sum(w.shape[0] for w in weights)
+    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
+
+
+@dataclass
+class MergeStats:
+    views: int = 0
+    rebound: int = 0
+    copies: int = 0
+    copy_bytes: int = 0
+    unmerged: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class Merged:
+    """Several ``nn.Linear`` of one input as one matrix; ``__call__`` returns each one's output
+    (views of one GEMV's result). Modules that are not plain Linear run one by one."""
+
+    def __init__(self, modules, stats: MergeStats, fixed: bool = True):
+        self.modules = list(modules)
+        self.sizes = [m.out_features if hasattr(m, "out_features") else m.weight.shape[0]
+                      for m in self.modules]
+        self.weight = self.bias = None
+        if not _plain(self.modules):
+            stats.unmerged += 1
+            return
+        weights = [m.weight.detach() for m in self.modules]
+        biases = [m.bias for m in self.modules]
+        if any(b is not None for b in biases):
+            if not all(b is not None for b in biases):
+                stats.unmerged += 1
+                return
+            self.bias = torch.cat([b.detach() for b in biases])
+        view = _adjacent_view(weights)
+        if view is not None:
+            self.weight = view
+            stats.views += 1
+            return
+        if not fixed:      # bytes that change under us (a streamed slot): never a copy
+            self.bias = None
+            stats.unmerged += 1
+            return
+        self.weight = torch.cat(weights)
+        if all(_owns_storage(w) for w in weights):
+            row = 0
+            with torch.no_grad():
+                for m, size in zip(self.modules, self.sizes):
+                    m.weight.data = self.weight[row:row + size]
+                    row += size
+            stats.rebound += 1
+        else:
+            stats.copies += 1
+            stats.copy_bytes += self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x):
+        if self.weight is None:
+            return [m(x) for m in self.modules]
+        return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+@dataclass
+class _Layer:
+    in_norm: object
+    in_eps: float
+    qkv: Merged
+    o_proj: object
+    post_norm: object
+    post_eps: float
+    gate_up: Merged
+    down: object
+    scaling: float
+    kind: str
+
+
+@dataclass
+class FusedForward:
+    """The fused decode forward of one model (built once; ``merge`` stats in ``stats``)."""
+
+    model: object
+    ring: object = None
+    layers: list = field(default_factory=list)
+    stats: MergeStats = field(default_factory=MergeStats)
+
+    @classmethod
+    def build(cls, model, ring=None) -> FusedForward:
+        """``ring``: the ``client.stream.StaticRing`` of a streamed model (its layers' weights are
+        views into slots: merged only where they are views side by side, never copied)."""
+        self = cls(model, ring=ring)
+        streamed = set(ring.layers) if ring is not None else set()
+        config = model.config
+        kinds = getattr(config, "layer_types", None) if config.model_type == "qwen2" else None
+        with torch.no_grad():
+            for i, layer in enumerate(model.model.layers):
+                attn, mlp = layer.self_attn, layer.mlp
+                self.layers.append(_Layer(
+                    layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
+                    Merged((attn.q_proj, attn.k_proj, attn.v_proj), self.stats, i not in streamed),
+                    attn.o_proj,
+                    layer.post_attention_layernorm.weight,
+                    float(layer.post_attention_layernorm.variance_epsilon),
+                    Merged((mlp.gate_proj, mlp.up_proj), self.stats, i not in streamed), mlp.down_proj,
+                    float(attn.scaling), kinds[i] if kinds else "full_attention"))
+        return self
+
+    def __call__(self, tokens, positions, mask, keys, values, slot, visible: int):
+        """Float32 logits of the next token for each row: ``tokens`` (batch,), ``positions``
+        (batch, 1), ``mask`` as ``step.MaskSpec.build`` gives it, ``keys``/``values`` one cache
+        buffer per layer (batch, kv_heads, capacity, head_dim), ``slot`` the (1,) slot written."""
+        inner, ring = self.model.model, self.ring
+        if ring is not None:
+            ring.begin()
+        hidden = inner.embed_tokens(tokens[:, None])
+        cos, sin = inner.rotary_emb(hidden, positions)
+        mask = {k: _additive(m, hidden.dtype) for k, m in mask.items()} if isinstance(mask, dict) \
+            else _additive(mask, hidden.dtype)
+        residual = hidden
+        x = None
+        for i, layer in enumerate(self.layers):
+            streamed = ring is not None and i in ring.index
+            if streamed:
+                ring.before(i)
+            normed = kernels.add_rms_norm(x, residual, layer.in_norm, layer.in_eps)
+            q, k, v = layer.qkv(normed)
+            query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
+            layer_mask = mask[layer.kind] if isinstance(mask, dict) else mask
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                query, keys[i][:, :, :visible], values[i][:, :, :visible], attn_mask=layer_mask,
+                scale=layer.scaling)
+            x = layer.o_proj(attn.reshape(attn.shape[0], 1, -1))
+            normed = kernels.add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
+            gate, up = layer.gate_up(normed)
+            x = layer.down(kernels.silu_mul(gate, up))
+            if streamed:
+                ring.after(i)
+        final = self.model.model.norm
+        hidden = kernels.add_rms_norm(x, residual, final.weight, float(final.variance_epsilon))
+        logits = self.model.lm_head(hidden)[:, -1, :].float()
+        if ring is not None:
+            ring.end()
+        return logits
+
+
+def _additive(mask, dtype):
+    """A boolean mask as sdpa turns it into a bias (0 / -inf), once per step instead of once per
+    layer inside every sdpa call."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operations that run (views and metadata-only ops apart): on the CPU, what a GPU
+    step would launch as kernels, one per fused custom op."""
+
+    SKIP = {"aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::t", "aten::transpose",
+            "aten::expand", "aten::slice", "aten::select", "aten::split", "aten::split_with_sizes",
+            "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::reshape", "aten::alias",
+            "aten::detach", "aten::empty", "aten::empty_like", "aten::empty_strided",
+            "aten::_reshape_alias", "aten::unbind", "aten::lift_fresh", "aten::sym_size",
+            "aten::sym_stride", "aten::sym_numel", "aten::is_same_size"}
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name not in self.SKIP:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())

@@ -1,0 +1,287 @@
+"""The fused operations of the decode step: each one kernel on CUDA (Triton), transformers' own
+arithmetic on the CPU (and on CUDA where Triton is missing or fails its check).
+
+* ``add_rms_norm(x, residual, weight, eps)``: ``residual += x`` (rounded to the model's dtype, as
+  ``residual + hidden`` is in the decoder layer), then the RMSNorm of the new residual -- the
+  residual add of one sub-block and the norm of the next in one pass; ``x=None``: the norm alone.
+* ``rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache)``: rotary embedding of the query and key
+  heads, the rotated keys and the values written into the static cache at ``slot``; returns the
+  rotated queries as ``(batch, kv_heads, group, head_dim)`` (the packed grouped-query layout).
+* ``silu_mul(gate, up)``: ``silu(gate) * up``, the MLP's activation.
+
+Each is a ``torch.library`` custom op (``deepseek_flash::...``): one operation in the dispatcher
+whatever device runs it, so a dispatch hook on the CPU counts what a GPU step launches. The CUDA
+kernels compute in float32 and round once where transformers rounds after every elementwise op
+(up to one bf16 step apart); the norm's rounding points are the same as transformers'.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("deepseek_flash.decode")
+
+try:   # Triton ships with CUDA builds of torch; without it the CUDA path is the reference.
+    import triton
+    import triton.language as tl
+except ImportError:   # pragma: no cover -- depends on the torch build
+    triton = None
+
+
+# --- reference arithmetic (transformers' op order) ----------------------------------------------
+def _ref_add_rms_norm(x, residual, weight, eps: float):
+    if x is not None:
+        residual.copy_(residual + x)
+    dtype = residual.dtype
+    h = residual.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _ref_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache):
+    b, kv_heads, d = k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]
+    heads = q.shape[-1] // d
+    cos, sin = cos.reshape(b, 1, 1, d), sin.reshape(b, 1, 1, d)
+    qh = q.reshape(b, 1, heads, d).transpose(1, 2)
+    kh = k.reshape(b, 1, kv_heads, d).transpose(1, 2)
+    vh = v.reshape(b, 1, kv_heads, d).transpose(1, 2)
+    q_rot = (qh * cos) + (_rotate_half(qh) * sin)
+    k_rot = (kh * cos) + (_rotate_half(kh) * sin)
+    k_cache.index_copy_(2, slot, k_rot.to(k_cache.dtype))
+    v_cache.index_copy_(2, slot, vh.to(v_cache.dtype))
+    return q_rot.reshape(b, kv_heads, heads // kv_heads, d)
+
+
+def _ref_silu_mul(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+# --- Triton kernels -------------------------------------------------------------------------------
+if triton is not None:
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_stride, n, eps,
+                             HAS_X: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        live = cols < n
+        r = tl.load(res_ptr + row * res_stride + cols, mask=live, other=0.0)
+        if HAS_X:
+            x = tl.load(x_ptr + row * x_stride + cols, mask=live, other=0.0)
+            r = (r.to(tl.float32) + x.to(tl.float32)).to(r.dtype)
+            tl.store(res_ptr + row * res_stride + cols, r, mask=live)
+        h = r.to(tl.float32)
+        variance = tl.sum(h * h, axis=0) / n
+        normed = (h * (1.0 / tl.sqrt(variance + eps))).to(r.dtype)
+        w = tl.load(w_ptr + cols, mask=live, other=0.0)
+        out = w.to(tl.float32) * normed.to(tl.float32)
+        tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qo_ptr,
+                           q_stride, k_stride, v_stride, cs_stride, c_row, c_head, c_pos,
+                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        live = cols < HALF
+        slot = tl.load(slot_ptr)
+        if head < HEADS + KV_HEADS:
+            c1 = tl.load(cos_ptr + row * cs_stride + cols, mask=live, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_ptr + row * cs_stride + HALF + cols, mask=live, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + row * cs_stride + cols, mask=live, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_ptr + row * cs_stride + HALF + cols, mask=live, other=0.0).to(tl.float32)
+            if head < HEADS:
+                src = q_ptr + row * q_stride + head * 2 * HALF
+                dst = qo_ptr + (row * HEADS + head) * 2 * HALF
+            else:
+                src = k_ptr + row * k_stride + (head - HEADS) * 2 * HALF
+                dst = kc_ptr + row * c_row + (head - HEADS) * c_head + slot * c_pos
+            x1 = tl.load(src + cols, mask=live, other=0.0).to(tl.float32)
+            x2 = tl.load(src + HALF + cols, mask=live, other=0.0).to(tl.float32)
+            tl.store(dst + cols, (x1 * c1 - x2 * s1).to(dst.dtype.element_ty), mask=live)
+            tl.store(dst + HALF + cols, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=live)
+        else:
+            # Names apart from the branch above: Triton merges same-named values of both branches.
+            v_src = v_ptr + row * v_stride + (head - HEADS - KV_HEADS) * 2 * HALF
+            v_dst = vc_ptr + row * c_row + (head - HEADS - KV_HEADS) * c_head + slot * c_pos
+            v1 = tl.load(v_src + cols, mask=live, other=0.0)
+            v2 = tl.load(v_src + HALF + cols, mask=live, other=0.0)
+            tl.store(v_dst + cols, v1.to(vc_ptr.dtype.element_ty), mask=live)
+            tl.store(v_dst + HALF + cols, v2.to(vc_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, g_stride, u_stride, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = cols < n
+        g = tl.load(g_ptr + row * g_stride + cols, mask=live, other=0.0)
+        u = tl.load(u_ptr + row * u_stride + cols, mask=live, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        out = act.to(tl.float32) * u.to(tl.float32)
+        tl.store(out_ptr + row * n + cols, out.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _rows(t):
+    """``t`` as (rows, features) with unit stride along features (a view; decode shapes are)."""
+    flat = t.reshape(-1, t.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    return flat
+
+
+def _tri_add_rms_norm(x, residual, weight, eps: float):
+    res = residual.view(-1, residual.shape[-1])
+    n = res.shape[-1]
+    out = torch.empty_like(residual)
+    xr = _rows(x) if x is not None else res
+    _add_rms_norm_kernel[(res.shape[0],)](xr, res, weight, out, xr.stride(0), res.stride(0), n, n, eps,
+                                          HAS_X=x is not None, BLOCK=triton.next_power_of_2(n),
+                                          num_warps=8 if n >= 2048 else 4)
+    return out
+
+
+def _tri_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache):
+    b, kv_heads, d = k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]
+    heads = q.shape[-1] // d
+    qr, kr, vr = _rows(q), _rows(k), _rows(v)
+    cs = cos.reshape(b, d)
+    sn = sin.reshape(b, d)
+    if cs.stride(-1) != 1 or sn.stride() != cs.stride():
+        cs, sn = cs.contiguous(), sn.contiguous()
+    q_out = torch.empty((b, kv_heads, heads // kv_heads, d), dtype=q.dtype, device=q.device)
+    _rope_cache_kernel[(b, heads + 2 * kv_heads)](
+        qr, kr, vr, cs, sn, slot, k_cache, v_cache, q_out, qr.stride(0), kr.stride(0), vr.stride(0),
+        cs.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEADS=heads, KV_HEADS=kv_heads, HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), num_warps=1)
+    return q_out
+
+
+def _tri_silu_mul(gate, up):
+    g, u = _rows(gate), _rows(up)
+    n = g.shape[-1]
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    block = 1024
+    _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, g.stride(0), u.stride(0), n,
+                                                          BLOCK=block, num_warps=4)
+    return out
+
+
+# --- which implementation CUDA runs ---------------------------------------------------------------
+class _Backend:
+    """Whether CUDA runs the Triton kernels: decided by ``check_triton`` (once per device and
+    dtype); off until checked."""
+
+    def __init__(self):
+        self.triton = False
+        self.reason = "not checked"
+        self.checked: dict = {}
+
+
+BACKEND = _Backend()
+
+
+def check_triton(device, dtype, dims: dict | None = None) -> str | None:
+    """Run each Triton kernel once against the reference on ``device`` at the model's ``dims``
+    (``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``intermediate``: the shapes the step will
+    compile for) in ``dtype``; enable them when all agree. Returns why they are off (None: on)."""
+    key = (str(device), dtype, tuple(sorted((dims or {}).items())))
+    if key in BACKEND.checked:
+        return BACKEND.checked[key]
+    if triton is None:
+        reason = "triton is not installed"
+    else:
+        try:
+            reason = _self_check(torch.device(device), dtype, **(dims or {}))
+        except Exception as exc:   # noqa: BLE001 -- a kernel that cannot compile here: torch ops
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    BACKEND.checked[key] = reason
+    BACKEND.triton, BACKEND.reason = reason is None, reason or "on"
+    if reason is not None:
+        log.warning("decode: fused Triton kernels off (%s); the step uses torch ops", reason)
+    return reason
+
+
+def _close(a, b, dtype) -> bool:
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -5   # two bf16 steps: a check for wrong
+    # indexing, not for rounding (Triton's interpreter rounds to bf16 differently from CUDA)
+    return bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol))
+
+
+def _self_check(device, dtype, hidden: int = 320, heads: int = 8, kv_heads: int = 2, head_dim: int = 64,
+                intermediate: int = 320) -> str | None:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    b, d, cap, n = 3, head_dim, 16, hidden
+    x, res, w = rnd(b, 1, n), rnd(b, 1, n), rnd(n)
+    res_ref, res_tri = res.clone(), res.clone()
+    if not (_close(_ref_add_rms_norm(x, res_ref, w, 1e-6), _tri_add_rms_norm(x, res_tri, w, 1e-6), dtype)
+            and _close(res_ref, res_tri, dtype)):
+        return "add_rms_norm disagrees with the reference"
+    qkv = rnd(b, 1, (heads + 2 * kv_heads) * d)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    angle = rnd(b, 1, d).float()
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    slot = torch.tensor([5], device=device)
+    caches = [torch.zeros(b, kv_heads, cap, d, device=device, dtype=dtype) for _ in range(4)]
+    q_ref = _ref_rope_cache(q, k, v, cos, sin, slot, caches[0], caches[1])
+    q_tri = _tri_rope_cache(q, k, v, cos, sin, slot, caches[2], caches[3])
+    if not (_close(q_ref, q_tri, dtype) and _close(caches[0], caches[2], dtype)
+            and torch.equal(caches[1], caches[3])):
+        return "rope_cache disagrees with the reference"
+    gu = rnd(b, 1, 2 * intermediate)
+    gate, up = gu.split([intermediate, intermediate], dim=-1)
+    if not _close(_ref_silu_mul(gate, up), _tri_silu_mul(gate, up), dtype):
+        return "silu_mul disagrees with the reference"
+    return None
+
+
+# --- the custom ops -------------------------------------------------------------------------------
+@torch.library.custom_op("deepseek_flash::add_rms_norm", mutates_args=("residual",))
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    return _ref_add_rms_norm(x, residual, weight, eps)
+
+
+@add_rms_norm.register_kernel("cuda")
+def _(x, residual, weight, eps):
+    if BACKEND.triton:
+        return _tri_add_rms_norm(x, residual, weight, eps)
+    return _ref_add_rms_norm(x, residual, weight, eps)
+
+
+@torch.library.custom_op("deepseek_flash::rope_cache", mutates_args=("k_cache", "v_cache"))
+def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, slot: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> torch.Tensor:
+    return _ref_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache)
+
+
+@rope_cache.register_kernel("cuda")
+def _(q, k, v, cos, sin, slot, k_cache, v_cache):
+    if BACKEND.triton:
+        return _tri_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache)
+    return _ref_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache)
+
+
+@torch.library.custom_op("deepseek_flash::silu_mul", mutates_args=())
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _ref_silu_mul(gate, up)
+
+
+@silu_mul.register_kernel("cuda")
+def _(gate, up):
+    if BACKEND.triton:
+        return _tri_silu_mul(gate, up)
+    return _ref_silu_mul(gate, up)
