@@ -166,6 +166,9 @@ def run_context(model, T, args, device, h2d):
     tok, r["topk25_tok_s"] = decode(model, cache, tok, steps, device)
     s = cache.stats()
     r["topk25_pages_per_token"] = (s["pages_fetched"] - fetched) / (steps + 2)
+    # layers whose top-K pages came by one gather over their host chunks (kv/span.py); the
+    # others (dense layers, or a view that could not be used: logged) copy page runs
+    r["topk25_one_gather_layers"] = sum(layer.pages._span is not None for layer in cache.layers)
     r["tiered_gpu_bytes"] = s["gpu_bytes"]
     r["tiered_full_bytes"] = s["full_bytes"]
     r["tiered_host_bytes"] = s["host_bytes"]

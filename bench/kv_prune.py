@@ -19,15 +19,18 @@ the first ``--prefill`` tokens are a dense prefill, every later token is decoded
   says how much).
 
 GPU KV bytes of the pruned cache: ``stats()["gpu_bytes"]`` (sinks, recent window, level-1 pages,
-page summaries, the scorer's per-token statistics). ``memory_ratio`` = ``full_bytes / gpu_bytes``.
+page summaries when top-K recall reads them, the scorer's per-token statistics), and what full
+attention holds at the same instants (``full_bytes``), both sampled every 8 decode steps;
+``memory_ratio`` = mean full bytes / mean GPU bytes over those samples.
 
-``--show`` is the H200 run instead (8B shape, random weights, ``--show-context`` 32K): GPU KV bytes
-and decode tok/s of ``DynamicCache``, the tiered cache alone (top-K 25 %), the tiered cache with
-pruning (threshold 0.15, top-K 25 % recall) and with every page demoted (threshold 1.0: the
-recall-bound end), and the scorer's cost per evaluation in ms. Random weights attend almost
-uniformly, so at 0.15 they keep most pages on the device: the memory a trained model saves is the
-CPU bench's figure; the H200 run measures the speed of the two ends. ``--show --smoke`` runs that
-path on a tiny CPU model.
+``--show`` is the H200 run instead (8B shape, random weights, bf16, ``--show-context`` 32K, batch
+1): GPU KV bytes and decode tok/s of ``DynamicCache``, the tiered cache alone (top-K 25 %), pruning
+at the defaults (threshold 0.15, lossless recall), pruning with top-K 25 % recall, and with every
+page demoted (threshold 1.0: the recall-bound end), and the scorer's cost per step in ms; the
+whole run bounded by ``--budget-s`` (45 s). Random weights attend almost uniformly, so what they
+demote is not what a trained model demotes: the memory a trained model saves is the CPU bench's
+figure; the H200 run measures speed and the cost of the levels. ``--show --smoke`` runs that path
+on a tiny CPU model.
 
     python bench/kv_prune.py [--model ../shared/models/pycode-llama] [--output kv_prune.json] [--plot docs/img/kv_prune.png]
 """
@@ -76,6 +79,11 @@ def gpu_bytes(cache) -> int:
     return cache.stats()["gpu_bytes"] if hasattr(cache, "stats") else cache.gpu_bytes()
 
 
+def full_bytes(cache) -> int:
+    """What full attention holds for the tokens ``cache`` holds now (the same instant)."""
+    return cache.stats()["full_bytes"] if hasattr(cache, "stats") else cache.full_bytes()
+
+
 def cache_kwargs(model, cache):
     from deepseek_flash.kv import cache_kwargs as kw
     return kw(model, cache)
@@ -93,7 +101,7 @@ def decode_nll(model, ids: torch.Tensor, prefill: int, spec: dict):
         if t + 1 < ids.shape[1]:
             logits = model(ids[:, t:t + 1], **cache_kwargs(model, cache)).logits[:, -1]
             if spec["kind"] != "dynamic" and i % 8 == 7:
-                samples.append(gpu_bytes(cache))
+                samples.append((gpu_bytes(cache), full_bytes(cache)))
     return total, count, samples, cache
 
 
@@ -109,13 +117,14 @@ def run(model, windows: torch.Tensor, prefill: int, spec: dict, batch: int) -> d
             stats.append(cache.stats())
     row = dict(spec, perplexity=math.exp(total / count), seconds=round(time.perf_counter() - t0, 1))
     if samples:
-        row["gpu_bytes_mean"] = int(sum(samples) / len(samples))
+        row["gpu_bytes_mean"] = int(sum(g for g, _ in samples) / len(samples))
+        row["full_bytes_mean"] = int(sum(f for _, f in samples) / len(samples))
     if stats:
         st = stats[-1]
         steps = (windows.shape[1] - prefill) * len(stats)
         row.update(full_bytes=st["full_bytes"], gpu_bytes_final=st["gpu_bytes"],
                    host_bytes_final=st["host_bytes"],
-                   memory_ratio=round(st["full_bytes"] / row["gpu_bytes_mean"], 3),
+                   memory_ratio=round(row["full_bytes_mean"] / row["gpu_bytes_mean"], 3),
                    level_tokens=st["level_tokens"],
                    demotions=sum(s["demotions"] for s in stats),
                    promotions=sum(s["promotions"] for s in stats),
@@ -248,52 +257,110 @@ def _bench_kv():
 
 
 def show(args) -> dict:
-    """8B shape, one context: GPU KV bytes and decode tok/s of DynamicCache, tiered top-K 25 %,
-    tiered + pruning; the scorer's cost per decode step."""
+    """8B shape, one context: GPU KV bytes and decode tok/s of DynamicCache, the tiered cache
+    alone (top-K 25 %), pruning at the defaults (lossless recall) and with top-K 25 % recall, and
+    every page demoted; the scorer's cost per decode step. Bounded by ``--budget-s``: a
+    configuration that would start past it is skipped (``"skipped"``), a decode that runs past it
+    stops early at its share of the time left (``decode_steps`` says how many steps were timed)."""
     from transformers import DynamicCache
 
     from deepseek_flash.kv import TieredCache
 
     kv = _bench_kv()
+    t_start = time.perf_counter()
     device = "cpu" if args.smoke else "cuda:0"
     ctx = args.show_context
     model = kv.build(args.arch, args.smoke, ctx + args.decode + 64, device)
     ids = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
-    out = {"context": ctx, "decode_steps": args.decode}
+    out = {"context": ctx, "decode_steps": args.decode, "budget_s": args.budget_s,
+           "build_s": round(time.perf_counter() - t_start, 1)}
     caches = {
         "dynamic": lambda: DynamicCache(config=model.config),
         "tiered_topk25": lambda: TieredCache.for_model(model, top_k_pages=0.25),
-        "pruned": lambda: TieredCache.for_model(model, top_k_pages=0.25,
-                                                prune_threshold=DEFAULT_THRESHOLD),
+        # pruning as a user gets it: threshold 0.15, lossless recall of the demoted pages
+        "pruned": lambda: TieredCache.for_model(model, prune_threshold=DEFAULT_THRESHOLD),
+        "pruned_topk25": lambda: TieredCache.for_model(model, top_k_pages=0.25,
+                                                       prune_threshold=DEFAULT_THRESHOLD),
         # every page demoted (to int4 after two evaluations): the recall-bound end of pruning
         "pruned_all_demoted": lambda: TieredCache.for_model(model, top_k_pages=0.25,
                                                             prune_threshold=1.0),
     }
-    for name, new in caches.items():
+    for i, (name, new) in enumerate(caches.items()):
+        left = args.budget_s - (time.perf_counter() - t_start)
+        # each configuration's decode stops at its share of what is left
+        deadline = time.perf_counter() + left / (len(caches) - i)
+        if left < 5:
+            out[name] = {"skipped": f"budget of {args.budget_s} s spent"}
+            continue
         if name == "dynamic":
             model.set_attn_implementation("sdpa")
+        t0 = time.perf_counter()
         cache = new()
         tok, ttft = kv.prefill(model, ids, cache, device)
-        tok, tps = kv.decode(model, cache, tok, args.decode, device)
+        tok, steps, tps = _decode_until(kv, model, cache, tok, args.decode, device, deadline)
         kv_bytes = (kv.dynamic_kv_bytes(cache) if name == "dynamic"
                     else cache.stats()["gpu_bytes"])
-        out[name] = {"gpu_kv_bytes": kv_bytes, "tok_s": round(tps, 3), "ttft_s": round(ttft, 3)}
+        out[name] = {"gpu_kv_bytes": kv_bytes, "tok_s": round(tps, 3), "ttft_s": round(ttft, 3),
+                     "decode_steps": steps}
         if name.startswith("pruned"):
             st = cache.stats()
             out[name].update(level_tokens_layer0=st["level_tokens"][0],
+                             level_tokens_all=[sum(lv[i] for lv in st["level_tokens"])
+                                               for i in range(3)],
                              demotions=st["demotions"], promotions=st["promotions"],
-                             recalls=st["recalls"], full_bytes=st["full_bytes"])
+                             recalls=st["recalls"], full_bytes=st["full_bytes"],
+                             host_bytes=st["host_bytes"])
             ms = scorer_ms(cache, device)
             out[name]["scorer_ms_per_evaluation"] = ms
             out[name]["scorer_ms_per_step"] = round(ms / cache.prune.every, 3)
+        out[name]["seconds"] = round(time.perf_counter() - t0, 1)
         del cache
         kv.free(device)
-    out["pruned_vs_dynamic_gpu_bytes"] = round(out["pruned"]["gpu_kv_bytes"]
-                                               / out["dynamic"]["gpu_kv_bytes"], 4)
-    out["pruned_vs_tiered_tok_s"] = round(out["pruned"]["tok_s"] / out["tiered_topk25"]["tok_s"], 3)
-    out["all_demoted_vs_dynamic_gpu_bytes"] = round(
-        out["pruned_all_demoted"]["gpu_kv_bytes"] / out["dynamic"]["gpu_kv_bytes"], 4)
+    out["total_s"] = round(time.perf_counter() - t_start, 1)
+    dyn = out["dynamic"].get("gpu_kv_bytes")
+    for name in ("tiered_topk25", "pruned", "pruned_topk25", "pruned_all_demoted"):
+        if dyn and "gpu_kv_bytes" in out[name]:
+            out[f"{name}_vs_dynamic_gpu_bytes"] = round(out[name]["gpu_kv_bytes"] / dyn, 4)
+    if "tok_s" in out["pruned"] and "tok_s" in out["tiered_topk25"]:
+        out["pruned_vs_tiered_tok_s"] = round(out["pruned"]["tok_s"]
+                                              / out["tiered_topk25"]["tok_s"], 3)
     return out
+
+
+def _decode_until(kv, model, cache, tok, steps, device, deadline):
+    """Greedy decode of up to ``steps`` timed steps (after 2 untimed), stopping at ``deadline``
+    (perf_counter): the next token, the steps timed, tok/s."""
+    from deepseek_flash.kv import cache_kwargs as kw
+
+    with torch.no_grad():
+        for _ in range(2):
+            tok = model(tok, **kw(model, cache)).logits[:, -1:].argmax(-1)
+        kv.sync(device)
+        t = time.perf_counter()
+        done = 0
+        while done < steps and (done == 0 or time.perf_counter() < deadline):
+            tok = model(tok, **kw(model, cache)).logits[:, -1:].argmax(-1)
+            done += 1
+            if done % 4 == 0:
+                kv.sync(device)
+        kv.sync(device)
+    return tok, done, done / (time.perf_counter() - t)
+
+
+def print_show(r: dict) -> None:
+    print(f"\n{'cache (context ' + str(r['context']) + ')':28} {'GPU KV MiB':>11} {'vs Dynamic':>10} "
+          f"{'tok/s':>8} {'steps':>6} {'scorer ms/step':>15}", file=sys.stderr)
+    dyn = r["dynamic"].get("gpu_kv_bytes")
+    for name in ("dynamic", "tiered_topk25", "pruned", "pruned_topk25", "pruned_all_demoted"):
+        x = r[name]
+        if "skipped" in x:
+            print(f"{name:28} skipped ({x['skipped']})", file=sys.stderr)
+            continue
+        ratio = x["gpu_kv_bytes"] / dyn if dyn else float("nan")
+        print(f"{name:28} {x['gpu_kv_bytes'] / 2**20:11.1f} {ratio:10.4f} {x['tok_s']:8.2f} "
+              f"{x['decode_steps']:6d} {x.get('scorer_ms_per_step', float('nan')):15.3f}",
+              file=sys.stderr)
+    print(f"total {r['total_s']} s (budget {r['budget_s']} s)", file=sys.stderr)
 
 
 def scorer_ms(cache, device, reps: int = 5) -> float:
@@ -332,7 +399,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="with --show: tiny CPU model")
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--show-context", type=int, default=32768)
-    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--budget-s", type=float, default=45.0,
+                    help="with --show: wall-clock bound of the whole run, model build included")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -342,7 +411,9 @@ def main(argv=None) -> int:
     if args.output:
         Path(args.output).write_text(text + "\n")
     print(text)
-    if not args.show:
+    if args.show:
+        print_show(result)
+    else:
         if args.plot:
             plot(result, Path(args.plot))
         print(f"\n{'config':50} {'ppl':>8} {'delta':>8} {'full/gpu':>8} {'fetch/step':>10}",

@@ -36,14 +36,16 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _common import add_arch_argument, emit, pinned_h2d, save, write_finite_model
+from _common import ARCH_SHAPES, add_arch_argument, emit, pinned_h2d, save, write_finite_model
 
 PROMPT = 16
+SMOKE_LAYERS = 16
 HERE = Path(__file__).resolve().parent
 
 
@@ -114,6 +116,40 @@ def streamed_per_token(model) -> list[int]:
         plan = part.plan if part is not None else model.flash.stream.plan if model.flash.stream else None
         out.append(0 if plan is None else sum(info[b].length for layer in plan.streamed_layers
                                               for b in plan.stream_blocks[layer]))
+    return out
+
+
+def check_budgets(store_dir, devices) -> dict:
+    """The budgets this run asks for, checked before anything starts: half the model on one
+    device, the same total over the split's parts (as ``load_model(device_map=...)`` splits it:
+    each part's resident minimum first) and half of it per tensor-parallel rank. Exits naming
+    the shortfall where the model is too short for them (anchors and slots are paid per part)."""
+    from deepseek_flash.client.placement import block_sizes, resolve
+    from deepseek_flash.daemon.planner import resident_minimum
+    from deepseek_flash.errors import BudgetTooSmall
+    from deepseek_flash.store import Store
+    from deepseek_flash.wire import SLOT_ALIGNMENT
+
+    store = Store.open(store_dir)
+    budget = store.total_bytes // 2
+    one = resident_minimum(store.blocks)
+    out = {"total": budget, "one_device_minimum": one}
+    try:
+        if budget < one:
+            raise BudgetTooSmall(f"half the model, {budget} bytes, is below the one-device resident "
+                                 f"minimum {one} bytes")
+        sizes = block_sizes(store.blocks, store.num_layers, SLOT_ALIGNMENT)
+        parts = resolve({"devices": devices}, weight_budget=budget,
+                        available=["cpu"] + sorted(set(devices) - {"cpu"}), **sizes)
+    except BudgetTooSmall as exc:
+        raise SystemExit(f"bench/multigpu.py: {exc.message}; this model ({store.num_layers} layers, "
+                         f"{store.total_bytes} bytes) is too short for a budget of half of it -- "
+                         f"use more layers (--layers)") from None
+    out["split"] = []
+    for p in parts:
+        mine = set(p.blocks(store.blocks))
+        out["split"].append({"device": p.device, "budget": p.budget,
+                             "minimum": resident_minimum([b for b in store.blocks if b.id in mine])})
     return out
 
 
@@ -298,7 +334,10 @@ def main(argv=None) -> int:
     from deepseek_flash.store import pack
 
     torch.set_num_threads(1 if args.smoke else 4)
-    work = Path(args.dir) / f"multigpu-{args.arch}"
+    # One directory per model shape: a store packed for another layer count is never reused.
+    layers = SMOKE_LAYERS if args.smoke else args.layers or ARCH_SHAPES[args.arch]["layers"]
+    work = Path(args.dir) / (f"multigpu-smoke-{args.arch}" if args.smoke
+                             else f"multigpu-{args.arch}-{layers}L")
     work.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         from deepseek_flash.testing import make_tiny_model
@@ -307,16 +346,17 @@ def main(argv=None) -> int:
         args.host_cache, args.tokens = "64MiB", 3
         src = work / "src"
         if not (src / "config.json").exists():
-            # MLPs large against the anchors, as in real models: half the budget leaves room
-            # for each part's anchors and two slots.
-            make_tiny_model(src, args.arch, dtype="float32", num_layers=12, intermediate_size=1024,
-                            seed=2)
+            # The proportions of the real run's default (a 16-layer Mistral-7B shape): attention
+            # a quarter of the MLP, embeddings + head ~7 % of the layers -- so half the model
+            # must hold each part's anchors and two slots here exactly as it must there.
+            make_tiny_model(src, args.arch, dtype="float32", num_layers=layers, intermediate_size=256,
+                            vocab_size=512, seed=2)
     else:
         src = write_finite_model(work / "src", args.arch, args.layers)
     store_dir = work / "store"
     if not (store_dir / "flash_metadata.bin").exists():
         pack(src, store_dir)
-    res = {"benchmark": "multigpu", "arch": args.arch, "date": datetime.date.today().isoformat(),
+    res = {"benchmark": "multigpu", "arch": args.arch, "layers": layers, "date": datetime.date.today().isoformat(),
            "host": platform.node(), "devices": args.devices,
            "gpus": [torch.cuda.get_device_name(torch.device(d)) for d in args.devices
                     if d.startswith("cuda")]}
@@ -324,6 +364,10 @@ def main(argv=None) -> int:
     h2d = {d: pinned_h2d(device=torch.device(d).index or 0) if d.startswith("cuda") else 1.0
            for d in dict.fromkeys(args.devices)}
     res["pinned_h2d_gbps"] = h2d
+    res["budgets"] = check_budgets(store_dir, args.devices)
+    # A timeout's SIGTERM ends the run through the finally below, so the daemon (and its GPU
+    # memory) does not outlive the bench.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     proc, sock = start_daemon(work / "daemon", args.host_cache)
     try:
         phases = args.phases.split(",")

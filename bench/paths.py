@@ -146,6 +146,8 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
         out["gpu_free_with_other_process"] = free
         out["gpu_total"] = total
         out["cache_dropped"] = drop_caches()
+        # Other work on the machine's CPUs slows the client's imports (skeleton phase).
+        out["loadavg_1min_before"] = round(os.getloadavg()[0], 2)
         t_spawn = time.perf_counter()
         daemon = start_daemon(runtime, {})            # every key at its default
         t_ready = time.perf_counter()

@@ -8,9 +8,15 @@ Phases, each against the same model loaded once through ``load_model`` (default 
    rate is the measured capacity;
 3. **load**, once with the scheduler (``flash``) and once with ``fifo``, same arrival schedule
    (seeded Poisson): three waves -- short (max_tokens 32), medium (128), long (512), each L1:L2 2:1 --
-   plus a steady L0 stream (max_tokens 16) throughout. Capacity is measured per request size
-   (requests/s with a full batch of that size); the stream asks for 10 % of it and each wave for
-   90 %, both times ``--load`` (0.9).
+   plus a steady L0 stream (max_tokens 16) throughout. Capacity per request size (requests/s with
+   a full batch of that size) comes from two timed full batches -- of the L0 size and of phase 2's
+   128 tokens -- as fixed + per-token time; the stream asks for 10 % of it and each wave for 90 %,
+   both times ``--load`` (0.9). Requests still running ``--drain-seconds`` after the last arrival
+   are closed by the client and counted as unfinished.
+
+The engine's own profile of each phase goes in the JSON (``engine_profile``): forwards by kind and
+rows, time to the result on the host and the host's launch time -- which says whether a step was
+bound by the device or by Python -- and the seconds each phase ended at (``phase_s``).
 
 Every request is streamed over HTTP (the server runs in this process on 127.0.0.1 with uvicorn;
 the load generator is an asyncio client in a child process, so its parsing does not take the
@@ -88,12 +94,14 @@ def start_server(state):
     return srv, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-async def one(http, base, model, cls, max_tokens, prompt, t0):
-    """One streamed completion: a record with status, ttft, latency (s from the scheduled start)."""
+async def one(http, base, model, cls, max_tokens, prompt, t0, rec=None):
+    """One streamed completion: a record with status, ttft, latency (s from the scheduled start);
+    filled in ``rec`` as it goes, when given."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "flash_context": {"priority_class": cls}}
-    rec = {"class": cls, "max_tokens": max_tokens, "status": None, "ttft": None, "latency": None,
-           "tokens": 0, "degraded": False, "server_ttft_ms": None, "queue_ms": None}
+    rec = {} if rec is None else rec
+    rec.update({"class": cls, "max_tokens": max_tokens, "status": None, "ttft": None, "latency": None,
+                "tokens": 0, "degraded": False, "server_ttft_ms": None, "queue_ms": None})
     start = time.perf_counter()
     try:
         async with http.stream("POST", base + "/v1/completions", json=body) as resp:
@@ -170,6 +178,21 @@ def prompt(i, n):
     return [(7 * i + 3 * j) % 250 + 3 for j in range(n)]
 
 
+def capacity_fit(max_batch, a, b, sizes):
+    """Requests/s with a full batch for every size in ``sizes`` and the two measured ones, from two
+    timed full batches ``a`` and ``b`` = (tokens each, seconds): seconds = fixed + per_token x
+    tokens, the line through both."""
+    (na, ta), (nb, tb) = a, b
+    per_token = max(0.0, (tb - ta) / (nb - na)) if nb != na else tb / nb
+    fixed = max(0.0, ta - per_token * na)
+    capacity = {}
+    for n in sorted(set(sizes) | {na, nb}):
+        seconds = ta if n == na else tb if n == nb else fixed + per_token * n
+        capacity[n] = round(max_batch / seconds, 3)
+    return capacity, {"fixed_s": round(fixed, 4), "per_token_s": round(per_token, 5),
+                      "measured": {str(na): ta, str(nb): tb}}
+
+
 def schedule(capacity_rps: dict, load, wave_s, scale, seed):
     """The arrival schedule: (time, class, max_tokens). ``capacity_rps[tokens]`` is the measured rate
     of requests of that size the server completes with a full batch. The steady L0 stream takes 10 %
@@ -197,18 +220,29 @@ def schedule(capacity_rps: dict, load, wave_s, scale, seed):
 
 
 async def run_load(base, model, arrivals, prompt_len, drain_s):
+    """Send ``arrivals`` on schedule; requests still running ``drain_s`` after the last arrival are
+    closed by the client and recorded as ``unfinished`` (the bench's time limit, not the server's
+    answer)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=drain_s + 600, limits=httpx.Limits(max_connections=None)) as http:
         t0 = time.perf_counter()
-        tasks = []
+        tasks, records = [], []
         for i, (at, cls, tokens) in enumerate(arrivals):
             delay = at - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(http, base, model, cls, tokens, prompt(i, prompt_len), t0)))
-        recs = await asyncio.gather(*tasks)
-    return list(recs), time.perf_counter() - t0
+            rec = {}
+            records.append(rec)
+            tasks.append(asyncio.create_task(one(http, base, model, cls, tokens, prompt(i, prompt_len), t0, rec)))
+        done, pending = await asyncio.wait(tasks, timeout=drain_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    for rec, task in zip(records, tasks):
+        if task in pending:
+            rec["status"] = "unfinished"
+    return records, time.perf_counter() - t0
 
 
 def summarize(recs, unloaded_p99_ms):
@@ -217,9 +251,11 @@ def summarize(recs, unloaded_p99_ms):
         mine = [r for r in recs if r["class"] == cls]
         ok = [r for r in mine if r["status"] == 200 and r["latency"] is not None]
         refused = [r for r in mine if r["status"] in (429, 503)]
-        lost = [r for r in mine if r not in ok and r not in refused]
+        unfinished = [r for r in mine if r["status"] == "unfinished"]
+        lost = [r for r in mine if r not in ok and r not in refused and r not in unfinished]
         ttft = [r["ttft"] for r in ok]
         entry = {"requests": len(mine), "answered": len(ok), "refused": len(refused), "lost": len(lost),
+                 "unfinished": len(unfinished),
                  "ttft_p50_ms": ms(quantile(ttft, 0.5)), "ttft_p99_ms": ms(quantile(ttft, 0.99)),
                  # The server's own view (arrival at the scheduler -> first token), without HTTP.
                  "server_ttft_p99_ms": quantile([r["server_ttft_ms"] for r in ok], 0.99),
@@ -292,6 +328,10 @@ def main(argv=None) -> int:
     parser.add_argument("--wave-seconds", type=float, default=20.0)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--unloaded-requests", type=int, default=30)
+    parser.add_argument("--drain-seconds", type=float, default=None,
+                        help="after the last arrival, how long requests may still run before the "
+                             "client closes them (recorded as unfinished; default 4x --wave-seconds, "
+                             "at least 30)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model on the CPU, max_tokens / 16, short waves: the bench's own test")
     parser.add_argument("--seed", type=int, default=0)
@@ -320,6 +360,7 @@ def main(argv=None) -> int:
               "arch": args.arch, "smoke": args.smoke, "max_batch": args.max_batch, "load": args.load,
               "torch_threads": torch.get_num_threads(),
               "waves": {name: max(1, size // scale) for name, size in WAVES}, "l0_tokens": max(1, L0_TOKENS // scale)}
+    started = time.perf_counter()
     workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="flash-serve-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     store = args.model or str(prepare_store(workdir, args.arch, args.smoke, args.dtype))
@@ -327,7 +368,14 @@ def main(argv=None) -> int:
     model, tokenizer = load(store, device=device, embedded=True)
     result["load_model_s"] = round(time.perf_counter() - t, 2)
     max_len = args.prompt_len + max(size for _, size in WAVES) // scale + 8
-    results = {}
+    results, profiles, phases = {}, {}, {}
+    result["phase_s"] = phases
+
+    def phase(name):
+        phases[name] = round(time.perf_counter() - started, 2)
+    phase("model")
+    # Requests still running this long after the last arrival are cut (recorded as unfinished).
+    drain = args.drain_seconds if args.drain_seconds is not None else max(30.0, 4 * args.wave_seconds)
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
         for mode in ("flash", "fifo"):
@@ -338,29 +386,46 @@ def main(argv=None) -> int:
                 if mode == "flash":
                     # Warm-up (allocator, kernels), then the references.
                     client(pool, throughput, base, name, args.max_batch, 4, args.prompt_len)
+                    state.engine.profile(reset=True)
+                    phase("warm-up")
                     result["unloaded"] = client(pool, unloaded, base, name, args.unloaded_requests, args.prompt_len)
+                    profiles["unloaded"] = state.engine.profile(reset=True)
+                    phase("unloaded")
                     tokens = max(8, 128 // scale)
                     one_tp = client(pool, throughput, base, name, 1, tokens, args.prompt_len)
+                    profiles["one"] = state.engine.profile(reset=True)
+                    phase("one")
                     full_tp = client(pool, throughput, base, name, args.max_batch, tokens, args.prompt_len)
+                    profiles["full"] = state.engine.profile(reset=True)
+                    phase("full")
                     result["throughput"] = {"one": one_tp, "full": full_tp,
                                             "ratio": round(full_tp["tokens_per_s"] / one_tp["tokens_per_s"], 2)}
                     # Capacity per request size: requests/s with a full batch of that size (prefill,
-                    # HTTP and sampling included -- what a token rate alone would miss).
-                    sizes = sorted({max(1, L0_TOKENS // scale)} | {max(1, n // scale) for _, n in WAVES})
-                    capacity = {}
-                    for size in sizes:
-                        tp = client(pool, throughput, base, name, args.max_batch, size, args.prompt_len)
-                        capacity[size] = round(args.max_batch / tp["seconds"], 3)
+                    # HTTP and sampling included -- what a token rate alone would miss). Two full
+                    # batches are timed -- the L0 size and the throughput run above -- and the time
+                    # of a batch is taken as linear in the tokens asked (a fixed part: prefill and
+                    # HTTP; a part per token: the batched decode step) for the other sizes.
+                    small = max(1, L0_TOKENS // scale)
+                    small_tp = client(pool, throughput, base, name, args.max_batch, small, args.prompt_len)
+                    phase("capacity")
+                    capacity, fit = capacity_fit(args.max_batch, (small, small_tp["seconds"]),
+                                                 (tokens, full_tp["seconds"]),
+                                                 [max(1, n // scale) for _, n in WAVES])
                     result["capacity_rps"] = {str(k): v for k, v in capacity.items()}
+                    result["capacity_fit"] = fit
                     arrivals = schedule(capacity, args.load, args.wave_seconds, scale, args.seed)
                     result["arrivals"] = len(arrivals)
                     save(result, args.output)
-                recs, wall = client(pool, run_load, base, name, arrivals, args.prompt_len, 10 * args.wave_seconds)
+                state.engine.profile(reset=True)
+                recs, wall = client(pool, run_load, base, name, arrivals, args.prompt_len, drain)
+                profiles[mode] = state.engine.profile(reset=True)
+                phase(f"load {mode}")
                 results[mode] = {"records": recs, "wall_s": round(wall, 2),
                                  "summary": summarize(recs, result["unloaded"]["ttft_p99_ms"]),
                                  "metrics_degrade": state.engine.scheduler.snapshot()["degrade_steps"]}
                 result[mode] = results[mode]["summary"] | {"wall_s": results[mode]["wall_s"],
                                                            "degrade_steps": results[mode]["metrics_degrade"]}
+                result["engine_profile"] = profiles
                 save(result, args.output)
             finally:
                 srv.should_exit = True
@@ -374,13 +439,19 @@ def main(argv=None) -> int:
     if args.png_dir:
         result["png"] = plot(results, Path(args.png_dir))
     emit(result, args.output)
-    print(f"{'mode':6} {'L0 ttft p99':>12} {'unloaded p99':>13} {'L1 lat p99':>11} {'L2 degraded':>12} lost")
+    print(f"{'mode':6} {'L0 ttft p99':>12} {'unloaded p99':>13} {'L1 lat p99':>11} {'L2 degraded':>12} lost unfinished")
     for mode in ("flash", "fifo"):
         s = result[mode]
         print(f"{mode:6} {s['L0']['ttft_p99_ms']!s:>12} {result['unloaded']['ttft_p99_ms']!s:>13} "
               f"{s['L1']['latency_p99_ms']!s:>11} {s['L2']['degraded']!s:>12} "
-              f"{sum(s[c]['lost'] for c in ('L0', 'L1', 'L2'))}")
+              f"{sum(s[c]['lost'] for c in ('L0', 'L1', 'L2'))} {sum(s[c]['unfinished'] for c in ('L0', 'L1', 'L2'))}")
     print(f"throughput {args.max_batch} vs 1: {result['throughput']['ratio']}x")
+    for name in ("one", "full"):
+        for key, p in profiles.get(name, {}).items():
+            if key.startswith("decode"):
+                print(f"decode step ({name}, {key[len('decode_'):]}): p50 {p['ms_p50']} ms, launch p50 "
+                      f"{p['launch_ms_p50']} ms, max {p['ms_max']} ms, {p['forwards']} forwards")
+    print("phases (s):", " ".join(f"{k}={v}" for k, v in phases.items()))
     return 0
 
 

@@ -18,13 +18,13 @@ import logging
 import threading
 import time
 
-from ..errors import BudgetTooSmall, DeviceMapError, FlashIOError
-from ..fsutil import align_up
+from ..errors import BudgetTooSmall, ConfigError, DeviceMapError, FlashIOError
 from ..sizes import parse_size
 from ..store.views import block_tensors
 from ..wire import GATE_FAILED, GATE_PENDING, GATE_READY, SLOT_ALIGNMENT, Plan, control_views
-from .skeleton import bind_parameters, build_skeleton, decoder_parts
-from .placement import resolve
+from .skeleton import (bind_parameters, build_skeleton, decoder_parts, imports_cached, prefetch_imports,
+                       skeleton_imported)
+from .placement import block_sizes, resolve
 from .stream import StreamGroup, start_reports, start_streaming
 
 log = logging.getLogger("deepseek_flash.model")
@@ -161,6 +161,15 @@ class FlashModelHandle:
             self.client.close()
 
 
+DECODE_MODES = ("eager", "graphs", "auto")   # decode.engine's modes (importing it imports transformers)
+
+
+def check_decode_mode(mode: str) -> None:
+    if mode not in DECODE_MODES:
+        raise ConfigError(f"decode: {mode!r} is not one of {', '.join(DECODE_MODES)}", key="decode",
+                          value=mode, allowed=list(DECODE_MODES))
+
+
 def load_model(name_or_path, device=None, weight_budget=None, embedded=None, flash_context=None,
                *, client=None, socket_path=None, config=None, decode="eager", decode_capacity=None,
                priority: int = 0, device_map=None, tensor_parallel=None):
@@ -196,10 +205,9 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
     """
     import torch
 
-    from ..decode.engine import check_mode, for_loaded_model
     from . import Client
 
-    check_mode(decode)
+    check_decode_mode(decode)
     if device_map is not None:
         if device is not None:
             raise DeviceMapError("load_model: give device or device_map, not both",
@@ -226,7 +234,7 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
     def lap(name):
         nonlocal mark
         now = time.perf_counter()
-        timings[name] = round((now - mark) * 1e3, 3)
+        timings[name] = round(timings.get(name, 0.0) + (now - mark) * 1e3, 3)
         mark = now
 
     handle = None
@@ -235,6 +243,15 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
             info = client.shard(name_or_path, tp[1], tp[2], flash_context)
         else:
             info = client.open_model(name_or_path, flash_context)
+        if not skeleton_imported(info.config) and not imports_cached(info.config):
+            # A fresh process after the page cache lost transformers: the skeleton's imports
+            # read thousands of small files, which a cold load's reads would queue one by one --
+            # read them now, all at once.
+            lap("open_model_ms")
+            files = prefetch_imports()
+            lap("prefetch_imports_ms")
+            log.debug("load_model: %d module files read ahead in %.1f ms", files,
+                      timings["prefetch_imports_ms"])
         if device_map is not None:
             handle, model = _load_parts(client, info, device_map, weight_budget, priority,
                                         owns_client, lap)
@@ -267,6 +284,8 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
 
             handle._hooks = install(model, *tp)
         model.flash = handle
+        from ..decode.engine import for_loaded_model    # imports transformers: after the attach
+
         for_loaded_model(model, handle, decode, decode_capacity)
         timings["total_ms"] = round(sum(timings.values()), 3)
         return model
@@ -330,20 +349,11 @@ def _load_parts(client, info, device_map, weight_budget, priority, owns_client, 
     device, its budget), then one skeleton bound part by part. Returns (handle, model)."""
     import torch
 
-    # Sizes as the planner counts them (each block at an aligned offset), so a total budget's
-    # shares hold what the parts' plans ask for.
-    layer_bytes = [0] * info.num_layers
-    edges = [0, 0]
-    for b in info.blocks:
-        size = align_up(b.length, SLOT_ALIGNMENT)
-        if b.layer >= 0:
-            layer_bytes[b.layer] += size
-        else:
-            edges[0 if b.role == "embed" else 1] += size
+    # Sizes as the planner counts them, so a total budget's split gives each part its resident
+    # minimum (anchors + slots) first.
     available, free = _devices_here()
-    parts = resolve(device_map, num_layers=info.num_layers, layer_bytes=layer_bytes,
-                    edge_bytes=tuple(edges), weight_budget=weight_budget, available=available,
-                    free_bytes=free)
+    parts = resolve(device_map, weight_budget=weight_budget, available=available, free_bytes=free,
+                    **block_sizes(info.blocks, info.num_layers, SLOT_ALIGNMENT))
     first = torch.device(parts[0].device)
     handle = FlashModelHandle(client, info, first, None, owns_client)
     handle.priority = priority

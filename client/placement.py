@@ -23,17 +23,25 @@ its budget where ``weight_budget`` is a dict, else its device's free memory (a d
 share it equally), else equal shares. The embeddings go with layer 0's part, the final norm and
 lm_head with the last layer's part (and, for tied embeddings, a copy of the embedding block).
 
-``weight_budget``: None (everything resident), a total (``int`` or ``"8GiB"``: split over the
-parts in proportion to their bytes, so each streams the same fraction), a dict
-``{device: budget}`` (a device's slices split its budget by bytes; a device left out is not
-capped), or a list with one budget per part.
+``weight_budget``: None (everything resident), a total (``int`` or ``"8GiB"``), a dict
+``{device: budget}`` (a device's budget is split among its slices; a device left out is not
+capped), or a list with one budget per part. A total (or a device's budget over its slices) is
+split so that every part first gets its *resident minimum* -- what the planner needs before
+anything can stream: the part's anchors (its embeddings, norms, attention, head) plus two
+streaming slots of its largest MLP -- and the rest in proportion to what each part could still
+keep resident beyond that, so the parts stream the same share of their MLPs. (A split by bytes
+alone ignores that every part pays its own anchors and slots: half of each part's bytes can be
+below its minimum while half of the model is well above the one-device minimum.) A budget below
+the sum of the minimums is refused with ``BudgetTooSmall`` naming each part's. Without
+``stream_bytes`` (callers that do not know the layers' MLP sizes) the split is by bytes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import DeviceMapError
+from ..errors import BudgetTooSmall, DeviceMapError
 from ..sizes import parse_size
+from ..wire import MIN_SLOTS, STREAM_ROLES
 
 EMBED_PREFIX = "model.embed_tokens."
 HEAD_PREFIXES = ("model.norm.", "lm_head.")
@@ -181,15 +189,20 @@ def _auto(devices: list[str], capacity: list[float], layer_bytes: list[int], edg
 
 
 def resolve(device_map, *, num_layers: int, layer_bytes: list[int], edge_bytes: tuple[int, int],
-            weight_budget=None, available: list[str], free_bytes: dict | None = None) -> list[Part]:
+            weight_budget=None, available: list[str], free_bytes: dict | None = None,
+            stream_bytes: list[int] | None = None) -> list[Part]:
     """The parts of ``device_map`` (see the module docstring) for a model of ``num_layers``
     layers of ``layer_bytes`` each plus ``edge_bytes`` (embeddings, norm + head) bytes.
+    ``stream_bytes``: of each layer's bytes, those that may stream (its MLP); the rest of a layer
+    stays resident. With it a total budget's split gives every part its resident minimum first.
 
     ``available``: the devices that exist (``"cpu"`` and ``"cuda:N"``); ``free_bytes``: free
     memory per CUDA device for automatic maps. Raises ``DeviceMapError`` naming the device or
     layer at fault."""
     if len(layer_bytes) != num_layers:
         raise ValueError("layer_bytes must list every layer")
+    if stream_bytes is not None and len(stream_bytes) != num_layers:
+        raise ValueError("stream_bytes must list every layer")
     budgets = weight_budget if isinstance(weight_budget, dict) else None
     l0 = None
     if isinstance(device_map, dict) and "l0_device" in device_map:
@@ -241,16 +254,77 @@ def resolve(device_map, *, num_layers: int, layer_bytes: list[int], edge_bytes: 
         size += edge_bytes[0] if 0 in layers else 0
         size += edge_bytes[1] if num_layers - 1 in layers else 0
         part_bytes.append(size)
+    minimums = _minimums(runs, part_bytes, stream_bytes)
     if l0 is None:
-        part_budgets = _split_budget(weight_budget, budgets, runs, part_bytes)
+        part_budgets = _split_budget(weight_budget, budgets, runs, part_bytes, minimums)
     else:
-        part_budgets = _l0_budgets(l0, weight_budget, budgets, runs, part_bytes)
+        part_budgets = _l0_budgets(l0, weight_budget, budgets, runs, part_bytes, minimums)
     return [Part(index=k, device=device, layers=tuple(layers), first=0 in layers,
                  last=num_layers - 1 in layers, budget=part_budgets[k], l0=device == l0)
             for k, (device, layers) in enumerate(runs)]
 
 
-def _l0_budgets(l0: str, weight_budget, budgets, runs, part_bytes) -> list[int | None]:
+def block_sizes(blocks, num_layers: int, alignment: int) -> dict:
+    """``resolve``'s size arguments for a model's blocks (BlockInfo list), counted as the planner
+    counts them (each block at an ``alignment``-aligned offset): ``layer_bytes``, ``stream_bytes``
+    (each layer's MLP: the blocks of ``wire.STREAM_ROLES``) and ``edge_bytes``
+    (embeddings; final norm + head, plus the embedding block again where the head is tied to it:
+    the last part holds that block too, ``Part.blocks``)."""
+    def aligned(n: int) -> int:
+        return (n + alignment - 1) // alignment * alignment
+
+    layer_bytes, stream_bytes, edges = [0] * num_layers, [0] * num_layers, [0, 0]
+    for b in blocks:
+        size = aligned(b.length)
+        if b.layer >= 0:
+            layer_bytes[b.layer] += size
+            if b.role in STREAM_ROLES:
+                stream_bytes[b.layer] += size
+        else:
+            edges[0 if b.role == "embed" else 1] += size
+    if not any(b.role == "lm_head" for b in blocks):
+        edges[1] += edges[0]
+    return {"num_layers": num_layers, "layer_bytes": layer_bytes, "stream_bytes": stream_bytes,
+            "edge_bytes": tuple(edges)}
+
+
+def _minimums(runs, part_bytes, stream_bytes) -> list[int] | None:
+    """Each part's resident minimum (anchors + ``MIN_SLOTS`` slots of its largest MLP; its whole
+    size where that is less), or None without ``stream_bytes``."""
+    if stream_bytes is None:
+        return None
+    out = []
+    for (_, layers), size in zip(runs, part_bytes):
+        streamable = sum(stream_bytes[i] for i in layers)
+        slot = max((stream_bytes[i] for i in layers), default=0)
+        out.append(min(size, size - streamable + MIN_SLOTS * slot))
+    return out
+
+
+def _share(total: int, runs, sizes: list[int], minimums: list[int] | None, what: str) -> list[int]:
+    """``total`` bytes split over parts of ``sizes`` bytes: by bytes where the minimums are not
+    known or everything fits; else each part's minimum first and the rest in proportion to
+    what each part could still keep resident beyond it."""
+    whole = sum(sizes)
+    if len(sizes) == 1:
+        return [total]          # nothing to split: the planner names what does not fit
+    if minimums is None or total >= whole:
+        return [int(total * b / whole) for b in sizes]
+    need = sum(minimums)
+    if total < need:
+        each = ", ".join(f"part on {d} (layers {layers[0]}-{layers[-1]}) {m}"
+                         for (d, layers), m in zip(runs, minimums))
+        raise BudgetTooSmall(
+            f"{what} {total} bytes cannot be split over {len(runs)} parts: each part needs its own "
+            f"anchors (embeddings, norms, attention, head) plus {MIN_SLOTS} streaming slots -- "
+            f"{each} bytes -- {need} bytes in all; raise the budget or use fewer parts",
+            budget=total, minimum=need, part_minimums=list(minimums), device=runs[0][0])
+    rest, room = total - need, [b - m for b, m in zip(sizes, minimums)]
+    spare = sum(room)
+    return [m + (rest * r // spare if spare else 0) for m, r in zip(minimums, room)]
+
+
+def _l0_budgets(l0: str, weight_budget, budgets, runs, part_bytes, minimums=None) -> list[int | None]:
     """Budgets where the parts on ``l0`` are held whole (None: nothing of theirs streams, so
     their device's link carries no weight copies once loaded) and the rest of the budget goes
     to the other parts."""
@@ -262,34 +336,35 @@ def _l0_budgets(l0: str, weight_budget, budgets, runs, part_bytes) -> list[int |
             raise DeviceMapError(f"device_map: l0_device {l0} must hold its layers whole "
                                  f"({held} bytes) but its weight_budget is {budgets[l0]}",
                                  device=l0, needed=held, budget=budgets[l0])
-        out = _split_budget(weight_budget, budgets, runs, part_bytes)
+        out = _split_budget(weight_budget, budgets, runs, part_bytes, minimums)
     elif isinstance(weight_budget, (list, tuple)):
-        out = _split_budget(weight_budget, budgets, runs, part_bytes)
+        out = _split_budget(weight_budget, budgets, runs, part_bytes, minimums)
     else:
         total = parse_size("weight_budget", weight_budget)
         if total < held:
             raise DeviceMapError(f"device_map: l0_device {l0} must hold its layers whole "
                                  f"({held} bytes) but the whole weight_budget is {total}",
                                  device=l0, needed=held, budget=total)
-        others = [(run, b) for run, b in zip(runs, part_bytes) if run[0] != l0]
-        rest = _split_budget(total - held, None, [r for r, _ in others], [b for _, b in others])
+        others = [(k, run, b) for k, (run, b) in enumerate(zip(runs, part_bytes)) if run[0] != l0]
+        rest = _split_budget(total - held, None, [r for _, r, _ in others], [b for _, _, b in others],
+                             None if minimums is None else [minimums[k] for k, _, _ in others])
         it = iter(rest)
         out = [None if d == l0 else next(it) for d, _ in runs]
     return [None if d == l0 else b for (d, _), b in zip(runs, out)]
 
 
-def _split_budget(weight_budget, budgets, runs, part_bytes) -> list[int | None]:
+def _split_budget(weight_budget, budgets, runs, part_bytes, minimums=None) -> list[int | None]:
     if weight_budget is None:
         return [None] * len(runs)
     if budgets is not None:
-        out = []
-        for device, _ in runs:
-            if device not in budgets:
-                out.append(None)
-                continue
-            mine = [b for (d, _), b in zip(runs, part_bytes) if d == device]
-            share = part_bytes[len(out)] / sum(mine)
-            out.append(int(budgets[device] * share))
+        out: list[int | None] = [None] * len(runs)
+        for device, budget in budgets.items():
+            mine = [k for k, (d, _) in enumerate(runs) if d == device]
+            shares = _share(budget, [runs[k] for k in mine], [part_bytes[k] for k in mine],
+                            None if minimums is None else [minimums[k] for k in mine],
+                            f"weight_budget of {device}")
+            for k, share in zip(mine, shares):
+                out[k] = share
         return out
     if isinstance(weight_budget, (list, tuple)):
         if len(weight_budget) != len(runs):
@@ -297,5 +372,4 @@ def _split_budget(weight_budget, budgets, runs, part_bytes) -> list[int | None]:
                                  f"{len(runs)} parts", device=runs[0][0])
         return [None if b is None else parse_size("weight_budget", b) for b in weight_budget]
     total = parse_size("weight_budget", weight_budget)
-    whole = sum(part_bytes)
-    return [int(total * b / whole) for b in part_bytes]
+    return _share(total, runs, part_bytes, minimums, "weight_budget")

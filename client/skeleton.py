@@ -67,6 +67,142 @@ def _no_weight_init():
     return no_init_weights()
 
 
+# What building a skeleton imports in a process that has not yet imported the model's
+# ``transformers`` module (a fresh process): a few thousand files -- transformers reads the source
+# of every model of its library to find their exported names, and modeling_utils pulls in
+# torch.distributed, torch._dynamo, sympy. Read one after the other while a cold load keeps the
+# disk's queue full, each waits behind that queue: seconds. ``prefetch_imports`` has them read
+# first, in parallel and asynchronously.
+PREFETCH_PACKAGES = ("transformers", "torch", "sympy", "mpmath", "numpy", "safetensors",
+                     "huggingface_hub", "tokenizers", "jinja2", "yaml", "regex", "packaging",
+                     "filelock", "fsspec", "tqdm", "accelerate", "deepseek_flash",
+                     "deepseek_flash.decode", "deepseek_flash.kv", "deepseek_flash.quant")
+PREFETCH_THREADS = 32
+# Directories no import reads from (C++ headers, libraries, test suites).
+SKIP_DIRS = frozenset(("tests", "test", "testing", "include", "lib", "share", "bin", "benchmarks"))
+
+
+def skeleton_imported(config_dict: dict) -> bool:
+    """Whether the ``transformers`` module of this config's architecture is imported already
+    (then building the skeleton reads no files)."""
+    import sys
+
+    kind = str(config_dict.get("model_type", ""))
+    return f"transformers.models.{kind}.modeling_{kind}" in sys.modules
+
+
+def imports_cached(config_dict: dict) -> bool:
+    """Whether the files the skeleton's imports start with -- the architecture's modeling source
+    and transformers' ``modeling_utils`` -- are in the page cache (``RWF_NOWAIT`` reads: no disk
+    access). False where that cannot be told (no such file, a filesystem without ``RWF_NOWAIT``):
+    then the files are read ahead, which costs a fraction of a second when they were cached."""
+    import importlib.util
+    import os
+
+    kind = str(config_dict.get("model_type", ""))
+    try:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations or not hasattr(os, "RWF_NOWAIT"):
+        return False
+    root = list(spec.submodule_search_locations)[0]
+    probe = bytearray(1)
+    for rel in (os.path.join("models", kind, f"modeling_{kind}.py"), "modeling_utils.py"):
+        try:
+            fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            os.preadv(fd, [probe], 0, os.RWF_NOWAIT)
+        except OSError:                 # BlockingIOError: not cached; others: cannot tell
+            return False
+        finally:
+            os.close(fd)
+    return True
+
+
+def prefetch_imports(packages=PREFETCH_PACKAGES, threads: int = PREFETCH_THREADS) -> int:
+    """Ask the kernel to read the Python files of ``packages`` into the page cache: every
+    directory listed by ``threads`` threads, each ``.py`` and each compiled module of this
+    interpreter (``__pycache__/*.<cache tag>.pyc``) given ``POSIX_FADV_WILLNEED`` -- asynchronous
+    readahead, so thousands of small reads are in flight at once instead of one at a time.
+    Returns the number of files. Test, header and library directories (``SKIP_DIRS``) are skipped; errors are ignored (an import
+    reads what is missing itself)."""
+    import importlib.util
+    import os
+    import queue
+    import sys
+
+    tag = f".{sys.implementation.cache_tag}."
+    roots = []
+    for name in packages:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.submodule_search_locations:
+            roots.extend(spec.submodule_search_locations)
+    if not roots:
+        return 0
+    todo: queue.Queue = queue.Queue()
+    for root in dict.fromkeys(roots):
+        todo.put(root)
+    counts = [0] * threads
+
+    def advise(path: str) -> bool:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOATIME)
+        except OSError:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                return False
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        return True
+
+    def work(k: int) -> None:
+        while True:
+            directory = todo.get()
+            if directory is None:
+                todo.task_done()
+                return
+            try:
+                with os.scandir(directory) as entries:
+                    for e in entries:
+                        name = e.name
+                        if e.is_dir(follow_symlinks=False):
+                            if name == "__pycache__":
+                                with os.scandir(e.path) as compiled:
+                                    for c in compiled:
+                                        if tag in c.name:
+                                            counts[k] += advise(c.path)
+                            elif not name.startswith(".") and name not in SKIP_DIRS:
+                                todo.put(e.path)
+                        elif name.endswith(".py"):
+                            counts[k] += advise(e.path)
+            except OSError:
+                pass
+            finally:
+                todo.task_done()
+
+    workers = [threading.Thread(target=work, args=(k,), name="flash-prefetch-imports", daemon=True)
+               for k in range(threads)]
+    for w in workers:
+        w.start()
+    todo.join()
+    for _ in workers:
+        todo.put(None)
+    for w in workers:
+        w.join()
+    return sum(counts)
+
+
 def build_skeleton(config_dict: dict):
     """A ``transformers`` causal LM of the stored config with all parameters on meta."""
     import transformers

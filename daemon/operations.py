@@ -206,10 +206,24 @@ class Operations:
         model = _arg("report_kv", args, "model", str)
         stats = _arg("report_kv", args, "stats", dict)
         for key, value in stats.items():
-            if not isinstance(value, (int, bool)) and value is not None:
+            if key == "level_tokens":
+                if not _level_list(value):
+                    raise MalformedFrame("report_kv: stats field 'level_tokens' must be a list "
+                                         "(one per layer, at most 4096) of [level 1, level 2, "
+                                         "level 3] non-negative integers", op="report_kv",
+                                         argument="stats")
+            elif not isinstance(value, (int, bool)) and value is not None:
                 raise MalformedFrame(f"report_kv: stats field {key!r} must be an integer",
                                      op="report_kv", argument="stats")
         self.manager.report_kv(cid, model, stats)
+
+
+def _level_list(value) -> bool:
+    """Whether ``value`` is a report's ``level_tokens``: per layer three non-negative ints."""
+    return (isinstance(value, (list, tuple)) and len(value) <= 4096
+            and all(isinstance(lv, (list, tuple)) and len(lv) == 3
+                    and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lv)
+                    for lv in value))
 
 
 def _chain(future: Future, convert) -> Future:

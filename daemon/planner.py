@@ -14,10 +14,7 @@ from __future__ import annotations
 from ..errors import BudgetTooSmall
 from ..fsutil import align_up
 from ..prefetch import AUTO, auto_window
-from ..wire import SLOT_ALIGNMENT, Plan
-
-STREAM_ROLES = ("mlp_gate_up", "mlp_down")
-MIN_SLOTS = 2
+from ..wire import MIN_SLOTS, SLOT_ALIGNMENT, STREAM_ROLES, Plan
 
 
 def _aligned(n: int) -> int:

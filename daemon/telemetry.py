@@ -18,8 +18,9 @@ STREAM_COUNTERS = ("prefetch_hits", "prefetch_miss_count_stream", "fabric_stall_
                    "fabric_stall_us", "bytes_streamed")
 # What a client's tiered KV cache reports (deepseek_flash.kv, ``report_kv``): gauges of the bytes
 # it holds per tier and its cumulative page fetches.
-KV_GAUGES = ("tokens", "gpu_bytes", "host_bytes", "spilled_bytes", "full_bytes")
-KV_COUNTERS = ("pages_fetched",)
+KV_GAUGES = ("tokens", "gpu_bytes", "host_bytes", "spilled_bytes", "full_bytes",
+             "level1_tokens", "level2_tokens", "level3_tokens", "level3_bytes_saved")
+KV_COUNTERS = ("pages_fetched", "demotions", "promotions", "recalls")
 # Completed block loads kept for `profile` (flash-profiler): ~100 B each, so ~10 MiB at most.
 LOAD_LOG_SIZE = 100_000
 LOAD_FIELDS = ("seq", "time", "client", "pid", "model", "block", "layer", "role", "latency_us", "bytes")
@@ -102,6 +103,7 @@ class Telemetry:
             self.s.model(model)
             key = (client_id, model, int(stats.get("cache") or 0))
             self.kv[key] = {k: int(stats.get(k) or 0) for k in KV_GAUGES + KV_COUNTERS}
+            self.kv[key]["level_tokens"] = [list(lv) for lv in stats.get("level_tokens") or ()]
             if stats.get("closed"):
                 self._kv_gone_locked(key)
             self.s.generation += 1
@@ -121,6 +123,8 @@ class Telemetry:
                                  if model is None or name == model)
         for k in KV_COUNTERS:
             out[k] = sum(r[k] for r in live) + (self._kv_totals[k] if model is None else 0)
+        if model is not None:
+            out["level_tokens"] = _layer_levels(r["level_tokens"] for r in live)
         return out
 
     def _stream_counts(self) -> dict:
@@ -161,7 +165,10 @@ class Telemetry:
         kv = self._kv_stats_locked()
         c.update(kv_caches=kv["caches"], kv_gpu_bytes=kv["gpu_bytes"], kv_host_bytes=kv["host_bytes"],
                  kv_spilled_bytes=kv["spilled_bytes"], kv_pages_fetched=kv["pages_fetched"],
-                 kv_arena_bytes=kv["arena_bytes"])
+                 kv_arena_bytes=kv["arena_bytes"],
+                 **{f"kv_{k}": kv[k] for k in ("level1_tokens", "level2_tokens", "level3_tokens",
+                                               "demotions", "promotions", "recalls",
+                                               "level3_bytes_saved")})
         return c
 
     def list_models(self) -> list[dict]:
@@ -218,6 +225,19 @@ class Telemetry:
                       "unified_memory_fabric": "HOST_ONLY"}
             return {"status": status, "stats": stats, "devices": {}, "models": models,
                     "tunables": self.s.config.tunables()}
+
+
+def _layer_levels(reports) -> dict:
+    """Per layer, the tokens at levels 1, 2 and 3 summed over caches' ``level_tokens``:
+    ``{"layer0": "l1 l2 l3", ...}`` (one status line per layer)."""
+    sums: list[list[int]] = []
+    for per_layer in reports:
+        for i, lv in enumerate(per_layer):
+            if i == len(sums):
+                sums.append([0, 0, 0])
+            for j in range(3):
+                sums[i][j] += int(lv[j])
+    return {f"layer{i}": " ".join(map(str, lv)) for i, lv in enumerate(sums)}
 
 
 def _quantization(store) -> dict:

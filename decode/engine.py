@@ -524,7 +524,7 @@ def enable(model, capacity: int | None = None, graphs: bool = True, **options) -
     return decoder
 
 
-DECODE_MODES = ("eager", "graphs", "auto")
+from ..client.model import DECODE_MODES  # noqa: E402 -- one list, checked by load_model too
 STREAMED_REASON = "streamed layers need the fused step to run the slot ring's copies in the graph"
 
 

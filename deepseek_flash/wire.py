@@ -31,6 +31,11 @@ GATE_PENDING, GATE_READY, GATE_FAILED = 0, 1, 2
 # A streaming slot holds one layer's streamed blocks back to back, each starting at a multiple of
 # this: the planner sizes slots with it and the client lays blocks out with it.
 SLOT_ALIGNMENT = 4096
+# The residency plan's rule, shared by the planner (daemon) and the client's device_map split:
+# these blocks of a layer (its MLP) stream through slots; a plan that streams has at least
+# MIN_SLOTS of them.
+STREAM_ROLES = ("mlp_gate_up", "mlp_down")
+MIN_SLOTS = 2
 
 
 # --- the control page ------------------------------------------------------------------------------

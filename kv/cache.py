@@ -59,7 +59,7 @@ class TieredCache(Cache):
                   dense_layers=dense_layers, score=score, window_pages=window_pages,
                   error_recovery_mode=error_recovery_mode, prefill_chunk=prefill_chunk)
         self.prune = prune_settings(prune_threshold, prune_scorer, prune_offsets, prune_tokenizer,
-                                    prune_compensation, prune_every, prune_window, host_bytes)
+                                    prune_compensation, prune_every, prune_window)
         self._matchers: list = []
         self.num_layers = num_layers
         self.kv_heads = kv_heads
@@ -298,9 +298,40 @@ class TieredCache(Cache):
             return
         self._spill_oldest()
 
+    def _prune_spill(self) -> None:
+        """Pruning: past ``host_bytes``, write level-3 pages to disk, oldest first (lowest page,
+        then layer), one file per layer and call, until the host levels fit. Level 2 stays on the
+        host (it is what a score may bring back soon). A failure keeps the pages on the host and
+        is reported at the start of the next step, as a chunk's would be."""
+        if self.spill is None or self.host_bytes_limit is None:
+            return
+        excess = self.host_bytes() - self.host_bytes_limit
+        if excess <= 0:
+            return
+        candidates = sorted((pg, layer.index) for layer in self.layers
+                            for pg in layer.prune.comp)
+        chosen: dict[int, list[int]] = {}
+        for pg, index in candidates:
+            if excess <= 0:
+                break
+            chosen.setdefault(index, []).append(pg)
+            excess -= self.layers[index].prune.comp[pg].nbytes
+        for index, pages in sorted(chosen.items()):
+            try:
+                self.layers[index].prune.spill(pages)
+            except KVSpillFailed as exc:
+                self.counters["spill_errors"] += 1
+                log.warning("%s; the pages stay on the host tier", exc)
+                if self._spill_error is None:
+                    self._spill_error = exc
+                return
+
     def _spill_oldest(self) -> None:
         """Write the oldest full host chunks (across layers) to disk until the host tier fits.
         A failure keeps the chunk on the host and is reported at the start of the next step."""
+        if self.prune is not None:
+            self._prune_spill()
+            return
         if self.spill is None:
             return
         if self.pinned:

@@ -47,6 +47,8 @@ class TieredLayer(CacheLayerMixin):
         self.sink_k = self.sink_v = None
         self.recent_k = self.recent_v = None
         self.summaries = PageSummaries()
+        # pruning with lossless recall (top_k_pages None) never ranks pages: no summaries kept
+        self.keeps_summaries = cache.prune is None or cache.top_k_pages is not None
         self.pages = LayerPages(self._cache, index)
         self.prune = LayerPrune(self, cache.prune) if cache.prune is not None else None
 
@@ -151,7 +153,7 @@ class TieredLayer(CacheLayerMixin):
 
     def level_tokens(self) -> list[int]:
         """Tokens (per sequence) at levels 1 (on the device: sinks, recent window, level-1 pages),
-        2 (full precision on the host or spilled) and 3 (int4 on the host)."""
+        2 (full precision on the host or spilled) and 3 (int4 on the host or spilled)."""
         if not self.is_initialized:
             return [0, 0, 0]
         p = self._cache.page_tokens
@@ -162,7 +164,7 @@ class TieredLayer(CacheLayerMixin):
         return [on_device + l1 * p, l2 * p, l3 * p]
 
     def spilled_bytes(self) -> int:
-        return self.pages.spilled_bytes()
+        return self.pages.spilled_bytes() + (self.prune.spilled_bytes() if self.prune else 0)
 
     def reads_every_page(self) -> bool:
         """Whether this layer's next decode step attends to every page (lossless or dense)."""
@@ -255,10 +257,12 @@ class TieredLayer(CacheLayerMixin):
         self.recent_k, self.recent_v = recent_k, recent_v
 
     def _write_pages(self, keys, values):
-        """Full pages leave the recent window: summaries on the device, BICL pages to the host."""
+        """Full pages leave the recent window: summaries on the device (when top-K reads them), BICL
+        pages to the host (or, pruning, to level 1)."""
         cache = self._cache
         p = cache.page_tokens
-        self.summaries.append_keys(keys, p)
+        if self.keeps_summaries:
+            self.summaries.append_keys(keys, p)
         if self.prune is not None:
             self.prune.append(pack_pages(keys, values, p))  # level 1: stays on the device
             return

@@ -202,7 +202,7 @@ class LayerPages:
             return None
         try:
             self._span = HostSpan(self.chunks, self.batch, cache.layout, self.device)
-        except (RuntimeError, TypeError, ValueError) as exc:
+        except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
             log.warning("layer %d: no single-gather view of the host pages (%s); top-K pages are "
                         "copied run by run", self.index, exc)
             self._span_failed = True
@@ -220,8 +220,15 @@ class LayerPages:
         b, k = chosen.shape
         span = self.span()
         if span is not None:
-            cache.counters["pages_fetched"] += b * k
-            return span.gather(chosen)
+            try:
+                out = span.gather(chosen)
+            except RuntimeError as exc:  # refused by a check of torch's: copy runs from now on
+                log.warning("layer %d: the one-gather fetch failed (%s); top-K pages are copied "
+                            "run by run", self.index, exc)
+                self._span, self._span_failed = None, True
+            else:
+                cache.counters["pages_fetched"] += b * k
+                return out
         idx = chosen.cpu().tolist()  # the only host sync of this path
         shape = cache.layout.shape
         if self.device.type == "cpu":

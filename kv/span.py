@@ -80,6 +80,17 @@ class HostSpan:
         self.kv_heads, self.page_tokens, self.head_dim = (layout.kv_heads, layout.page_tokens,
                                                           layout.head_dim)
         self.pages = sum(c.capacity for c in chunks)
+        self._check(chunks[0], batch, layout, device)
+
+    def _check(self, chunk, batch, layout, device) -> None:
+        """Once per view: the first page of every sequence through the view equals the
+        same page copied the ordinary way (else the caller falls back to run-by-run copies)."""
+        first = torch.full((batch, 1), chunk.first, dtype=torch.int64, device=device)
+        k, v = self.gather(first)
+        pages = chunk.tensor[:batch].to(device).view(1, batch, *layout.shape)
+        want_k, want_v = pages[0, :, 0], pages[0, :, 1]
+        if not (torch.equal(k, want_k) and torch.equal(v, want_v)):
+            raise RuntimeError("the gathered page differs from the page copied to the device")
 
     def gather(self, chosen: torch.Tensor):
         """Pages ``chosen`` ``[b, k]`` (device) -> keys, values ``[b, kv_heads, k * page_tokens,

@@ -308,6 +308,8 @@ class ServeState:
                [({"class": c, "outcome": o}, snap[o][c]) for o in outcomes for c in CLASSES])
         metric("degrade_steps_total", "counter", "L2 degrade steps applied, by step.",
                [({"step": s}, n) for s, n in snap["degrade_steps"].items()])
+        metric("preemptions_total", "counter", "Rows given back to an L0 request, by the class that gave it.",
+               [({"class": c}, snap["preempted"][c]) for c in CLASSES])
         metric("degraded_requests_total", "counter", "Requests degraded at least once.",
                [({}, snap["degraded_requests"])])
         metric("queued", "gauge", "Requests waiting, by class.", [({"class": c}, snap["queued"][c]) for c in CLASSES])
@@ -360,11 +362,26 @@ def create_app(state: ServeState):
         headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        state.responses[response.status_code] = state.responses.get(response.status_code, 0) + 1
-        return response
+    class CountResponses:
+        """Counts HTTP answers by status as a plain ASGI middleware: Starlette's ``@app.middleware``
+        (``BaseHTTPMiddleware``) would pass every chunk of a streamed answer through a task and a
+        memory stream of its own -- per token and row, in the interpreter the engine needs."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+
+            async def counted(message):
+                if message["type"] == "http.response.start":
+                    code = message["status"]
+                    state.responses[code] = state.responses.get(code, 0) + 1
+                await send(message)
+            return await self.app(scope, receive, counted)
+
+    app.add_middleware(CountResponses)
 
     @app.exception_handler(ApiError)
     async def api_error(request, err: ApiError):

@@ -33,6 +33,18 @@ log = logging.getLogger("deepseek_flash.serve")
 # load and before the reads of L1/L2 forwards; L2 yields to everyone.
 READ_PRIORITY_BY_CLASS = {"L0": 1, "L1": 0, "L2": -1}
 
+# The attention reads a multiple of this many key positions (masked beyond each row's length), so
+# the shapes a forward's attention sees are few and repeat, whatever the rows' lengths.
+KV_BUCKET = 64
+# Attention kernels a forward may use on a CUDA device: every one but cuDNN's. cuDNN's attention
+# (torch's first choice on sm90/sm100 with a recent cuDNN) builds an execution plan for every new
+# shape -- hundreds of milliseconds each -- and a continuously batched engine makes new shapes all
+# the time (rows joining and leaving, lengths growing); the memory-efficient kernel takes the same
+# additive mask with no per-shape set-up.
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# Forwards kept for ``Engine.profile`` (the most recent).
+PROFILE_SAMPLES = 8192
+
 
 class RowCache:
     """The shared KV cache: a row per batch slot (duck-typed ``transformers`` cache).
@@ -103,6 +115,15 @@ class Generation:
     generator: object = None
     kv_options: dict | None = None      # for_model arguments: runs on a TieredCache of its own
     kv_cache: object = None
+    fill_ids: list = None               # what prefill puts in the cache: the prompt, or after a
+    resumed: bool = False               # preemption the prompt and the tokens generated but the last
+    dispatched: bool = False
+
+    def __post_init__(self):
+        if self.fill_ids is None:
+            self.fill_ids = self.prompt_ids
+        # A request on a tiered KV cache of its own keeps its row (its cache is not recomputed).
+        self.sched.preemptible = self.kv_options is None
 
     def cancel(self) -> None:
         """The client went away: the engine frees the row at the next step boundary."""
@@ -210,8 +231,15 @@ class Engine:
         self.l0_recent_s = 10.0
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
+        self._sdpa = None
+        if self.device.type == "cuda":
+            from torch.nn.attention import SDPBackend
+
+            self._sdpa = [getattr(SDPBackend, name) for name in SDPA_BACKENDS]
+        # (kind, rows, tokens per row, launch seconds, seconds until the result was on the host)
+        self._profile: list = []
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
-                      "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0,
+                      "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0, "preempted": 0,
                       "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
 
     @staticmethod
@@ -309,10 +337,16 @@ class Engine:
             if gen.cancelled:
                 self.stats["cancelled"] += 1
                 self._retire(gen, "cancelled")
-        for req in self.scheduler.dispatch():
+        chosen = self.scheduler.dispatch()
+        for req in self.scheduler.take_preempted():
+            self._preempt(self._gens[id(req)])
+        for req in chosen:
             gen = self._gens[id(req)]
             gen.row = self._rows.index(None)
             self._rows[gen.row] = gen
+            if gen.dispatched:
+                continue                    # a preempted request rejoining: its state is kept
+            gen.dispatched = True
             if self.stream is not None:
                 gen.bytes_streamed_at_start = self.stream.bytes_streamed
             if gen.kv_options is not None:
@@ -321,6 +355,18 @@ class Engine:
                 except Exception as exc:   # noqa: BLE001 -- the request fails typed, the batch runs on
                     self._retire(gen, None, exc if isinstance(exc, FlashError)
                                  else FlashError(f"tiered KV cache: {exc}"))
+
+    def _preempt(self, gen: Generation) -> None:
+        """``gen`` gave its row to an L0 request (lock held): it waits in the queue and, when it
+        joins again, prefills its prompt and the tokens it generated but the last (whose keys were
+        in the row), then decodes on from the last -- its client sees no gap but the wait."""
+        if gen.row is not None and self._rows[gen.row] is gen:
+            self._rows[gen.row] = None
+        gen.row = None
+        gen.prefilled = 0
+        gen.resumed = bool(gen.output_ids)
+        gen.fill_ids = gen.prompt_ids + gen.output_ids[:-1] if gen.output_ids else gen.prompt_ids
+        self.stats["preempted"] += 1
 
     def _retire(self, gen: Generation, reason: str | None, error: Exception | None = None) -> None:
         """Take ``gen`` out of the batch and the scheduler and tell its client (lock held)."""
@@ -404,6 +450,7 @@ class Engine:
 
     def _forward(self, rows: list, ids, positions, kv_len):
         torch = self.torch
+        kv_len = min(self.cache.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)
         span = (rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[0] + len(rows))) else None
         self.cache.bind(torch.tensor(rows, device=self.device), positions, kv_len, span)
         keys = torch.arange(kv_len, device=self.device)
@@ -413,8 +460,53 @@ class Engine:
         kwargs = {self._cache_kw: self.cache, "use_cache": True}
         if self._keep_kw is not None:
             kwargs[self._keep_kw] = 1
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
+        if self._sdpa is None:
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
+        else:
+            from torch.nn.attention import sdpa_kernel
+
+            with sdpa_kernel(self._sdpa):
+                out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
         return out.logits[:, -1, :]
+
+    def _record(self, kind: str, rows: int, tokens: int, launch_s: float, total_s: float) -> None:
+        self._profile.append((kind, rows, tokens, launch_s, total_s))
+        if len(self._profile) > 2 * PROFILE_SAMPLES:
+            del self._profile[:-PROFILE_SAMPLES]
+
+    def profile(self, reset: bool = False) -> dict:
+        """Where the engine's time went since the last reset: per kind of forward (``decode`` by
+        rows in the batch, ``prefill``) the count and the p50/p99/max milliseconds from the
+        forward's start until its result was on the host (``ms``), and of that the time the host
+        spent issuing it (``launch_ms``: close to ``ms`` when the host, not the device, is the
+        bound). ``reset`` starts a new period."""
+        samples = self._profile[-PROFILE_SAMPLES:]
+        if reset:
+            self._profile = []
+        groups: dict = {}
+        for kind, rows, tokens, launch_s, total_s in samples:
+            if kind == "decode":
+                key = "decode_rows_" + next(f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in
+                                            ((1, 1), (2, 4), (5, 8), (9, 16), (17, 1 << 30)) if rows <= hi)
+            else:
+                key = kind
+            groups.setdefault(key, []).append((rows, tokens, launch_s, total_s))
+        out = {}
+        for key, items in sorted(groups.items()):
+            total = sorted(t for *_, t in items)
+            launch = sorted(item[2] for item in items)
+            q = ttft_quantiles(total, (0.5, 0.99))
+            ql = ttft_quantiles(launch, (0.5, 0.99))
+            out[key] = {"forwards": len(items), "rows_mean": round(sum(i[0] for i in items) / len(items), 2),
+                        "tokens_mean": round(sum(i[0] * i[1] for i in items) / len(items), 1),
+                        "ms_p50": round(q[0.5] * 1e3, 3), "ms_p99": round(q[0.99] * 1e3, 3),
+                        "ms_max": round(total[-1] * 1e3, 3), "launch_ms_p50": round(ql[0.5] * 1e3, 3),
+                        "launch_ms_p99": round(ql[0.99] * 1e3, 3)}
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
 
     def _prefill(self, group) -> None:
         """One forward over ``group`` -- (generation, tokens) pairs: the next ``tokens`` of each
@@ -428,7 +520,7 @@ class Engine:
         for gen, n in group:
             start = gen.prefilled
             end = start + n
-            ids.append([0] * (width - n) + gen.prompt_ids[start:end])
+            ids.append([0] * (width - n) + gen.fill_ids[start:end])
             pos.append([end] * (width - n) + list(range(start, end)))
         rows = [g.row for g, _ in group]
         positions = torch.tensor(pos, device=self.device)
@@ -436,7 +528,10 @@ class Engine:
         self._read_priority([g for g, _ in group])
         began = time.perf_counter()
         logits = self._forward(rows, torch.tensor(ids, device=self.device), positions, kv_len)
+        launched = time.perf_counter() - began
+        self._sync()                # the cost of this forward, not of the next one that waits
         spent = time.perf_counter() - began
+        self._record("prefill", len(group), width, launched, spent)
         # What a prompt token adds to a forward: the time beyond a decode forward's, per token.
         sample = max(0.0, spent - (self._decode_s or 0.0)) / (len(group) * width)
         self._per_token_s = sample if self._per_token_s is None else 0.8 * self._per_token_s + 0.2 * sample
@@ -446,7 +541,7 @@ class Engine:
             gen.prefilled += n
             self.stats["prefill_chunks"] += 1
             self.stats["prompt_tokens"] += n
-            if gen.prefilled == len(gen.prompt_ids):
+            if gen.prefilled == len(gen.fill_ids) and not gen.resumed:
                 done.append(i)
         if done:
             # The first token goes out now, not after the batch's decode: TTFT is one prefill.
@@ -462,8 +557,8 @@ class Engine:
         """Every L0 prompt in the batch, one chunk each, in one forward of their own -- before any
         other prefill or the decode of this step."""
         with self._lock:
-            group = [(g, min(self.prefill_chunk, len(g.prompt_ids) - g.prefilled)) for g in self._rows
-                     if g is not None and g.sched.priority_class == "L0" and g.prefilled < len(g.prompt_ids)
+            group = [(g, min(self.prefill_chunk, len(g.fill_ids) - g.prefilled)) for g in self._rows
+                     if g is not None and g.sched.priority_class == "L0" and g.prefilled < len(g.fill_ids)
                      and not g.cancelled and g.kv_cache is None]
         if group:
             self._prefill(group)
@@ -485,9 +580,9 @@ class Engine:
         # compute too); the first prompt in line always gets its share.
         group, width = [], 0
         for gen in sorted((g for g in batch if g.sched.priority_class != "L0" and not g.cancelled
-                           and g.kv_cache is None and g.prefilled < len(g.prompt_ids)),
+                           and g.kv_cache is None and g.row is not None and g.prefilled < len(g.fill_ids)),
                           key=lambda g: (g.sched.started, g.sched.seq)):
-            need = len(gen.prompt_ids) - gen.prefilled
+            need = len(gen.fill_ids) - gen.prefilled
             n = min(need, budget) if not group else min(need, max(width, budget // (len(group) + 1)))
             if group and (len(group) + 1) * max(width, n) > budget:
                 break
@@ -505,7 +600,7 @@ class Engine:
                 self._solo_step(gen)
         # One batched decode over every row whose last token is not yet in the cache.
         with self._lock:
-            decoding = [g for g in self._rows if g is not None and g.prefilled == len(g.prompt_ids)
+            decoding = [g for g in self._rows if g is not None and g.prefilled == len(g.fill_ids)
                         and g.output_ids and g.finish_reason is None and not g.cancelled
                         and g.kv_cache is None]
         if decoding:
@@ -516,9 +611,11 @@ class Engine:
             self._read_priority(decoding)
             began = time.perf_counter()
             logits = self._forward(rows, ids, pos, max(lengths) + 1)
-            spent = time.perf_counter() - began
-            self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
+            launched = time.perf_counter() - began
             produced = list(zip(decoding, _sample(torch, logits, decoding)))
+            spent = time.perf_counter() - began
+            self._record("decode", len(decoding), 1, launched, spent)
+            self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
             self.stats["decode_steps"] += 1
             self.stats["batch_rows_sum"] += len(decoding)
         else:
@@ -600,7 +697,7 @@ class Engine:
         stats = {"class": req.priority_class, "priority": req.priority,
                  "queue_ms": None if req.queue_ms is None else round(req.queue_ms, 3),
                  "ttft_ms": None if gen.first_token_at is None else round((gen.first_token_at - req.arrival) * 1e3, 3),
-                 "degrade_steps": list(req.degraded)}
+                 "degrade_steps": list(req.degraded), "preempted": req.preempted}
         tokens = len(gen.prompt_ids) + len(gen.output_ids)
         if gen.kv_cache is not None:
             tiered = gen.kv_cache.stats()

@@ -11,7 +11,13 @@ The classes (``priority_class`` in a request's ``flash_context``):
 
 * **L0 real-time**: ``l0_reserve`` (15 %) of the slots are kept for L0 -- the other classes never
   occupy them -- and L0 requests join before anything else. At most ``l0_capacity`` L0 requests are
-  in the system (queued + running); the next one is refused (429).
+  in the system (queued + running); the next one is refused (429). An L0 request that finds every
+  slot taken *preempts* a running request (``l0_preempts``): an L2 one first, else an L1 one, the
+  one that started last (the least work to redo); the engine frees its row and the request goes
+  back to the head of its class's queue (an L1 request keeps its finish tag) with what it
+  generated so far, which it recomputes when it joins again. L0 rows are never preempted. So the
+  reserve is *lent* to L1 while no L0 request waits (L2 never takes it): an arriving L0 request
+  takes it back at once. ``l0_preempts=False``: no preemption, and the reserve stays idle.
 * **L1 balanced** (the default): weighted fair queueing. A request's finish tag is the virtual time
   at its arrival plus ``max_new_tokens / weight`` with ``weight = l1_weight_func(request)``
   (default ``max(1, max_new_tokens // 64)``); the lowest tag joins first and the virtual time
@@ -71,6 +77,8 @@ class SchedRequest:
     last_degrade: float | None = None
     tag: float = 0.0                                 # L1 finish tag (virtual time)
     seq: int = 0                                     # arrival order
+    preemptible: bool = True                         # may give its row to an L0 request
+    preempted: int = 0                               # times it gave its row back
 
     @property
     def queue_ms(self) -> float | None:
@@ -98,7 +106,7 @@ class FlashScheduler:
                  l0_reserve: float = 0.15, l2_idle_above: float = 0.30, degrade_idle_below: float = 0.10,
                  gpu_busy_above: float = 0.95, gpu_busy_seconds: float = 5.0,
                  degrade_interval: float = 1.0, idle_window: float = 5.0, max_queued: int | None = None,
-                 clock=time.monotonic, gpu_busy=None):
+                 clock=time.monotonic, gpu_busy=None, l0_preempts: bool = True):
         if l2_degrade_policy not in DEGRADE_POLICIES:
             raise ConfigError(f"l2_degrade_policy {l2_degrade_policy!r} is not one of {DEGRADE_POLICIES}",
                               key="l2_degrade_policy", value=l2_degrade_policy,
@@ -130,6 +138,8 @@ class FlashScheduler:
         self.max_queued = 16 * self.slots if max_queued is None else int(max_queued)
         self.clock = clock
         self.gpu_busy = gpu_busy
+        self.l0_preempts = bool(l0_preempts) and not self.fifo
+        self._preempted: list[SchedRequest] = []
         self.queued: list[SchedRequest] = []
         self.running: list[SchedRequest] = []
         self.virtual_time = 0.0
@@ -141,7 +151,8 @@ class FlashScheduler:
         self._demand: list[tuple[float, int]] = []
         self.counters = {"admitted": {c: 0 for c in CLASSES}, "refused_429": {c: 0 for c in CLASSES},
                          "refused_503": {c: 0 for c in CLASSES}, "finished": {c: 0 for c in CLASSES},
-                         "degrade_steps": {s: 0 for s in DEGRADE_STEPS}, "degraded_requests": 0}
+                         "degrade_steps": {s: 0 for s in DEGRADE_STEPS}, "degraded_requests": 0,
+                         "preempted": {c: 0 for c in CLASSES}}
 
     # -- admission --------------------------------------------------------------------------------
     def route(self, request: SchedRequest) -> Route:
@@ -206,18 +217,23 @@ class FlashScheduler:
         def start(r):
             self.queued.remove(r)
             self.running.append(r)
-            r.started = now
+            if r.started is None:           # a preempted request keeps its first start
+                r.started = now
             chosen.append(r)
 
         free = self.slots - len(self.running)
         for r in self._order("L0"):
-            if free == 0:
+            if free == 0 and not (self.l0_preempts and self._preempt_one()):
+                self._note_demand()
                 return chosen
             start(r)
-            free -= 1
+            free = max(0, free - 1)
         shared = self.slots - self.l0_reserved          # slots the other classes may hold
+        # With preemption the reserve is lent to L1 while no L0 request waits: an L0 request
+        # arriving takes it back at once, so the reserve costs L1 nothing while it is not needed.
+        lent = self.slots if self.l0_preempts else shared
         for r in self._order("L1"):
-            if free == 0 or self._count(self.running, "L1", "L2") >= shared:
+            if free == 0 or self._count(self.running, "L1", "L2") >= lent:
                 break
             start(r)
             free -= 1
@@ -232,6 +248,27 @@ class FlashScheduler:
             free -= 1
         self._note_demand()
         return chosen
+
+    def _preempt_one(self) -> bool:
+        """Free a slot for an L0 request: the running L2 request that started last, else the L1
+        one; it goes back to its queue. False when every running request is L0 (or not
+        preemptible)."""
+        for cls in ("L2", "L1"):
+            victims = [r for r in self.running if r.priority_class == cls and r.preemptible]
+            if victims:
+                victim = max(victims, key=lambda r: (r.started or 0.0, r.seq))
+                self.running.remove(victim)
+                self.queued.append(victim)
+                victim.preempted += 1
+                self.counters["preempted"][cls] += 1
+                self._preempted.append(victim)
+                return True
+        return False
+
+    def take_preempted(self) -> list[SchedRequest]:
+        """The requests preempted since the last call (the engine frees their rows)."""
+        taken, self._preempted = self._preempted, []
+        return taken
 
     def finish(self, request: SchedRequest) -> None:
         """``request`` left the batch (done, cancelled or failed) or the queue (cancelled)."""
@@ -328,7 +365,7 @@ class FlashScheduler:
 
 class FifoScheduler(FlashScheduler):
     """The scheduler switched off: arrival order for every class, no reservation, no L0 limit, no
-    elastic rule, no degrade -- what the bench compares against. Overload still gets 429/503."""
+    preemption, no elastic rule, no degrade -- what the bench compares against. Overload still gets 429/503."""
 
     fifo = True
 
@@ -341,7 +378,8 @@ class FifoScheduler(FlashScheduler):
         for r in sorted(self.queued, key=lambda r: r.seq)[: self.slots - len(self.running)]:
             self.queued.remove(r)
             self.running.append(r)
-            r.started = now
+            if r.started is None:
+                r.started = now
             chosen.append(r)
         self._note_demand()
         return chosen

@@ -84,6 +84,13 @@ STATS_FIELDS: dict[str, tuple[str, str]] = {
     "kv_host_bytes": ("gauge", "KV bytes the clients' tiered caches hold in host memory."),
     "kv_spilled_bytes": ("gauge", "KV bytes the clients' tiered caches hold in spill files."),
     "kv_pages_fetched": ("counter", "KV pages the clients' tiered caches copied to the device."),
+    "kv_level1_tokens": ("gauge", "Tokens x layers the clients' tiered caches hold on the device (pruning level 1)."),
+    "kv_level2_tokens": ("gauge", "Tokens x layers the clients' tiered caches hold at full precision off the device (pruning level 2)."),
+    "kv_level3_tokens": ("gauge", "Tokens x layers the clients' tiered caches hold compressed to int4 (pruning level 3)."),
+    "kv_level3_bytes_saved": ("gauge", "Bytes pruning level 3 saves against full precision, live caches."),
+    "kv_demotions": ("counter", "KV pages pruning moved down a level (1 to 2, 2 to 3)."),
+    "kv_promotions": ("counter", "KV pages pruning moved back to level 1."),
+    "kv_recalls": ("counter", "Demoted KV pages attended for one step (fetched; level 3 decompressed)."),
 }
 
 _COUNTER_SUFFIXES = ("_count", "_total", "_cycles")

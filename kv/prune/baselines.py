@@ -117,6 +117,11 @@ class EvictingCache(Cache):
         return sum(2 * layer.keys.numel() * layer.keys.element_size()
                    for layer in self.layers if layer.keys is not None)
 
+    def full_bytes(self) -> int:
+        """KV bytes full attention would hold for the same tokens."""
+        return sum(2 * layer.length * layer.keys[:, :, :1].numel() * layer.keys.element_size()
+                   for layer in self.layers if layer.keys is not None)
+
 
 def evict_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     **kwargs):

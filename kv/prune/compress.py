@@ -90,6 +90,44 @@ class CompressedPages:
                                self.shape, self.dtype)
 
 
+    def select(self, i: int) -> "CompressedPages":
+        """Page ``i`` of a batch compressed together, as its own tensors (copies: the batch is
+        not kept alive by one page)."""
+        pick = lambda t: t[i].clone()  # noqa: E731
+        return CompressedPages(pick(self.k_codes), pick(self.v_codes), pick(self.k_lo),
+                               pick(self.k_step), pick(self.v_lo), pick(self.v_step),
+                               tuple(self.shape[1:]), self.dtype)
+
+
+FIELDS = ("k_codes", "v_codes", "k_lo", "k_step", "v_lo", "v_step")
+
+
+def to_rows(pages: list[CompressedPages]) -> torch.Tensor:
+    """Pages compressed apart (equal shapes, CPU) as bytes, one row per page ``[n, nbytes]``
+    uint8: the six tensors of each page back to back in ``FIELDS`` order (the spill form)."""
+    return torch.stack([torch.cat([getattr(c, f).contiguous().view(-1).view(torch.uint8)
+                                   for f in FIELDS]) for c in pages])
+
+
+def from_rows(rows: torch.Tensor, like: CompressedPages) -> CompressedPages:
+    """``to_rows``' bytes ``[n, nbytes]`` back to a batch ``[n, ...]`` shaped like page ``like``."""
+    n = rows.shape[0]
+    out, at = {}, 0
+    for f in FIELDS:
+        t = getattr(like, f)
+        size = t.numel() * t.element_size()
+        out[f] = rows[:, at:at + size].contiguous().view(t.dtype).reshape(n, *t.shape)
+        at += size
+    return CompressedPages(**out, shape=(n, *like.shape), dtype=like.dtype)
+
+
+def stack_compressed(pages: list[CompressedPages]) -> CompressedPages:
+    """Pages compressed apart (equal shapes) as one batch ``[n, ...]``."""
+    st = lambda name: torch.stack([getattr(c, name) for c in pages])  # noqa: E731
+    return CompressedPages(st("k_codes"), st("v_codes"), st("k_lo"), st("k_step"), st("v_lo"),
+                           st("v_step"), (len(pages), *pages[0].shape), pages[0].dtype)
+
+
 def compress_pages(pages: torch.Tensor) -> CompressedPages:
     """``pages`` ``[..., 2, heads, page_tokens, head_dim]`` (head_dim even) -> int4 form."""
     if pages.shape[-4] != 2 or pages.shape[-1] % 2:

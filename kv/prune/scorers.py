@@ -13,9 +13,10 @@ query heads), the share at the last observed step, how often they were observed,
 norms per KV head, their positions and the layer. Higher means keep.
 
 * ``"attention"`` (default, no training): ``x = mass * exp(-KEY_NORM_WEIGHT * z)`` where ``z`` is
-  the token's key norm z-scored within the layer (mean over heads); score ``x / (1 + x)``. A token
-  with the average share scores 0.5; the default threshold 0.15 demotes tokens that receive less
-  than about 18 % of the average share. The key-norm term follows the observation that tokens with
+  the token's key norm z-scored within the layer (mean over heads); score
+  ``x / (x + ATTENTION_HALF)`` (``ATTENTION_HALF`` = 17/3). A token drawing the uniform share
+  scores 0.15, the default threshold: at the default a page is demoted when its tokens draw less
+  than an average token's share; 0.5 takes 17/3 of it. The key-norm term follows the observation that tokens with
   small key norms draw more attention (Devoto et al., 2024); never-observed tokens score 0.5.
 * ``"mlp"``: the seed's two-layer MLP (``MLPScorer``): features of ``ScoreInput`` -> 32 -> 1,
   sigmoid; trained by ``bench/kv_prune_train.py`` to predict the attention share a token receives
@@ -31,6 +32,12 @@ from pathlib import Path
 import torch
 
 KEY_NORM_WEIGHT = 0.2
+UNIFORM_SCORE = 0.15
+"""The attention scorer's score of a token that draws exactly the uniform share (``mass`` 1.0):
+the seed's default threshold, so that at the default a page is demoted when its tokens draw less
+attention than an average token (docs/kv.md, "the attention scorer's calibration")."""
+ATTENTION_HALF = (1.0 - UNIFORM_SCORE) / UNIFORM_SCORE
+"""``x / (x + ATTENTION_HALF)``: the share (17/3 of the uniform one) that scores 0.5."""
 MLP_FILE = "kv_prune_mlp.pt"
 """``prune_scorer="mlp"`` loads this file from the model's directory (a transformers model's
 ``name_or_path``, or the store of a ``load_model`` model) unless a path or an ``MLPScorer`` is
@@ -60,7 +67,7 @@ def _zscore(x: torch.Tensor) -> torch.Tensor:
 def attention_scorer(inp: ScoreInput) -> torch.Tensor:
     z = _zscore(inp.key_norms).mean(1)
     x = inp.mass.clamp(min=0) * torch.exp(-KEY_NORM_WEIGHT * z)
-    score = x / (1.0 + x)
+    score = x / (ATTENTION_HALF + x)
     return torch.where(inp.observed > 0, score, torch.full_like(score, 0.5))
 
 

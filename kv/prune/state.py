@@ -8,7 +8,9 @@ A page lives in exactly one place:
   ``[batch, heads, n * page_tokens, head_dim]`` holding pages ``l1_pages`` in that order (pages
   join at the end; a demotion copies its page out and compacts the run);
 * level 2: ``host[page]`` -- the same, on the host (page-locked when CUDA is present);
-* level 3: ``comp[page]`` -- int4 (kv/prune/compress.py) on the host.
+* level 3: ``comp[page]`` -- int4 (kv/prune/compress.py) on the host; past the cache's
+  ``host_bytes``, ``spilled[page]`` -- the same bytes in a spill file (kv/spill.py: the tiered
+  cache's NVMe path, crc32c per page), oldest pages first (``TieredCache._prune_spill``).
 
 A page of level 2 or 3 is attended when the step recalls it: every such page when ``top_k_pages``
 is None (lossless recall) or in a dense layer or a prefill, else the best ``top_k_pages`` of them
@@ -18,14 +20,17 @@ dropped after it.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from .compress import compress_pages, decompress_pages
+from .compress import compress_pages, decompress_pages, from_rows, stack_compressed, to_rows
 from .offsets import OffsetMatcher, check_offsets
 from .policy import adjust_scores, next_levels, page_offsets, page_scores
 from .scorers import TokenStats, attention_probs
+
+log = logging.getLogger("deepseek_flash.kv.cache")
 
 PRUNE_GPU_TOKENS = 64
 """The recent window (``gpu_tokens``) when pruning is on and ``gpu_tokens`` is not given: the
@@ -81,6 +86,9 @@ class LayerPrune:
         self.l1_k = self.l1_v = None
         self.host: dict[int, torch.Tensor] = {}
         self.comp: dict = {}
+        self.spilled: dict[int, tuple] = {}   # page -> (SpilledChunk, row)
+        self.lost: set[int] = set()           # spilled pages whose bytes failed their crc (graceful)
+        self._like = None                     # a compressed page: the shapes of the spill form
         self.steps = 0
         self.counters = {"demotions": 0, "promotions": 0, "recalls": 0, "evaluations": 0}
 
@@ -100,10 +108,20 @@ class LayerPrune:
         return (sum(t.numel() * t.element_size() for t in self.host.values())
                 + sum(c.nbytes for c in self.comp.values()))
 
+    def spilled_bytes(self) -> int:
+        """Bytes of the spill files holding this layer's live level-3 pages."""
+        return sum(chunk.file_bytes for chunk in {id(c): c for c, _ in
+                                                   self.spilled.values()}.values())
+
     def compressed_saved(self) -> int:
         """Bytes level 3 saves against holding the same pages at full precision."""
-        return sum(int(torch.Size(c.shape).numel()) * torch.empty((), dtype=c.dtype).element_size()
-                   - c.nbytes for c in self.comp.values())
+        saved = sum(int(torch.Size(c.shape).numel()) * torch.empty((), dtype=c.dtype).element_size()
+                    - c.nbytes for c in self.comp.values())
+        if self.spilled and self._like is not None:
+            c = self._like
+            full = int(torch.Size(c.shape).numel()) * torch.empty((), dtype=c.dtype).element_size()
+            saved += len(self.spilled) * (full - c.nbytes)
+        return saved
 
     # --- pages ----------------------------------------------------------------------------------
     def append(self, pages: torch.Tensor) -> None:
@@ -140,13 +158,84 @@ class LayerPrune:
         self.l1_pages = [self.l1_pages[pos] for pos in keep]
         return out
 
-    def _page_to_device(self, page: int) -> torch.Tensor:
+    def _pages_to_device(self, pages: list[int]) -> torch.Tensor:
+        """Demoted ``pages`` on the device, ``[n, b, 2, h, p, d]`` in the order given: the level-2
+        ones in one copy, the level-3 ones in one copy of their int4 form, decompressed there."""
         layer = self.layer
         pinned = layer.device.type == "cuda"
-        if page in self.host:
-            return self.host[page].to(layer.device, non_blocking=pinned)
-        c = self.comp[page].to(layer.device, non_blocking=pinned)
-        return decompress_pages(c, layer.dtype)
+        out = torch.empty((len(pages), *self._page_shape()), dtype=layer.dtype,
+                          device=layer.device)
+        full = [i for i, pg in enumerate(pages) if pg in self.host]
+        small = [i for i, pg in enumerate(pages) if pg not in self.host]
+        if full:
+            got = torch.stack([self.host[pages[i]] for i in full])
+            out[torch.tensor(full, device=layer.device)] = got.to(layer.device,
+                                                                  non_blocking=pinned)
+        if small:
+            c = stack_compressed([self.comp[pages[i]] if pages[i] in self.comp
+                                  else self._read_spilled(pages[i]) for i in small])
+            c = c.to(layer.device, non_blocking=pinned)
+            out[torch.tensor(small, device=layer.device)] = decompress_pages(c, layer.dtype)
+        return out
+
+    # --- level 3 on NVMe --------------------------------------------------------------------------
+    def spill(self, pages: list[int]) -> int:
+        """Write level-3 ``pages`` (held in ``comp``) to one spill file and free their host bytes
+        -> bytes freed. Raises ``KVSpillFailed`` with every page still on the host."""
+        cache = self.layer._cache
+        rows = to_rows([self.comp[pg] for pg in pages])
+        chunk = cache.spill.write_chunk(f"L{self.layer.index:03d}-P{pages[0]:08d}-int4", rows)
+        freed = 0
+        for i, pg in enumerate(pages):
+            freed += self.comp.pop(pg).nbytes
+            self.spilled[pg] = (chunk, i)
+        cache.counters["chunks_spilled"] += 1
+        return freed
+
+    def _read_spilled(self, page: int):
+        """A spilled level-3 page read back (crc-checked) -> its compressed form (CPU). A page
+        that fails its crc raises ``KVPageCorrupt`` (strict); graceful: it is lost -- left out of
+        attention from now on (``lost``, ``pages_lost``) and zeros stand in for this step."""
+        from deepseek_flash.errors import KVPageCorrupt
+
+        cache = self.layer._cache
+        chunk, row = self.spilled[page]
+        buf = torch.empty(chunk.page_bytes, dtype=torch.uint8)
+        try:
+            cache.spill.read_page(chunk, row, buf, layer=self.layer.index, page=page, row=0)
+        except KVPageCorrupt as exc:
+            if cache.error_recovery_mode == "strict":
+                raise
+            log.warning("%s; graceful mode: the page is left out of attention from now on", exc)
+            self.lost.add(page)
+            cache.counters["pages_lost"] += 1
+            buf.zero_()
+        else:
+            cache.counters["pages_read_spilled"] += 1
+        return from_rows(buf[None], self._like).select(0)
+
+    def _unspill(self, page: int) -> None:
+        """``page`` left level 3 on disk: remove its file once no live page is in it."""
+        chunk, _ = self.spilled.pop(page)
+        if all(c is not chunk for c, _ in self.spilled.values()):
+            self.layer._cache.spill.remove(chunk)
+
+    def _page_shape(self) -> tuple:
+        cache = self.layer._cache
+        return (self.layer.batch, 2, cache.kv_heads, cache.page_tokens, cache.head_dim)
+
+    def _compress(self, pages: list[int]) -> None:
+        """Level-2 ``pages`` -> level 3: int4 in one batch (on the device when it is a GPU: the
+        pages go there, are quantized, and only their int4 form comes back)."""
+        layer = self.layer
+        batch = torch.stack([self.host.pop(pg) for pg in pages])
+        if layer.device.type == "cuda":
+            c = compress_pages(batch.to(layer.device, non_blocking=True)).to("cpu")
+        else:
+            c = compress_pages(batch)
+        for i, pg in enumerate(pages):
+            self.comp[pg] = c.select(i)
+        self._like = self.comp[pages[0]]
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu":
@@ -162,18 +251,22 @@ class LayerPrune:
         if leaving:
             for page, t in self._leave_l1(leaving).items():
                 self.host[page] = self._to_host(t)          # 1 -> 2
-        joining = []
+        joining, compressing = [], []
         for page in changed:
             lv_old, lv_new = int(old[page]), int(new[page])
             if lv_new == 1:
                 joining.append(page)
             elif lv_new == 3 and lv_old == 2:
-                self.comp[page] = compress_pages(self.host.pop(page))
+                compressing.append(page)
+        if compressing:
+            self._compress(compressing)
         if joining:
-            got = torch.stack([self._page_to_device(pg) for pg in joining])
+            got = self._pages_to_device(joining)
             for pg in joining:
                 self.host.pop(pg, None)
                 self.comp.pop(pg, None)
+                if pg in self.spilled:
+                    self._unspill(pg)
             self._join_l1(joining, got)
 
     # --- a step ---------------------------------------------------------------------------------
@@ -191,6 +284,8 @@ class LayerPrune:
             idx = torch.tensor(self.l1_pages, device=dev)
             cols.append((s + idx[:, None] * p + ar).reshape(1, -1).expand(b, -1))
         demoted = torch.nonzero(self.level > 1).flatten().tolist()
+        if self.lost:
+            demoted = [pg for pg in demoted if pg not in self.lost]
         if demoted:
             from ..select import resolve_top_k, select_pages
             k = None if recall_all else resolve_top_k(cache.top_k_pages, len(demoted))
@@ -202,10 +297,14 @@ class LayerPrune:
                 mask = torch.full((self.n_pages,), float("-inf"), device=scores.device)
                 mask[torch.tensor(demoted, device=scores.device)] = 0.0
                 rows = select_pages(scores + mask, k).cpu().tolist()
-            got = {pg: self._page_to_device(pg) for pg in sorted({pg for r in rows for pg in r})}
-            # [b, 2, h, k, p, d] per row, then keys/values [b, h, k * p, d]
-            per_row = torch.stack([torch.stack([got[pg][r] for pg in rows[r]])
-                                   for r in range(b)])  # [b, k, 2, h, p, d]
+            wanted = sorted({pg for r in rows for pg in r})
+            got = self._pages_to_device(wanted)  # [n, b, 2, h, p, d]
+            if all(r == wanted for r in rows):
+                per_row = got.transpose(0, 1)  # [b, k, 2, h, p, d]
+            else:
+                at = {pg: i for i, pg in enumerate(wanted)}
+                per_row = torch.stack([got[torch.tensor([at[pg] for pg in rows[r]],
+                                                        device=dev), r] for r in range(b)])
             kb = per_row[:, :, 0].permute(0, 2, 1, 3, 4).reshape(b, per_row.shape[3], -1,
                                                                  per_row.shape[-1])
             vb = per_row[:, :, 1].permute(0, 2, 1, 3, 4).reshape(b, per_row.shape[3], -1,
@@ -270,12 +369,15 @@ class LayerPrune:
         if self.n_pages == 0:
             return
         scores = self.page_scores()
+        if self.lost:  # a lost page has no bytes to come back with: it stays at level 3
+            scores[torch.tensor(sorted(self.lost))] = -1.0
         new, promoted, demoted = next_levels(self.level, scores, self.s.threshold)
         self._apply(self.level, new)
         self.level = new
         self.counters["promotions"] += int(promoted.sum())
         self.counters["demotions"] += int(demoted.sum())
         self.counters["evaluations"] += 1
+        self.layer._cache._prune_spill()
 
 
 def offset_values(matchers: list[OffsetMatcher], start: int, stop: int,
@@ -290,17 +392,12 @@ def offset_values(matchers: list[OffsetMatcher], start: int, stop: int,
     return torch.tensor(rows, dtype=torch.float32, device=device)
 
 
-def prune_settings(threshold, scorer, offsets, tokenizer, compensate, every, window,
-                   host_bytes) -> PruneSettings | None:
+def prune_settings(threshold, scorer, offsets, tokenizer, compensate, every,
+                   window) -> PruneSettings | None:
     """Validated settings, or None when pruning is off (``threshold`` None)."""
     validate_prune(threshold, scorer, offsets, tokenizer, compensate, every, window)
     if threshold is None:
         return None
-    if host_bytes is not None:
-        from deepseek_flash.errors import ConfigError
-        raise ConfigError("prune_threshold: pruning keeps its host levels in memory; it does not "
-                          "take host_bytes/spill_dir yet (set one or the other)",
-                          key="prune_threshold", value=threshold, allowed="null with host_bytes")
     from .scorers import resolve_scorer
     try:
         fn = resolve_scorer(scorer)

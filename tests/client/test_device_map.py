@@ -93,17 +93,20 @@ def test_auto_split_over_two_logical_slices_through_the_daemon(store, tmp_path):
         halves = [Part(0, "cpu", (0, 1, 2), True, False), Part(1, "cpu", (3, 4, 5), False, True)]
         sizes = [sum(align_up(b.length, 4096) for b in blocks if b.id in set(p.blocks(blocks)))
                  for p in halves]
-        # A total budget is split by bytes: the smallest total whose shares hold each part's
-        # minimum, so both parts stream.
-        total = int(max(part_minimum(path, p) / n for p, n in zip(halves, sizes)) * whole) + 8192
+        # A total budget gives each part its resident minimum first: the sum of the minimums
+        # loads, where a split by bytes alone would leave a part below its own (each part pays
+        # its own anchors and slots).
+        minimums = [part_minimum(path, p) for p in halves]
+        total = sum(minimums)
         assert total < whole
+        assert min(total * n // whole - m for n, m in zip(sizes, minimums)) < 0
         model = load_model(path, socket_path=daemon.socket, device_map={"devices": ["cpu", "cpu"]},
                            weight_budget=total)
         assert model.flash.client.mode == "daemon"
         a, b = model.flash.parts
         assert a.part.layers == (0, 1, 2) and b.part.layers == (3, 4, 5)
         assert a.stream is not None and b.stream is not None
-        assert a.plan.budget + b.plan.budget <= total
+        assert [a.plan.budget, b.plan.budget] == minimums
         assert_same_outputs(model, ref, ids(3))
         assert model.flash.stream.stats()["streamed_layers"] == len(a.plan.streamed_layers) + \
             len(b.plan.streamed_layers)

@@ -20,13 +20,18 @@ def test_smoke_stream_phase_writes_json_with_identical_tokens(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     stream = res["stream"]
-    assert res["devices"] == ["cpu", "cpu"] and "tp" not in res
+    assert res["devices"] == ["cpu", "cpu"] and "tp" not in res and res["layers"] == 16
     # Twice the total budget: both runs stream, and the split's budgets share the same total.
     assert stream["total_budget_bytes"] * 2 <= stream["model_bytes"] + 1
     assert stream["one_device"]["streamed_bytes_per_token"] > 0
     parts = stream["split"]["parts"]
-    assert [p["layers"] for p in parts] == [[0, 5], [6, 11]]
+    assert [p["layers"] for p in parts] == [[0, 7], [8, 15]]
     assert sum(p["budget_bytes"] for p in parts) <= stream["total_budget_bytes"]
+    # The budgets checked up front are the ones the parts ran under, each above its minimum.
+    budgets = res["budgets"]
+    assert budgets["total"] == stream["total_budget_bytes"] >= budgets["one_device_minimum"]
+    assert [b["budget"] for b in budgets["split"]] == [p["budget_bytes"] for p in parts]
+    assert all(b["budget"] >= b["minimum"] for b in budgets["split"])
     assert all(p["streamed_layers"] > 0 for p in parts)
     assert stream["split"]["tokens_identical_to_one_device"] is True
     ratio = stream["split"]["tok_s"] / stream["one_device"]["tok_s"]

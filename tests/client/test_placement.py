@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from deepseek_flash.client.placement import Part, normalize_device, resolve
-from deepseek_flash.errors import DeviceMapError, error_from_code
+from deepseek_flash.errors import BudgetTooSmall, DeviceMapError, error_from_code
 from deepseek_flash.store.format import BlockInfo
 
 HERE = ["cpu", "cuda:0", "cuda:1"]
@@ -33,6 +33,40 @@ def test_devices_may_repeat_as_logical_slices_and_a_total_budget_splits_by_bytes
     assert spans(parts) == [("cuda:0", [0, 1, 2, 3], True, False), ("cuda:0", [4, 5, 6, 7], False, True)]
     assert [p.target for p in parts] == [0, 0]
     assert [p.budget for p in parts] == [225, 225]
+
+
+# Layers of 100 bytes of which 60 may stream (the MLP), a large embedding and a small head: an
+# automatic map cuts at the middle byte -- layers 0-2 + embeddings (500 bytes), 3-7 + head (520).
+# Resident minimums (anchors + two slots of 60): 500 - 180 + 120 = 440 and 520 - 300 + 120 = 340.
+SKEWED = dict(num_layers=8, layer_bytes=[100] * 8, stream_bytes=[60] * 8, edge_bytes=(200, 20),
+              available=HERE)
+
+
+def test_a_total_budget_gives_each_part_its_resident_minimum_first():
+    parts = resolve({"devices": ["cuda:0", "cuda:0"]}, **SKEWED, weight_budget=800)
+    assert [list(p.layers) for p in parts] == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    # By bytes alone part 0 would get 800 * 500 // 1020 = 392 < 440 and its attach would fail;
+    # the 20 bytes over the minimums go by what each part could still keep (60 : 180).
+    assert [p.budget for p in parts] == [440 + 5, 340 + 15]
+    # A budget that holds everything still splits by bytes (every part whole).
+    assert [p.budget for p in resolve({"devices": ["cuda:0", "cuda:1"]}, **SKEWED,
+                                      weight_budget=2040)] == [1000, 1040]
+    # Per device: one device's budget over its two slices follows the same rule.
+    per_device = resolve({"devices": ["cuda:0", "cuda:0"]}, **SKEWED, weight_budget={"cuda:0": 800})
+    assert [p.budget for p in per_device] == [445, 355]
+
+
+def test_a_total_below_the_parts_minimums_is_refused_naming_each_part():
+    with pytest.raises(BudgetTooSmall) as exc:
+        resolve({"devices": ["cuda:0", "cuda:1"]}, **SKEWED, weight_budget=779)
+    err = exc.value
+    assert err.code == 402 and err.minimum == 780 and err.part_minimums == [440, 340]
+    assert err.budget == 779
+    assert "part on cuda:0 (layers 0-2) 440" in str(err) and "part on cuda:1 (layers 3-7) 340" in str(err)
+    assert [p.budget for p in resolve({"devices": ["cuda:0", "cuda:1"]}, **SKEWED,
+                                      weight_budget=780)] == [440, 340]
+    # One part is not split: the planner's own refusal names what it misses.
+    assert [p.budget for p in resolve({"devices": ["cuda:0"]}, **SKEWED, weight_budget=10)] == [10]
 
 
 def test_a_budget_per_device_steers_an_automatic_map_and_is_split_among_its_slices():

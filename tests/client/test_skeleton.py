@@ -54,3 +54,97 @@ def test_skeleton_has_meta_parameters_and_real_buffers():
     with pytest.raises(KeyError, match="parameters not served"):
         bind_parameters(model, {"model.embed_tokens.weight": embed})
     assert model.model.embed_tokens.weight.data_ptr() == embed.data_ptr()   # a view, not a copy
+
+
+def test_prefetch_imports_reads_ahead_sources_and_this_interpreters_compiled_modules(tmp_path,
+                                                                                   monkeypatch):
+    import sys
+
+    from deepseek_flash.client.skeleton import prefetch_imports
+
+    pkg = tmp_path / "flash_prefetch_pkg"
+    for rel in ("__init__.py", "a.py", "sub/__init__.py", "sub/b.py", "tests/t.py", ".hidden/h.py",
+                "notes.txt", f"__pycache__/a.{sys.implementation.cache_tag}.pyc",
+                "__pycache__/a.other-99.pyc", f"sub/__pycache__/b.{sys.implementation.cache_tag}.pyc"):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # Four sources and this interpreter's two compiled modules; not the tests, hidden
+    # directories, other files or another interpreter's bytecode. A missing package is skipped.
+    assert prefetch_imports(("flash_prefetch_pkg", "no_such_package_here"), threads=3) == 6
+    assert prefetch_imports(("no_such_package_here",)) == 0
+
+
+def test_a_fresh_process_reads_the_skeletons_imports_ahead_before_attaching(tmp_path):
+    """In a process that has not imported the model's transformers module, load_model reads the
+    module files ahead before the attach starts the load's disk reads, and imports nothing of
+    transformers before that attach (the decode engine's import comes after it)."""
+    import json
+    import subprocess
+    import sys
+
+    from deepseek_flash.store import pack
+    from deepseek_flash.testing import make_tiny_model
+
+    store = pack(make_tiny_model(tmp_path / "src", "llama", num_layers=2), tmp_path / "store")
+    script = f"""
+import json, os, sys, importlib.util
+from deepseek_flash.client import Client
+from deepseek_flash.client.skeleton import imports_cached
+# The page cache loses the files the imports start with (as after a drop of the caches).
+root = list(importlib.util.find_spec("transformers").submodule_search_locations)[0]
+for rel in ("models/llama/modeling_llama.py", "modeling_utils.py"):
+    fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+assert not imports_cached({{"model_type": "llama"}})
+from deepseek_flash.client.model import load_model
+seen = []
+with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
+    attach = client.attach
+    def spy(*a, **k):
+        seen.append(sorted(m for m in sys.modules if m.startswith("transformers")))
+        return attach(*a, **k)
+    client.attach = spy
+    model = load_model({str(store)!r}, device="cpu", client=client)
+    print(json.dumps({{"timings": list(model.flash.timings), "before_attach": seen[0],
+                      "cached_after": imports_cached({{"model_type": "llama"}})}}))
+    model.flash.close()
+    # Another load in the same process: the module is imported, nothing is read ahead.
+    again = load_model({str(store)!r}, device="cpu", client=client)
+    print(json.dumps({{"timings": list(again.flash.timings)}}))
+    again.flash.close()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, again = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
+    assert first["timings"] == ["open_model_ms", "prefetch_imports_ms", "attach_ms", "skeleton_ms",
+                                "device_memory_ms", "bind_ms", "total_ms"]
+    assert first["before_attach"] == [] and first["cached_after"] is True
+    assert again["timings"] == ["open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms",
+                                "bind_ms", "total_ms"]
+
+
+def test_a_fresh_process_with_the_files_cached_reads_nothing_ahead(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from deepseek_flash.store import pack
+    from deepseek_flash.testing import make_tiny_model
+
+    store = pack(make_tiny_model(tmp_path / "src", "llama", num_layers=2), tmp_path / "store")
+    script = f"""
+import json
+from deepseek_flash.client import Client
+from deepseek_flash.client.model import load_model
+with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
+    model = load_model({str(store)!r}, device="cpu", client=client)
+    print(json.dumps(list(model.flash.timings)))
+    model.flash.close()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # make_tiny_model just imported (and so cached) the same files in this process.
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [
+        "open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms", "bind_ms", "total_ms"]

@@ -22,6 +22,7 @@ def test_kv_bench_smoke(tmp_path):
     pages = (tokens + 2 + 2 - 4 - 512) // 32  # after the lossless warm-up and steps
     assert r["lossless_bytes_per_token"] == pages * 4 * 32 * 256
     assert r["topk25_pages_per_token"] > 0
+    assert r["topk25_one_gather_layers"] == 2  # 4 layers, the first 2 dense
     for key in ("dynamic_tok_s", "topk25_tok_s", "lossless_tok_s", "ttft_dynamic_s", "ttft_tiered_s"):
         assert r[key] > 0
 
@@ -37,8 +38,9 @@ def test_kv_prune_show_smoke(tmp_path):
                        "--output", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["context"] == 700
-    for name in ("dynamic", "tiered_topk25", "pruned", "pruned_all_demoted"):
+    for name in ("dynamic", "tiered_topk25", "pruned", "pruned_topk25", "pruned_all_demoted"):
         assert r[name]["gpu_kv_bytes"] > 0 and r[name]["tok_s"] > 0
+        assert r[name]["decode_steps"] == 20
     assert r["dynamic"]["gpu_kv_bytes"] == (700 + 2 + 20) * 4 * 256
     demoted = r["pruned_all_demoted"]
     # threshold 1.0: every page is demoted at the prefill's evaluation and in int4 two later
@@ -46,6 +48,7 @@ def test_kv_prune_show_smoke(tmp_path):
     assert demoted["level_tokens_layer0"][2] > 0 and demoted["recalls"] > 0
     assert demoted["gpu_kv_bytes"] < r["dynamic"]["gpu_kv_bytes"]
     assert r["pruned"]["scorer_ms_per_step"] > 0
+    assert r["total_s"] < r["budget_s"] == 45.0
 
 
 def test_kv_ops_topk_step_host_work_does_not_grow_with_pages(tmp_path):

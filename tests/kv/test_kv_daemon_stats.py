@@ -52,10 +52,15 @@ def test_cache_stats_reach_the_controller_and_the_status_tree(model, tmp_path):
                            "kv_pages_fetched": base + s["pages_fetched"],
                            "kv_arena_bytes": s["host_bytes"]}
     snapshot = client.call("status")
+    device, paged = 303 - s["pages"] // 2 * 16, s["pages"] // 2 * 16  # per layer (2 layers)
     assert snapshot["models"][name]["kv"] == {
         "caches": 1, "tokens": 303, "gpu_bytes": s["gpu_bytes"], "host_bytes": s["host_bytes"],
         "spilled_bytes": s["spilled_bytes"], "full_bytes": s["full_bytes"],
-        "pages_fetched": s["pages_fetched"], "arena_bytes": s["host_bytes"]}
+        "pages_fetched": s["pages_fetched"], "arena_bytes": s["host_bytes"],
+        # without pruning, level 1 is the device and level 2 the host (and spill files)
+        "level1_tokens": 2 * device, "level2_tokens": 2 * paged, "level3_tokens": 0,
+        "level3_bytes_saved": 0, "demotions": 0, "promotions": 0, "recalls": 0,
+        "level_tokens": {"layer0": f"{device} {paged} 0", "layer1": f"{device} {paged} 0"}}
     files = render(snapshot)
     info = parse(files[f"models/{name}/info"].decode())
     assert int(info["kv.gpu_bytes"]) == s["gpu_bytes"] and int(info["kv.tokens"]) == 303
@@ -103,6 +108,52 @@ def test_a_collected_cache_and_a_departed_client_leave_their_fetches_only(model)
         client.call("kv_free", {"offset": region["offset"]})
     with pytest.raises(MalformedFrame, match="gpu_bytes"):
         client.call("report_kv", {"model": model.flash.info.name, "stats": {"gpu_bytes": "x"}})
+
+
+def test_pruning_stats_reach_the_stats_the_status_tree_and_metrics(model):
+    """A pruning cache's tokens per level (per layer and summed), level moves, recalls and the
+    bytes level 3 saves: in the controller's stats, the model's kv.* fields, the tree files and
+    metrics.prom; after close only the counters stay."""
+    client, name = model.flash.client, model.flash.info.name
+    before = client.call("stats")
+    ids = torch.randint(1, 256, (2, 150), generator=torch.Generator().manual_seed(6))
+    cache = TieredCache.for_model(model, prune_threshold=1.0, page_tokens=16, prune_every=2,
+                                  report_interval=0.0)
+    greedy(model, ids, None, cache, 6)
+    assert cache.report()
+    s = cache.stats()
+    assert s["demotions"] > 0 and s["recalls"] > 0 and s["level3_bytes_saved"] > 0
+    levels = [[n * 2 for n in lv] for lv in s["level_tokens"]]  # batch 2
+    assert levels[0][2] > 0 and levels[0][0] == 2 * (4 + cache.layers[0].recent_k.shape[2])
+    stats = client.call("stats")
+    want = {"kv_level1_tokens": sum(lv[0] for lv in levels),
+            "kv_level2_tokens": sum(lv[1] for lv in levels),
+            "kv_level3_tokens": sum(lv[2] for lv in levels),
+            "kv_level3_bytes_saved": s["level3_bytes_saved"],
+            "kv_demotions": before["kv_demotions"] + s["demotions"],
+            "kv_promotions": before["kv_promotions"] + s["promotions"],
+            "kv_recalls": before["kv_recalls"] + s["recalls"]}
+    assert {k: stats[k] for k in want} == want
+    snapshot = client.call("status")
+    kv = snapshot["models"][name]["kv"]
+    assert kv["level_tokens"] == {f"layer{i}": " ".join(map(str, lv)) for i, lv in enumerate(levels)}
+    assert (kv["demotions"], kv["recalls"]) == (s["demotions"], s["recalls"])
+    files = render(snapshot)
+    info = parse(files[f"models/{name}/info"].decode())
+    assert info["kv.level_tokens.layer1"] == " ".join(map(str, levels[1]))
+    assert int(info["kv.level3_tokens"]) == want["kv_level3_tokens"]
+    assert int(parse(files["stats"].decode())["kv_demotions"]) == want["kv_demotions"]
+    prom = files["metrics.prom"].decode()
+    assert f'deepseek_flash_kv_recalls_total {want["kv_recalls"]}' in prom
+    assert f'deepseek_flash_kv_level3_tokens {want["kv_level3_tokens"]}' in prom
+    assert "# TYPE deepseek_flash_kv_demotions_total counter" in prom
+    assert f'deepseek_flash_model_kv_level1_tokens{{model="{name}"}} {want["kv_level1_tokens"]}' in prom
+    cache.close()
+    after = client.call("stats")
+    assert after["kv_level3_tokens"] == after["kv_level1_tokens"] == 0
+    assert after["kv_demotions"] == want["kv_demotions"] and after["kv_recalls"] == want["kv_recalls"]
+    with pytest.raises(MalformedFrame, match="level_tokens"):
+        client.call("report_kv", {"model": name, "stats": {"level_tokens": [[1, 2]]}})
 
 
 def test_reporting_off_and_bad_interval(model):

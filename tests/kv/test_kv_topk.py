@@ -117,3 +117,45 @@ def test_one_gather_fetch_is_the_bytes_of_the_chosen_pages(batch, monkeypatch):
         assert (layer.pages._span is not None) == one_gather
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
         assert cache.counters["pages_fetched"] == batch * 5
+
+
+def test_a_view_that_reads_other_bytes_falls_back_to_copies(monkeypatch, caplog):
+    # the view's self-check (first page through the view == the page copied) fails: the layer
+    # says so once and fetches run by run, with the right bytes
+    import deepseek_flash.kv.span as span
+
+    torch.manual_seed(5)
+    n_tokens = 2 + 6 * P + P
+    keys, values = torch.randn(1, H, n_tokens, D), torch.randn(1, H, n_tokens, D)
+    cache = TieredCache(1, kv_heads=H, head_dim=D, gpu_tokens=P, sink_tokens=2, page_tokens=P,
+                        dense_layers=0, top_k_pages=2)
+    layer = cache.layers[0]
+    _step(layer, torch.zeros(1, 2 * H, n_tokens, D), keys, values)
+    real = span.raw_view
+    monkeypatch.setattr(span, "raw_view", lambda a, n, dev: real(a, n, dev).clone().zero_())
+    with caplog.at_level("WARNING", logger="deepseek_flash.kv.cache"):
+        k, _ = layer.pages.fetch_selected(torch.tensor([[1, 4]]))
+    assert layer.pages._span is None and layer.pages._span_failed
+    assert "differs from the page copied" in caplog.text
+    want = torch.cat([keys[:, :, 2 + p * P:2 + (p + 1) * P] for p in (1, 4)], 2)
+    assert torch.equal(k, want)
+
+
+def test_a_gather_refused_by_torch_falls_back_to_copies(monkeypatch):
+    import deepseek_flash.kv.span as span
+
+    torch.manual_seed(6)
+    n_tokens = 2 + 6 * P + P
+    keys, values = torch.randn(1, H, n_tokens, D), torch.randn(1, H, n_tokens, D)
+    cache = TieredCache(1, kv_heads=H, head_dim=D, gpu_tokens=P, sink_tokens=2, page_tokens=P,
+                        dense_layers=0, top_k_pages=2)
+    layer = cache.layers[0]
+    _step(layer, torch.zeros(1, 2 * H, n_tokens, D), keys, values)
+    assert layer.pages.span() is not None  # built (and self-checked) before gather is refused
+
+    def refuse(self, chosen):
+        raise RuntimeError("unsupported operation")
+    monkeypatch.setattr(span.HostSpan, "gather", refuse)
+    _, v = layer.pages.fetch_selected(torch.tensor([[0, 5]]))
+    assert layer.pages._span_failed and cache.counters["pages_fetched"] == 2
+    assert torch.equal(v, torch.cat([values[:, :, 2:2 + P], values[:, :, 2 + 5 * P:2 + 6 * P]], 2))

@@ -43,11 +43,10 @@ def test_threshold_zero_keeps_every_page_on_the_device_and_is_exact(model3):
     n = s["tokens"]
     assert n == 131 and s["level_tokens"] == [[n, 0, 0]] * 3
     assert s["demotions"] == s["promotions"] == s["recalls"] == s["host_bytes"] == 0
-    # gpu_bytes: every token's K and V (fp32, 2 heads x 16), the page summaries and the
-    # scorer's per-token statistics (3 floats + 2 norms per head)
-    pages = (n - 4 - 64) // 16
+    # gpu_bytes: every token's K and V (fp32, 2 heads x 16) and the scorer's per-token
+    # statistics (3 floats + 2 norms per head); no page summaries: lossless recall ranks no page
     kv = 2 * 2 * 16 * 4
-    per_layer = n * 2 * kv + 2 * pages * 2 * 2 * 16 * 4 + n * 2 * (3 + 2 * 2) * 4
+    per_layer = n * 2 * kv + n * 2 * (3 + 2 * 2) * 4
     assert s["gpu_bytes"] == 3 * per_layer
 
 
@@ -163,9 +162,118 @@ def test_bad_prune_settings_are_config_errors(model3, tmp_path):
                         (dict(prune_threshold=0.15, prune_scorer="mlp"), "prune_scorer"),
                         (dict(prune_threshold=0.15, prune_scorer=3), "prune_scorer"),
                         (dict(prune_threshold=0.15, prune_offsets=[("def", 0.08)]), "prune_offsets"),
-                        (dict(prune_threshold=0.15, prune_every=0), "prune_every"),
-                        (dict(prune_threshold=0.15, host_bytes=1 << 20, spill_dir=tmp_path),
-                         "prune_threshold")]:
+                        (dict(prune_threshold=0.15, prune_every=0), "prune_every")]:
         with pytest.raises(ConfigError) as info:
             TieredCache.for_model(model3, **kwargs)
         assert info.value.key == key, kwargs
+
+
+def _spill_run(model3, tmp_path, steps=10, **kw):
+    """150 tokens (5 pages of 16 per layer past sinks + 64 recent), every page demoted (threshold
+    1.0) and in int4 two evaluations later; a 1-byte host budget sends every level-3 page to disk."""
+    cache = TieredCache.for_model(model3, prune_threshold=1.0, page_tokens=16, prune_every=2,
+                                  **kw)
+    ids = ids_of(150, seed=3)
+    logits = []
+    with torch.no_grad():
+        logits.append(model3(ids[:, :140], cache=cache).logits[:, -1])
+        for t in range(140, 140 + steps):
+            logits.append(model3(ids[:, t:t + 1], cache=cache).logits[:, -1])
+    return cache, torch.stack(logits)
+
+
+def test_level3_past_host_bytes_spills_and_comes_back_exactly(model3, tmp_path):
+    from pathlib import Path
+
+    from deepseek_flash.kv.prune.compress import compressed_bytes
+
+    plain, want = _spill_run(model3, tmp_path)
+    cache, got = _spill_run(model3, tmp_path, host_bytes=1, spill_dir=tmp_path)
+    assert torch.equal(got, want)  # the int4 bytes come back from disk exactly
+    s, p = cache.stats(), plain.stats()
+    assert s["level_tokens"] == p["level_tokens"] and s["level_tokens"][0][2] == 5 * 16
+    assert s["level3_bytes_saved"] == p["level3_bytes_saved"] > 0
+    assert p["spilled_bytes"] == p["chunks_spilled"] == 0
+    # every level-3 page left the host: the host holds nothing; each layer's pages went in one
+    # file at the evaluation that compressed them (4 prefill pages), then one more (page 4)
+    assert s["host_bytes"] == 0 and p["host_bytes"] == 3 * 5 * compressed_bytes(2, 16, 16)
+    files = sorted(Path(tmp_path).glob("*-int4.pages"))
+    assert s["chunks_spilled"] == len(files) == 6
+    stride = -(-compressed_bytes(2, 16, 16) // 4096) * 4096
+    assert s["spilled_bytes"] == sum(f.stat().st_size for f in files) == 3 * 5 * stride
+    # lossless recall read every spilled page back (crc-checked) at each step after its spill
+    assert s["pages_read_spilled"] > 0 and s["recalls"] == p["recalls"]
+    cache.close()
+    assert not list(Path(tmp_path).glob("*.pages"))
+
+
+def test_a_promoted_spilled_page_leaves_its_file(model3, tmp_path):
+    from pathlib import Path
+
+    scorer = Fixed(0.0)
+    cache = TieredCache.for_model(model3, prune_threshold=0.15, prune_scorer=scorer,
+                                  page_tokens=16, prune_every=1, host_bytes=1, spill_dir=tmp_path)
+    ids = ids_of(150, seed=4)
+    with torch.no_grad():
+        model3(ids[:, :140], cache=cache)
+        model3(ids[:, 140:141], cache=cache)  # second evaluation: 2 -> 3, spilled
+        assert cache.stats()["level_tokens"][0][2] == 4 * 16
+        assert len(list(Path(tmp_path).glob("*.pages"))) == 3
+        scorer.value = 0.5
+        model3(ids[:, 141:142], cache=cache)  # every page back to level 1, from disk
+    s = cache.stats()
+    assert s["level_tokens"][0][1:] == [0, 0] and s["promotions"] == 3 * 4
+    assert s["spilled_bytes"] == 0 and not list(Path(tmp_path).glob("*.pages"))
+
+
+def test_a_corrupt_spilled_level3_page_strict_and_graceful(model3, tmp_path):
+    from pathlib import Path
+
+    from deepseek_flash.errors import KVPageCorrupt
+
+    def corrupt(d):
+        path = sorted(Path(d).glob("*L001-P00000000-int4.pages"))[0]
+        raw = bytearray(path.read_bytes())
+        raw[4096 + 10] ^= 0xFF  # row 1 = page 1 of layer 1
+        path.write_bytes(bytes(raw))
+        return path
+
+    strict, graceful = tmp_path / "strict", tmp_path / "graceful"
+    for d, mode in ((strict, "strict"), (graceful, "graceful")):
+        cache, _ = _spill_run(model3, d, steps=4, host_bytes=1, spill_dir=d,
+                              error_recovery_mode=mode)
+        path = corrupt(d)
+        step = ids_of(1, seed=9)
+        with torch.no_grad():
+            if mode == "strict":
+                with pytest.raises(KVPageCorrupt) as info:
+                    model3(step, cache=cache)
+                assert info.value.path == str(path) and info.value.layer == 1
+                assert info.value.page == 1 and info.value.code == 702
+            else:
+                model3(step, cache=cache)
+                model3(step, cache=cache)  # read once, then left out
+                s = cache.stats()
+                assert s["pages_lost"] == 1 and cache.layers[1].prune.lost == {1}
+                assert int(cache.layers[1].prune.level[1]) == 3
+
+
+def test_a_failed_level3_spill_keeps_the_pages_and_says_so(model3, tmp_path):
+    from deepseek_flash.errors import KVSpillFailed
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    plain, want = _spill_run(model3, tmp_path, steps=1)
+    cache = TieredCache.for_model(model3, prune_threshold=1.0, page_tokens=16, prune_every=2,
+                                  host_bytes=1, spill_dir=blocker / "sub")
+    ids = ids_of(150, seed=3)
+    with torch.no_grad():
+        model3(ids[:, :140], cache=cache)
+        model3(ids[:, 140:141], cache=cache)
+        model3(ids[:, 141:142], cache=cache)  # 2 -> 3 and the spill fails
+        with pytest.raises(KVSpillFailed) as info:
+            model3(ids[:, 142:143], cache=cache)
+    assert str(blocker) in str(info.value)
+    s = cache.stats()
+    assert s["spill_errors"] >= 1 and s["spilled_bytes"] == 0
+    assert s["level_tokens"][0][2] == 4 * 16 and s["host_bytes"] > 0  # nothing lost

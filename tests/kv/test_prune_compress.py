@@ -57,3 +57,20 @@ def test_bytes_and_dtypes():
     assert bool(((back.float() - pages.float()).abs() <= bound + (pages.float().abs() + bound) * 2 ** -8).all())
     with pytest.raises(ValueError, match="even head_dim"):
         compress_pages(torch.zeros(2, 1, 4, 3))
+
+
+def test_a_batch_compresses_page_by_page_and_stacks_back():
+    from deepseek_flash.kv.prune.compress import stack_compressed
+
+    torch.manual_seed(1)
+    pages = torch.randn(4, 1, 2, 2, 16, 8)
+    batch = compress_pages(pages)
+    one = [compress_pages(pages[i]) for i in range(4)]
+    for i in range(4):
+        page = batch.select(i)
+        assert page.shape == one[i].shape == (1, 2, 2, 16, 8)
+        for name in ("k_codes", "v_codes", "k_lo", "k_step", "v_lo", "v_step"):
+            assert torch.equal(getattr(page, name), getattr(one[i], name))
+        assert page.nbytes == one[i].nbytes == compressed_bytes(2, 16, 8)
+        assert page.k_codes.untyped_storage().nbytes() == page.k_codes.numel()  # its own copy
+    assert torch.equal(decompress_pages(stack_compressed(one)), decompress_pages(batch))

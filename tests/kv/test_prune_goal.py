@@ -3,7 +3,8 @@ bench/kv_prune.py: ≤ +1 % perplexity against full attention, lower perplexity 
 and H2O-style eviction holding the same GPU KV bytes, and ≥ 3× less GPU KV than full attention.
 
 Short on purpose (CI time): 2 windows of 1,024 eval tokens, a 768-token prefill and 256 decoded,
-scored tokens per window, default settings (lossless recall, 32-token pages, 64 recent tokens).
+scored tokens per window, default settings (lossless recall, 32-token pages, 64 recent tokens);
+about 40-60 s on one CPU thread.
 The full measurement (context 2048, 4 thresholds, with and without compensation, lossless and
 top-K recall, the baselines at each threshold's memory) is bench/kv_prune.py's default run,
 recorded in docs/benchmarks.md.
@@ -48,7 +49,11 @@ def test_default_threshold_accuracy_and_baselines(result):
     assert goal["below_both_baselines"], goal
 
 
-@pytest.mark.xfail(strict=True, reason="goal not met: the attention scorer at threshold 0.15 "
-                   "keeps 1/1.5-1/2 of the KV on the GPU, not 1/3 (docs/benchmarks.md, kv_prune)")
 def test_default_threshold_saves_3x_gpu_kv(result):
-    assert result["goal_at_default_threshold"]["memory_ratio"] >= 3.0
+    goal = result["goal_at_default_threshold"]
+    prune = next(r for r in result["rows"] if r["kind"] == "prune")
+    # gpu_bytes_mean: every KV byte on the device (sinks, recent window, level-1 pages, the
+    # scorer's statistics), the mean over the decoded steps
+    assert prune["memory_ratio"] == goal["memory_ratio"]
+    assert prune["full_bytes"] / prune["gpu_bytes_mean"] >= 3.0, goal
+    assert goal["memory_ratio_ge_3"], goal

@@ -20,10 +20,14 @@ def _input(mass, observed=None, knorm=None):
 
 
 def test_attention_scorer_maps_relative_share_to_0_1():
-    mass = torch.tensor([[0.0, 0.176, 1.0, 3.0, 99.0]])
+    mass = torch.tensor([[0.0, 0.99, 1.01, 17 / 3, 97.0]])
     s = attention_scorer(_input(mass))  # equal key norms: z = 0
-    assert s[0].tolist() == pytest.approx([0.0, 0.176 / 1.176, 0.5, 0.75, 0.99])
-    # below the default threshold 0.15 exactly when the share is below 0.15 / 0.85 of the average
+    # x / (17/3 + x): the uniform share (1.0) scores the default threshold 0.15, 17/3 of it 0.5
+    h = 17 / 3
+    assert s[0].tolist() == pytest.approx([0.0, 0.99 / (h + 0.99), 1.01 / (h + 1.01), 0.5,
+                                           97 / (h + 97)])
+    assert attention_scorer(_input(torch.ones(1, 1)))[0].item() == pytest.approx(0.15)
+    # below the default threshold 0.15 exactly when the share is below the uniform share
     assert (s[0] < 0.15).tolist() == [True, True, False, False, False]
     # never observed: 0.5 (kept)
     s = attention_scorer(_input(torch.zeros(1, 3), observed=torch.tensor([[0.0, 1.0, 0.0]])))
@@ -32,7 +36,7 @@ def test_attention_scorer_maps_relative_share_to_0_1():
     kn = torch.tensor([[[1.0, 3.0]] * 2])
     s = attention_scorer(_input(torch.ones(1, 2), knorm=kn))
     z = 1 / math.sqrt(2)  # z-scores of [1, 3] with the unbiased std
-    want = [math.exp(0.2 * z) / (1 + math.exp(0.2 * z)), math.exp(-0.2 * z) / (1 + math.exp(-0.2 * z))]
+    want = [math.exp(0.2 * z) / (h + math.exp(0.2 * z)), math.exp(-0.2 * z) / (h + math.exp(-0.2 * z))]
     assert s[0].tolist() == pytest.approx(want, rel=1e-5)
 
 
@@ -104,6 +108,7 @@ def test_eviction_baselines(policy):
     got = logits(small)
     assert small.get_seq_length() == 40 and small.layers[0].kept() == 13  # 12 + this step's
     assert small.gpu_bytes() == 2 * 2 * 13 * 2 * 2 * 16 * 4  # layers, K+V, tokens, b, heads, d, fp32
+    assert small.full_bytes() == big.full_bytes() == 2 * 2 * 40 * 2 * 2 * 16 * 4
     assert not torch.allclose(got[1:], want[1:], atol=1e-3)
     if policy == "streaming":  # sinks 0..3 and the most recent tokens
         layer = small.layers[0]

@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
@@ -18,10 +20,20 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
     result = json.loads(out.read_text())
     assert result["waves"] == {"short": 2, "medium": 8, "long": 32} and result["l0_tokens"] == 1
     assert result["arrivals"] > 0 and set(result["capacity_rps"]) == {"1", "2", "8", "32"}
+    # Two sizes timed (the L0 size and the throughput run's 8 tokens), the others on their line.
+    fit = result["capacity_fit"]
+    assert set(fit["measured"]) == {"1", "8"}
+    assert result["capacity_rps"]["32"] == pytest.approx(4 / (fit["fixed_s"] + 32 * fit["per_token_s"]), rel=0.01)
+    assert result["engine_profile"]["one"]["decode_rows_1"]["forwards"] >= 7
+    assert list(result["phase_s"]) == ["model", "warm-up", "unloaded", "one", "full", "capacity", "load flash", "load fifo"]
     for mode in ("flash", "fifo"):
         summary = result[mode]
-        counted = sum(summary[c]["answered"] + summary[c]["refused"] + summary[c]["lost"] for c in ("L0", "L1", "L2"))
+        counted = sum(summary[c]["answered"] + summary[c]["refused"] + summary[c]["lost"] + summary[c]["unfinished"]
+                      for c in ("L0", "L1", "L2"))
         assert counted == result["arrivals"]                 # the same schedule for both
+        assert all(summary[c]["unfinished"] == 0 for c in ("L0", "L1", "L2"))
+        profile = result["engine_profile"][mode]
+        assert profile["prefill"]["forwards"] > 0 and any(k.startswith("decode_rows_") for k in profile)
         assert summary["checks"]["nothing_lost"], summary
         assert summary["L0"]["answered"] > 0 and summary["L0"]["ttft_p99_ms"] > 0
     assert result["fifo"]["degrade_steps"] == {"temperature": 0, "top_p": 0, "max_new_tokens": 0}

@@ -62,13 +62,24 @@ def test_a_short_request_joins_a_running_long_one_at_the_next_step(engine, tiny_
     while not long.output_ids:
         time.sleep(0.001)
     short = generation([9, 10, 11, 12], 5)
-    steps_before = eng.stats["steps"]
-    assert eng.submit(short).admitted
-    assert short.on_event.result()[0] == "done"
-    # prefill (1 step, which also samples the first token) + 4 decodes, plus at most the step that
-    # was running when it arrived.
-    assert eng.stats["steps"] - steps_before <= 6
-    assert long.finish_reason is None                                    # still running meanwhile
+    at_done = {}
+    collect = short.on_event
+
+    def on_event(kind, data):
+        # Read in the engine thread as the short request ends: however late the test thread
+        # gets to run on a busy machine, this is the state at that moment.
+        if kind == "done":
+            at_done.update(steps=eng.stats["steps"], long=long.finish_reason)
+        collect(kind, data)
+    short.on_event = on_event
+    with eng._lock:             # no step boundary between reading the count and the arrival
+        steps_before = eng.stats["steps"]
+        assert eng.submit(short).admitted
+    assert collect.result()[0] == "done"
+    # Its prefill step (which samples the first token and decodes the second) + 3 decodes, plus at
+    # most the step that was running when it arrived.
+    assert at_done["steps"] - steps_before <= 5
+    assert at_done["long"] is None                                       # still running meanwhile
     assert short.output_ids == alone(tiny_reference, short.prompt_ids, 5)
     eng.cancel(long)
 
@@ -192,7 +203,7 @@ class Forwards:
 
     def __call__(self, rows, ids, positions, kv_len):
         k = len(self.log)
-        kind = "decode" if ids.shape[1] == 1 and all(g is not None and g.output_ids and g.prefilled == len(g.prompt_ids)
+        kind = "decode" if ids.shape[1] == 1 and all(g is not None and g.output_ids and g.prefilled == len(g.fill_ids)
                                                      for g in (self.eng._rows[r] for r in rows)) else "prefill"
         self.log.append((kind, list(rows), ids.shape[1]))
         if k in self.at:
@@ -433,4 +444,90 @@ def test_other_prompts_are_packed_into_one_forward_within_the_budget(tiny_refere
         eng._step()
     assert rec.log[0] == ("prefill", [g.row for g in gens[:len(chunks)]], max(chunks))
     assert [g.prefilled for g in gens] == chunks + [0] * (len(prompts) - len(chunks))
+    eng.close(timeout=0)
+
+
+def test_attention_reads_a_bucket_of_key_positions_and_the_profile_counts_the_forwards(tiny_reference,
+                                                                                      tiny_tokenizer):
+    # A 3-token prompt and 70 new tokens in a 100-token cache: the attention reads 64 key positions
+    # while the row is shorter, then the whole cache (128 capped at 100) -- never a length per step.
+    eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=2, l0_reserve=0.0), max_batch=2,
+                 max_model_len=100)
+    seen, bind = [], eng.cache.bind
+
+    def record(rows, positions, kv_len, span=None):
+        seen.append(kv_len)
+        return bind(rows, positions, kv_len, span)
+    eng.cache.bind = record
+    g = generation([5, 6, 7], 70)
+    assert eng.submit(g).admitted
+    boundary(eng)
+    with torch.inference_mode():
+        while not g.on_event.done.is_set():
+            eng._step()
+            boundary(eng)
+    assert g.output_ids == alone(tiny_reference, g.prompt_ids, 70)
+    # The prefill and the decodes at positions 3..63 read 64 keys; those at 64..71 the whole cache.
+    assert seen == [64] * 62 + [100] * 8
+    prof = eng.profile(reset=True)
+    assert set(prof) == {"prefill", "decode_rows_1"}
+    assert prof["prefill"]["forwards"] == 1 and prof["prefill"]["tokens_mean"] == 3
+    assert prof["decode_rows_1"]["forwards"] == 69 and prof["decode_rows_1"]["rows_mean"] == 1
+    assert 0 < prof["decode_rows_1"]["launch_ms_p50"] <= prof["decode_rows_1"]["ms_p50"] <= prof["decode_rows_1"]["ms_max"]
+    assert eng.profile() == {}
+    eng.close(timeout=0)
+
+
+def test_cudnn_attention_is_left_out_of_the_kernels_a_cuda_forward_may_use(tiny_reference, tiny_tokenizer):
+    from torch.nn.attention import SDPBackend
+
+    from deepseek_flash.serve.engine import SDPA_BACKENDS
+
+    assert "CUDNN_ATTENTION" not in SDPA_BACKENDS and "MATH" in SDPA_BACKENDS
+    assert all(isinstance(getattr(SDPBackend, name), SDPBackend) for name in SDPA_BACKENDS)
+    eng = Engine(tiny_reference, tiny_tokenizer, max_batch=1)
+    assert eng._sdpa is None                       # on the CPU the model's choice stands
+    eng.close(timeout=0)
+
+
+def test_an_l0_request_takes_the_row_of_a_running_one_which_resumes_where_it_was(tiny_reference, tiny_tokenizer):
+    # Both rows busy with L1 requests; an L0 request arrives: it preempts the one that joined last,
+    # gets its first token in the step it arrived in, and the preempted request later prefills its
+    # prompt and the tokens it had generated (but the last) and goes on: every client gets the
+    # tokens it would have got alone, each exactly once.
+    eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=2, l0_reserve=0.0), max_batch=2,
+                 prefill_chunk=8)
+    a, b = generation([3, 4, 5, 6, 7], 30), generation([9, 8, 7, 6], 30)
+    for g in (a, b):
+        assert eng.submit(g).admitted
+    boundary(eng)
+    with torch.inference_mode():
+        for _ in range(6):
+            eng._step()
+            boundary(eng)
+        assert len(b.output_ids) == 6                 # b's prompt waited one step (chunk budget 8)
+        l0 = generation([11, 12, 13, 14, 15], 4, cls="L0")
+        rec = Forwards(eng)
+        assert eng.submit(l0).admitted
+        eng._step()
+        assert b.row is None and b.sched.preempted == 1 and eng.stats["preempted"] == 1
+        assert rec.log[0] == ("prefill", [l0.row], 5) and len(l0.output_ids) >= 1
+        b_rows, l0_done = set(), None
+        while not all(g.on_event.done.is_set() for g in (a, b, l0)):
+            eng._step()
+            boundary(eng)
+            b_rows.add(b.row)
+            if l0_done is None and l0.on_event.done.is_set():
+                l0_done = len(rec.log)
+    b_rows.discard(None)
+    assert len(b_rows) == 1
+    # b's row came back when the L0 request finished: its 4 + 5 tokens went in again (8 + 1).
+    assert [(kind, n) for kind, rows, n in rec.log[l0_done:] if rows == list(b_rows) and kind == "prefill"] == [
+        ("prefill", 8), ("prefill", 1)]
+    for g in (a, b, l0):
+        assert g.output_ids == alone(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+        tokens = [d["token"] for k, d in g.on_event.events if k == "token"]
+        assert tokens == g.output_ids and g.on_event.text == g.text
+    assert b.on_event.result()[1]["preempted"] == 1 and a.on_event.result()[1]["preempted"] == 0
+    assert eng.scheduler.snapshot()["preempted"] == {"L0": 0, "L1": 1, "L2": 0}
     eng.close(timeout=0)

@@ -42,8 +42,13 @@ ORDER_TABLE = [
     # L0 first, then L1 by finish tag: 32 tokens (w 1, tag 32) before 128 (w 2, tag 64) and 512
     # (w 8, tag 64); equal tags keep arrival order.
     (8, [], [("a", "L1", 512), ("b", "L1", 128), ("c", "L1", 32), ("d", "L0", 32)], ["d", "c", "a", "b"]),
-    # The L0 reserve (2 of 8 slots): six L1 at most; the rest wait although slots are free.
-    (8, [], [(f"l{i}", "L1", 64) for i in range(8)], [f"l{i}" for i in range(6)]),
+    # The L0 reserve (2 of 8 slots) without preemption: six L1 at most; the rest wait although
+    # slots are free.
+    (8, [], [(f"l{i}", "L1", 64) for i in range(8)], [f"l{i}" for i in range(6)], False),
+    # With preemption (the default) the reserve is lent to L1 while no L0 waits ...
+    (8, [], [(f"l{i}", "L1", 64) for i in range(8)], [f"l{i}" for i in range(8)]),
+    # ... L2 still stops at its 30 % idle line.
+    (10, [], [(f"e{i}", "L2", 64) for i in range(10)], [f"e{i}" for i in range(7)]),
     # ... and L0 takes the reserved slots.
     (8, [("r", "L1", 64)] * 6, [("x", "L0", 16), ("y", "L0", 16), ("z", "L1", 16)], ["x", "y"]),
     # L2 joins only while more than 30 % of the slots are wanted by nobody: 10 slots, 6 busy -> 40 %
@@ -56,9 +61,10 @@ ORDER_TABLE = [
 ]
 
 
-@pytest.mark.parametrize("slots, running, arrivals, joined", ORDER_TABLE)
-def test_join_order(slots, running, arrivals, joined):
-    s = FlashScheduler(slots=slots, clock=Clock())
+@pytest.mark.parametrize("slots, running, arrivals, joined, preempts", [row + (True,) * (5 - len(row))
+                                                                       for row in ORDER_TABLE])
+def test_join_order(slots, running, arrivals, joined, preempts):
+    s = FlashScheduler(slots=slots, clock=Clock(), l0_preempts=preempts)
     for i, (rid, cls, tokens) in enumerate(running):
         admit(s, req(f"{rid}{i}", cls, tokens))
     assert len(s.dispatch()) == len(running)
@@ -321,3 +327,76 @@ def test_queue_ms_and_finish_from_the_queue():
     clock.t += 2.0
     s.finish(a)
     assert s.mean_service_s == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
+
+
+# (running, joined in this order at times 1, 2, ...; L0 arrivals one per dispatch) ->
+# (which request each L0 arrival took the slot of, None: it waits)
+PREEMPT_TABLE = [
+    # L2 first, then L1 -- among a class the one that started last; L0 rows never.
+    ([("a", "L1"), ("b", "L2"), ("c", "L1"), ("d", "L0")], ["b", "c", "a", None]),
+    ([("a", "L2"), ("b", "L2"), ("c", "L1"), ("d", "L1")], ["b", "a", "d", "c", None]),
+    ([("a", "L0"), ("b", "L0")], [None]),
+]
+
+
+@pytest.mark.parametrize("running, victims", PREEMPT_TABLE)
+def test_an_l0_request_finding_every_slot_taken_preempts(running, victims):
+    clock = Clock()
+    s = FlashScheduler(slots=len(running), l0_reserve=0.0, clock=clock)
+    for rid, cls in running:
+        clock.t += 1
+        admit(s, req(rid, cls))
+        assert ids(s.dispatch()) == [rid]
+    firsts = {r.id: r.started for r in s.running}
+    for k, victim in enumerate(victims):
+        clock.t += 1
+        admit(s, req(f"x{k}", "L0"))
+        joined = s.dispatch()
+        preempted = s.take_preempted()
+        if victim is None:
+            assert joined == [] and preempted == [] and ids(s.queued)[-1] == f"x{k}"
+            continue
+        assert ids(joined) == [f"x{k}"] and ids(preempted) == [victim]
+        assert victim in ids(s.queued) and victim not in ids(s.running) and preempted[0].preempted == 1
+    assert s.take_preempted() == []
+    n = sum(v is not None for v in victims)
+    by_class = {c: sum(1 for rid, cls in running if cls == c and rid in victims) for c in ("L0", "L1", "L2")}
+    assert s.snapshot()["preempted"] == by_class and sum(by_class.values()) == n
+    # A preempted request rejoins (when a slot frees) with its first start: its queue time stays
+    # the first wait.
+    for r in list(s.running):
+        s.finish(r)
+    for r in s.dispatch():
+        if r.id in firsts:
+            assert r.started == firsts[r.id]
+
+
+def test_a_preempted_l1_request_keeps_its_finish_tag_and_rejoins_before_later_ones():
+    clock = Clock()
+    s = FlashScheduler(slots=1, l0_reserve=0.0, clock=clock)
+    admit(s, req("long", "L1", tokens=512))               # tag 64
+    s.dispatch()
+    admit(s, req("x", "L0"), req("later", "L1", tokens=512))   # later: tag 128
+    assert ids(s.dispatch()) == ["x"] and ids(s.take_preempted()) == ["long"]
+    s.finish(s.running[0])
+    assert ids(s.dispatch()) == ["long"]
+
+
+def test_no_preemption_where_requests_cannot_give_their_row_or_in_fifo():
+    s = FlashScheduler(slots=1, l0_reserve=0.0, clock=Clock())
+    tiered = req("t", "L2")
+    tiered.preemptible = False                            # a request on a tiered KV cache of its own
+    admit(s, tiered)
+    s.dispatch()
+    admit(s, req("x", "L0"))
+    assert s.dispatch() == [] and s.take_preempted() == []
+    off = FlashScheduler(slots=1, l0_reserve=0.0, clock=Clock(), l0_preempts=False)
+    admit(off, req("a", "L2"))
+    off.dispatch()
+    admit(off, req("x", "L0"))
+    assert off.dispatch() == [] and off.take_preempted() == []
+    fifo = FifoScheduler(slots=1, clock=Clock())
+    admit(fifo, req("a", "L2"))
+    fifo.dispatch()
+    admit(fifo, req("x", "L0"))
+    assert fifo.dispatch() == [] and fifo.take_preempted() == []
