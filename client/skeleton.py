@@ -68,16 +68,19 @@ def _no_weight_init():
 
 
 # What building a skeleton imports in a process that has not yet imported the model's
-# ``transformers`` module (a fresh process): a few thousand files -- transformers reads the source
-# of every model of its library to find their exported names, and modeling_utils pulls in
-# torch.distributed, torch._dynamo, sympy. Read one after the other while a cold load keeps the
-# disk's queue full, each waits behind that queue: seconds. ``prefetch_imports`` has them read
-# first, in parallel and asynchronously.
+# ``transformers`` module (a fresh process): ~2,000 modules in ~4,700 files, ~60k file system calls
+# and ~125 MB read -- transformers reads the source of every model of its library to find their
+# exported names, and modeling_utils pulls in torch.distributed, torch._dynamo, sympy, scipy. Read
+# one after the other while a cold load keeps the disk (or a sandbox's file path) busy, each waits
+# behind that load: seconds. ``prefetch_imports`` reads them first, in parallel.
 PREFETCH_PACKAGES = ("transformers", "torch", "sympy", "mpmath", "numpy", "safetensors",
                      "huggingface_hub", "tokenizers", "jinja2", "yaml", "regex", "packaging",
                      "filelock", "fsspec", "tqdm", "accelerate", "deepseek_flash",
                      "deepseek_flash.decode", "deepseek_flash.kv", "deepseek_flash.quant")
+# Walked besides a recorded manifest (see ``prefetch_imports``).
+MANIFEST_WALK = ("transformers",)
 PREFETCH_THREADS = 32
+PREFETCH_CHUNK = 1 << 20
 # Directories no import reads from (C++ headers, libraries, test suites).
 SKIP_DIRS = frozenset(("tests", "test", "testing", "include", "lib", "share", "bin", "benchmarks"))
 
@@ -122,19 +125,91 @@ def imports_cached(config_dict: dict) -> bool:
     return True
 
 
-def prefetch_imports(packages=PREFETCH_PACKAGES, threads: int = PREFETCH_THREADS) -> int:
-    """Ask the kernel to read the Python files of ``packages`` into the page cache: every
-    directory listed by ``threads`` threads, each ``.py`` and each compiled module of this
-    interpreter (``__pycache__/*.<cache tag>.pyc``) given ``POSIX_FADV_WILLNEED`` -- asynchronous
-    readahead, so thousands of small reads are in flight at once instead of one at a time.
-    Returns the number of files. Test, header and library directories (``SKIP_DIRS``) are skipped; errors are ignored (an import
-    reads what is missing itself)."""
+def imports_manifest_path():
+    """Where the files a skeleton build imported are recorded for the next fresh process of this
+    interpreter: ``$DEEPSEEK_FLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/deepseek-flash``, else
+    ``~/.cache/deepseek-flash``; one file per interpreter (cache tag) and ``sys.prefix``."""
+    import hashlib
+    import os
+    import sys
+    from pathlib import Path
+
+    base = os.environ.get("DEEPSEEK_FLASH_CACHE_DIR")
+    if not base:
+        base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                            "deepseek-flash")
+    prefix = hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]
+    return Path(base) / f"skeleton-imports-{sys.implementation.cache_tag}-{prefix}.txt"
+
+
+def _module_files(names) -> set:
+    """The files an import of the named modules reads: the compiled module where there is one
+    (its source is only looked at, not read), else the file loaded."""
+    import os
+    import sys
+
+    files = set()
+    for name in names:
+        module = sys.modules.get(name)
+        for attr in ("__cached__", "__file__"):
+            path = getattr(module, attr, None)
+            if isinstance(path, str) and os.path.isabs(path) and os.path.isfile(path):
+                files.add(path)
+                break
+    return files
+
+
+def record_imports(names) -> int:
+    """Add the files of the modules ``names`` (those a skeleton build just imported) to the
+    manifest ``prefetch_imports`` reads next time; returns how many files it lists. Best effort:
+    an unwritable cache directory only costs the next fresh process those files' reads."""
+    import os
+
+    files = _module_files(names)
+    if not files:
+        return 0
+    path = imports_manifest_path()
+    try:
+        known = set(path.read_text().split("\n")) - {""}
+    except OSError:
+        known = set()
+    if files <= known:
+        return len(known)
+    known |= files
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text("\n".join(sorted(known)) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return len(known)
+
+
+def prefetch_imports(packages=None, threads: int = PREFETCH_THREADS,
+                     seen: list | None = None) -> int:
+    """Read into the page cache the files a skeleton build imports: those an earlier build of this
+    interpreter recorded (``record_imports``) and, walked by ``threads`` threads, each ``.py`` of
+    ``packages`` and each compiled module of this interpreter (``__pycache__/*.<cache tag>.pyc``).
+    ``packages`` by default: ``MANIFEST_WALK`` where a manifest exists (transformers reads its
+    models' sources as text; they are no modules), else ``PREFETCH_PACKAGES``
+    -- thousands of small reads in flight at once instead of one at a time. The bytes are read,
+    not only advised (``POSIX_FADV_WILLNEED`` is ignored by some kernels -- gVisor's -- which left
+    the first version of this a no-op there). Returns the number of files read; ``seen``, if
+    given, gets their paths. Test, header and library directories (``SKIP_DIRS``) are skipped;
+    errors are ignored (an import reads what is missing itself)."""
     import importlib.util
     import os
     import queue
     import sys
 
     tag = f".{sys.implementation.cache_tag}."
+    try:
+        recorded = [p for p in imports_manifest_path().read_text().split("\n") if p]
+    except OSError:
+        recorded = []
+    if packages is None:
+        packages = MANIFEST_WALK if recorded else PREFETCH_PACKAGES
     roots = []
     for name in packages:
         try:
@@ -143,49 +218,62 @@ def prefetch_imports(packages=PREFETCH_PACKAGES, threads: int = PREFETCH_THREADS
             continue
         if spec is not None and spec.submodule_search_locations:
             roots.extend(spec.submodule_search_locations)
-    if not roots:
+    if not roots and not recorded:
         return 0
     todo: queue.Queue = queue.Queue()
+    for path in recorded:                     # files first: most of what the imports need
+        todo.put(("file", path))
     for root in dict.fromkeys(roots):
-        todo.put(root)
-    counts = [0] * threads
+        todo.put(("dir", root))
+    done = [set() for _ in range(threads)]
 
-    def advise(path: str) -> bool:
+    def read(path: str, buf: bytearray, mine: set) -> None:
+        if path in mine:
+            return
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOATIME)
         except OSError:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError:
-                return False
+                return
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            while os.readv(fd, [buf]) == len(buf):
+                pass
+            mine.add(path)
         except OSError:
             pass
         finally:
             os.close(fd)
-        return True
 
     def work(k: int) -> None:
+        buf = bytearray(PREFETCH_CHUNK)
+        mine = done[k]
         while True:
-            directory = todo.get()
-            if directory is None:
+            item = todo.get()
+            if item is None:
                 todo.task_done()
                 return
+            kind, path = item
             try:
-                with os.scandir(directory) as entries:
+                if kind == "file":
+                    read(path, buf, mine)
+                    continue
+                with os.scandir(path) as entries:
                     for e in entries:
                         name = e.name
                         if e.is_dir(follow_symlinks=False):
                             if name == "__pycache__":
+                                if recorded:    # the compiled modules imported are listed
+                                    continue
                                 with os.scandir(e.path) as compiled:
                                     for c in compiled:
                                         if tag in c.name:
-                                            counts[k] += advise(c.path)
+                                            read(c.path, buf, mine)
                             elif not name.startswith(".") and name not in SKIP_DIRS:
-                                todo.put(e.path)
+                                todo.put(("dir", e.path))
                         elif name.endswith(".py"):
-                            counts[k] += advise(e.path)
+                            read(e.path, buf, mine)
             except OSError:
                 pass
             finally:
@@ -200,17 +288,27 @@ def prefetch_imports(packages=PREFETCH_PACKAGES, threads: int = PREFETCH_THREADS
         todo.put(None)
     for w in workers:
         w.join()
-    return sum(counts)
+    files = set().union(*done)
+    if seen is not None:
+        seen.extend(sorted(files))
+    return len(files)
 
 
 def build_skeleton(config_dict: dict):
     """A ``transformers`` causal LM of the stored config with all parameters on meta."""
+    import sys
+
+    fresh = not skeleton_imported(config_dict)
+    before = set(sys.modules) if fresh else None
     import transformers
 
     config = transformers.AutoConfig.for_model(**config_dict)
     with meta_parameters(), _no_weight_init():
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.eval()
+    if fresh:
+        # What this build imported, for the next fresh process's ``prefetch_imports``.
+        record_imports(set(sys.modules) - before)
     return model
 
 

@@ -69,13 +69,80 @@ def test_prefetch_imports_reads_ahead_sources_and_this_interpreters_compiled_mod
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text("x = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("DEEPSEEK_FLASH_CACHE_DIR", str(tmp_path / "cache"))    # no manifest
     # Four sources and this interpreter's two compiled modules; not the tests, hidden
     # directories, other files or another interpreter's bytecode. A missing package is skipped.
     assert prefetch_imports(("flash_prefetch_pkg", "no_such_package_here"), threads=3) == 6
     assert prefetch_imports(("no_such_package_here",)) == 0
 
 
-def test_a_fresh_process_reads_the_skeletons_imports_ahead_before_attaching(tmp_path):
+def test_prefetch_reads_every_byte_where_the_kernel_ignores_read_ahead_advice(tmp_path,
+                                                                              monkeypatch):
+    """gVisor (the GPU machines' sandbox) accepts POSIX_FADV_WILLNEED and does nothing: the
+    prefetch must read the files themselves, all of them, to the last byte."""
+    import os
+
+    from deepseek_flash.client import skeleton
+
+    pkg = tmp_path / "flash_prefetch_bytes"
+    sizes = {"__init__.py": 10, "a.py": 3 * skeleton.PREFETCH_CHUNK + 17, "sub/b.py": 0,
+             "sub/__init__.py": skeleton.PREFETCH_CHUNK}
+    for rel, size in sizes.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_bytes(b"#" * size)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("DEEPSEEK_FLASH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(os, "posix_fadvise", lambda *a: None)      # advice ignored
+    read = {}
+    real_readv = os.readv
+
+    def counting_readv(fd, buffers):
+        n = real_readv(fd, buffers)
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        read[path] = read.get(path, 0) + n
+        return n
+
+    monkeypatch.setattr(os, "readv", counting_readv)
+    seen = []
+    assert skeleton.prefetch_imports(("flash_prefetch_bytes",), threads=2, seen=seen) == 4
+    assert sorted(seen) == sorted(str(pkg / rel) for rel in sizes)
+    assert read == {str(pkg / rel): size for rel, size in sizes.items()}
+
+
+def test_the_next_fresh_process_reads_ahead_every_file_the_skeleton_imports(tmp_path):
+    """A skeleton build in a fresh process records what it imported; the next fresh process's
+    prefetch reads all of it (whatever packages the environment's transformers pulls in) plus the
+    model sources transformers reads as text, before any of it is imported."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DEEPSEEK_FLASH_CACHE_DIR=str(tmp_path / "cache"))
+    build = """
+import json, os, sys
+from transformers import LlamaConfig
+from deepseek_flash.client import skeleton
+seen = []
+files = skeleton.prefetch_imports(seen=seen)
+before = set(sys.modules)
+skeleton.build_skeleton(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2).to_dict())
+imported = skeleton._module_files(set(sys.modules) - before)
+print(json.dumps({"files": files, "missed": sorted(imported - set(seen)),
+                  "imported": len(imported), "manifest": skeleton.imports_manifest_path().is_file(),
+                  "bert_source": any(p.endswith("models/bert/modeling_bert.py") for p in seen)}))
+"""
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True,
+                             timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["manifest"] and first["imported"] > 100
+    assert second["missed"] == [] and second["bert_source"]
+
     """In a process that has not imported the model's transformers module, load_model reads the
     module files ahead before the attach starts the load's disk reads, and imports nothing of
     transformers before that attach (the decode engine's import comes after it)."""
