@@ -142,6 +142,19 @@ class FlashModelHandle:
             if side is not None:
                 side.priority = self.priority
 
+    def wait_loaded(self) -> None:
+        """Until every layer of a load still in flight is there: its gates opened and, on a GPU,
+        the current stream made to wait for their copies. A forward waits by itself (each layer
+        behind its gate); code that reads a layer's weights directly (a submodule called alone,
+        ``dequantized_weight``, a copy of the parameters) calls this first. Raises
+        ``FlashIOError`` naming the gate whose load failed."""
+        for gates in [self.gates] + [part.gates for part in self.parts]:
+            if gates is None or not gates.active:
+                continue
+            for gate in range(len(gates.control)):
+                if not gates.opened[gate]:
+                    gates.wait(gate)
+
     def close(self) -> None:
         if self.closed:
             return
