@@ -14,7 +14,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from deepseek_flash.errors import KVCacheMismatch, KVError, KVSpillFailed
+from deepseek_flash.errors import KVCacheMismatch, KVError, KVPageCorrupt, KVSpillFailed
 
 from . import stats as _stats
 from . import compat
@@ -320,11 +320,25 @@ class TieredCache(Cache):
             try:
                 self.layers[index].prune.spill(pages)
             except KVSpillFailed as exc:
-                self.counters["spill_errors"] += 1
-                log.warning("%s; the pages stay on the host tier", exc)
-                if self._spill_error is None:
-                    self._spill_error = exc
+                self._spill_failed(exc)
                 return
+
+    def _spill_failed(self, exc: KVSpillFailed) -> None:
+        """A spill write failed: count it, keep the pages on the host, and report the first such
+        error at the start of the next step."""
+        self.counters["spill_errors"] += 1
+        log.warning("%s; the pages stay on the host tier", exc)
+        if self._spill_error is None:
+            self._spill_error = exc
+
+    def page_lost(self, exc: KVPageCorrupt, lost: set, page: int) -> None:
+        """A spilled page failed its check: raise in strict mode; in graceful mode count it and
+        add it to ``lost`` (the caller's set of pages left out of attention from now on)."""
+        if self.error_recovery_mode == "strict":
+            raise exc
+        log.warning("%s; graceful mode: the page is left out of attention from now on", exc)
+        lost.add(page)
+        self.counters["pages_lost"] += 1
 
     def _spill_oldest(self) -> None:
         """Write the oldest full host chunks (across layers) to disk until the host tier fits.
@@ -346,10 +360,7 @@ class TieredCache(Cache):
                 spilled = self.spill.write_chunk(f"L{layer.index:03d}-P{chunk.first:08d}",
                                                  chunk.tensor)
             except KVSpillFailed as exc:
-                self.counters["spill_errors"] += 1
-                log.warning("%s; the pages stay on the host tier", exc)
-                if self._spill_error is None:
-                    self._spill_error = exc
+                self._spill_failed(exc)
                 return
             self.host_memory.free(chunk.tensor)
             chunk.spilled, chunk.tensor = spilled, None

@@ -162,11 +162,7 @@ class LayerPages:
         try:
             cache.spill.read_page(chunk.spilled, j, dest, layer=self.index, page=page, row=row)
         except KVPageCorrupt as exc:
-            if cache.error_recovery_mode == "strict":
-                raise
-            log.warning("%s; graceful mode: the page is left out of attention from now on", exc)
-            self.lost_pages.add(page)
-            cache.counters["pages_lost"] += 1
+            cache.page_lost(exc, self.lost_pages, page)
             dest.zero_()
             return False
         cache.counters["pages_read_spilled"] += 1

@@ -20,7 +20,6 @@ dropped after it.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +29,6 @@ from .offsets import OffsetMatcher, check_offsets
 from .policy import adjust_scores, next_levels, page_offsets, page_scores
 from .scorers import TokenStats, attention_probs
 
-log = logging.getLogger("deepseek_flash.kv.cache")
 
 PRUNE_GPU_TOKENS = 64
 """The recent window (``gpu_tokens``) when pruning is on and ``gpu_tokens`` is not given: the
@@ -204,11 +202,7 @@ class LayerPrune:
         try:
             cache.spill.read_page(chunk, row, buf, layer=self.layer.index, page=page, row=0)
         except KVPageCorrupt as exc:
-            if cache.error_recovery_mode == "strict":
-                raise
-            log.warning("%s; graceful mode: the page is left out of attention from now on", exc)
-            self.lost.add(page)
-            cache.counters["pages_lost"] += 1
+            cache.page_lost(exc, self.lost, page)
             buf.zero_()
         else:
             cache.counters["pages_read_spilled"] += 1
