@@ -94,11 +94,7 @@ def wait_loaded(model) -> None:
     """Until every gate of the model's load is open and its copies have landed."""
     import torch
 
-    gates = model.flash.gates
-    if gates is not None:
-        for gate in range(len(gates.control)):
-            if not gates.opened[gate]:
-                gates.wait(gate)
+    model.flash.wait_loaded()
     torch.cuda.synchronize()
 
 

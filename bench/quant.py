@@ -367,6 +367,9 @@ def main(argv=None) -> int:
         if device != "cpu":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        # What is still allocated as the phase starts (the previous phases' models freed: 0 but
+        # for the embedded controller's own buffers); the phase's peak includes it.
+        start = torch.cuda.memory_allocated() if device != "cpu" else None
         model = load_model(store.path, device=device, client=client, weight_budget=weight_budget)
         per_token = streamed_bytes(model)
         rates, outs = {}, {}
@@ -377,7 +380,8 @@ def main(argv=None) -> int:
         res[label] = {"tok_s": rates, "streamed_bytes_per_token": per_token,
                       "streaming": model.flash.stream is not None,
                       "derived_bytes": derived_nbytes(model),
-                      "gpu_peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else None}
+                      "gpu_peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else None,
+                      "gpu_allocated_at_start_bytes": start}
         if profile is not None:
             res[label]["step_profile"] = profile
         if model.flash.stream is not None:
@@ -386,6 +390,7 @@ def main(argv=None) -> int:
         name = model.flash.info.name
         free(model)
         del model
+        free()      # collected once its last reference is gone, before the next phase measures
         if device != "cpu":
             client.unload(name, tier="device")
         return rates, outs

@@ -142,6 +142,19 @@ class FlashModelHandle:
             if side is not None:
                 side.priority = self.priority
 
+    def wait_loaded(self) -> None:
+        """Until every layer of a load still in flight is there: its gates opened and, on a GPU,
+        the current stream made to wait for their copies. A forward waits by itself (each layer
+        behind its gate); code that reads a layer's weights directly (a submodule called alone,
+        ``dequantized_weight``, a copy of the parameters) calls this first. Raises
+        ``FlashIOError`` naming the gate whose load failed."""
+        for gates in [self.gates] + [part.gates for part in self.parts]:
+            if gates is None or not gates.active:
+                continue
+            for gate in range(len(gates.control)):
+                if not gates.opened[gate]:
+                    gates.wait(gate)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -168,6 +181,28 @@ def check_decode_mode(mode: str) -> None:
     if mode not in DECODE_MODES:
         raise ConfigError(f"decode: {mode!r} is not one of {', '.join(DECODE_MODES)}", key="decode",
                           value=mode, allowed=list(DECODE_MODES))
+
+
+def resolve_decode_mode(mode: str, device, *, split: bool = False,
+                        tensor_parallel: bool = False) -> tuple[str, str | None]:
+    """``load_model``'s ``decode`` as it applies to this load: ``(mode, reason)``, ``mode``
+    ``"eager"`` or ``"graphs"``; ``reason`` says why ``"auto"`` chose eager (None otherwise).
+    ``"auto"`` is graphs only where they are implemented and GPU-tested: one CUDA device, no
+    device split, no tensor parallelism (its per-layer collectives would make the steps eager,
+    untested on a GPU)."""
+    check_decode_mode(mode)
+    if mode != "auto":
+        return mode, None
+    if split:
+        return "eager", ("decode='auto' runs transformers' generate for a model split over devices "
+                         "(device_map): graphs are not implemented there")
+    if tensor_parallel:
+        return "eager", ("decode='auto' runs transformers' generate with tensor_parallel: graph "
+                         "decode is not tested with its collectives")
+    if getattr(device, "type", str(device)) != "cuda":
+        return "eager", (f"decode='auto' runs transformers' generate on {device}: CUDA graphs need "
+                         f"a CUDA device")
+    return "graphs", None
 
 
 def load_model(name_or_path, device=None, weight_budget=None, embedded=None, flash_context=None,
@@ -198,7 +233,8 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
     sequence (prompt + new; default ``min(4096, max_position_embeddings)``), see
     ``deepseek_flash.decode``; where capture is impossible it says why in the log and runs eagerly;
     a streamed model's copies into its slots are part of the captured step. ``"auto"``:
-    ``"graphs"`` on a CUDA device (a single one), ``"eager"`` elsewhere.
+    ``"graphs"`` on a single CUDA device, ``"eager"`` elsewhere, with device_map or with
+    tensor_parallel (the reason logged; ``resolve_decode_mode``).
 
     The call may return before a GPU load has finished: a forward pass waits, per layer, only
     where that layer's bytes are not there yet. ``model.generate()`` works unchanged.
@@ -253,6 +289,9 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
             log.debug("load_model: %d module files read ahead in %.1f ms", files,
                       timings["prefetch_imports_ms"])
         if device_map is not None:
+            _, reason = resolve_decode_mode(decode, None, split=True)
+            if reason is not None:
+                log.info("%s", reason)
             handle, model = _load_parts(client, info, device_map, weight_budget, priority,
                                         owns_client, lap)
             model.flash = handle
@@ -286,7 +325,10 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         model.flash = handle
         from ..decode.engine import for_loaded_model    # imports transformers: after the attach
 
-        for_loaded_model(model, handle, decode, decode_capacity)
+        mode, reason = resolve_decode_mode(decode, dev, tensor_parallel=tp is not None)
+        if reason is not None:
+            log.info("%s", reason)
+        for_loaded_model(model, handle, mode, decode_capacity)
         timings["total_ms"] = round(sum(timings.values()), 3)
         return model
     except BaseException:

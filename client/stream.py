@@ -380,6 +380,10 @@ class StreamRuntime(_Reporting):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        # The model holds this runtime (``model.flash.stream``): without this reference back, a
+        # closed model and its slot views die with their last reference, not at the next cyclic
+        # garbage collection (device memory the arena has already handed out again).
+        self._hooked = []
         if self.link is not None:
             self.link.stop()
         self.ops.synchronize()

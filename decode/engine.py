@@ -547,16 +547,9 @@ def for_loaded_model(model, handle, mode: str, capacity: int | None) -> GraphDec
     if mode == "eager":
         return None
 
-    def wait_for_load():
-        gates = handle.gates
-        if gates is not None and gates.active:
-            for gate in range(len(gates.control)):
-                if not gates.opened[gate]:
-                    gates.wait(gate)
-
     # A streamed model: decode steps run the ring's copies as a fixed schedule (``StaticRing``)
     # in place of its per-layer hooks, so they are captured with the step.
     ring = handle.stream.static_ring() if handle.stream is not None else None
-    decoder = enable(model, capacity=capacity, before_capture=wait_for_load, ring=ring)
+    decoder = enable(model, capacity=capacity, before_capture=handle.wait_loaded, ring=ring)
     handle.decoder = decoder
     return decoder

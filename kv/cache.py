@@ -47,7 +47,8 @@ class TieredCache(Cache):
                  chunk_pages: int | None = None, report_interval: float | None = 1.0,
                  host_arena: bool = True, prune_threshold: float | None = None,
                  prune_scorer="attention", prune_offsets=None, prune_tokenizer=None,
-                 prune_compensation: bool = True, prune_every: int = 8, prune_window: int = 32):
+                 prune_compensation: bool = True, prune_every: int = 8, prune_window: int = 32,
+                 prune_device_tokens: int | None = 512):
         if report_interval is not None and (isinstance(report_interval, bool) or not isinstance(
                 report_interval, (int, float)) or report_interval < 0):
             from deepseek_flash.errors import ConfigError
@@ -59,7 +60,8 @@ class TieredCache(Cache):
                   dense_layers=dense_layers, score=score, window_pages=window_pages,
                   error_recovery_mode=error_recovery_mode, prefill_chunk=prefill_chunk)
         self.prune = prune_settings(prune_threshold, prune_scorer, prune_offsets, prune_tokenizer,
-                                    prune_compensation, prune_every, prune_window)
+                                    prune_compensation, prune_every, prune_window,
+                                    prune_device_tokens)
         self._matchers: list = []
         self.num_layers = num_layers
         self.kv_heads = kv_heads
@@ -112,7 +114,9 @@ class TieredCache(Cache):
         Importance pruning (off by default; docs/kv.md): ``prune_threshold`` (the seed's 0.15),
         ``prune_scorer`` ("attention" | "mlp" | a scorer file | a callable), ``prune_offsets``
         ([(pattern, offset), ...]); options ``prune_tokenizer`` (for text patterns),
-        ``prune_compensation`` (True), ``prune_every`` (8 steps), ``prune_window`` (32 steps).
+        ``prune_compensation`` (True), ``prune_every`` (8 steps), ``prune_window`` (32 steps),
+        ``prune_device_tokens`` (512: sinks + recent window + level-1 pages held on the device at
+        most; the best-scored pages stay, the rest wait at level 2; None: unbounded).
         With pruning on and ``gpu_tokens`` at its default (512), the recent window is 64 tokens.
 
         A model from ``load_model`` brings its ``kv_*`` keys (``flash.json``, the model's

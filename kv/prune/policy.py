@@ -62,11 +62,22 @@ def page_offsets(token_offsets: torch.Tensor, page_tokens: int) -> torch.Tensor:
     return token_offsets.view(b, t // page_tokens, page_tokens).amax(dim=(0, 2))
 
 
-def next_levels(levels: torch.Tensor, scores: torch.Tensor, threshold: float):
+def next_levels(levels: torch.Tensor, scores: torch.Tensor, threshold: float,
+                l1_cap: int | None = None):
     """One evaluation: ``levels`` (int8 ``[n]``, values 1..3) and page ``scores`` ``[n]`` -> new
-    levels, and bool masks ``promoted`` (moved up to 1) and ``demoted`` (moved one level down)."""
+    levels, and bool masks ``promoted`` (moved up to 1) and ``demoted`` (moved down).
+
+    ``l1_cap``: level 1 holds at most that many pages -- of the pages at or above the threshold
+    the best-scored stay (ties: the lower page), the others wait at level 2 (a level-3 page stays
+    at 3: its int4 form has nothing more to give back); None: unbounded."""
     keep = scores >= threshold
-    promoted = keep & (levels > 1)
-    demoted = ~keep & (levels < 3)
     new = torch.where(keep, torch.ones_like(levels), (levels + 1).clamp(max=3))
+    if l1_cap is not None:
+        up = torch.nonzero(keep).flatten()
+        if up.numel() > l1_cap:
+            order = torch.sort(-scores[up].float(), stable=True).indices
+            over = up[order[l1_cap:]]
+            new[over] = levels[over].clamp(min=2)
+    promoted = (new == 1) & (levels > 1)
+    demoted = new > levels
     return new, promoted, demoted

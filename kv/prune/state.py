@@ -45,9 +45,11 @@ class PruneSettings:
     every: int = 8                      # decode steps between evaluations of the levels
     window: int = 32                    # moving-average window of the attention share, in steps
     observe_queries: int = 32           # a prefill's last queries observed (SnapKV's window)
+    device_tokens: int | None = 512     # sinks + recent window + level-1 pages, at most (None: any)
 
 
-def validate_prune(threshold, scorer, offsets, tokenizer, compensate, every, window) -> None:
+def validate_prune(threshold, scorer, offsets, tokenizer, compensate, every, window,
+                   device_tokens=512) -> None:
     from deepseek_flash.errors import ConfigError
 
     def bad(key, value, allowed):
@@ -70,6 +72,9 @@ def validate_prune(threshold, scorer, offsets, tokenizer, compensate, every, win
     for key, v in (("prune_every", every), ("prune_window", window)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             bad(key, v, "an integer >= 1")
+    if device_tokens is not None and (not isinstance(device_tokens, int)
+                                      or isinstance(device_tokens, bool) or device_tokens < 0):
+        bad("prune_device_tokens", device_tokens, "null (unbounded) or an integer >= 0")
 
 
 class LayerPrune:
@@ -157,18 +162,20 @@ class LayerPrune:
         return out
 
     def _pages_to_device(self, pages: list[int]) -> torch.Tensor:
-        """Demoted ``pages`` on the device, ``[n, b, 2, h, p, d]`` in the order given: the level-2
-        ones in one copy, the level-3 ones in one copy of their int4 form, decompressed there."""
+        """Demoted ``pages`` on the device, ``[n, b, 2, h, p, d]`` in the order given: each level-2
+        one copied straight into place, the level-3 ones in one copy of their int4 form,
+        decompressed there."""
         layer = self.layer
         pinned = layer.device.type == "cuda"
         out = torch.empty((len(pages), *self._page_shape()), dtype=layer.dtype,
                           device=layer.device)
         full = [i for i, pg in enumerate(pages) if pg in self.host]
         small = [i for i, pg in enumerate(pages) if pg not in self.host]
-        if full:
-            got = torch.stack([self.host[pages[i]] for i in full])
-            out[torch.tensor(full, device=layer.device)] = got.to(layer.device,
-                                                                  non_blocking=pinned)
+        for i in full:
+            # one copy per page, straight from its (page-locked) host tensor into place: no
+            # host-side stack into pageable memory first (that was a second pass over the bytes
+            # and made the copy to the GPU a synchronous pageable one)
+            out[i].copy_(self.host[pages[i]], non_blocking=pinned)
         if small:
             c = stack_compressed([self.comp[pages[i]] if pages[i] in self.comp
                                   else self._read_spilled(pages[i]) for i in small])
@@ -359,13 +366,23 @@ class LayerPrune:
         n_active = layer.sinks + layer.recent_k.shape[2] + (l1 + l2) * p
         return adjust_scores(raw, n_active, off, compensate=self.s.compensate).cpu()
 
+    def l1_cap(self) -> int | None:
+        """Level-1 pages the layer may hold: what ``device_tokens`` leaves after the sinks and
+        the recent window (``gpu_tokens``), in whole pages; None: unbounded."""
+        if self.s.device_tokens is None:
+            return None
+        cache = self.layer._cache
+        left = self.s.device_tokens - cache.sink_tokens - cache.gpu_tokens
+        return max(0, left) // cache.page_tokens
+
     def evaluate(self) -> None:
         if self.n_pages == 0:
             return
         scores = self.page_scores()
         if self.lost:  # a lost page has no bytes to come back with: it stays at level 3
             scores[torch.tensor(sorted(self.lost))] = -1.0
-        new, promoted, demoted = next_levels(self.level, scores, self.s.threshold)
+        new, promoted, demoted = next_levels(self.level, scores, self.s.threshold,
+                                             self.l1_cap())
         self._apply(self.level, new)
         self.level = new
         self.counters["promotions"] += int(promoted.sum())
@@ -387,9 +404,9 @@ def offset_values(matchers: list[OffsetMatcher], start: int, stop: int,
 
 
 def prune_settings(threshold, scorer, offsets, tokenizer, compensate, every,
-                   window) -> PruneSettings | None:
+                   window, device_tokens=512) -> PruneSettings | None:
     """Validated settings, or None when pruning is off (``threshold`` None)."""
-    validate_prune(threshold, scorer, offsets, tokenizer, compensate, every, window)
+    validate_prune(threshold, scorer, offsets, tokenizer, compensate, every, window, device_tokens)
     if threshold is None:
         return None
     from .scorers import resolve_scorer
@@ -400,4 +417,4 @@ def prune_settings(threshold, scorer, offsets, tokenizer, compensate, every,
         raise ConfigError(str(exc), key="prune_scorer", value=str(scorer),
                           allowed="'attention', 'mlp', a scorer file or a callable") from None
     return PruneSettings(float(threshold), fn, list(offsets or ()), tokenizer, compensate, every,
-                         window)
+                         window, device_tokens=device_tokens)

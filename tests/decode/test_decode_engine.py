@@ -117,6 +117,33 @@ def test_unsupported_calls_go_to_transformers_with_a_logged_reason(caplog):
     assert any("num_beams=2" in r.getMessage() for r in caplog.records)
 
 
+def test_a_tiered_cache_given_to_generate_goes_to_transformers_with_the_reason(caplog):
+    """A caller's own cache (the kv tier) is a model input the step does not implement: the call
+    is transformers' generate over that cache, unchanged, and the log says so."""
+    from deepseek_flash.kv import TieredCache, cache_keyword, cache_kwargs
+
+    model = tiny_model("llama")
+    ids, mask = left_padded(1, 6)
+    plain = reference(model, ids, mask, max_new_tokens=5)
+    decoder = enable(model, capacity=32)     # as load_model(decode=...) installs it, before any cache
+    with caplog.at_level(logging.WARNING, logger="deepseek_flash.decode"):
+        # for_model switches the model's attention to the tiered function (kv/attention.py).
+        cache = TieredCache.for_model(model, gpu_tokens=8)
+        got = reference(model, ids, mask, max_new_tokens=5, **cache_kwargs(model, cache))
+    want = type(model).generate(model, ids, attention_mask=mask, do_sample=False, pad_token_id=0,
+                                max_new_tokens=5,
+                                **cache_kwargs(model, TieredCache.for_model(model, gpu_tokens=8)))
+    assert torch.equal(got, want) and torch.equal(got, plain)
+    stats = decoder.stats()
+    assert stats["fallback_calls"] == 1 and stats["generate_calls"] == 0
+    assert cache_keyword(model) in decoder.last_fallback and "model inputs" in decoder.last_fallback
+    assert any(decoder.last_fallback in r.getMessage() for r in caplog.records)
+    # Afterwards (the model's attention still switched) a call without a cache is the decoder's
+    # static-cache step again, with transformers' tokens.
+    assert torch.equal(reference(model, ids, mask, max_new_tokens=5), plain)
+    assert decoder.stats()["generate_calls"] == 1
+
+
 def test_unsupported_architecture_keeps_transformers_generate(caplog):
     import transformers
 

@@ -1,11 +1,13 @@
 """load_model(..., decode="graphs"): the loaded model's generate() decodes over the static cache
 (captured on CUDA) with transformers' tokens; a bad mode is a typed error before any attach."""
+import logging
+
 import pytest
 import torch
 from decode_models import DEVICES, left_padded
 
 from deepseek_flash.client import Client
-from deepseek_flash.client.model import load_model
+from deepseek_flash.client.model import load_model, resolve_decode_mode
 from deepseek_flash.errors import ConfigError
 from deepseek_flash.store import pack
 from deepseek_flash.testing import load_reference, make_tiny_model
@@ -45,9 +47,38 @@ def test_eager_is_the_default_and_a_bad_mode_is_refused(store):
         with pytest.raises(ConfigError) as err:
             load_model(path, client=client, decode="fast")
         assert err.value.key == "decode" and err.value.allowed == ["eager", "graphs", "auto"]
+
+def test_auto_on_the_cpu_and_with_a_device_map_is_eager_with_the_reason(store, caplog):
+    _, path = store
+    with Client(embedded=True, config=CONFIG) as client, \
+            caplog.at_level(logging.INFO, logger="deepseek_flash.model"):
         cpu = load_model(path, client=client, decode="auto")      # auto: graphs on CUDA only
         assert cpu.flash.decoder is None and "generate" not in vars(cpu)
         cpu.flash.close()
+        assert any("decode='auto' runs transformers' generate on cpu" in r.getMessage()
+                   for r in caplog.records)
+        split = load_model(path, client=client, decode="auto", device_map={"devices": ["cpu"]})
+        assert "generate" not in vars(split) and not hasattr(split, "flash_decoder")
+        split.flash.close()
+        assert any("split over devices (device_map)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("mode, kw, want, words", [
+    ("auto", {}, "graphs", None),
+    ("auto", {"split": True}, "eager", "device_map"),
+    ("auto", {"tensor_parallel": True}, "eager", "tensor_parallel"),
+    ("graphs", {"tensor_parallel": True}, "graphs", None),      # asked for: the engine decides
+    ("eager", {}, "eager", None),
+])
+def test_what_auto_resolves_to_on_a_cuda_device(mode, kw, want, words):
+    # Pure: a torch.device needs no GPU.
+    got, reason = resolve_decode_mode(mode, torch.device("cuda:0"), **kw)
+    assert got == want
+    assert (reason is None) if words is None else (words in reason)
+    assert resolve_decode_mode("auto", torch.device("cpu")) == (
+        "eager", "decode='auto' runs transformers' generate on cpu: CUDA graphs need a CUDA device")
+    with pytest.raises(ConfigError):
+        resolve_decode_mode("fast", torch.device("cuda:0"))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -83,6 +83,30 @@ def test_threshold_one_demotes_to_int4_and_recalls_everything(model3):
         if isinstance(t, torch.Tensor))
 
 
+def test_device_tokens_bound_level_one_and_the_rest_waits_at_level_two(model3):
+    # threshold 0: every page scores above it; prune_device_tokens 4 + 64 + 32 leaves level 1
+    # two 16-token pages per layer -- the others stay at full precision on the host (level 2,
+    # never compressed while they score above the threshold) and lossless recall attends them
+    ids = ids_of(200, batch=2, seed=5)
+    want_tokens, want_logits = reference(model3, ids, None, 12)
+    cache = TieredCache.for_model(model3, prune_threshold=0.0, page_tokens=16, prune_every=2,
+                                  prune_device_tokens=4 + 64 + 32)
+    tokens, logits = greedy(model3, ids, None, cache, 12)
+    assert torch.equal(tokens, want_tokens)
+    assert (logits - want_logits).abs().max().item() <= 1e-5
+    s = cache.stats()
+    n = s["tokens"]
+    assert n == 211 and len(s["level_tokens"]) == 3
+    for l1, l2, l3 in s["level_tokens"]:
+        recent = n - 4 - (n - 4 - 64) // 16 * 16
+        assert (l1, l2, l3) == (4 + recent + 32, n - 4 - recent - 32, 0)
+    assert s["promotions"] == 0 and s["demotions"] > 0
+    # on the device: sinks, recent window and two pages of K and V (fp32, 2 heads x 16) per
+    # layer and sequence, plus the scorer's per-token statistics (3 floats + 2 norms per head)
+    kv = 2 * 2 * 16 * 4
+    assert s["gpu_bytes"] == 3 * ((4 + recent + 32) * 2 * kv + n * 2 * (3 + 2 * 2) * 4)
+
+
 def test_top_k_recall_and_promotion(model3):
     scorer = Fixed(0.0)
     cache = TieredCache.for_model(model3, prune_threshold=0.15, prune_scorer=scorer,
@@ -162,7 +186,9 @@ def test_bad_prune_settings_are_config_errors(model3, tmp_path):
                         (dict(prune_threshold=0.15, prune_scorer="mlp"), "prune_scorer"),
                         (dict(prune_threshold=0.15, prune_scorer=3), "prune_scorer"),
                         (dict(prune_threshold=0.15, prune_offsets=[("def", 0.08)]), "prune_offsets"),
-                        (dict(prune_threshold=0.15, prune_every=0), "prune_every")]:
+                        (dict(prune_threshold=0.15, prune_every=0), "prune_every"),
+                        (dict(prune_threshold=0.15, prune_device_tokens=-1),
+                         "prune_device_tokens")]:
         with pytest.raises(ConfigError) as info:
             TieredCache.for_model(model3, **kwargs)
         assert info.value.key == key, kwargs

@@ -92,3 +92,21 @@ def test_offsets_from_token_ids_and_callables_need_no_tokenizer():
         OffsetMatcher([("def", 0.08)])
     with pytest.raises(ValueError, match="want \\(pattern, offset\\)"):
         OffsetMatcher([("def",)], _Tok([]))
+
+
+def test_level_one_cap_keeps_the_best_scored_pages():
+    levels = torch.tensor([1, 1, 2, 3, 1, 1, 2], dtype=torch.int8)
+    scores = torch.tensor([0.5, 0.9, 0.8, 0.7, 0.1, 0.5, 0.6])
+    new, promoted, demoted = next_levels(levels, scores, 0.15, l1_cap=3)
+    # above the threshold: pages 0, 1, 2, 3, 5, 6; the best three (1, 2, 3) take level 1, the
+    # others (0, 5, 6) wait at level 2; page 4 falls below the threshold: one level down
+    assert new.tolist() == [2, 1, 1, 1, 2, 2, 2]
+    assert promoted.tolist() == [False, False, True, True, False, False, False]
+    assert demoted.tolist() == [True, False, False, False, True, True, False]
+    # ties: the lower page stays; a level-3 page over the cap stays compressed
+    new, _, _ = next_levels(torch.tensor([1, 3, 1], dtype=torch.int8),
+                            torch.tensor([0.5, 0.5, 0.5]), 0.15, l1_cap=1)
+    assert new.tolist() == [1, 3, 2]
+    new, _, _ = next_levels(levels, scores, 0.15, l1_cap=0)
+    assert new.tolist() == [2, 2, 2, 3, 2, 2, 2]
+    assert next_levels(levels, scores, 0.15, l1_cap=None)[0].tolist() == [1, 1, 1, 1, 2, 1, 1]

@@ -5,9 +5,14 @@ binds those bytes as they are (nothing derived, ``derived_nbytes`` 0), streamed 
 exact, embedded and daemon, and its logits follow the stored-layout model's."""
 from __future__ import annotations
 
+import gc
 import sys
+import threading
+import time
+import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,14 +21,16 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "daemon"))
 from flashd_harness import Daemon
 
 from deepseek_flash.client import Client
-from deepseek_flash.client.model import load_model
+from deepseek_flash.client.model import Gates, load_model
 from deepseek_flash.daemon.planner import resident_minimum
+from deepseek_flash.errors import FlashIOError
 from deepseek_flash.quant import QuantSpec, int4pack
 from deepseek_flash.quant.host_tier import TILES, QuantizingStore, TiledStore
 from deepseek_flash.quant.linear import QuantLinear, derived_nbytes
 from deepseek_flash.store import Store, pack
 from deepseek_flash.store.views import block_tensors
 from deepseek_flash.testing import make_tiny_model
+from deepseek_flash.wire import GATE_FAILED, GATE_READY
 
 CUDA = torch.cuda.is_available()
 INT4 = QuantSpec("int4_symmetric", "per_block", 128)
@@ -102,6 +109,31 @@ def test_tiled_model_binds_the_host_bytes_streamed_equals_resident(stores, mode,
             daemon.cleanup()
 
 
+def test_a_closed_streamed_model_dies_with_its_last_reference(stores):
+    """``close()`` then dropping the model frees its streaming slot views at once, not at the
+    next cyclic garbage collection: on a GPU those views are device memory that the arena hands
+    to the next load as soon as the model is closed (a bench phase measured the previous
+    phase's model still allocated beside its own)."""
+    _src, _plain, int4 = stores
+    budget = resident_minimum(TiledStore(Store.open(int4)).blocks)
+    with Client(embedded=True, config=TILED) as client:
+        model = load_model(int4, device="cpu", client=client, weight_budget=budget)
+        layer = model.flash.stream.layers[0]
+        with torch.no_grad():
+            model(torch.ones(1, 4, dtype=torch.long))
+        codes = weakref.ref(model.model.layers[layer].mlp.down_proj.codes)
+        alive = weakref.ref(model)
+        model.flash.close()
+        gc.collect()
+        assert codes() is not None
+        gc.disable()
+        try:
+            del model
+            assert alive() is None and codes() is None
+        finally:
+            gc.enable()
+
+
 def test_tiled_logits_follow_the_stored_layout(stores):
     """The tile layout's one rounding: bfloat16 scales (the CUDA kernel's), so logits stay within
     a bfloat16 model's tolerance of the stored layout's (tests/quant/test_runtime.py)."""
@@ -119,6 +151,59 @@ def test_tiled_logits_follow_the_stored_layout(stores):
     assert 0 < rel < 2e-2
 
 
+def test_a_layer_read_alone_waits_for_the_load_in_flight(stores):
+    """A layer called alone is outside its model's load gates (they hook the decoder layers): it
+    may read bytes still on their way -- on the GPU, memory the load has not written yet (the
+    ``nan`` of the CUDA test below on its first run). ``model.flash.wait_loaded()`` waits for
+    every gate, and a gate that failed raises ``FlashIOError`` naming it. A CPU load answers
+    only once its blocks are read, so the load in flight is played here: layer 0's bytes zeroed
+    and put back by a "loader" thread just before it opens the gates."""
+    _src, _plain, int4 = stores
+    with Client(embedded=True, config=TILED) as client:
+        model = load_model(int4, device="cpu", client=client)
+        proj = model.model.layers[0].mlp.down_proj
+        assert proj.layout == TILES and model.flash.gates is None
+        x = torch.randn(1, 1, proj.in_features, dtype=torch.bfloat16,
+                        generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want = x.float() @ proj.dequantized_weight(torch.float32).T
+            codes, scales = proj.codes.clone(), proj.scales.clone()
+            for failed in (False, True):
+                proj.codes.zero_()
+                proj.scales.zero_()
+                control = np.zeros(len(model.model.layers) + 2, dtype=np.uint32)   # all pending
+                model.flash.gates = Gates(model, control)
+                assert not proj.dequantized_weight(torch.float32).any()     # alone: no wait
+
+                def loader():
+                    time.sleep(0.05)
+                    proj.codes.copy_(codes)
+                    proj.scales.copy_(scales)
+                    control[:] = GATE_READY
+                    if failed:
+                        control[1] = GATE_FAILED
+
+                thread = threading.Thread(target=loader)
+                thread.start()
+                try:
+                    if failed:
+                        with pytest.raises(FlashIOError, match="gate 1 failed") as info:
+                            model.flash.wait_loaded()
+                        assert info.value.gate == 1
+                        continue
+                    model.flash.wait_loaded()
+                finally:
+                    thread.join()
+                assert model.flash.gates.opened == [True] * len(control)
+                assert not model.flash.gates.active               # the hooks removed themselves
+                ref = x.float() @ proj.dequantized_weight(torch.float32).T
+                assert torch.equal(ref, want) and ref.abs().max() > 0
+                rel = float((proj(x).float() - ref).abs().max() / ref.abs().max())
+                assert rel < 1.6e-2, rel
+        model.flash.gates = None
+        model.flash.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_default_binds_the_kernel_operands_and_the_layer_captures_in_a_graph(stores):
@@ -132,6 +217,9 @@ def test_cuda_default_binds_the_kernel_operands_and_the_layer_captures_in_a_grap
         assert on_gpu.read_block(block.id) == on_cpu.read_block(block.id)
     with Client(embedded=True, config=CONFIG) as client:
         model = load_model(int4, device="cuda:0", client=client)
+        # The layer is called alone, outside the model's forward and so outside its load gates:
+        # its bytes may still be on their way to the GPU until the load is waited for.
+        model.flash.wait_loaded()
         proj = model.model.layers[0].mlp.down_proj
         assert proj.layout == TILES and proj.codes.is_cuda
         g = torch.Generator(device="cuda:0").manual_seed(0)
