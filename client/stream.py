@@ -28,18 +28,17 @@ from collections import deque
 
 from ..errors import FlashError
 from ..fsutil import align_up
-from ..cuda import pcie_capacity
-from ..prefetch import NVML_SAMPLE_S, WindowController, other_link_load
+from ..prefetch import WindowController
 from ..store.views import block_tensors
 from ..wire import SLOT_ALIGNMENT, Plan
+from .link import LinkSampler, _sm_clock_mhz
 from .skeleton import bind_parameters, decoder_parts
+from .static_ring import StaticRing
 
 log = logging.getLogger("deepseek_flash.stream")
 
 # A compute stream that waited longer than this on a copy counts as a stalled layer.
 STALL_THRESHOLD_US = 20.0
-# Nominal clock for fabric_stall_cycles where NVML cannot tell the SM clock.
-NOMINAL_CLOCK_MHZ = 1000
 
 
 class _CpuOps:
@@ -393,119 +392,6 @@ class StreamRuntime(_Reporting):
         self.close_hooks = []
 
 
-class StaticRing:
-    """A runtime's ring as a fixed per-step schedule, for a caller that runs the layers itself
-    (the decode step, ``decode.fused``) -- capturable in a CUDA graph.
-
-    Streamed layer ``idx`` always lives in slot ``idx % n``, so the copies of one step are the
-    same at every step: at ``begin`` the first ``n`` layers' copies (every slot is free: the step
-    starts after the previous one's compute, in stream order); ``before(idx)`` makes compute wait
-    for layer ``idx``'s copy; ``after(idx)`` marks the slot free and issues layer ``idx + n``'s copy
-    into it, after that compute. The window is the slot count: the most the slots allow, fixed,
-    so the plan never changes between steps (the runtime's adaptive window applies to passes run
-    through the hooks). Copies go on the runtime's copy stream (forked from and joined back into
-    the compute stream: a captured graph holds them as its own nodes) from the runtime's
-    page-locked host mapping. ``enter`` / ``exit`` bracket a run of static steps between passes
-    run through the hooks. On the CPU the copies are synchronous.
-    """
-
-    def __init__(self, runtime: StreamRuntime):
-        self.runtime = runtime
-        self.layers = list(runtime.layers)
-        self.index = {layer: idx for idx, layer in enumerate(self.layers)}
-        self.n, self.m = runtime.n, runtime.m
-        ops = runtime.ops
-        self.copy_done = [ops.event() for _ in range(self.n)]
-        self.compute_done = [ops.event() for _ in range(self.n)]
-        self.step_bytes = sum(runtime.blocks[bid].length for layer in self.layers
-                              for bid, _ in runtime._slot_layout[layer])
-        self.steps = 0
-        self.copies: list = []     # (layer, slot) of the copies of the last step (a trace)
-
-    def host_ready(self) -> str | None:
-        """Every streamed block's host offset known and its pages locked; else why not."""
-        rt = self.runtime
-        for layer in self.layers:
-            if any(bid not in rt.host_offsets for bid, _ in rt._slot_layout[layer]):
-                rt.host_offsets.update(rt.fetch_host(layer))
-        side = rt.host_side
-        if side is not None:
-            side._thread.join()
-            if side.pinned_bytes < self.step_bytes:
-                return (f"streamed host ranges not page-locked ({side.pinned_bytes} of "
-                        f"{self.step_bytes} bytes): copies from pageable memory cannot be captured")
-        return None
-
-    def enter(self) -> None:
-        """Before the first static step: compute waits for copies the hooks still have in flight
-        (they write the same slots)."""
-        rt = self.runtime
-        if rt.is_cuda:
-            import torch
-
-            torch.cuda.current_stream(rt.ops.device).wait_stream(rt.ops.copy_stream)
-
-    def exit(self) -> None:
-        self.runtime.resume()
-
-    def _copy(self, idx: int, wait_compute: bool) -> None:
-        rt = self.runtime
-        layer, slot = self.layers[idx], idx % self.n
-        wait_for = self.compute_done[slot] if wait_compute else None
-        for bid, offset in rt._slot_layout[layer]:
-            src, n = rt.host_offsets[bid], rt.blocks[bid].length
-            rt.ops.copy(rt.slots[slot][offset:offset + n], rt.host[src:src + n], wait_for)
-            wait_for = None
-        rt.ops.record_copy(self.copy_done[slot])
-        self.copies.append((layer, slot))
-
-    def begin(self) -> None:
-        rt = self.runtime
-        self.copies = []
-        if rt.is_cuda:
-            import torch
-
-            rt.ops.copy_stream.wait_stream(torch.cuda.current_stream(rt.ops.device))
-        for idx in range(min(self.n, self.m)):
-            self._copy(idx, wait_compute=False)
-
-    def before(self, layer: int) -> None:
-        self.runtime.ops.wait_copy(self.copy_done[self.index[layer] % self.n])
-
-    def after(self, layer: int) -> None:
-        idx = self.index[layer]
-        self.runtime.ops.record_compute(self.compute_done[idx % self.n])
-        if idx + self.n < self.m:
-            self._copy(idx + self.n, wait_compute=True)
-
-    def end(self) -> None:
-        """Joins the copy stream back into compute (a capture must end joined)."""
-        rt = self.runtime
-        if rt.is_cuda:
-            import torch
-
-            torch.cuda.current_stream(rt.ops.device).wait_stream(rt.ops.copy_stream)
-
-    def count_step(self) -> None:
-        """Host-side counters of one step run (a replay issues no Python)."""
-        self.steps += 1
-        rt = self.runtime
-        with rt._lock:
-            rt.bytes_streamed += self.step_bytes
-            rt.tokens += 1
-            if rt.is_cuda:   # the link sampler must not read these bytes as others' traffic
-                rt._issued_mark += self.step_bytes
-                rt._bytes_completed += self.step_bytes
-
-    def stats(self) -> dict:
-        return {"static_steps": self.steps, "slots": self.n, "streamed_layers": self.m,
-                "step_bytes": self.step_bytes}
-
-
-_SUMMED = ("streamed_layers", "slots", "prefetch_hits", "prefetch_miss_count", "fabric_stall_us",
-           "fabric_stall_cycles", "bytes_streamed")
-
-
 class StreamGroup(_Reporting):
     """The streaming runtimes of one model split over devices (one per streaming part,
     ``load_model(device_map=...)``), seen as one: summed counters (each part's under ``parts``),
@@ -529,88 +415,6 @@ class StreamGroup(_Reporting):
         for runtime in self.runtimes:
             runtime.close()
         self._stop_reporting()
-
-
-class LinkSampler:
-    """How busy the PCIe link is with traffic that is not this client's streaming.
-
-    A background thread reads the device's PCIe receive rate from NVML every ``sample_s`` (each
-    reading covers NVML's last 20 ms) and, every ``interval`` seconds, compares their mean with
-    the bytes this client's copies *completed* over the same interval (``completed_bytes``, from
-    the copy events): ``prefetch.other_link_load`` of the two is ``load`` (None until the first
-    interval, where too few readings came in, or without NVML). Bytes merely issued would count
-    copies still queued; one short reading against a long average would read our own bursts as
-    someone else's traffic -- both made the window shrink with nothing else on the link.
-    """
-
-    def __init__(self, device: int, completed_bytes, interval: float = 0.5,
-                 sample_s: float = NVML_SAMPLE_S, nvml=None):
-        self.load: float | None = None
-        self._completed = completed_bytes        # callable: bytes this client's copies completed
-        self._interval = interval
-        self._sample_s = sample_s
-        self._stop = threading.Event()
-        self._nvml = nvml
-        self._device = device
-        self._thread = threading.Thread(target=self._run, daemon=True, name="flash-link-sampler")
-
-    def start(self) -> LinkSampler:
-        self._thread.start()
-        return self
-
-    def _open(self):
-        if self._nvml is None:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-        nv = self._nvml
-        handle = nv.nvmlDeviceGetHandleByIndex(self._device)
-        return handle, pcie_capacity(nv, handle)
-
-    def read_rx(self, handle) -> float:
-        """One NVML reading: the receive rate over its last 20 ms, bytes/s."""
-        nv = self._nvml
-        return nv.nvmlDeviceGetPcieThroughput(handle, nv.NVML_PCIE_UTIL_RX_BYTES) * 1024.0  # KB/s
-
-    def close_interval(self, rx_rates, own_bytes: int, seconds: float, capacity) -> None:
-        """End one interval: ``load`` from its readings and the bytes we completed in it."""
-        self.load = other_link_load(rx_rates, own_bytes, seconds, capacity, self._sample_s)
-
-    def _run(self) -> None:
-        try:
-            handle, capacity = self._open()
-        except Exception as exc:   # noqa: BLE001 -- NVML absent or refusing (its own error types):
-            log.debug("PCIe load not sampled: %s", exc)   # the window then ignores the link
-            return
-        mark, t = self._completed(), time.monotonic()
-        rates: list[float] = []
-        while not self._stop.wait(self._sample_s):
-            try:
-                rates.append(self.read_rx(handle))
-            except Exception as exc:   # noqa: BLE001 -- a sampler thread must outlive NVML hiccups
-                log.debug("PCIe sample failed: %s", exc)
-            now = time.monotonic()
-            if now - t >= self._interval:
-                done = self._completed()
-                self.close_interval(rates, done - mark, now - t, capacity)
-                mark, t, rates = done, now, []
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def _sm_clock_mhz() -> int:
-    try:
-        import pynvml
-    except ImportError:
-        return NOMINAL_CLOCK_MHZ
-    try:
-        pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetClockInfo(pynvml.nvmlDeviceGetHandleByIndex(0),
-                                                 pynvml.NVML_CLOCK_SM)) or NOMINAL_CLOCK_MHZ
-    except pynvml.NVMLError:   # no GPU or no driver: the nominal clock (docs/architecture.md)
-        return NOMINAL_CLOCK_MHZ
 
 
 class StreamedHost:

@@ -96,7 +96,7 @@ def test_aborted_pass_resynchronises(packed):
 def test_pcie_capacity_reads_nvml_link_speed_codes(speed, width, gbps):
     from types import SimpleNamespace
 
-    from deepseek_flash.client.stream import pcie_capacity
+    from deepseek_flash.cuda import pcie_capacity
 
     nvml = SimpleNamespace(nvmlDeviceGetPcieLinkMaxSpeed=lambda h: speed,
                            nvmlDeviceGetMaxPcieLinkWidth=lambda h: width)
@@ -106,7 +106,7 @@ def test_pcie_capacity_reads_nvml_link_speed_codes(speed, width, gbps):
 def test_link_sampler_counts_only_traffic_that_is_not_ours():
     from types import SimpleNamespace
 
-    from deepseek_flash.client.stream import LinkSampler
+    from deepseek_flash.client.link import LinkSampler
 
     nvml = SimpleNamespace(NVML_PCIE_UTIL_RX_BYTES=0, rx_kbps=0,
                            nvmlDeviceGetPcieThroughput=lambda h, c: nvml.rx_kbps)
@@ -131,7 +131,7 @@ def test_link_sampler_thread_reads_our_own_copies_as_ours():
     import time
     from types import SimpleNamespace
 
-    from deepseek_flash.client.stream import LinkSampler
+    from deepseek_flash.client.link import LinkSampler
 
     rate = 50e9
     t0 = time.monotonic()
