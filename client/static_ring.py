@@ -2,11 +2,6 @@
 layers itself and captures the step in a CUDA graph (``decode.fused``)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .stream import StreamRuntime
-
 
 class StaticRing:
     """A runtime's ring as a fixed per-step schedule, for a caller that runs the layers itself
@@ -24,7 +19,7 @@ class StaticRing:
     run through the hooks. On the CPU the copies are synchronous.
     """
 
-    def __init__(self, runtime: StreamRuntime):
+    def __init__(self, runtime):  # a client.stream.StreamRuntime
         self.runtime = runtime
         self.layers = list(runtime.layers)
         self.index = {layer: idx for idx, layer in enumerate(self.layers)}
@@ -115,7 +110,3 @@ class StaticRing:
     def stats(self) -> dict:
         return {"static_steps": self.steps, "slots": self.n, "streamed_layers": self.m,
                 "step_bytes": self.step_bytes}
-
-
-_SUMMED = ("streamed_layers", "slots", "prefetch_hits", "prefetch_miss_count", "fabric_stall_us",
-           "fabric_stall_cycles", "bytes_streamed")

@@ -392,6 +392,10 @@ class StreamRuntime(_Reporting):
         self.close_hooks = []
 
 
+_SUMMED = ("streamed_layers", "slots", "prefetch_hits", "prefetch_miss_count", "fabric_stall_us",
+           "fabric_stall_cycles", "bytes_streamed")
+
+
 class StreamGroup(_Reporting):
     """The streaming runtimes of one model split over devices (one per streaming part,
     ``load_model(device_map=...)``), seen as one: summed counters (each part's under ``parts``),
