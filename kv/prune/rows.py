@@ -10,7 +10,8 @@ filled by the last page), each page ``batch`` rows of ``row_bytes`` bytes (one r
   ``index_select`` that a GPU runs over the page-locked buffer itself (kv/span.py's
   ``raw_view``: page-locked memory is readable by kernels at its host address), no host sync;
   where no such view can be made, the indices come to the host and the rows go over in one copy;
-* pages named on the host (an evaluation's moves): ``rows(pages)``.
+* pages named on the host (an evaluation's moves): ``fetch(pages)`` (on the device, one gather)
+  or ``rows(pages)`` (on the host: what a spill writes).
 
 The buffer grows to twice its capacity when full and halves when three quarters are free, so
 ``nbytes()`` (what it holds, counted in ``host_bytes``) stays within twice what its pages need
@@ -116,6 +117,16 @@ class HostRows:
         b = self.batch
         slots = torch.tensor([self.slot[pg] for pg in pages], dtype=torch.int64)
         return self.buf.view(-1, b * self.row_bytes).index_select(0, slots).view(-1, self.row_bytes)
+
+    def fetch(self, pages: list[int]) -> torch.Tensor:
+        """The rows of ``pages`` (named on the host) on the device, in the order given: one
+        gather (a GPU reads them from the buffer; the indices go over, not the rows twice)."""
+        if self.device.type == "cpu":
+            return self.rows(pages)
+        b = self.batch
+        slots = torch.tensor([self.slot[pg] for pg in pages], dtype=torch.int64)
+        idx = (slots[:, None] * b + torch.arange(b)).flatten()
+        return self.gather(idx.to(self.device, non_blocking=False))
 
     def all(self) -> torch.Tensor:
         """Every page's rows in slot order on the device, ``[len * batch, row_bytes]``: one copy

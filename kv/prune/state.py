@@ -198,7 +198,7 @@ class LayerPrune:
             if store is None:
                 rows = torch.cat([self._read_spilled(pg) for pg in named]).to(dev)
             else:
-                rows = store.rows(named).to(dev, non_blocking=False)
+                rows = store.fetch(named)
             got = (self._full(rows, (len(at), b)) if store is self.l2
                    else self._decompressed(rows, (len(at), b)))
             out[torch.tensor(at, device=dev)] = got
@@ -269,8 +269,7 @@ class LayerPrune:
         got = self._pages_to_device(joining) if joining else None
         comp_rows = None
         if compressing:
-            dev = self.layer.device
-            full = self._full(self.l2.rows(compressing).to(dev), (len(compressing) * b,))
+            full = self._full(self.l2.fetch(compressing), (len(compressing) * b,))
             comp_rows = rows_of(compress_pages(full))
         self.l2.remove([pg for pg in compressing + joining if pg in self.l2])
         self.l3.remove([pg for pg in joining if pg in self.l3])
