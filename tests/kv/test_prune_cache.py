@@ -44,9 +44,10 @@ def test_threshold_zero_keeps_every_page_on_the_device_and_is_exact(model3):
     assert n == 131 and s["level_tokens"] == [[n, 0, 0]] * 3
     assert s["demotions"] == s["promotions"] == s["recalls"] == s["host_bytes"] == 0
     # gpu_bytes: every token's K and V (fp32, 2 heads x 16) and the scorer's per-token
-    # statistics (3 floats + 2 norms per head); no page summaries: lossless recall ranks no page
+    # statistics (3 floats + 2 norms per head) for 192 tokens (whole chunks of 64); no page
+    # summaries: lossless recall ranks no page
     kv = 2 * 2 * 16 * 4
-    per_layer = n * 2 * kv + n * 2 * (3 + 2 * 2) * 4
+    per_layer = n * 2 * kv + 192 * 2 * (3 + 2 * 2) * 4
     assert s["gpu_bytes"] == 3 * per_layer
 
 
@@ -109,8 +110,9 @@ def test_device_tokens_bound_level_one_and_the_rest_waits_at_level_two(model3):
     assert s["promotions"] == 0 and s["demotions"] > 0
     # on the device: sinks, recent window and two pages of K and V (fp32, 2 heads x 16) per
     # layer and sequence, plus the scorer's per-token statistics (3 floats + 2 norms per head)
+    # for 256 tokens (whole chunks of 64)
     kv = 2 * 2 * 16 * 4
-    assert s["gpu_bytes"] == 3 * ((4 + recent + 32) * 2 * kv + n * 2 * (3 + 2 * 2) * 4)
+    assert s["gpu_bytes"] == 3 * ((4 + recent + 32) * 2 * kv + 256 * 2 * (3 + 2 * 2) * 4)
 
 
 def test_top_k_recall_and_promotion(model3):
