@@ -98,6 +98,7 @@ class LayerPrune:
         self.lost: set[int] = set()           # spilled pages whose bytes failed their crc (graceful)
         self._like = None                     # a compressed page of one sequence: the row's shapes
         self._l1_cols = None                  # (l1_pages, slots [1, n * page_tokens]) cached
+        self._ahead = None                    # a lossless recall's rows copied ahead (prefetch)
         self.steps = 0
         self.counters = {"demotions": 0, "promotions": 0, "recalls": 0, "evaluations": 0,
                          "recall_bytes": 0, "recall_copies": 0}
@@ -158,21 +159,24 @@ class LayerPrune:
             self.l1_v = torch.cat((self.l1_v, v), 2)
         self.l1_pages.extend(ids)
 
-    def _leave_l1(self, ids: set[int]) -> dict[int, torch.Tensor]:
-        """Take pages ``ids`` out of the level-1 run -> their pages ``[b, 2, h, p, d]`` (device)."""
+    def _leave_l1(self, ids: set[int]) -> tuple[list[int], torch.Tensor]:
+        """Take pages ``ids`` out of the level-1 run -> those pages (in run order) and their
+        bytes ``[n, b, 2, h, p, d]`` on the device (one gather)."""
+        from ..layout import pack_pages
+
         p = self.layer._cache.page_tokens
-        out = {}
-        for pos, page in enumerate(self.l1_pages):
-            if page in ids:
-                sl = slice(pos * p, (pos + 1) * p)
-                out[page] = torch.stack((self.l1_k[:, :, sl], self.l1_v[:, :, sl]), 1)
+        dev = self.l1_k.device
+        ar = torch.arange(p, device=dev)
+        out = [pos for pos, page in enumerate(self.l1_pages) if page in ids]
         keep = [pos for pos, page in enumerate(self.l1_pages) if page not in ids]
-        cols = (torch.tensor(keep, dtype=torch.long, device=self.l1_k.device)[:, None] * p
-                + torch.arange(p, device=self.l1_k.device)).flatten()
+        gone = (torch.tensor(out, dtype=torch.long, device=dev)[:, None] * p + ar).flatten()
+        pages = pack_pages(self.l1_k.index_select(2, gone), self.l1_v.index_select(2, gone), p)
+        cols = (torch.tensor(keep, dtype=torch.long, device=dev)[:, None] * p + ar).flatten()
         self.l1_k = self.l1_k.index_select(2, cols)
         self.l1_v = self.l1_v.index_select(2, cols)
+        leaving = [self.l1_pages[pos] for pos in out]
         self.l1_pages = [self.l1_pages[pos] for pos in keep]
-        return out
+        return leaving, pages
 
     def _full(self, rows: torch.Tensor, lead: tuple) -> torch.Tensor:
         """Level-2 rows (uint8) -> pages ``[*lead, 2, h, p, d]`` of the layer's dtype (a view)."""
@@ -209,6 +213,7 @@ class LayerPrune:
         """Write level-3 ``pages`` to one spill file and free their host rows -> bytes freed.
         Raises ``KVSpillFailed`` with every page still on the host."""
         cache = self.layer._cache
+        self._drop_ahead()
         self._sync()
         rows = self.l3.rows(pages).view(len(pages), -1)
         chunk = cache.spill.write_chunk(f"L{self.layer.index:03d}-P{pages[0]:08d}-int4", rows)
@@ -254,6 +259,57 @@ class LayerPrune:
         if self.layer.device.type == "cuda":
             torch.cuda.current_stream(self.layer.device).synchronize()
 
+    def _versions(self) -> tuple[int, int]:
+        return (self.l2.version, self.l3.version)
+
+    def prefetch(self) -> None:
+        """Copy every level-2 and level-3 row of this layer to the device ahead of its step
+        (called by the layer before, during a decode step, when this one recalls losslessly): on
+        a GPU on the cache's copy stream, so the copy overlaps the layer before's compute. Used
+        by ``_recall`` when the stores did not change in between; else dropped."""
+        if self.l2 is None or not (len(self.l2) or len(self.l3)):
+            return
+        key = self._versions()
+        if self._ahead is not None and self._ahead[0] == key:
+            return
+        dev = self.layer.device
+        grab = lambda store: store.all() if len(store) else None  # noqa: E731
+        if dev.type != "cuda":
+            self._ahead = (key, None, grab(self.l2), grab(self.l3))
+            return
+        cache = self.layer._cache
+        if cache._copy_stream is None:
+            cache._copy_stream = torch.cuda.Stream(dev)
+        stream = cache._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(dev))  # after the rows were written
+        with torch.cuda.stream(stream):
+            r2, r3 = grab(self.l2), grab(self.l3)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._ahead = (key, done, r2, r3)
+
+    def _take_ahead(self):
+        """The rows ``prefetch`` copied -> ``{store: rows}``, or None (none, or stale)."""
+        entry, self._ahead = self._ahead, None
+        if entry is None or entry[0] != self._versions():
+            if entry is not None and entry[1] is not None:
+                entry[1].synchronize()
+            return None
+        key, done, r2, r3 = entry
+        if done is not None:
+            current = torch.cuda.current_stream(self.layer.device)
+            current.wait_event(done)
+            for t in (r2, r3):
+                if t is not None:
+                    t.record_stream(current)
+        return {id(self.l2): r2, id(self.l3): r3}
+
+    def _drop_ahead(self) -> None:
+        """Before the stores change: no copy of them may still be running."""
+        entry, self._ahead = self._ahead, None
+        if entry is not None and entry[1] is not None:
+            entry[1].synchronize()
+
     def _apply(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``): the reads
         first (one copy per level), then the removals, then the writes."""
@@ -261,6 +317,7 @@ class LayerPrune:
         if not changed:
             return
         self._stores()
+        self._drop_ahead()
         self._sync()
         b = self.layer.batch
         leaving = [pg for pg in changed if int(old[pg]) == 1]                           # 1 -> 2
@@ -279,9 +336,8 @@ class LayerPrune:
         if comp_rows is not None:
             self.l3.put(compressing, comp_rows)
         if leaving:
-            out = self._leave_l1(set(leaving))
-            pages = torch.stack([out[pg] for pg in leaving])  # [n, b, 2, h, p, d] on the device
-            self.l2.put(leaving, pages.contiguous().view(torch.uint8))
+            leaving, pages = self._leave_l1(set(leaving))  # [n, b, 2, h, p, d] on the device
+            self.l2.put(leaving, pages.view(torch.uint8))
         if joining:
             self._join_l1(joining, got)
 
@@ -306,6 +362,10 @@ class LayerPrune:
                 k_parts.append(k)
                 v_parts.append(v)
                 cols.append(c)
+        if query.shape[2] <= cache.select_max_queries:  # a decode step
+            nxt = cache.layers[(layer.index + 1) % len(cache.layers)]
+            if nxt.prune is not None and (cache.top_k_pages is None or nxt.dense):
+                nxt.prune.prefetch()  # the next layer's lossless recall, copied during this one
         k_parts.append(layer.recent_k)
         v_parts.append(layer.recent_v)
         n_rec = layer.recent_k.shape[2]
@@ -333,6 +393,7 @@ class LayerPrune:
         scores = None
         if k is not None:
             scores = layer.summaries.scores(query, cache.scale, cache.score, cache.window_pages)
+        ahead = self._take_ahead() if k is None else None
         out = []
         for store, n, kg in zip((self.l2, self.l3, None), sizes,
                                 [None] * 3 if k is None else split_k(k, sizes)):
@@ -341,7 +402,7 @@ class LayerPrune:
             if store is None:
                 pages, kv = self._recall_disk(disk, scores, kg)
             elif kg is None:  # every page of the store, the same for every sequence
-                rows = store.all()
+                rows = ahead[id(store)] if ahead is not None else store.all()
                 got = (self._full(rows, (n, b)) if store is self.l2
                        else self._decompressed(rows, (n, b)))
                 kv = unpack_pages(got)

@@ -171,3 +171,41 @@ def test_a_decode_step_runs_as_many_tensor_operations_at_any_context(model3, top
                 model3(ids[:, prompt + 5:prompt + 6], cache=cache)
         counts.append(c.ops)
     assert counts[0] == counts[1]
+
+
+def test_lossless_recall_rows_copied_ahead_are_used_and_change_nothing(model3, monkeypatch):
+    """During a decode step each layer copies the next layer's demoted rows ahead (on a GPU: on
+    the copy stream, overlapping its own compute); the next layer uses them when its stores did
+    not change in between -- the same logits as copying at the step, the same bytes counted."""
+    from deepseek_flash.kv.prune.state import LayerPrune
+
+    ids = ids_of(300, batch=2, seed=5)
+
+    def run():
+        cache = TieredCache.for_model(model3, prune_threshold=1.0, page_tokens=PAGE,
+                                      prune_every=3)
+        logits = []
+        with torch.no_grad():
+            logits.append(model3(ids[:, :260], cache=cache).logits[:, -1])
+            for t in range(260, 300):
+                logits.append(model3(ids[:, t:t + 1], cache=cache).logits[:, -1])
+        return torch.stack(logits), cache.stats()
+
+    taken = []
+    real = LayerPrune._take_ahead
+
+    def spy(self):
+        got = real(self)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(LayerPrune, "_take_ahead", spy)
+    ahead, s_ahead = run()
+    # every layer's decode steps but the first layer's first one (nothing was copied ahead yet)
+    # and those after an evaluation changed its stores
+    assert sum(taken) >= 40 * 3 // 2 and not all(taken)
+    monkeypatch.setattr(LayerPrune, "prefetch", lambda self: None)
+    plain, s_plain = run()
+    assert torch.equal(ahead, plain)
+    assert (s_ahead["recall_bytes"], s_ahead["recalls"]) == (s_plain["recall_bytes"],
+                                                             s_plain["recalls"])
