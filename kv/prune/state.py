@@ -328,6 +328,8 @@ class LayerPrune:
         if compressing:
             full = self._full(self.l2.fetch(compressing), (len(compressing) * b,))
             comp_rows = rows_of(compress_pages(full))
+        if joining or compressing:
+            self._sync()  # the gathers above read the rows the removals below move
         self.l2.remove([pg for pg in compressing + joining if pg in self.l2])
         self.l3.remove([pg for pg in joining if pg in self.l3])
         for pg in joining:
