@@ -213,6 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-eager", action="store_true",
                         help="no eager generate() rates (measured before: they do not change)")
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--skip-ops", action="store_true",
+                        help="no operations-per-step count (CPU work; the counts do not change)")
     parser.add_argument("--only-peer", action="store_true", help="the compiled peer alone")
     parser.add_argument("--peer-budget-s", type=float, default=240.0,
                         help="skip the compiled peer for further batches once it has used this long")
@@ -302,7 +304,7 @@ def main(argv=None) -> int:
                 res.setdefault("parity", {})[b] = guarded(logit_parity, torch, decoder, ids, mask,
                                                           args.parity_steps)
                 save(res, args.output)
-    if not args.only_peer:      # CPU work, after the GPU figures (a run cut short keeps those)
+    if not (args.only_peer or args.skip_ops):  # CPU work, after the GPU figures (a cut run keeps those)
         res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
         save(res, args.output)
     if decoder is not None:

@@ -12,7 +12,8 @@
 #   bash bench/gpu_decode_show.sh OUTDIR [STEPS] [--smoke]
 # STEPS: comma-separated subset of int4,stream,qwen2,mistral (default all). --smoke: the same steps
 # on the CPU with tiny models (what CI proves). Work files go under /var/tmp/flash-decode-show
-# (OUTDIR/work with --smoke) and are deleted at the end.
+# (OUTDIR/work with --smoke) and are deleted at the end. OUTDIR keeps the JSON results, steps.txt
+# and logs.tar.gz (logs, machine.txt, the profile tables): six files.
 set -u -o pipefail
 out=${1:-/tmp/flash-decode-show}; steps=${2:-int4,stream,qwen2,mistral}; smoke=${3:-}
 py=${PYTHON:-python3}
@@ -43,7 +44,7 @@ if [ -z "$smoke" ] && { has int4 || has stream; }; then
 fi
 decode_arch() {
   timeout "$t_dec" $py decode.py --arch "$1" "${flags[@]}" --variants graphs --skip-eager --skip-peer \
-    --parity-steps 32 --output "$out/decode_$1.json" --out-dir "$out" > "$out/decode_$1.log" 2>&1
+    --skip-ops --parity-steps 32 --output "$out/decode_$1.json" --out-dir "$out" > "$out/decode_$1.log" 2>&1
   local rc=$?; lap "decode.py --arch $1 rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -5 "$out/decode_$1.log"; }
 }
 if has qwen2; then decode_arch qwen2; fi
@@ -53,6 +54,7 @@ if has int4; then
     --phases int4_budget,int4_small_budget --tokens 48 --output "$out/quant_int4_graphs.json" \
     > "$out/quant_int4_graphs.log" 2>&1
   rc=$?; lap "quant.py --decode graphs rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -5 "$out/quant_int4_graphs.log"; }
+  rm -rf "$work"/store-llama-*          # disk for the bf16 store of the next step
 fi
 if has stream; then
   if [ -n "$smoke" ]; then sargs=(--smoke); else sargs=(--arch llama --layers 32 --budget 8GiB --src "$work/src-llama"); fi
@@ -96,4 +98,7 @@ if s:
               f"{s.get('bound_tok_s_per_seq')}, {e['mode']}), hooks {e['hooks_tok_s']} ({e['hooks_vs_bound']})")
 EOF
 lap "done status=$status"
+# Few files come back from a lent machine: the JSON results and steps.txt stay, the rest is packed.
+(cd "$out" && ls | grep -E '\.(log|txt)$' | grep -vx steps.txt | xargs -r tar czf logs.tar.gz --remove-files)
+ls "$out"
 exit $status

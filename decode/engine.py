@@ -60,6 +60,10 @@ def _suppress_eos(logits, st, step):
     return logits.masked_fill(st.eos_mask & (st.min_new > step), float("-inf"))
 
 
+def _oom_error(torch):
+    return getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
 def _records_logits(kind) -> bool:
     return isinstance(kind, tuple) and kind[-1] == "logits"
 
@@ -161,7 +165,7 @@ class GraphDecoder:
         self.cursor = Cursor()
         self._logged: set[str] = set()
         self.counters = {"generate_calls": 0, "fallback_calls": 0, "captures": 0, "capture_s": 0.0,
-                         "replays": 0, "eager_steps": 0, "graph_pool_bytes": 0}
+                         "replays": 0, "eager_steps": 0, "graph_pool_bytes": 0, "oom_fallbacks": 0}
         self.last_fallback: str | None = None
         # One static state per model: concurrent generate() calls take turns.
         self._lock = threading.Lock()
@@ -186,7 +190,25 @@ class GraphDecoder:
         self._check_capacity(req)
         with self._lock, self._on_device(), self.torch.inference_mode():
             self.counters["generate_calls"] += 1
-            return self._run(req)
+            try:
+                return self._run(req)
+            except _oom_error(self.torch) as exc:
+                reason = self._release_after_oom(exc)
+        # Out of device memory in the static cache, a capture or a step: the cache and graphs are
+        # released and this call decodes through transformers' generate (its own memory error,
+        # if that does not fit either, reaches the caller); the next call tries again.
+        self.counters["fallback_calls"] += 1
+        self.last_fallback = reason
+        self._log_once(f"decoding through transformers' generate(): {reason}")
+        return self.transformers_generate(*args, **kwargs)
+
+    def _release_after_oom(self, exc) -> str:
+        self.counters["oom_fallbacks"] += 1
+        self.reset()
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        return f"out of device memory in the static-cache decode ({first})"
 
     def _on_device(self):
         """Streams and captures on the model's device, whatever device is current."""
@@ -416,6 +438,8 @@ class GraphDecoder:
             return self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
         try:
             logits = self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
+        except _oom_error(self.torch):
+            raise                  # memory, not the kernels: generate() falls back for this call
         except Exception as exc:   # noqa: BLE001 -- any failure: the modules' step, with the reason
             self.fused = None
             self.fused_reason = f"the fused step failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]

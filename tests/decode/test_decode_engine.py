@@ -126,6 +126,40 @@ def test_capacity_is_checked_before_any_work():
     assert model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False).shape == (1, 16)
 
 
+@pytest.mark.parametrize("where", ["cache", "step"])
+def test_out_of_memory_falls_back_to_transformers_for_the_call(where, monkeypatch, caplog):
+    from deepseek_flash.decode import engine
+
+    model = tiny_model("llama", seed=2)
+    ids, mask = left_padded(2, 6, seed=3)
+    want = reference(model, ids, mask, max_new_tokens=12)
+    decoder = enable(model, capacity=32)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+    if where == "cache":
+        def no_memory(*args, **kwargs):
+            raise oom
+        monkeypatch.setattr(engine, "KVStore", no_memory)
+    else:
+        step, calls = decoder._step, []
+
+        def step_then_oom(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise oom
+            return step(*args, **kwargs)
+        monkeypatch.setattr(decoder, "_step", step_then_oom)
+    with caplog.at_level(logging.WARNING, logger="deepseek_flash.decode"):
+        got = reference(model, ids, mask, max_new_tokens=12)
+    assert torch.equal(got, want)
+    stats = decoder.stats()
+    assert stats["oom_fallbacks"] == 1 and stats["fallback_calls"] == 1 and stats["kv_bytes"] == 0
+    assert "out of device memory" in stats["last_fallback"] and "4.00 GiB" in stats["last_fallback"]
+    assert any("out of device memory" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()                  # memory again: the next call decodes over the static cache
+    assert torch.equal(reference(model, ids, mask, max_new_tokens=12), want)
+    assert decoder.stats()["generate_calls"] == 2 and decoder.stats()["kv_bytes"] > 0
+
+
 def test_unsupported_calls_go_to_transformers_with_a_logged_reason(caplog):
     model = tiny_model("llama")
     ids, mask = left_padded(1, 6)
