@@ -404,21 +404,21 @@ def main(argv=None) -> int:
                 if mode == "flash":
                     # Warm-up (allocator, kernels), then the references.
                     client(pool, throughput, base, name, args.max_batch, 4, args.prompt_len)
-                    state.engine.profile(reset=True)
+                    state.engine.runner.profile(reset=True)
                     phase("warm-up")
                     warm = client(pool, unloaded, base, name, min(UNLOADED_WARMUP, args.unloaded_requests),
                                   args.prompt_len)
-                    profiles["unloaded_warmup"] = state.engine.profile(reset=True)
+                    profiles["unloaded_warmup"] = state.engine.runner.profile(reset=True)
                     result["unloaded"] = client(pool, unloaded, base, name, args.unloaded_requests, args.prompt_len)
                     result["unloaded"].update(warmup_requests=warm["requests"], warmup_ttft_ms=warm["ttft_ms"])
-                    profiles["unloaded"] = state.engine.profile(reset=True)
+                    profiles["unloaded"] = state.engine.runner.profile(reset=True)
                     phase("unloaded")
                     tokens = max(8, 128 // scale)
                     one_tp = client(pool, throughput, base, name, 1, tokens, args.prompt_len)
-                    profiles["one"] = state.engine.profile(reset=True)
+                    profiles["one"] = state.engine.runner.profile(reset=True)
                     phase("one")
                     full_tp = client(pool, throughput, base, name, args.max_batch, tokens, args.prompt_len)
-                    profiles["full"] = state.engine.profile(reset=True)
+                    profiles["full"] = state.engine.runner.profile(reset=True)
                     phase("full")
                     result["throughput"] = {"one": one_tp, "full": full_tp,
                                             "ratio": round(full_tp["tokens_per_s"] / one_tp["tokens_per_s"], 2)}
@@ -438,9 +438,9 @@ def main(argv=None) -> int:
                     arrivals = schedule(capacity, args.load, args.wave_seconds, scale, args.seed)
                     result["arrivals"] = len(arrivals)
                     save(result, args.output)
-                state.engine.profile(reset=True)
+                state.engine.runner.profile(reset=True)
                 recs, wall = client(pool, run_load, base, name, arrivals, args.prompt_len, drain)
-                profiles[mode] = state.engine.profile(reset=True)
+                profiles[mode] = state.engine.runner.profile(reset=True)
                 phase(f"load {mode}")
                 results[mode] = {"records": recs, "wall_s": round(wall, 2),
                                  "summary": summarize(recs, result["unloaded"]["ttft_p99_ms"]),
