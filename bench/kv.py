@@ -119,6 +119,44 @@ def decode(model, cache, tok, steps, device, warmup=4, repeats=2):
     return tok, steps / best[0], round(best[1] / best[0], 3)
 
 
+def profile_steps(model, cache, tok, device, path: Path, steps: int = 2) -> dict:
+    """A torch profiler over ``steps`` decode steps: kernels and device time per step (what the
+    device does) against the wall time per step (what the step costs); the table goes to
+    ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    with torch.no_grad(), profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+        sync(device)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    kernels = device_us = 0.0
+    for e in events:
+        on_device = str(getattr(e, "device_type", "")).endswith("CUDA")
+        if on_device or (not e.key.startswith("aten::") and "::" not in e.key
+                         and getattr(e, "self_device_time_total", 0.0) > 0
+                         and getattr(e, "cpu_time_total", 0.0) == 0):
+            kernels += e.count  # a kernel or a copy on the device
+            device_us += getattr(e, "self_device_time_total", 0.0)
+    ops = sum(e.count for e in events if e.key.startswith("aten::"))
+    try:
+        table = events.table(sort_by="self_cuda_time_total" if len(activities) > 1
+                             else "self_cpu_time_total", row_limit=40)
+    except Exception:  # a sort key this torch does not know
+        table = events.table(row_limit=40)
+    path.write_text(table + "\n")
+    return {"wall_ms_per_step": round(wall * 1e3 / steps, 2),
+            "device_ms_per_step": round(device_us / 1e3 / steps, 2),
+            "kernels_per_step": kernels / steps, "aten_ops_per_step": ops / steps,
+            "table": path.name}
+
+
 def floor_tok_s(model, args, device, T=256) -> float:
     """``DynamicCache`` decode tok/s at a short context: the eager step's cost apart from
     attention over a long context (the host-bound floor every mode here runs on)."""
@@ -166,7 +204,7 @@ def free(device):
         torch.cuda.empty_cache()
 
 
-def run_context(model, T, args, device, h2d):
+def run_context(model, T, args, device, h2d, record=True):
     import torch
     from transformers import DynamicCache
 
@@ -183,8 +221,11 @@ def run_context(model, T, args, device, h2d):
     model.set_attn_implementation("sdpa")  # the peers run as transformers runs them
     dc = DynamicCache(config=model.config)
     tok, r["ttft_dynamic_s"] = prefill(model, ids, dc, device)
-    _, r["dynamic_tok_s"], r["dynamic_host_share"] = decode(model, dc, tok, steps, device,
-                                                            args.warmup, args.repeats)
+    tok, r["dynamic_tok_s"], r["dynamic_host_share"] = decode(model, dc, tok, steps, device,
+                                                              args.warmup, args.repeats)
+    if args.profile and args.output and record:
+        r["dynamic_profile"] = profile_steps(
+            model, dc, tok, device, Path(args.output).with_suffix(f".dynamic-{T}.txt"))
     r["dynamic_kv_bytes"] = dynamic_kv_bytes(dc)  # the same tokens as the tiered stats below
     if cuda:
         r["dynamic_peak_bytes"] = torch.cuda.max_memory_allocated()
@@ -203,6 +244,9 @@ def run_context(model, T, args, device, h2d):
     s = cache.stats()
     r["topk25_pages_per_token"] = (s["pages_fetched"] - fetched) / (args.warmup
                                                                      + args.repeats * steps)
+    if args.profile and args.output and record:
+        r["topk25_profile"] = profile_steps(
+            model, cache, tok, device, Path(args.output).with_suffix(f".topk25-{T}.txt"))
     # layers whose top-K pages came by one gather over their host chunks (kv/span.py); the
     # others (dense layers, or a view that could not be used: logged) copy page runs
     r["topk25_one_gather_layers"] = sum(layer.pages._span is not None for layer in cache.layers)
@@ -215,8 +259,11 @@ def run_context(model, T, args, device, h2d):
         r["tiered_peak_bytes"] = torch.cuda.max_memory_allocated()
     r["gpu_kv_ratio"] = round(s["gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     cache.top_k_pages = None
-    _, r["lossless_tok_s"], r["lossless_host_share"] = decode(model, cache, tok, steps, device,
-                                                              args.warmup, args.repeats)
+    tok, r["lossless_tok_s"], r["lossless_host_share"] = decode(model, cache, tok, steps, device,
+                                                                args.warmup, args.repeats)
+    if args.profile and args.output and record:
+        r["lossless_profile"] = profile_steps(
+            model, cache, tok, device, Path(args.output).with_suffix(f".lossless-{T}.txt"))
     s = cache.stats()
     moved = s["pages"] * s["page_bytes"]  # every page of every layer, each step
     r["lossless_bytes_per_token"] = moved
@@ -254,6 +301,9 @@ def main(argv=None) -> int:
                     help="timed windows per mode (the best counts)")
     ap.add_argument("--peer-max", type=int, default=32768,
                     help="longest context DynamicCache(offloading=True) is run at")
+    ap.add_argument("--profile", action="store_true",
+                    help="also a torch profiler table of 2 decode steps per mode and context "
+                         "(next to --output)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
@@ -280,7 +330,7 @@ def main(argv=None) -> int:
     # every mode once at a short context, untimed: the first context is not timed cold (kernel
     # selection, allocator growth, the copy stream and pinned pools are all warm by then)
     t = time.perf_counter()
-    run_context(model, min(1024, min(args.contexts)), args, device, result["h2d_gbps"])
+    run_context(model, min(1024, min(args.contexts)), args, device, result["h2d_gbps"], False)
     result["warmup_s"] = round(time.perf_counter() - t, 1)
     result["dynamic_floor_tok_s"] = floor_tok_s(model, args, device)
     for T in args.contexts:
