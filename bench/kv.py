@@ -145,11 +145,15 @@ def profile_steps(model, cache, tok, device, path: Path, steps: int = 2) -> dict
             kernels += e.count  # a kernel or a copy on the device
             device_us += getattr(e, "self_device_time_total", 0.0)
     ops = sum(e.count for e in events if e.key.startswith("aten::"))
-    try:
-        table = events.table(sort_by="self_cuda_time_total" if len(activities) > 1
-                             else "self_cpu_time_total", row_limit=40)
-    except Exception:  # a sort key this torch does not know
-        table = events.table(row_limit=40)
+    table = None
+    keys = (("self_device_time_total", "self_cuda_time_total") if len(activities) > 1 else ())
+    for key in (*keys, "self_cpu_time_total"):
+        try:
+            table = events.table(sort_by=key, row_limit=40)
+            break
+        except Exception:  # a sort key this torch does not know
+            continue
+    table = table if table is not None else events.table(row_limit=40)
     path.write_text(table + "\n")
     return {"wall_ms_per_step": round(wall * 1e3 / steps, 2),
             "device_ms_per_step": round(device_us / 1e3 / steps, 2),
