@@ -58,7 +58,7 @@ if has int4; then
   rm -rf "$work"/store-llama-*          # disk for the bf16 store of the next step
 fi
 if has stream; then
-  if [ -n "$smoke" ]; then sargs=(--smoke); else sargs=(--arch llama --layers 32 --budget 8GiB --src "$work/src-llama"); fi
+  if [ -n "$smoke" ]; then sargs=(--smoke --src "$work/src-smoke"); else sargs=(--arch llama --layers 32 --budget 8GiB --src "$work/src-llama"); fi
   timeout "$t_stream" $py decode_stream.py "${sargs[@]}" --batches 1 --prompt 32 --new 12 --dir "$work" \
     --output "$out/decode_stream_8b.json" > "$out/decode_stream_8b.log" 2>&1
   rc=$?; lap "decode_stream.py rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -5 "$out/decode_stream_8b.log"; }
