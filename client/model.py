@@ -283,7 +283,7 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         # A fresh process after the page cache lost transformers: the skeleton's imports read
         # thousands of small files one after another, each behind the load's disk reads -- a
         # process of its own reads them all at once, ahead of the imports, beside the load and
-        # without this interpreter's lock (client.readahead); the attach goes first.
+        # without this interpreter's lock (client.imports_readahead); the attach goes first.
         fresh = not skeleton_imported(info.config) and not imports_cached(info.config)
         read_ahead = None
         if device_map is not None:

@@ -193,7 +193,7 @@ def record_imports(names) -> int:
 
 
 def _read_ahead_job(packages, threads: int) -> dict | None:
-    """What ``prefetch_imports`` reads (see there), as the JSON job of ``client.readahead``; None
+    """What ``prefetch_imports`` reads (see there), as the JSON job of ``client.imports_readahead``; None
     when there is nothing to read."""
     import importlib.util
     import sys
@@ -232,7 +232,7 @@ def prefetch_imports(packages=None, threads: int = PREFETCH_THREADS,
     read; ``seen``, if given, gets their paths. Test, header and library directories
     (``SKIP_DIRS``) are skipped; errors are ignored (an import reads what is missing itself).
     In this process; ``start_read_ahead`` does the same in a process of its own."""
-    from .readahead import read_ahead
+    from .imports_readahead import read_ahead
 
     job = _read_ahead_job(packages, threads)
     if job is None:
@@ -277,7 +277,7 @@ class ReadAhead:
 
 
 def start_read_ahead(packages=None, threads: int = PREFETCH_THREADS) -> ReadAhead | None:
-    """``prefetch_imports`` in a process of its own (``python -I -S client/readahead.py``), so that
+    """``prefetch_imports`` in a process of its own (``python -I -S client/imports_readahead.py``), so that
     it runs beside this process's imports -- and beside a load's disk reads -- without holding
     this interpreter's lock or the load's start. Returns None when there is nothing to read or no
     process could be started (the imports then read their files themselves)."""
@@ -290,7 +290,7 @@ def start_read_ahead(packages=None, threads: int = PREFETCH_THREADS) -> ReadAhea
     job = _read_ahead_job(packages, threads)
     if job is None:
         return None
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "readahead.py")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "imports_readahead.py")
     started = time.perf_counter()
     try:
         proc = subprocess.Popen([sys.executable, "-I", "-S", script], stdin=subprocess.PIPE,

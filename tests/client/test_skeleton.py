@@ -186,7 +186,7 @@ import subprocess
 seen, events = [], []
 real_popen = subprocess.Popen
 def popen_spy(args, *a, **k):
-    if any(str(x).endswith("readahead.py") for x in args):
+    if any(str(x).endswith("imports_readahead.py") for x in args):
         events.append("read-ahead started")
     return real_popen(args, *a, **k)
 subprocess.Popen = popen_spy

@@ -1,7 +1,7 @@
 """Read files into the page cache, many at once: the module files a skeleton build imports.
 
 Standard library only, so that ``client.skeleton.start_read_ahead`` can run this file as a process
-of its own (``python -I -S readahead.py``, the work as JSON on stdin, the number of files read on
+of its own (``python -I -S imports_readahead.py``, the work as JSON on stdin, the number of files read on
 stdout): its reads then run beside the skeleton's imports without taking this interpreter's lock
 from them. ``client.skeleton.prefetch_imports`` calls ``read_ahead`` in-process.
 """
