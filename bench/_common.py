@@ -107,6 +107,25 @@ def pinned_h2d(nbytes: int = 4 << 30, repeat: int = 3, device: int = 0) -> float
     return best
 
 
+def copy_bandwidth(torch, nbytes=4 << 30, repeat=5) -> float:
+    """Device-to-device copy on cuda:0, bytes read + written per second (best of ``repeat``): the
+    HBM limit the decode benchmarks compare against."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / best
+
+
 def write_finite_llama(path, *, dtype: str = "bfloat16", seed: int = 0, **shape) -> Path:
     """A random Llama checkpoint whose values are small finite numbers (so decoding is
     deterministic and comparable), written as sharded safetensors without building the model."""

@@ -35,7 +35,7 @@ import platform
 import sys
 import time
 
-from _common import emit, save
+from _common import copy_bandwidth, emit, save
 
 SHAPES = {
     "llama": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, vocab_size=128256,
@@ -86,24 +86,6 @@ def weight_bytes_per_step(model) -> int:
     return total if embed.data_ptr() == head.data_ptr() else total - embed.numel() * embed.element_size()
 
 
-def copy_bandwidth(torch, nbytes=4 << 30, repeat=5) -> float:
-    """Device-to-device copy, bytes read + written per second (best of ``repeat``)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / best
-
-
 def timed(torch, fn, cuda: bool):
     if cuda:
         torch.cuda.synchronize()
@@ -124,7 +106,7 @@ def decode_rate(torch, generate, ids, mask, new: int, cuda: bool, **kw):
     return ids.shape[0] * (new - 1) / max(tn - t1, 1e-9), out, tn
 
 
-def step_profile(torch, decoder, batch: int, out_dir) -> dict:
+def step_profile(torch, decoder, batch: int, out_dir, name: str = "profile") -> dict:
     """Three replays of the last captured graph of ``batch`` under the torch profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -154,7 +136,7 @@ def step_profile(torch, decoder, batch: int, out_dir) -> dict:
     gpu_us = sum(r[2] for r in rows)
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
     if out_dir:
-        (out_dir / f"profile_b{batch}.txt").write_text(table)
+        (out_dir / f"{name}_b{batch}.txt").write_text(table)
     return {"kernels_per_step": round(kernels), "kernel_time_us_per_step": round(gpu_us, 1),
             "top": [{"kernel": k[:90], "per_step": round(c, 1), "us": round(us, 1)}
                     for k, c, us in rows[:12]]}
@@ -231,6 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-eager", action="store_true",
                         help="no eager generate() rates (measured before: they do not change)")
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--skip-ops", action="store_true",
+                        help="no operations-per-step count (CPU work; the counts do not change)")
     parser.add_argument("--only-peer", action="store_true", help="the compiled peer alone")
     parser.add_argument("--peer-budget-s", type=float, default=240.0,
                         help="skip the compiled peer for further batches once it has used this long")
@@ -320,7 +304,7 @@ def main(argv=None) -> int:
                 res.setdefault("parity", {})[b] = guarded(logit_parity, torch, decoder, ids, mask,
                                                           args.parity_steps)
                 save(res, args.output)
-    if not args.only_peer:      # CPU work, after the GPU figures (a run cut short keeps those)
+    if not (args.only_peer or args.skip_ops):  # CPU work, after the GPU figures (a cut run keeps those)
         res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
         save(res, args.output)
     if decoder is not None:

@@ -11,9 +11,14 @@ through slots; then in the same run:
   path measured at 0.99 x the bound before), vs the bound;
 * greedy tokens of the two (the first step where they differ: fused kernels may round apart).
 
-Decode tok/s = batch x (N - 1) / (t(generate N) - t(generate 1)).
+Decode tok/s = batch x (N - 1) / (t(generate N) - t(generate 1)), N = ``--new``; the model's eos
+id is cleared (random weights: every requested token is decoded) and the JSON records the new
+tokens each timed call returned (``new_tokens_returned``).
 
     python bench/decode_stream.py [--arch llama] [--layers 6] [--budget 2GiB] --dir /var/tmp/x
+    python bench/decode_stream.py --arch llama --layers 32 --budget 8GiB --src /var/tmp/x/src-llama
+                                   # the 8B model streamed under 8 GiB (``--src``: reuse a
+                                   # checkpoint of that shape, e.g. bench/quant.py's)
 """
 from __future__ import annotations
 
@@ -42,6 +47,9 @@ def rate(torch, generate, ids, new: int):
     run(new)
     t1 = min(run(1)[0] for _ in range(2))
     tn, out = run(new)
+    returned = out.shape[1] - ids.shape[1]
+    if returned != new:
+        raise RuntimeError(f"generate(max_new_tokens={new}) returned {returned} new tokens")
     return ids.shape[0] * (new - 1) / max(tn - t1, 1e-9), out
 
 
@@ -51,6 +59,8 @@ def main(argv=None) -> int:
     add_arch_argument(parser)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--budget", default="2GiB", help="weight budget on the GPU")
+    parser.add_argument("--src", help="checkpoint directory (written there with this shape if absent); "
+                                      "default DIR/<arch>-<layers>/src")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=32)
@@ -75,7 +85,7 @@ def main(argv=None) -> int:
     work = pathlib.Path(args.dir) / f"{args.arch}-{args.layers}{'-smoke' if args.smoke else ''}"
     t0 = time.perf_counter()
     shape = SMOKE if args.smoke else dict(ARCH_SHAPES[args.arch], layers=args.layers)
-    src = write_finite_llama(work / "src", arch=args.arch, **shape)
+    src = write_finite_llama(pathlib.Path(args.src) if args.src else work / "src", arch=args.arch, **shape)
     store_dir = work / "store"
     if not (store_dir / "flash_metadata.bin").exists():
         pack(src, store_dir)
@@ -97,6 +107,7 @@ def main(argv=None) -> int:
     client = Client(embedded=True, config={"host_cache_bytes": (store.total_bytes // (1 << 20) + 1024) << 20})
     model = load_model(store_dir, device=device, client=client, weight_budget=budget,
                        decode="graphs", decode_capacity=args.prompt + args.new)
+    model.generation_config.eos_token_id = None     # random weights: decode every requested token
     runtime = model.flash.stream
     if runtime is None:
         print(f"budget {args.budget} holds the whole model: nothing streams", file=sys.stderr)
@@ -124,6 +135,7 @@ def main(argv=None) -> int:
             "graphs_tok_s": round(graphs, 3), "graphs_vs_bound": round(graphs / (b * bound), 3),
             "hooks_tok_s": round(hooks, 3), "hooks_vs_bound": round(hooks / (b * bound), 3),
             "graphs_vs_hooks": round(graphs / hooks, 3), "first_divergent_step": first,
+            "new_tokens_returned": [out_graphs.shape[1] - args.prompt, out_hooks.shape[1] - args.prompt],
             "mode": stats["mode"], "eager_reason": stats["eager_reason"], "step": stats["step"],
             "fused_reason": stats["fused_reason"], "ring": stats["ring"], "merged": stats["merged"],
             "captures": stats["captures"], "capture_s": round(stats["capture_s"], 3),

@@ -3,15 +3,19 @@
 Shapes are bucketed so that graphs are few and reused: the batch rounds up to a power of two
 (rows beyond the real batch decode a pad token and are dropped), and the attention reads the first
 ``visible`` slots of the cache, ``visible`` a multiple of ``LENGTH_BUCKET`` tokens that grows with
-the sequence. A graph is keyed by (batch bucket, visible, sampling kind); a new prompt length, a
-new ``max_new_tokens`` or new temperature/top-p values within the capacity replay the same graphs.
+the sequence. A graph is keyed by (batch bucket, visible, sampling kind, eos rule); a new prompt
+length, a new ``max_new_tokens``, ``min_new_tokens`` or new temperature/top-p values within the
+capacity replay the same graphs (the eos rule -- ``min_new_tokens`` / ``min_length`` as
+transformers' processors apply them -- is a mask and a step count held in device tensors).
 ``capacity`` (tokens per sequence, prompt + new) sizes the cache once; a request beyond it raises
 ``DecodeCapacityExceeded`` before any work.
 
 State the step reads and writes lives in fixed device tensors (``_State``): the last token, each
 row's first real slot, the slot written next, the output index, the finished flags and the output
 buffer. Before capturing, the step runs twice eagerly on a side stream (as CUDA graphs require)
-and the scalars it advanced are put back.
+and the scalars it advanced are put back. ``stats()["graph_pool_bytes"]``: the memory the
+graphs' shared pool holds (reserved memory after each capture less before it, the allocator's
+cache emptied first, as ``torch.cuda.graph`` does on entry anyway; 0 again after ``reset``).
 """
 from __future__ import annotations
 
@@ -50,6 +54,16 @@ def _is_eos(tokens, eos):
     return (tokens[:, None] == eos[None, :]).any(dim=-1)
 
 
+def _suppress_eos(logits, st, step):
+    """transformers' MinLength / MinNewTokensLength processors: eos logits -inf while fewer than
+    ``min_new`` new tokens exist (``step``: the index of the token being chosen)."""
+    return logits.masked_fill(st.eos_mask & (st.min_new > step), float("-inf"))
+
+
+def _oom_error(torch):
+    return getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
 def _records_logits(kind) -> bool:
     return isinstance(kind, tuple) and kind[-1] == "logits"
 
@@ -57,7 +71,7 @@ def _records_logits(kind) -> bool:
 class _State:
     """The fixed tensors one batch bucket's graphs read and write."""
 
-    def __init__(self, batch: int, capacity: int, device, torch):
+    def __init__(self, batch: int, capacity: int, vocab: int, device, torch):
         i64 = dict(dtype=torch.int64, device=device)
         self.batch = batch
         self.tokens = torch.zeros(batch, **i64)
@@ -69,6 +83,9 @@ class _State:
         self.done = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.eos = torch.full((requests.MAX_EOS,), -1, **i64)
         self.pad = torch.zeros(1, **i64)
+        # min_new_tokens / min_length: eos logits are -inf while step < min_new.
+        self.min_new = torch.zeros(1, **i64)
+        self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.temperature = torch.ones(1, dtype=torch.float32, device=device)
         self.top_p = torch.ones(1, dtype=torch.float32, device=device)
         self.key_slots = torch.arange(capacity, **i64)
@@ -148,7 +165,7 @@ class GraphDecoder:
         self.cursor = Cursor()
         self._logged: set[str] = set()
         self.counters = {"generate_calls": 0, "fallback_calls": 0, "captures": 0, "capture_s": 0.0,
-                         "replays": 0, "eager_steps": 0, "graph_pool_bytes": 0}
+                         "replays": 0, "eager_steps": 0, "graph_pool_bytes": 0, "oom_fallbacks": 0}
         self.last_fallback: str | None = None
         # One static state per model: concurrent generate() calls take turns.
         self._lock = threading.Lock()
@@ -173,7 +190,25 @@ class GraphDecoder:
         self._check_capacity(req)
         with self._lock, self._on_device(), self.torch.inference_mode():
             self.counters["generate_calls"] += 1
-            return self._run(req)
+            try:
+                return self._run(req)
+            except _oom_error(self.torch) as exc:
+                reason = self._release_after_oom(exc)
+        # Out of device memory in the static cache, a capture or a step: the cache and graphs are
+        # released and this call decodes through transformers' generate (its own memory error,
+        # if that does not fit either, reaches the caller); the next call tries again.
+        self.counters["fallback_calls"] += 1
+        self.last_fallback = reason
+        self._log_once(f"decoding through transformers' generate(): {reason}")
+        return self.transformers_generate(*args, **kwargs)
+
+    def _release_after_oom(self, exc) -> str:
+        self.counters["oom_fallbacks"] += 1
+        self.reset()
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        return f"out of device memory in the static-cache decode ({first})"
 
     def _on_device(self):
         """Streams and captures on the model's device, whatever device is current."""
@@ -197,7 +232,7 @@ class GraphDecoder:
             finally:
                 logits = st.logits
                 st.logits = None
-                for key in [k for k in self.graphs if _records_logits(k[-1])]:
+                for key in [k for k in self.graphs if _records_logits(k[2])]:
                     del self.graphs[key]
         return tokens, logits[:req.batch, :tokens.shape[1] - req.prompt]
 
@@ -234,6 +269,7 @@ class GraphDecoder:
         self.states.clear()
         self.store = None
         self.pool = None
+        self.counters["graph_pool_bytes"] = 0
 
     # --- decode ----------------------------------------------------------------------------------
     def _run(self, req):
@@ -248,10 +284,17 @@ class GraphDecoder:
         st.pad.fill_(req.pad)
         st.temperature.fill_(req.temperature)
         st.top_p.fill_(req.top_p)
+        # A graph keyed with ``suppress`` holds the eos rule; min_new 0 never needs it.
+        suppress = req.min_new > 0
+        st.min_new.fill_(req.min_new)
+        st.eos_mask.zero_()
+        eos_in_vocab = [e for e in req.eos if 0 <= e < st.eos_mask.numel()]
+        if suppress and eos_in_vocab:
+            st.eos_mask[eos_in_vocab] = True
 
         if st.logits is not None:
             sampling_kind = (sampling_kind, "logits")
-        first = self._prefill(st, req, sampling_kind)
+        first = self._prefill(st, req, sampling_kind, suppress)
         b, prompt = req.batch, req.prompt
         st.tokens.fill_(req.pad)
         st.tokens[:b] = first
@@ -273,7 +316,7 @@ class GraphDecoder:
                 if req.eos and steps % CHECK_EVERY == 0 and bool(st.done[steps - 1]):
                     break
                 visible = length_bucket(prompt + steps, self.capacity, self.length_step)
-                self._advance(st, visible, sampling_kind)
+                self._advance(st, visible, sampling_kind, suppress)
                 if ring is not None and self.fused is not None:
                     ring.count_step()
                 steps += 1
@@ -287,7 +330,7 @@ class GraphDecoder:
                 new = new[:, :int(done[0, 0]) + 1]
         return torch.cat([req.input_ids, new.to(req.input_ids.dtype)], dim=1)
 
-    def _prefill(self, st, req, sampling_kind):
+    def _prefill(self, st, req, sampling_kind, suppress: bool = False):
         torch = self.torch
         b, prompt = req.batch, req.prompt
         cursor = self.cursor
@@ -303,6 +346,8 @@ class GraphDecoder:
         cursor.length = prompt
         if st.logits is not None:
             st.logits[:b, 0] = logits
+        if suppress:
+            logits = _suppress_eos(logits, st, 0)
         return choose(logits, self._sampling(st, sampling_kind))
 
     def _ring_for_steps(self):
@@ -356,7 +401,7 @@ class GraphDecoder:
         top_k, use_top_p = kind
         return (st.temperature, top_k, st.top_p if use_top_p else None)
 
-    def _step(self, st, visible: int, sampling_kind) -> None:
+    def _step(self, st, visible: int, sampling_kind, suppress: bool = False) -> None:
         """One token for every row of the bucket: the function each graph captures."""
         torch = self.torch
         cursor = self.cursor
@@ -370,6 +415,8 @@ class GraphDecoder:
                                   self._caches[st.batch], self.swaps)
         if st.logits is not None:
             st.logits.index_copy_(1, st.step, logits[:, None])
+        if suppress:
+            logits = _suppress_eos(logits, st, st.step)
         nxt = choose(logits, self._sampling(st, sampling_kind))
         nxt = torch.where(st.finished, st.pad, nxt)
         st.finished |= _is_eos(nxt, st.eos)
@@ -391,6 +438,8 @@ class GraphDecoder:
             return self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
         try:
             logits = self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
+        except _oom_error(self.torch):
+            raise                  # memory, not the kernels: generate() falls back for this call
         except Exception as exc:   # noqa: BLE001 -- any failure: the modules' step, with the reason
             self.fused = None
             self.fused_reason = f"the fused step failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -405,20 +454,20 @@ class GraphDecoder:
         self._fused_ran = True
         return logits
 
-    def _advance(self, st, visible: int, sampling_kind) -> None:
+    def _advance(self, st, visible: int, sampling_kind, suppress: bool = False) -> None:
         if self.eager_reason is None:
-            graph = self.graphs.get((st.batch, visible, sampling_kind))
+            graph = self.graphs.get((st.batch, visible, sampling_kind, suppress))
             if graph is None:
-                graph = self._capture(st, visible, sampling_kind)
+                graph = self._capture(st, visible, sampling_kind, suppress)
             if graph is not None:
                 graph.replay()
                 self.counters["replays"] += 1
                 return
-        self._step(st, visible, sampling_kind)
+        self._step(st, visible, sampling_kind, suppress)
         self.counters["eager_steps"] += 1
 
     # --- capture ---------------------------------------------------------------------------------
-    def _capture(self, st, visible: int, sampling_kind):
+    def _capture(self, st, visible: int, sampling_kind, suppress: bool = False):
         torch = self.torch
         reason = self._capture_blocker()
         if reason is not None:
@@ -426,13 +475,12 @@ class GraphDecoder:
             return None
         self._wait_loaded()
         t0 = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(self.device)
         saved = st.snapshot()
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step(st, visible, sampling_kind)
+                self._step(st, visible, sampling_kind, suppress)
         torch.cuda.current_stream(self.device).wait_stream(side)
         st.restore(saved)
         if self.eager_reason is not None:      # the warm-up fell back (the fused step failed)
@@ -447,9 +495,15 @@ class GraphDecoder:
         gc_was_enabled = gc.isenabled()
         gc.collect()
         gc.disable()
+        # torch.cuda.graph empties the allocator's cache as it starts: empty it first, so reserved
+        # memory after the capture less before is what the capture took into the graphs' pool
+        # (which nothing but the graphs uses, and which stays reserved while they live).
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(self.device)
         try:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._step(st, visible, sampling_kind)
+                self._step(st, visible, sampling_kind, suppress)
         except Exception as exc:   # noqa: BLE001 -- any capture failure means: run eagerly, say why
             torch.cuda.synchronize(self.device)
             st.restore(saved)
@@ -459,7 +513,7 @@ class GraphDecoder:
             if gc_was_enabled:
                 gc.enable()
         st.restore(saved)
-        self.graphs[(st.batch, visible, sampling_kind)] = graph
+        self.graphs[(st.batch, visible, sampling_kind, suppress)] = graph
         self.counters["captures"] += 1
         self.counters["capture_s"] += time.perf_counter() - t0
         self.counters["graph_pool_bytes"] += torch.cuda.memory_reserved(self.device) - reserved
@@ -501,7 +555,9 @@ class GraphDecoder:
             self._kv_rows = {}
         st = self.states.get(bucket)
         if st is None:
-            st = self.states[bucket] = _State(bucket, self.capacity, self.device, self.torch)
+            head = self.model.get_output_embeddings()
+            vocab = getattr(head, "out_features", None) or self.model.config.vocab_size
+            st = self.states[bucket] = _State(bucket, self.capacity, vocab, self.device, self.torch)
             self._caches[bucket] = self.store.cache(bucket, self.cursor)
         return st
 

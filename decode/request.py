@@ -1,7 +1,7 @@
 """Which ``generate()`` calls the captured step implements, decided before any work (pure).
 
 ``parse(model, args, kwargs)`` returns a ``DecodeRequest`` (prompt, mask, new-token count, eos and
-pad ids, greedy or sampling parameters) or a ``Fallback`` naming the first option the step does not
+pad ids, the minimum new tokens before an eos, greedy or sampling parameters) or a ``Fallback`` naming the first option the step does not
 implement; the engine then hands the call to transformers' own ``generate`` unchanged. The
 generation config is merged exactly as ``generate`` merges it (``_prepare_generation_config``), so
 the defaults a model ships (``generation_config.json``) apply the same way.
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Options the step honours.
-HONOURED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-            "pad_token_id", "bos_token_id", "eos_token_id", "use_cache"}
+HONOURED = {"max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature",
+            "top_k", "top_p", "pad_token_id", "bos_token_id", "eos_token_id", "use_cache"}
 # Options that do not change greedy/sampled decoding with one beam and no assistant.
 INERT = {"cache_implementation", "cache_config", "max_cache_len", "compile_config", "disable_compile",
          "transformers_version", "early_stopping", "length_penalty", "decoder_start_token_id",
@@ -44,6 +44,7 @@ class DecodeRequest:
     temperature: float
     top_k: int                   # 0: no top-k filter
     top_p: float                 # 1.0: no top-p filter
+    min_new: int = 0             # eos ids cannot be chosen before this many new tokens (0: no rule)
 
     @property
     def batch(self) -> int:
@@ -126,6 +127,16 @@ def parse(model, args: tuple, kwargs: dict):
         if not bool(left_padded) or bool((valid_from >= prompt).any()):
             return Fallback("attention_mask is not left padding (ones after zeros, a token per row)")
 
+    # generate()'s MinLength / MinNewTokensLength processors: eos logits are -inf while the
+    # sequence (prompt + new, padding included) is shorter than min_length, or fewer than
+    # min_new_tokens new tokens exist; both only where there are eos ids.
+    min_new = 0
+    if eos:
+        if config.min_length is not None and config.min_length > 0:
+            min_new = max(min_new, int(config.min_length) - prompt)
+        if config.min_new_tokens is not None and config.min_new_tokens > 0:
+            min_new = max(min_new, int(config.min_new_tokens))
+
     do_sample = bool(config.do_sample)
     temperature = float(config.temperature) if config.temperature is not None else 1.0
     top_k = int(config.top_k) if config.top_k is not None else 0
@@ -133,4 +144,4 @@ def parse(model, args: tuple, kwargs: dict):
     if do_sample and temperature <= 0:
         return Fallback(f"do_sample with temperature {temperature}")
     return DecodeRequest(inputs, valid_from, new, eos, pad, do_sample, temperature,
-                         top_k if do_sample else 0, top_p if do_sample else 1.0)
+                         top_k if do_sample else 0, top_p if do_sample else 1.0, min_new)

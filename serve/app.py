@@ -17,7 +17,9 @@ import uuid
 from ..daemon.config import KEYS as CONFIG_KEYS
 from ..errors import FlashError, KVUnsupported
 from ..sysfs_shim.publisher import exposition
-from .engine import Engine, Generation, ttft_quantiles
+from .engine import Engine
+from .generation import Generation
+from .runner import quantiles
 from .scheduler import CLASSES, SchedRequest
 
 # Used when the tokenizer has no chat template (documented in docs/serve.md).
@@ -329,7 +331,7 @@ class ServeState:
         samples = []
         for c in CLASSES:
             values = snap["ttft_ms"][c]
-            for q, v in ttft_quantiles(values).items():
+            for q, v in quantiles(values).items():
                 samples.append(({"class": c, "quantile": str(q)}, round(v / 1e3, 6)))
         metric("time_to_first_token_seconds", "summary",
                "Time to first token over the last 4096 requests of each class.", samples)

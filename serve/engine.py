@@ -7,24 +7,20 @@ never holds the batch back by more than one chunk), then runs **one batched deco
 that has a token to feed, samples, and retires the rows that finished. A long request therefore
 delays a short one by at most one step.
 
-The KV cache (``RowCache``) is one tensor pair per layer of shape ``[rows, kv_heads, max_len,
-head_dim]``; a request owns a row from position 0, so rows need no left padding. Each forward gets
-per-row ``position_ids`` and a 4-D additive mask (a query at position ``p`` sees keys ``0..p`` of its
-own row), which ``transformers`` takes as it is; the cache's ``update`` scatters the new keys at each
-row's positions and hands the attention the rows of this forward. Keys beyond a row's length (left
-by an earlier occupant) are masked, so a request's greedy output is the same alone or in a batch.
+This module decides what runs when and keeps the books (rows, scheduler, statistics, responses);
+the forwards over the shared KV cache and the sampling are ``runner``'s, a request's tokens-to-text
+``generation``'s.
 """
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import threading
 import time
-from dataclasses import dataclass, field
 
 from ..errors import FlashError
-from .scheduler import FlashScheduler, Route, SchedRequest
+from .generation import Generation
+from .runner import RowRunner
+from .scheduler import FlashScheduler, Route
 
 log = logging.getLogger("deepseek_flash.serve")
 
@@ -32,102 +28,6 @@ log = logging.getLogger("deepseek_flash.serve")
 # highest class among its rows: an L0 request's layers go to the disk before another model's
 # load and before the reads of L1/L2 forwards; L2 yields to everyone.
 READ_PRIORITY_BY_CLASS = {"L0": 1, "L1": 0, "L2": -1}
-
-# The attention reads a multiple of this many key positions (masked beyond each row's length), so
-# the shapes a forward's attention sees are few and repeat, whatever the rows' lengths.
-KV_BUCKET = 64
-# Attention kernels a forward may use on a CUDA device: every one but cuDNN's. cuDNN's attention
-# (torch's first choice on sm90/sm100 with a recent cuDNN) builds an execution plan for every new
-# shape -- hundreds of milliseconds each -- and a continuously batched engine makes new shapes all
-# the time (rows joining and leaving, lengths growing); the memory-efficient kernel takes the same
-# additive mask with no per-shape set-up.
-SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
-# Forwards kept for ``Engine.profile`` (the most recent).
-PROFILE_SAMPLES = 8192
-
-
-class RowCache:
-    """The shared KV cache: a row per batch slot (duck-typed ``transformers`` cache).
-
-    ``bind(rows, positions, kv_len)`` before a forward names the rows it runs on, the position of
-    each of its tokens, and how many key positions the attention reads."""
-
-    def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, max_len: int,
-                 dtype, device):
-        import torch
-
-        shape = (rows, kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_len = max_len
-        self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * self.keys[0].element_size()
-        self._rows = self._positions = None
-        self._kv_len = 0
-        self.is_compileable = False
-
-    def bind(self, rows, positions, kv_len: int, span: tuple[int, int] | None = None) -> None:
-        """``span``: (first, end) when ``rows`` is that contiguous ascending range -- the attention
-        then reads a view of the cache instead of a gathered copy of every row's keys."""
-        self._rows, self._positions, self._kv_len, self._span = rows, positions, kv_len, span
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        rows, pos = self._rows[:, None], self._positions
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        # Advanced indices around a slice put the indexed dims first: [b, q, kv_heads, head_dim].
-        keys[rows, :, pos] = key_states.transpose(1, 2).to(keys.dtype)
-        values[rows, :, pos] = value_states.transpose(1, 2).to(values.dtype)
-        if self._span is not None:
-            first, end = self._span
-            return keys[first:end, :, : self._kv_len], values[first:end, :, : self._kv_len]
-        return keys[self._rows, :, : self._kv_len], values[self._rows, :, : self._kv_len]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._kv_len
-
-    def __len__(self):
-        return len(self.keys)
-
-
-@dataclass(eq=False)
-class Generation:
-    """One request's state in the engine. ``on_event(kind, data)`` is called from the engine thread
-    with ``("token", {"text": delta, "token": id})``, then ``("done", {...})`` or
-    ``("error", FlashError)``."""
-
-    sched: SchedRequest
-    prompt_ids: list
-    on_event: object
-    stop_ids: frozenset = frozenset()
-    stop_strings: tuple = ()
-    seed: int | None = None
-    prefetch_window: int | None = None
-    row: int | None = None
-    prefilled: int = 0
-    output_ids: list = field(default_factory=list)
-    text: str = ""
-    sent: int = 0                       # characters of ``text`` already emitted
-    prefix_offset: int = 0              # incremental detokenization window (see Engine._detokenize)
-    read_offset: int = 0
-    finish_reason: str | None = None
-    cancelled: bool = False
-    first_token_at: float | None = None
-    bytes_streamed_at_start: int = 0
-    generator: object = None
-    kv_options: dict | None = None      # for_model arguments: runs on a TieredCache of its own
-    kv_cache: object = None
-    fill_ids: list = None               # what prefill puts in the cache: the prompt, or after a
-    resumed: bool = False               # preemption the prompt and the tokens generated but the last
-    dispatched: bool = False
-
-    def __post_init__(self):
-        if self.fill_ids is None:
-            self.fill_ids = self.prompt_ids
-        # A request on a tiered KV cache of its own keeps its row (its cache is not recomputed).
-        self.sched.preemptible = self.kv_options is None
-
-    def cancel(self) -> None:
-        """The client went away: the engine frees the row at the next step boundary."""
-        self.cancelled = True
 
 
 def prefill_budget(chunk: int, decode_s: float | None, per_token_s: float | None, l0_recent: bool,
@@ -143,53 +43,11 @@ def prefill_budget(chunk: int, decode_s: float | None, per_token_s: float | None
     return min(chunk, max(floor, int(decode_s / per_token_s / 2)))
 
 
-def _sample(torch, logits, gens):
-    """Next token per row: greedy where temperature is 0, else temperature + top-p, all sampled rows
-    in one pass over the vocabulary (softmax, nucleus, inverse CDF) whatever the batch size. Each
-    request draws its uniform number from its own generator (seeded by ``seed``), so its tokens do
-    not depend on which other requests share the batch."""
-    greedy = logits.argmax(dim=-1)
-    hot = [i for i, g in enumerate(gens) if g.sched.temperature > 1e-5]
-    if not hot:
-        return greedy.tolist()
-    device = logits.device
-    temps = torch.tensor([gens[i].sched.temperature for i in hot], device=device)
-    probs = torch.softmax(logits[hot].float() / temps[:, None], dim=-1)
-    top_ps = [gens[i].sched.top_p for i in hot]
-    order = None
-    if any(p < 1.0 for p in top_ps):
-        probs, order = probs.sort(dim=-1, descending=True)
-        limit = torch.tensor(top_ps, device=device)[:, None]
-        keep = (probs.cumsum(-1) - probs < limit) | (limit >= 1.0)
-        probs = probs * keep
-    cdf = probs.cumsum(-1)
-    u = torch.tensor([_uniform(torch, gens[i]) for i in hot], device=device, dtype=cdf.dtype)
-    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
-    if order is not None:
-        picked = order.gather(-1, picked)
-    out = greedy.tolist()
-    for i, token in zip(hot, picked[:, 0].tolist()):
-        out[i] = token
-    return out
-
-
-def _uniform(torch, gen) -> float:
-    """A uniform number in [0, 1) from the request's own generator (on the CPU; made at its first
-    draw, seeded by the request's ``seed`` or at random)."""
-    if gen.generator is None:
-        gen.generator = torch.Generator()
-        gen.generator.manual_seed(gen.seed if gen.seed is not None else torch.seed())
-    return float(torch.rand((), generator=gen.generator))
-
-
 class Engine:
     """The batching loop over ``model`` (a ``load_model`` model or any HF causal LM)."""
 
     def __init__(self, model, tokenizer, scheduler: FlashScheduler | None = None, *, max_batch: int = 8,
                  max_model_len: int | None = None, prefill_chunk: int = 512, device=None):
-        import torch
-
-        self.torch = torch
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = int(max_batch)
@@ -200,18 +58,8 @@ class Engine:
         self.max_model_len = int(min(max_model_len or cfg.max_position_embeddings,
                                      cfg.max_position_embeddings))
         self.prefill_chunk = int(prefill_chunk)
-        param = next(model.parameters())
-        self.device = torch.device(device) if device is not None else param.device
-        self.dtype = param.dtype
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.cache = RowCache(cfg.num_hidden_layers, self.max_batch, kv_heads, head_dim,
-                              self.max_model_len, self.dtype, self.device)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        self.runner = RowRunner(model, self.max_batch, self.max_model_len, device)
         self.eos_ids = frozenset(self._eos_ids(model))
-        self._attn_default = getattr(cfg, "_attn_implementation", None)
         self.flash = getattr(model, "flash", None)
         self.stream = getattr(self.flash, "stream", None)
         self.read_base = int(getattr(self.flash, "priority", 0) or 0)
@@ -231,13 +79,6 @@ class Engine:
         self.l0_recent_s = 10.0
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
-        self._sdpa = None
-        if self.device.type == "cuda":
-            from torch.nn.attention import SDPBackend
-
-            self._sdpa = [getattr(SDPBackend, name) for name in SDPA_BACKENDS]
-        # (kind, rows, tokens per row, launch seconds, seconds until the result was on the host)
-        self._profile: list = []
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
                       "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0, "preempted": 0,
                       "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
@@ -299,7 +140,9 @@ class Engine:
                 self._retire(gen, None, ShuttingDown("the server is shutting down"))
 
     def _run(self) -> None:
-        with self.torch.inference_mode():
+        import torch
+
+        with torch.inference_mode():
             while True:
                 with self._lock:
                     self._boundary()
@@ -351,21 +194,17 @@ class Engine:
                 gen.bytes_streamed_at_start = self.stream.bytes_streamed
             if gen.kv_options is not None:
                 try:
-                    gen.kv_cache = self._tiered_cache(gen.kv_options)
+                    gen.kv_cache = self.runner.tiered_cache(gen.kv_options)
                 except Exception as exc:   # noqa: BLE001 -- the request fails typed, the batch runs on
                     self._retire(gen, None, exc if isinstance(exc, FlashError)
                                  else FlashError(f"tiered KV cache: {exc}"))
 
     def _preempt(self, gen: Generation) -> None:
-        """``gen`` gave its row to an L0 request (lock held): it waits in the queue and, when it
-        joins again, prefills its prompt and the tokens it generated but the last (whose keys were
-        in the row), then decodes on from the last -- its client sees no gap but the wait."""
+        """``gen`` gave its row to an L0 request (lock held): it waits in the queue and goes on
+        where it was when it joins again (``Generation.rewind``)."""
         if gen.row is not None and self._rows[gen.row] is gen:
             self._rows[gen.row] = None
-        gen.row = None
-        gen.prefilled = 0
-        gen.resumed = bool(gen.output_ids)
-        gen.fill_ids = gen.prompt_ids + gen.output_ids[:-1] if gen.output_ids else gen.prompt_ids
+        gen.rewind()
         self.stats["preempted"] += 1
 
     def _retire(self, gen: Generation, reason: str | None, error: Exception | None = None) -> None:
@@ -397,44 +236,18 @@ class Engine:
             gen.kv_cache.close()
 
     # -- one step ---------------------------------------------------------------------------------
-    # -- requests on a tiered KV cache of their own ---------------------------------------------
-    def _attention(self, name) -> None:
-        if name is not None and self.model.config._attn_implementation != name:
-            self.model.set_attn_implementation(name)
-
-    def _tiered_cache(self, options: dict):
-        """A ``TieredCache`` for one request (``flash_context``'s ``kv_*`` keys); the shared batch
-        keeps its own attention implementation."""
-        from ..kv import TieredCache
-
-        try:
-            return TieredCache.for_model(self.model, **options)
-        finally:
-            self._attention(self._attn_default)
-
     def _solo_step(self, gen: Generation) -> None:
         """One forward of a request on its own tiered cache: its whole prompt, or its last token."""
-        torch = self.torch
         if gen.prefilled < len(gen.prompt_ids):
             chunk = gen.prompt_ids[gen.prefilled:]
         else:
             chunk = gen.output_ids[-1:]
-        kwargs = {self._cache_kw: gen.kv_cache, "use_cache": True}
-        if self._keep_kw is not None:
-            kwargs[self._keep_kw] = 1
         self._read_priority([gen])
-        from ..kv.attention import NAME
-
-        self._attention(NAME)
-        try:
-            logits = self.model(input_ids=torch.tensor([chunk], device=self.device), **kwargs).logits[:, -1, :]
-        finally:
-            self._attention(self._attn_default)
+        token = self.runner.sample(self.runner.solo(gen.kv_cache, chunk), [gen])[0]
         if gen.prefilled < len(gen.prompt_ids):
             gen.prefilled = len(gen.prompt_ids)
             self.stats["prefill_chunks"] += 1
             self.stats["prompt_tokens"] += len(chunk)
-        token = _sample(torch, logits, [gen])[0]
         with self._lock:
             if not gen.cancelled and gen.finish_reason is None:
                 self._accept(gen, token, time.monotonic())
@@ -448,73 +261,12 @@ class Engine:
         if p != self.flash.priority:
             self.flash.set_read_priority(p)
 
-    def _forward(self, rows: list, ids, positions, kv_len):
-        torch = self.torch
-        kv_len = min(self.cache.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)
-        span = (rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[0] + len(rows))) else None
-        self.cache.bind(torch.tensor(rows, device=self.device), positions, kv_len, span)
-        keys = torch.arange(kv_len, device=self.device)
-        allowed = keys[None, None, None, :] <= positions[:, None, :, None]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        kwargs = {self._cache_kw: self.cache, "use_cache": True}
-        if self._keep_kw is not None:
-            kwargs[self._keep_kw] = 1
-        if self._sdpa is None:
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
-        else:
-            from torch.nn.attention import sdpa_kernel
-
-            with sdpa_kernel(self._sdpa):
-                out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
-        return out.logits[:, -1, :]
-
-    def _record(self, kind: str, rows: int, tokens: int, launch_s: float, total_s: float) -> None:
-        self._profile.append((kind, rows, tokens, launch_s, total_s))
-        if len(self._profile) > 2 * PROFILE_SAMPLES:
-            del self._profile[:-PROFILE_SAMPLES]
-
-    def profile(self, reset: bool = False) -> dict:
-        """Where the engine's time went since the last reset: per kind of forward (``decode`` by
-        rows in the batch, ``prefill``) the count and the p50/p99/max milliseconds from the
-        forward's start until its result was on the host (``ms``), and of that the time the host
-        spent issuing it (``launch_ms``: close to ``ms`` when the host, not the device, is the
-        bound). ``reset`` starts a new period."""
-        samples = self._profile[-PROFILE_SAMPLES:]
-        if reset:
-            self._profile = []
-        groups: dict = {}
-        for kind, rows, tokens, launch_s, total_s in samples:
-            if kind == "decode":
-                key = "decode_rows_" + next(f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in
-                                            ((1, 1), (2, 4), (5, 8), (9, 16), (17, 1 << 30)) if rows <= hi)
-            else:
-                key = kind
-            groups.setdefault(key, []).append((rows, tokens, launch_s, total_s))
-        out = {}
-        for key, items in sorted(groups.items()):
-            total = sorted(t for *_, t in items)
-            launch = sorted(item[2] for item in items)
-            q = ttft_quantiles(total, (0.5, 0.99))
-            ql = ttft_quantiles(launch, (0.5, 0.99))
-            out[key] = {"forwards": len(items), "rows_mean": round(sum(i[0] for i in items) / len(items), 2),
-                        "tokens_mean": round(sum(i[0] * i[1] for i in items) / len(items), 1),
-                        "ms_p50": round(q[0.5] * 1e3, 3), "ms_p99": round(q[0.99] * 1e3, 3),
-                        "ms_max": round(total[-1] * 1e3, 3), "launch_ms_p50": round(ql[0.5] * 1e3, 3),
-                        "launch_ms_p99": round(ql[0.99] * 1e3, 3)}
-        return out
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
-
     def _prefill(self, group) -> None:
         """One forward over ``group`` -- (generation, tokens) pairs: the next ``tokens`` of each
         prompt. Rows are left-padded to the longest chunk, so the last position is every row's last
         real token; padding writes its keys at the row's next position (``end``), which no real
         query of this forward reads and the row's next forward overwrites before reading it. A
         prompt whose last chunk this is gets its first token now, before the batch's decode."""
-        torch = self.torch
         width = max(n for _, n in group)
         ids, pos = [], []
         for gen, n in group:
@@ -522,19 +274,12 @@ class Engine:
             end = start + n
             ids.append([0] * (width - n) + gen.fill_ids[start:end])
             pos.append([end] * (width - n) + list(range(start, end)))
-        rows = [g.row for g, _ in group]
-        positions = torch.tensor(pos, device=self.device)
         kv_len = max(g.prefilled + n for g, n in group) + (1 if any(n < width for _, n in group) else 0)
         self._read_priority([g for g, _ in group])
-        began = time.perf_counter()
-        logits = self._forward(rows, torch.tensor(ids, device=self.device), positions, kv_len)
-        launched = time.perf_counter() - began
-        self._sync()                # the cost of this forward, not of the next one that waits
-        spent = time.perf_counter() - began
-        self._record("prefill", len(group), width, launched, spent)
+        logits, spent = self.runner.prefill([g.row for g, _ in group], ids, pos, kv_len)
         # What a prompt token adds to a forward: the time beyond a decode forward's, per token.
-        sample = max(0.0, spent - (self._decode_s or 0.0)) / (len(group) * width)
-        self._per_token_s = sample if self._per_token_s is None else 0.8 * self._per_token_s + 0.2 * sample
+        cost = max(0.0, spent - (self._decode_s or 0.0)) / (len(group) * width)
+        self._per_token_s = cost if self._per_token_s is None else 0.8 * self._per_token_s + 0.2 * cost
         self.stats["prefill_forwards"] += 1
         done = []
         for i, (gen, n) in enumerate(group):
@@ -545,7 +290,7 @@ class Engine:
                 done.append(i)
         if done:
             # The first token goes out now, not after the batch's decode: TTFT is one prefill.
-            tokens = _sample(torch, logits[done], [group[i][0] for i in done])
+            tokens = self.runner.sample(logits[done], [group[i][0] for i in done])
             now = time.monotonic()
             with self._lock:
                 for i, token in zip(done, tokens):
@@ -569,7 +314,6 @@ class Engine:
         arrived meanwhile, and prefilling it -- one batched decode over every row with a token to
         feed. An L0 request therefore waits for at most one forward of bounded size before its
         own prefill, whatever the batch holds."""
-        torch = self.torch
         with self._lock:
             batch = [g for g in self._rows if g is not None]
         self._apply_window(batch)
@@ -604,17 +348,11 @@ class Engine:
                         and g.output_ids and g.finish_reason is None and not g.cancelled
                         and g.kv_cache is None]
         if decoding:
-            rows = [g.row for g in decoding]
-            ids = torch.tensor([[g.output_ids[-1]] for g in decoding], device=self.device)
-            lengths = [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding]
-            pos = torch.tensor(lengths, device=self.device)[:, None]
             self._read_priority(decoding)
-            began = time.perf_counter()
-            logits = self._forward(rows, ids, pos, max(lengths) + 1)
-            launched = time.perf_counter() - began
-            produced = list(zip(decoding, _sample(torch, logits, decoding)))
-            spent = time.perf_counter() - began
-            self._record("decode", len(decoding), 1, launched, spent)
+            tokens, spent = self.runner.decode(decoding, [g.row for g in decoding],
+                                               [g.output_ids[-1] for g in decoding],
+                                               [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding])
+            produced = list(zip(decoding, tokens))
             self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
             self.stats["decode_steps"] += 1
             self.stats["batch_rows_sum"] += len(decoding)
@@ -629,56 +367,17 @@ class Engine:
             self.scheduler.tick()
 
     def _accept(self, gen: Generation, token: int, now: float) -> None:
-        """Append ``token`` to ``gen``, emit the new text, retire the request when it is done."""
+        """``token`` is ``gen``'s next: count it, hand it to the request, retire the request when it
+        is done (lock held)."""
         if gen.first_token_at is None:
             gen.first_token_at = now
             self.stats["ttft_ms"][gen.sched.priority_class].append((now - gen.sched.arrival) * 1e3)
             del self.stats["ttft_ms"][gen.sched.priority_class][:-4096]
-        reason = None
-        appended = token not in gen.stop_ids and token not in self.eos_ids
-        if appended:
-            gen.output_ids.append(token)
-            self.stats["generated_tokens"] += 1
-        else:
-            reason = "stop"
-        n = len(gen.output_ids)
-        gen.sched.generated = n
-        if reason is None and (n >= gen.sched.max_new_tokens or len(gen.prompt_ids) + n >= self.max_model_len):
-            reason = "length"
-        before = len(gen.text)
-        self._detokenize(gen, final=reason is not None)
-        if gen.stop_strings and len(gen.text) > before:
-            # Only the new text (and the longest stop string's reach back into the old) can match.
-            start = max(0, before - max(len(s) for s in gen.stop_strings) + 1)
-            hits = [at for at in (gen.text.find(stop, start) for stop in gen.stop_strings) if at >= 0]
-            if hits:
-                gen.text, reason = gen.text[:min(hits)], "stop"
-        # Hold back the tail that may still become a stop string.
-        ready = len(gen.text)
-        if reason is None and gen.stop_strings:
-            hold = max(len(s) for s in gen.stop_strings) - 1
-            ready = max(gen.sent, ready - hold)
-        # One event per generated token (its text may be empty while held back), so a stream shows
-        # progress -- and the time to the first token -- even before the text is printable.
-        if ready > gen.sent or appended:
-            gen.on_event("token", {"text": gen.text[gen.sent: ready], "token": token})
-            gen.sent = ready
+        before = len(gen.output_ids)
+        reason = gen.take(token, self.eos_ids, self.max_model_len, self.tokenizer)
+        self.stats["generated_tokens"] += len(gen.output_ids) - before
         if reason is not None:
             self._retire(gen, reason)
-
-    def _detokenize(self, gen: Generation, final: bool) -> None:
-        """Extend ``gen.text`` by the characters the new tokens complete, decoding only a window
-        of the last tokens (not the whole output at every token): the window from
-        ``gen.prefix_offset`` keeps the context a tokenizer needs for a leading space, and text
-        that ends in an incomplete UTF-8 sequence waits for the next token -- except at the end
-        (``final``), where the whole output's decode is what is answered."""
-        ids = gen.output_ids
-        decode = self.tokenizer.decode
-        prefix = decode(ids[gen.prefix_offset: gen.read_offset], skip_special_tokens=True)
-        new = decode(ids[gen.prefix_offset:], skip_special_tokens=True)
-        if final or (len(new) > len(prefix) and not new.endswith("\ufffd")):
-            gen.text += new[len(prefix):]
-            gen.prefix_offset, gen.read_offset = gen.read_offset, len(ids)
 
     def _apply_window(self, batch) -> None:
         """Requests that asked for a ``prefetch_window`` pin the stream's window (the largest asked,
@@ -705,7 +404,7 @@ class Engine:
                            "bytes": tiered["gpu_bytes"] + tiered["host_bytes"] + tiered["spilled_bytes"],
                            "tiered": tiered}
         else:
-            stats["kv"] = {"tokens": tokens, "cache": "rows", "bytes": tokens * self.cache.bytes_per_token}
+            stats["kv"] = {"tokens": tokens, "cache": "rows", "bytes": tokens * self.runner.cache.bytes_per_token}
         if self.stream is not None:
             hits, misses = self.stream.hits, self.stream.misses
             stats.update(prefetch_hit_rate=round(hits / (hits + misses), 4) if hits + misses else None,
@@ -724,9 +423,3 @@ class Engine:
             snap["rows_busy"] = sum(g is not None for g in self._rows)
             return snap
 
-
-def ttft_quantiles(values, qs=(0.5, 0.9, 0.99)) -> dict:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    return {q: ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] for q in qs}

@@ -37,5 +37,6 @@ def test_streamed_smoke_runs_the_static_ring(tmp_path):
     for b in ("1", "2"):
         row = res["batches"][b]
         assert row["step"] == "fused" and row["first_divergent_step"] == [10] * int(b)
+        assert row["new_tokens_returned"] == [10, 10]
         # the warm-up call, two of 1 token, one timed: 9 + 0 + 0 + 9 static steps per batch size
         assert row["ring"]["static_steps"] == 18 * int(b == "1") + 36 * int(b == "2")

@@ -84,6 +84,27 @@ def test_eos_stops_and_pads_like_generate(device):
     assert got.shape[1] <= free.shape[1]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_new_tokens_and_min_length_hold_back_eos_like_generate(device):
+    model = tiny_model("llama", seed=3, device=device)
+    ids, mask = left_padded(2, 5, device, seed=2)
+    free = reference(model, ids, mask, max_new_tokens=40)
+    eos = int(free[0, 5 + 6])             # the 7th token of row 0 becomes an eos
+    stopped = reference(model, ids, mask, max_new_tokens=40, eos_token_id=eos)
+    cases = [{"min_new_tokens": 12}, {"min_length": 5 + 20}, {"min_new_tokens": 12, "top_k": 1}]
+    wants = [reference(model, ids, mask, max_new_tokens=40, eos_token_id=eos, **kw) for kw in cases[:2]]
+    wants.append(wants[0])                # top-k 1 sampling is greedy
+    assert not torch.equal(wants[0][:, :stopped.shape[1]], stopped)   # the rule changes the tokens
+    decoder = enable(model, capacity=64)
+    for kw, want in zip(cases, wants):
+        sample = {"do_sample": True, "temperature": 0.5} if "top_k" in kw else {"do_sample": False}
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos,
+                             pad_token_id=0, **sample, **kw)
+        assert torch.equal(got, want), kw
+    assert torch.equal(reference(model, ids, mask, max_new_tokens=40, eos_token_id=eos), stopped)
+    assert decoder.stats()["fallback_calls"] == 0
+
+
 def test_sampling_with_top_k_1_is_greedy():
     model = tiny_model("mistral", seed=4)
     ids, mask = left_padded(2, 6)
@@ -103,6 +124,40 @@ def test_capacity_is_checked_before_any_work():
     assert (err.value.prompt, err.value.new_tokens, err.value.capacity) == (10, 7, 16)
     assert err.value.code == 801 and decoder.store is None
     assert model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False).shape == (1, 16)
+
+
+@pytest.mark.parametrize("where", ["cache", "step"])
+def test_out_of_memory_falls_back_to_transformers_for_the_call(where, monkeypatch, caplog):
+    from deepseek_flash.decode import engine
+
+    model = tiny_model("llama", seed=2)
+    ids, mask = left_padded(2, 6, seed=3)
+    want = reference(model, ids, mask, max_new_tokens=12)
+    decoder = enable(model, capacity=32)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+    if where == "cache":
+        def no_memory(*args, **kwargs):
+            raise oom
+        monkeypatch.setattr(engine, "KVStore", no_memory)
+    else:
+        step, calls = decoder._step, []
+
+        def step_then_oom(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise oom
+            return step(*args, **kwargs)
+        monkeypatch.setattr(decoder, "_step", step_then_oom)
+    with caplog.at_level(logging.WARNING, logger="deepseek_flash.decode"):
+        got = reference(model, ids, mask, max_new_tokens=12)
+    assert torch.equal(got, want)
+    stats = decoder.stats()
+    assert stats["oom_fallbacks"] == 1 and stats["fallback_calls"] == 1 and stats["kv_bytes"] == 0
+    assert "out of device memory" in stats["last_fallback"] and "4.00 GiB" in stats["last_fallback"]
+    assert any("out of device memory" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()                  # memory again: the next call decodes over the static cache
+    assert torch.equal(reference(model, ids, mask, max_new_tokens=12), want)
+    assert decoder.stats()["generate_calls"] == 2 and decoder.stats()["kv_bytes"] > 0
 
 
 def test_unsupported_calls_go_to_transformers_with_a_logged_reason(caplog):
@@ -199,6 +254,25 @@ def test_failed_capture_falls_back_to_eager_and_stays_exact():
     got = reference(model, ids, mask, max_new_tokens=12)
     assert torch.equal(got, want)
     assert decoder.mode == "eager" and decoder.eager_reason.startswith("capture failed")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_pool_bytes_is_the_pool_the_graphs_hold():
+    model = tiny_model("llama", device="cuda:0")
+    ids, mask = left_padded(2, 6, "cuda:0")
+    scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")
+    del scratch                        # cached memory that the capture's own empty_cache releases
+    decoder = enable(model, capacity=64, length_step=16)
+    reference(model, ids, mask, max_new_tokens=30)
+    stats = decoder.stats()
+    assert stats["captures"] == 3 and stats["mode"] == "graphs"
+    pool = tuple(decoder.pool)
+    held = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if tuple(s.get("segment_pool_id", ())) == pool)
+    assert stats["graph_pool_bytes"] == held > 0
+    decoder.reset()
+    assert decoder.stats()["graph_pool_bytes"] == 0
 
 
 def test_concurrent_calls_take_turns_and_stay_exact():

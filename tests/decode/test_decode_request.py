@@ -40,6 +40,17 @@ def test_sampling_parameters(model):
     assert (req.do_sample, req.temperature, req.top_k, req.top_p) == (True, 0.7, 20, 0.9)
 
 
+def test_min_new_tokens_and_min_length(model):
+    eos = {"eos_token_id": 4}
+    assert parse(model, (IDS,), {"max_new_tokens": 9, "min_new_tokens": 5, **eos}).min_new == 5
+    assert parse(model, (IDS,), {"max_new_tokens": 9, "min_length": 7, **eos}).min_new == 4  # prompt 3
+    assert parse(model, (IDS,), {"max_new_tokens": 9, "min_length": 7, "min_new_tokens": 2,
+                                 **eos}).min_new == 4
+    assert parse(model, (IDS,), {"max_new_tokens": 9, "min_length": 2, **eos}).min_new == 0
+    # No eos id: generate() adds no processor, nothing to suppress.
+    assert parse(model, (IDS,), {"max_new_tokens": 9, "min_new_tokens": 5, "eos_token_id": None}).min_new == 0
+
+
 def test_left_padding_gives_first_real_slot(model):
     mask = torch.tensor([[0, 0, 1], [1, 1, 1]])
     req = parse(model, (IDS,), {"attention_mask": mask, "max_new_tokens": 2})
@@ -49,7 +60,7 @@ def test_left_padding_gives_first_real_slot(model):
 @pytest.mark.parametrize("kwargs, words", [
     ({"num_beams": 2}, "num_beams=2"),
     ({"repetition_penalty": 1.3}, "repetition_penalty=1.3"),
-    ({"min_new_tokens": 4}, "min_new_tokens=4"),
+    ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size=2"),
     ({"output_scores": True, "return_dict_in_generate": True}, "is not captured"),
     ({"streamer": object()}, "streamer"),
     ({"logits_processor": [lambda i, s: s]}, "logits_processor"),

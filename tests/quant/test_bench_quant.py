@@ -50,3 +50,28 @@ def test_smoke_kernel_phase(tmp_path):
         # (0.0022-0.0046 measured).
         assert row["torch_int4_max_rel_err"] < 0.01 and row["runtime_int4_g128_max_rel_err"] < 0.01
         assert row["runtime_int8_g128_max_rel_err"] < 0.01
+
+
+def test_smoke_decode_graphs_phases(tmp_path):
+    """--decode graphs --phases: the int4 phases with load_model(..., decode="graphs"); on the CPU
+    the static-cache steps run eagerly (the reason recorded) and no call falls back to
+    transformers' generate() (the bench's min_new_tokens is honoured by the step)."""
+    out = tmp_path / "quant.json"
+    run = subprocess.run([sys.executable, str(BENCH), "--smoke", "--dir", str(tmp_path / "work"),
+                          "--batches", "1,2", "--tokens", "6", "--decode", "graphs",
+                          "--phases", "int4_budget,int4_small_budget", "--output", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["decode"] == "graphs" and res["phases"] == ["int4_budget", "int4_small_budget"]
+    assert "bf16_budget" not in res and "peer" not in res and "int4_vs_bf16_streamed" not in res
+    assert set(res["store_bytes"]) == {"int4"}
+    assert res["streamed_tokens_equal_resident"] is True
+    for phase in ("int4_budget", "int4_small_budget"):
+        for b, stats in res[phase]["decoder"].items():
+            assert stats["mode"] == "eager" and "CUDA" in stats["eager_reason"]
+            assert stats["step"] == "fused" and stats["merged"]["unmerged"] > 0
+            # generate(2) once, generate(1) twice, generate(7) twice: 1 + 0 + 12 steps per batch size
+            assert stats["fallback_calls"] == 0 and stats["eager_steps"] == 13 * (1 + (b == "2"))
+    assert set(res["goals"]) == {"int4_fits_budget", "small_budget_vs_bound>=0.9"}
+    assert res["goals"]["int4_fits_budget"] is True and res["int4_small_budget"]["streaming"] is True

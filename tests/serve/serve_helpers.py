@@ -1,6 +1,16 @@
 """Helpers of the serve tests (a module of its own: ``conftest`` is a name every test folder has)."""
 import threading
 
+import torch
+
+
+def greedy(model, prompt_ids, n):
+    """The model's own greedy continuation of ``prompt_ids``: ``n`` tokens, alone, no batching."""
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
 
 class Collector:
     """An engine ``on_event`` that records events and signals the end."""

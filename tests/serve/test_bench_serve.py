@@ -25,6 +25,14 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
     assert set(fit["measured"]) == {"1", "8"}
     assert result["capacity_rps"]["32"] == pytest.approx(4 / (fit["fixed_s"] + 32 * fit["per_token_s"]), rel=0.01)
     assert result["engine_profile"]["one"]["decode_rows_1"]["forwards"] >= 7
+    # The unloaded reference: 3 warm-up requests apart, then 3 counted, each TTFT kept in order.
+    unloaded = result["unloaded"]
+    assert (unloaded["warmup_requests"], unloaded["ttft_samples"]) == (3, 3)
+    assert len(unloaded["warmup_ttft_ms"]) == 3 and unloaded["ttft_max_ms"] == max(unloaded["ttft_ms"])
+    assert unloaded["ttft_p50_ms"] == sorted(unloaded["ttft_ms"])[1]
+    assert unloaded["ttft_p50_ms"] <= unloaded["ttft_p90_ms"] <= unloaded["ttft_p99_ms"] <= unloaded["ttft_max_ms"]
+    # The counted requests' forwards apart from the warm-up's: 3 prefills each way.
+    assert [result["engine_profile"][k]["prefill"]["forwards"] for k in ("unloaded_warmup", "unloaded")] == [3, 3]
     assert list(result["phase_s"]) == ["model", "warm-up", "unloaded", "one", "full", "capacity", "load flash", "load fifo"]
     for mode in ("flash", "fifo"):
         summary = result[mode]
@@ -36,6 +44,8 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
         assert profile["prefill"]["forwards"] > 0 and any(k.startswith("decode_rows_") for k in profile)
         assert summary["checks"]["nothing_lost"], summary
         assert summary["L0"]["answered"] > 0 and summary["L0"]["ttft_p99_ms"] > 0
+        assert summary["checks"]["l0_ttft_samples"] == summary["L0"]["ttft_samples"] == summary["L0"]["answered"]
+        assert summary["checks"]["unloaded_p99_ttft_ms"] == unloaded["ttft_p99_ms"]
     assert result["fifo"]["degrade_steps"] == {"temperature": 0, "top_p": 0, "max_new_tokens": 0}
     assert result["throughput"]["one"]["tokens"] == 8 and result["throughput"]["full"]["tokens"] == 4 * 8
     pngs = sorted(Path(p).name for p in result["png"])

@@ -4,22 +4,16 @@ import time
 
 import pytest
 import torch
-from serve_helpers import Collector
+from serve_helpers import Collector, greedy
 
-from deepseek_flash.serve.engine import Engine, Generation
+from deepseek_flash.serve.engine import Engine
+from deepseek_flash.serve.generation import Generation
 from deepseek_flash.serve.scheduler import FlashScheduler, SchedRequest
 
 
 def generation(prompt, tokens, cls="L1", temperature=0.0, **kw):
     return Generation(SchedRequest(id=str(id(prompt)), priority_class=cls, max_new_tokens=tokens,
                                    temperature=temperature), list(prompt), Collector(), **kw)
-
-
-def alone(model, prompt, tokens):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
-                         min_new_tokens=tokens)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture
@@ -35,7 +29,7 @@ def engine(tiny_reference, tiny_tokenizer):
         eng.close(timeout=5)
 
 
-def test_greedy_in_a_batch_equals_the_request_alone(engine, tiny_reference):
+def test_greedy_in_a_batch_equals_the_request_greedy(engine, tiny_reference):
     # Prompts longer than a prefill chunk (8) join over several steps; more requests than rows, so
     # rows are reused by later requests (stale keys of the earlier occupant must stay masked).
     eng = engine(max_batch=3, prefill_chunk=8, scheduler=FlashScheduler(slots=3, l0_reserve=0.0))
@@ -47,7 +41,7 @@ def test_greedy_in_a_batch_equals_the_request_alone(engine, tiny_reference):
     for g, p, t in zip(gens, prompts, tokens):
         kind, stats = g.on_event.result()
         assert kind == "done"
-        assert g.output_ids == alone(tiny_reference, p, t)
+        assert g.output_ids == greedy(tiny_reference, p, t)
         assert g.finish_reason == "length" and len(g.output_ids) == t
         assert stats["kv"]["tokens"] == len(p) + t
         assert g.on_event.text == g.text
@@ -80,7 +74,7 @@ def test_a_short_request_joins_a_running_long_one_at_the_next_step(engine, tiny_
     # most the step that was running when it arrived.
     assert at_done["steps"] - steps_before <= 5
     assert at_done["long"] is None                                       # still running meanwhile
-    assert short.output_ids == alone(tiny_reference, short.prompt_ids, 5)
+    assert short.output_ids == greedy(tiny_reference, short.prompt_ids, 5)
     eng.cancel(long)
 
 
@@ -107,6 +101,18 @@ def boundary(eng):
         eng._boundary()
 
 
+def drive(eng, until):
+    """Steps by hand (no engine thread), each followed by a step boundary, until ``until()``."""
+    with torch.inference_mode():
+        while not until():
+            eng._step()
+            boundary(eng)
+
+
+def done(*gens):
+    return lambda: all(g.on_event.done.is_set() for g in gens)
+
+
 def test_degrade_steps_reach_sampling_and_the_response(tiny_reference, tiny_tokenizer):
     # Steps driven by hand (no engine thread). Two rows: an L2 request joins the idle engine, then
     # two long L1 requests arrive -- one joins, one waits -- so L0/L1 want every slot; with a tiny
@@ -122,10 +128,7 @@ def test_degrade_steps_reach_sampling_and_the_response(tiny_reference, tiny_toke
         assert eng.submit(other).admitted
     boundary(eng)
     assert [x.row is not None for x in long] == [True, False]
-    with torch.inference_mode():
-        while not g.on_event.done.is_set():
-            eng._step()
-            boundary(eng)
+    drive(eng, done(g))
     kind, stats = g.on_event.result()
     assert stats["degrade_steps"] == ["temperature", "top_p", "max_new_tokens"]
     assert (g.sched.temperature, g.sched.top_p) == (0.1, 0.85)
@@ -165,17 +168,26 @@ def test_stop_strings_and_eos_end_generation(engine, tiny_reference):
     assert stopped.finish_reason == "stop"
 
 
-def test_a_streamed_model_gives_the_same_tokens_and_reports_its_stream(tiny_tokenizer, tmp_path):
-    from deepseek_flash.client.model import load_model
+@pytest.fixture(scope="module")
+def streamed_store(tmp_path_factory):
+    """A tiny Llama packed into a store, and the weight budget under which its MLPs stream."""
     from deepseek_flash.daemon.planner import resident_minimum
     from deepseek_flash.store import Store, pack
-    from deepseek_flash.testing import load_reference, make_tiny_model
+    from deepseek_flash.testing import make_tiny_model
 
-    src = make_tiny_model(tmp_path / "src", num_layers=5, vocab_size=260, eos_token_id=256, bos_token_id=None,
+    tmp = tmp_path_factory.mktemp("streamed")
+    src = make_tiny_model(tmp / "src", num_layers=4, vocab_size=260, eos_token_id=256, bos_token_id=None,
                           pad_token_id=None)
-    store_path = pack(src, tmp_path / "store")
-    budget = resident_minimum(Store.open(store_path).blocks)
-    model = load_model(str(store_path), device="cpu", weight_budget=budget, embedded=True)
+    store = pack(src, tmp / "store")
+    return src, store, resident_minimum(Store.open(store).blocks)
+
+
+def test_a_streamed_model_gives_the_same_tokens_and_reports_its_stream(tiny_tokenizer, streamed_store):
+    from deepseek_flash.client.model import load_model
+    from deepseek_flash.testing import load_reference
+
+    src, store, budget = streamed_store
+    model = load_model(str(store), device="cpu", weight_budget=budget, embedded=True)
     try:
         assert model.flash.stream is not None                      # MLPs stream through slots
         eng = Engine(model, tiny_tokenizer, max_batch=2).start()
@@ -183,7 +195,7 @@ def test_a_streamed_model_gives_the_same_tokens_and_reports_its_stream(tiny_toke
             g = generation([5, 6, 7], 6, prefetch_window=1)
             assert eng.submit(g).admitted
             kind, stats = g.on_event.result()
-            assert kind == "done" and g.output_ids == alone(load_reference(src), [5, 6, 7], 6)
+            assert kind == "done" and g.output_ids == greedy(load_reference(src), [5, 6, 7], 6)
             assert stats["prefetch_window"] == 1 and stats["bytes_streamed"] > 0
             assert 0.0 <= stats["prefetch_hit_rate"] <= 1.0
         finally:
@@ -198,8 +210,8 @@ class Forwards:
 
     def __init__(self, eng, at=None):
         self.eng, self.at, self.log = eng, dict(at or {}), []
-        self.inner = eng._forward
-        eng._forward = self
+        self.inner = eng.runner.forward
+        eng.runner.forward = self
 
     def __call__(self, rows, ids, positions, kv_len):
         k = len(self.log)
@@ -241,7 +253,7 @@ def test_l0_prefill_goes_first_in_its_own_forward(tiny_reference, tiny_tokenizer
     assert rec.log == [("prefill", [l0.row], 5), ("prefill", [long_prompt.row], 8),
                        ("decode", sorted([running[0].row, running[1].row, l0.row]), 1)]
     assert seen == [1]                                # first token out before the next forward
-    assert l0.output_ids[:1] == alone(tiny_reference, l0.prompt_ids, 1)
+    assert l0.output_ids[:1] == greedy(tiny_reference, l0.prompt_ids, 1)
     eng.close(timeout=0)
 
 
@@ -260,30 +272,14 @@ def test_l0_arriving_under_load_waits_for_at_most_the_forward_in_flight(tiny_ref
         marks["arrived"] = len(rec.log)               # the forward in flight is number len - 1
         assert eng.submit(l0).admitted
     rec = Forwards(eng, {arrive_at: arrive})
-    with torch.inference_mode():
-        while not l0.output_ids:
-            eng._step()
-            boundary(eng)
+    drive(eng, lambda: l0.output_ids)
     first = next(i for i, (kind, rows, _) in enumerate(rec.log) if rows == [l0.row])
     assert rec.log[first] == ("prefill", [l0.row], 5)
     assert first - (marks["arrived"] - 1) + 1 <= 2
     # No forward but the L0 prefill carried more than one chunk of prompt.
     assert all(kind == "decode" or n <= 8 for kind, _, n in rec.log)
-    assert l0.output_ids[:1] == alone(tiny_reference, l0.prompt_ids, 1)
+    assert l0.output_ids[:1] == greedy(tiny_reference, l0.prompt_ids, 1)
     eng.close(timeout=0)
-
-
-@pytest.fixture(scope="module")
-def streamed_store(tmp_path_factory):
-    from deepseek_flash.daemon.planner import resident_minimum
-    from deepseek_flash.store import Store, pack
-    from deepseek_flash.testing import make_tiny_model
-
-    tmp = tmp_path_factory.mktemp("streamed")
-    src = make_tiny_model(tmp / "src", num_layers=4, vocab_size=260, eos_token_id=256, bos_token_id=None,
-                          pad_token_id=None)
-    store = pack(src, tmp / "store")
-    return store, resident_minimum(Store.open(store).blocks)
 
 
 @pytest.mark.parametrize("cls, expected", [("L0", 4), ("L1", 3), ("L2", 2)])
@@ -293,7 +289,7 @@ def test_the_class_of_a_request_is_the_priority_of_the_reads_it_causes(tiny_toke
     # layers are read on the first forward, with the priority of the class of the request in it.
     from deepseek_flash.client.model import load_model
 
-    store, budget = streamed_store
+    _, store, budget = streamed_store
     model = load_model(str(store), device="cpu", weight_budget=budget, embedded=True, priority=3)
     try:
         client, asked = model.flash.client, []
@@ -307,10 +303,7 @@ def test_the_class_of_a_request_is_the_priority_of_the_reads_it_causes(tiny_toke
         g = generation([5, 6, 7], 3, cls=cls)
         assert eng.submit(g).admitted
         boundary(eng)
-        with torch.inference_mode():
-            while not g.on_event.done.is_set():
-                eng._step()
-                boundary(eng)
+        drive(eng, done(g))
         assert len(asked) == len(model.flash.stream.plan.streamed_layers) > 0
         assert set(asked) == {expected} and model.flash.priority == expected
         eng.close(timeout=0)
@@ -329,82 +322,16 @@ def test_a_request_with_kv_keys_runs_on_a_tiered_cache_beside_the_batch(engine, 
     plain = generation(prompt[:20], 30)
     assert eng.submit(tiered).admitted and eng.submit(plain).admitted
     kind, stats = tiered.on_event.result()
-    assert kind == "done" and tiered.output_ids == alone(tiny_reference, prompt, 30)
-    assert plain.on_event.result()[0] == "done" and plain.output_ids == alone(tiny_reference, prompt[:20], 30)
+    assert kind == "done" and tiered.output_ids == greedy(tiny_reference, prompt, 30)
+    assert plain.on_event.result()[0] == "done" and plain.output_ids == greedy(tiny_reference, prompt[:20], 30)
     kv = stats["kv"]
     assert (kv["cache"], kv["tokens"]) == ("tiered", 100)
     t = kv["tiered"]
     assert t["tokens"] == 99 and t["page_tokens"] == 16 and t["pages"] > 0
     assert t["spilled_bytes"] > 0 and kv["bytes"] == t["gpu_bytes"] + t["host_bytes"] + t["spilled_bytes"]
-    assert tiny_reference.config._attn_implementation == eng._attn_default
+    assert tiny_reference.config._attn_implementation == eng.runner.attn_default
     assert list((tmp_path / "spill").iterdir()) == []             # spill files gone with the request
     assert plain.on_event.events[-1][1]["kv"]["cache"] == "rows"
-
-
-# Token streams of the byte-level tokenizer (id == byte) -> (stop strings, streamed text, reason)
-DETOK_TABLE = [
-    (list("héllo wörld €1 🙂!".encode()), (), "héllo wörld €1 🙂!", "length"),
-    # A lone continuation byte in the middle, and a character cut by the end: what the whole
-    # output decodes to.
-    (list(b"ab\x80cd\xe2\x82"), (), "ab\ufffdcd\ufffd", "length"),
-    # Stop strings: across tokens and inside a multi-byte character's neighbourhood.
-    (list("xé<END>yz".encode()), ("<END>",), "xé", "stop"),
-    (list("aaé€b".encode()), ("é€", "zz"), "aa", "stop"),
-    (list(b"q\xe2\x82\xac") + [256, 65], (), "q€", "stop"),           # eos ends it
-]
-
-
-@pytest.mark.parametrize("ids, stops, text, reason", DETOK_TABLE)
-def test_incremental_detokenization_answers_what_the_whole_output_decodes_to(tiny_reference, tiny_tokenizer,
-                                                                              ids, stops, text, reason):
-    eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=1), max_batch=1)
-    g = generation([1], len(ids), stop_strings=stops, stop_ids=frozenset({256}))
-    with eng._lock:
-        for token in ids:
-            if g.finish_reason is not None:
-                break
-            eng._accept(g, token, time.monotonic())
-    assert (g.on_event.text, g.text, g.finish_reason) == (text, text, reason)
-    if reason == "length":
-        assert text == tiny_tokenizer.decode(ids)
-    # One token event per generated token; the done event last.
-    assert [k for k, _ in g.on_event.events] == ["token"] * len(g.output_ids) + ["done"]
-
-
-def hot(temperature=1.0, top_p=1.0, seed=None):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(sched=SimpleNamespace(temperature=temperature, top_p=top_p), seed=seed, generator=None)
-
-
-def test_sampling_rows_are_greedy_nucleus_and_the_given_distribution():
-    from deepseek_flash.serve.engine import _sample
-
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log()[None].repeat(4, 1)
-    logits[0, 2] = 5.0                                   # the greedy row's argmax
-    gens = [hot(0.0), hot(1.0, 0.85, seed=1), hot(1.0, 0.6, seed=2), hot(1.0, seed=3)]
-    draws = [_sample(torch, logits, gens) for _ in range(4000)]
-    cols = list(zip(*draws))
-    assert set(cols[0]) == {2}                           # temperature 0: argmax, every time
-    assert set(cols[1]) == {0, 1, 2}                     # top_p 0.85: 0.05 left out
-    assert set(cols[2]) == {0, 1}                        # top_p 0.6: the first two
-    freq = [cols[3].count(t) / 4000 for t in range(4)]
-    assert all(abs(f - p) < 0.03 for f, p in zip(freq, probs.tolist())), freq
-    # Renormalised nucleus: 0.5 / 0.8 of row 2's draws are token 0.
-    assert abs(cols[2].count(0) / 4000 - 0.625) < 0.03
-
-
-def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch():
-    from deepseek_flash.serve.engine import _sample
-
-    torch.manual_seed(0)
-    logits = torch.randn(3, 260)
-    alone = hot(0.8, 0.9, seed=7)
-    solo = [_sample(torch, logits[1:2], [alone])[0] for _ in range(50)]
-    batch = [hot(1.2, seed=1), hot(0.8, 0.9, seed=7), hot(0.0)]
-    together = [_sample(torch, logits, batch)[1] for _ in range(50)]
-    assert solo == together and len(set(solo)) > 1
 
 
 # (chunk, decode forward s, prefill s per token, L0 seen lately) -> prompt tokens this step
@@ -453,40 +380,25 @@ def test_attention_reads_a_bucket_of_key_positions_and_the_profile_counts_the_fo
     # while the row is shorter, then the whole cache (128 capped at 100) -- never a length per step.
     eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=2, l0_reserve=0.0), max_batch=2,
                  max_model_len=100)
-    seen, bind = [], eng.cache.bind
+    seen, bind = [], eng.runner.cache.bind
 
     def record(rows, positions, kv_len, span=None):
         seen.append(kv_len)
         return bind(rows, positions, kv_len, span)
-    eng.cache.bind = record
+    eng.runner.cache.bind = record
     g = generation([5, 6, 7], 70)
     assert eng.submit(g).admitted
     boundary(eng)
-    with torch.inference_mode():
-        while not g.on_event.done.is_set():
-            eng._step()
-            boundary(eng)
-    assert g.output_ids == alone(tiny_reference, g.prompt_ids, 70)
+    drive(eng, done(g))
+    assert g.output_ids == greedy(tiny_reference, g.prompt_ids, 70)
     # The prefill and the decodes at positions 3..63 read 64 keys; those at 64..71 the whole cache.
     assert seen == [64] * 62 + [100] * 8
-    prof = eng.profile(reset=True)
+    prof = eng.runner.profile(reset=True)
     assert set(prof) == {"prefill", "decode_rows_1"}
     assert prof["prefill"]["forwards"] == 1 and prof["prefill"]["tokens_mean"] == 3
     assert prof["decode_rows_1"]["forwards"] == 69 and prof["decode_rows_1"]["rows_mean"] == 1
     assert 0 < prof["decode_rows_1"]["launch_ms_p50"] <= prof["decode_rows_1"]["ms_p50"] <= prof["decode_rows_1"]["ms_max"]
-    assert eng.profile() == {}
-    eng.close(timeout=0)
-
-
-def test_cudnn_attention_is_left_out_of_the_kernels_a_cuda_forward_may_use(tiny_reference, tiny_tokenizer):
-    from torch.nn.attention import SDPBackend
-
-    from deepseek_flash.serve.engine import SDPA_BACKENDS
-
-    assert "CUDNN_ATTENTION" not in SDPA_BACKENDS and "MATH" in SDPA_BACKENDS
-    assert all(isinstance(getattr(SDPBackend, name), SDPBackend) for name in SDPA_BACKENDS)
-    eng = Engine(tiny_reference, tiny_tokenizer, max_batch=1)
-    assert eng._sdpa is None                       # on the CPU the model's choice stands
+    assert eng.runner.profile() == {}
     eng.close(timeout=0)
 
 
@@ -525,7 +437,7 @@ def test_an_l0_request_takes_the_row_of_a_running_one_which_resumes_where_it_was
     assert [(kind, n) for kind, rows, n in rec.log[l0_done:] if rows == list(b_rows) and kind == "prefill"] == [
         ("prefill", 8), ("prefill", 1)]
     for g in (a, b, l0):
-        assert g.output_ids == alone(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
         tokens = [d["token"] for k, d in g.on_event.events if k == "token"]
         assert tokens == g.output_ids and g.on_event.text == g.text
     assert b.on_event.result()[1]["preempted"] == 1 and a.on_event.result()[1]["preempted"] == 0

@@ -382,21 +382,20 @@ def test_a_preempted_l1_request_keeps_its_finish_tag_and_rejoins_before_later_on
     assert ids(s.dispatch()) == ["long"]
 
 
-def test_no_preemption_where_requests_cannot_give_their_row_or_in_fifo():
-    s = FlashScheduler(slots=1, l0_reserve=0.0, clock=Clock())
-    tiered = req("t", "L2")
-    tiered.preemptible = False                            # a request on a tiered KV cache of its own
-    admit(s, tiered)
-    s.dispatch()
+def pinned(rid, cls):
+    r = req(rid, cls)
+    r.preemptible = False                                 # a request on a tiered KV cache of its own
+    return r
+
+
+@pytest.mark.parametrize("make, running", [
+    (lambda: FlashScheduler(slots=1, l0_reserve=0.0, clock=Clock()), pinned("t", "L2")),
+    (lambda: FlashScheduler(slots=1, l0_reserve=0.0, clock=Clock(), l0_preempts=False), req("a", "L2")),
+    (lambda: FifoScheduler(slots=1, clock=Clock()), req("a", "L2")),
+], ids=["not-preemptible", "l0_preempts-off", "fifo"])
+def test_no_preemption_where_requests_cannot_give_their_row_or_in_fifo(make, running):
+    s = make()
+    admit(s, running)
+    assert s.dispatch() == [running]
     admit(s, req("x", "L0"))
     assert s.dispatch() == [] and s.take_preempted() == []
-    off = FlashScheduler(slots=1, l0_reserve=0.0, clock=Clock(), l0_preempts=False)
-    admit(off, req("a", "L2"))
-    off.dispatch()
-    admit(off, req("x", "L0"))
-    assert off.dispatch() == [] and off.take_preempted() == []
-    fifo = FifoScheduler(slots=1, clock=Clock())
-    admit(fifo, req("a", "L2"))
-    fifo.dispatch()
-    admit(fifo, req("x", "L0"))
-    assert fifo.dispatch() == [] and fifo.take_preempted() == []

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
+from serve_helpers import greedy
 
 from deepseek_flash.daemon.config import KEYS as CONFIG_KEYS
 from deepseek_flash.serve.app import DEFAULT_CHAT_TEMPLATE
@@ -50,13 +50,6 @@ def client(served):
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def greedy(model, prompt_ids, n):
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
-
-
 def wait_for(predicate, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -84,7 +77,7 @@ def test_completion_is_the_greedy_continuation_with_flash_fields(served, client,
     flash = extra["flash"]
     assert (flash["class"], flash["priority"], flash["degrade_steps"]) == ("L0", 3, [])
     assert flash["queue_ms"] >= 0 and flash["ttft_ms"] >= flash["queue_ms"]
-    assert flash["kv"] == {"tokens": 13, "cache": "rows", "bytes": 13 * served[1].engine.cache.bytes_per_token}
+    assert flash["kv"] == {"tokens": 13, "cache": "rows", "bytes": 13 * served[1].engine.runner.cache.bytes_per_token}
     assert (flash["bytes_streamed"], flash["prefetch_hit_rate"]) == (0, None)    # fully resident
 
 
@@ -171,12 +164,12 @@ def test_openai_error_shapes(served, client):
 
 def test_a_client_leaving_mid_stream_frees_its_row(served, monkeypatch):
     base, state = served
-    forward = state.engine._forward
+    forward = state.engine.runner.forward
 
     def slow_forward(*args, **kwargs):       # the request must still be running when the client leaves
         time.sleep(0.05)
         return forward(*args, **kwargs)
-    monkeypatch.setattr(state.engine, "_forward", slow_forward)
+    monkeypatch.setattr(state.engine.runner, "forward", slow_forward)
     before = state.engine.stats["cancelled"]
     body = {"model": "tiny-chat", "prompt": [3, 4, 5], "max_tokens": MAX_LEN - 3, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http:

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The decode issue's remaining Show rows on a CUDA machine in one go (the C++ core built first:
+# pip install -e .), about 150 s on an H200:
+#   int4    -- bench/quant.py --decode graphs: the 8B llama int4 store (default settings, tile
+#              layout) resident under 8 GiB (vs the HBM bound, measured in the same run) and
+#              streamed under 3 GiB (vs the PCIe bound), batch 1 and 8, with a profile of one
+#              replayed batch-1 step;
+#   stream  -- bench/decode_stream.py: the 8B llama bf16 streamed under an 8 GiB budget with graphs,
+#              batch 1 (vs the PCIe bound, and the hooks' path), same checkpoint as int4;
+#   qwen2, mistral -- bench/decode.py --arch: the 8B-shaped model resident, graphs, batch 1 and 8.
+# qwen2 runs while the 16 GB checkpoint is written (CPU and disk only); everything else alone.
+#   bash bench/gpu_decode_show.sh OUTDIR [STEPS] [--smoke]
+# STEPS: comma-separated subset of int4,stream,qwen2,mistral (default all). --smoke: the same steps
+# on the CPU with tiny models (what CI proves). Work files go under /var/tmp/flash-decode-show
+# (OUTDIR/work with --smoke) and are deleted at the end. OUTDIR keeps the JSON results, steps.txt
+# and logs.tar.gz (logs, machine.txt, the profile tables): six files.
+set -u -o pipefail
+out=${1:-/tmp/flash-decode-show}; steps=${2:-int4,stream,qwen2,mistral}; smoke=${3:-}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")"
+start=$(date +%s)
+lap() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$out/steps.txt"; }
+has() { [[ ",$steps," == *,$1,* ]]; }
+work=/var/tmp/flash-decode-show; flags=(); dec=(); t_dec=45; t_int4=80; t_stream=50
+if [ "$smoke" = "--smoke" ]; then
+  work="$out/work"; flags=(--smoke); t_dec=300; t_int4=300; t_stream=300
+fi
+mkdir -p "$work"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU";
+  $py -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)';
+  git log --oneline -1 2>/dev/null || true; } > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+status=0
+
+writer=
+if [ -z "$smoke" ] && { has int4 || has stream; }; then
+  # The 8B llama checkpoint bench/quant.py and decode_stream.py share (written once).
+  $py -c "import sys; sys.path.insert(0, '.'); from _common import write_finite_model; write_finite_model('$work/src-llama', 'llama')" \
+    > "$out/src.log" 2>&1 &
+  writer=$!
+fi
+decode_arch() {
+  timeout "$t_dec" $py decode.py --arch "$1" "${flags[@]}" --variants graphs --skip-eager --skip-peer \
+    --skip-ops --parity-steps 32 --output "$out/decode_$1.json" --out-dir "$out" > "$out/decode_$1.log" 2>&1
+  local rc=$?; lap "decode.py --arch $1 rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -5 "$out/decode_$1.log"; }
+}
+if has qwen2; then decode_arch qwen2; fi
+if [ -n "$writer" ]; then wait "$writer"; lap "checkpoint written rc=$?"; fi
+if has int4; then
+  timeout "$t_int4" $py quant.py --arch llama --dir "$work" "${flags[@]}" --decode graphs \
+    --phases int4_budget,int4_small_budget --tokens 48 --output "$out/quant_int4_graphs.json" \
+    > "$out/quant_int4_graphs.log" 2>&1
+  rc=$?; lap "quant.py --decode graphs rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -5 "$out/quant_int4_graphs.log"; }
+  rm -rf "$work"/store-llama-*          # disk for the bf16 store of the next step
+fi
+if has stream; then
+  if [ -n "$smoke" ]; then sargs=(--smoke); else sargs=(--arch llama --layers 32 --budget 8GiB --src "$work/src-llama"); fi
+  timeout "$t_stream" $py decode_stream.py "${sargs[@]}" --batches 1 --prompt 32 --new 12 --dir "$work" \
+    --output "$out/decode_stream_8b.json" > "$out/decode_stream_8b.log" 2>&1
+  rc=$?; lap "decode_stream.py rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -5 "$out/decode_stream_8b.log"; }
+fi
+if has mistral; then decode_arch mistral; fi
+rm -rf "$work"
+
+$py - "$out" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def load(name):
+    try:
+        return json.loads((out / name).read_text())
+    except (OSError, ValueError) as exc:
+        return None
+for arch in ("qwen2", "mistral"):
+    d = load(f"decode_{arch}.json")
+    if d:
+        for b, e in d.get("graphs", {}).items():
+            print(f"{arch} b{b}: {e.get('tok_s')} tok/s, {e.get('vs_hbm_bound')} x HBM bound "
+                  f"({d.get('hbm_bound_tok_s_per_seq')}), mode {e.get('mode')}, step {e.get('step')}, "
+                  f"capture {e.get('capture_s')} s, pool {e.get('graph_pool_bytes')} B")
+        for b, p in d.get("parity", {}).items():
+            print(f"{arch} parity b{b}: first diff {p.get('first_divergent_step')} max logit diff {p.get('max_logit_diff')}")
+q = load("quant_int4_graphs.json")
+if q:
+    r = q.get("int4_budget", {})
+    print(f"int4 resident: {r.get('tok_s')} tok/s, HBM bound {r.get('hbm_bound_tok_s_per_seq')}, "
+          f"x bound {r.get('vs_hbm_bound')}, decoder {[(b, s.get('mode'), s.get('captures')) for b, s in r.get('decoder', {}).items()]}")
+    s = q.get("int4_small_budget", {})
+    print(f"int4 streamed 3 GiB: {s.get('tok_s')} tok/s, bound b1 {s.get('bound_batch1_tok_s')}, x bound {s.get('vs_bound')}")
+    print("goals", q.get("goals"))
+s = load("decode_stream_8b.json")
+if s:
+    for b, e in s.get("batches", {}).items():
+        print(f"streamed 8B b{b}: graphs {e['graphs_tok_s']} ({e['graphs_vs_bound']} x bound "
+              f"{s.get('bound_tok_s_per_seq')}, {e['mode']}), hooks {e['hooks_tok_s']} ({e['hooks_vs_bound']})")
+EOF
+lap "done status=$status"
+# Few files come back from a lent machine: the JSON results and steps.txt stay, the rest is packed.
+(cd "$out" && ls | grep -E '\.(log|txt)$' | grep -vx steps.txt | xargs -r tar czf logs.tar.gz --remove-files)
+ls "$out"
+exit $status
