@@ -1,5 +1,6 @@
 """Benchmark (CPU): what one decode step costs the host, counted, not timed -- aten operations
-dispatched, host->device-style copies (``copy_`` calls) and host syncs (``.tolist``/``.item`` of
+dispatched, host->device-style copies (``copy_`` calls and the tensors of ``_foreach_copy_`` calls,
+one operation for many copies) and host syncs (``.tolist``/``.item`` of
 a tensor) per decode step, for ``DynamicCache``, the tiered cache's top-K 25 % and its lossless
 mode, at two context lengths. An eager step is bound by the host on a fast GPU, so these counts
 say what the tiered cache adds to each step; a fetch whose cost grows with the number of pages
@@ -43,7 +44,10 @@ def count_step(model, cache, tok, steps=2):
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            counts[func.overloadpacket.__name__] += 1
+            name = func.overloadpacket.__name__
+            counts[name] += 1
+            if name == "_foreach_copy_":  # one call, one copy per tensor of its list
+                counts["copies_in_foreach"] += len(args[0])
             return func(*args, **(kwargs or {}))
 
     syncs = [0]
@@ -66,8 +70,9 @@ def count_step(model, cache, tok, steps=2):
         finally:
             for name, original in originals.items():
                 setattr(torch.Tensor, name, original)
+    copies = counts.pop("copies_in_foreach", 0) + counts["copy_"]
     total = sum(counts.values())
-    return {"ops": total / steps, "copies": counts["copy_"] / steps,
+    return {"ops": total / steps, "copies": copies / steps,
             "syncs": (syncs[0] + counts["_local_scalar_dense"]) / steps,
             "index_select": counts["index_select"] / steps}, tok
 

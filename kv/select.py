@@ -47,8 +47,9 @@ def quest_bound(queries: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     """``queries`` ``[b, kv_heads, g, d]`` (g = query heads per kv head x query positions),
     ``kmin``/``kmax`` ``[b, kv_heads, n, d]`` -> bounds ``[b, kv_heads, g, n]`` (fp32)."""
     q = queries.float()
-    return (q.clamp(min=0) @ kmax.float().transpose(-1, -2)
-            + q.clamp(max=0) @ kmin.float().transpose(-1, -2)) * scale
+    # one matmul over 2d channels: [q+, q-] . [max, min] (PageSummaries keeps them side by side)
+    q = torch.cat((q.clamp(min=0), q.clamp(max=0)), -1)
+    return (q @ torch.cat((kmax, kmin), -1).float().transpose(-1, -2)) * scale
 
 
 def mass_logits(queries: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,

@@ -8,6 +8,7 @@ so ``READY=1`` (under systemd, ``Type=notify``) means the port accepts connectio
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 
 from ..cli import bounded
@@ -180,12 +181,22 @@ def run(args) -> int:
              args.max_batch, args.scheduler)
     notifier = Notifier()
     srv = server(app, sock, args.log_level)
-    original_startup = srv.startup
+    original_startup, original_shutdown = srv.startup, srv.shutdown
 
     async def startup(sockets=None):
         await original_startup(sockets=sockets)
         notifier.send(READY=1, STATUS=f"serving {state.model_name} on {host}:{port}")
-    srv.startup = startup
-    srv.run(sockets=[sock])
-    notifier.send(STOPPING=1)
+
+    async def shutdown(sockets=None):
+        notifier.send(STOPPING=1)
+        await original_shutdown(sockets=sockets)
+    srv.startup, srv.shutdown = startup, shutdown
+    # uvicorn takes SIGTERM while it serves and, once shut down, raises it again under the handler
+    # it found: with the default one the process would die of the signal. This one asks a server
+    # not yet listening to stop at once, and is a no-op once it has stopped: exit status 0.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(srv, "should_exit", True))
+    try:
+        srv.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0

@@ -128,3 +128,24 @@ def test_load_model_flash_config_sets_the_defaults(llama):
         assert info.value.key == "host_bytes"
     finally:
         del llama.flash
+
+
+def test_chunk_copies_fall_back_when_foreach_copy_is_refused(monkeypatch):
+    # fetch_all copies every host chunk in one _foreach_copy_; where torch refuses it the chunks
+    # are copied one call each, with the same result
+    import deepseek_flash.kv.pages as pages
+
+    src = [torch.arange(6.0).view(3, 2), torch.arange(4.0).view(2, 2) + 10]
+    want = torch.cat(src)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(pages, "_FOREACH", [True])
+    monkeypatch.setattr(torch, "_foreach_copy_", refuse)
+    out = torch.zeros(5, 2)
+    pages._copy_all(out.split([3, 2]), src, False)
+    assert torch.equal(out, want) and pages._FOREACH == [False]
+    out.zero_()
+    pages._copy_all(out.split([3, 2]), src, False)  # refused once: not tried again
+    assert torch.equal(out, want)

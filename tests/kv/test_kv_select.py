@@ -107,3 +107,21 @@ def test_hybrid_choice_in_few_ops_is_the_same_pages(dtype, b, q_heads, kv_heads,
                                                     s.kmax[:, :, :n], 0.25), "hybrid", w), k)
         got = s.choose(q, k, scale=0.25, score="hybrid", window_pages=w)
         assert got.tolist() == want.tolist()
+
+
+def test_summaries_keep_exact_min_and_max_side_by_side():
+    # PageSummaries holds [max, min] per page in one tensor (one matmul scores every page); the
+    # kmin/kmax views are each page's exact channel-wise key minimum and maximum, across growth
+    from deepseek_flash.kv.summaries import PageSummaries
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 3, 40 * 4, 8, generator=g).to(torch.bfloat16)
+    s = PageSummaries()
+    s.init(keys)
+    for a in range(0, 40, 8):  # 5 appends: the capacity grows 16 -> 32 -> 64
+        s.append_keys(keys[:, :, a * 4:(a + 8) * 4], 4)
+    pages = keys.view(2, 3, 40, 4, 8)
+    assert s.n == 40 and s.minmax.shape == (2, 3, 64, 16)
+    assert torch.equal(s.kmin[:, :, :40], pages.amin(3))
+    assert torch.equal(s.kmax[:, :, :40], pages.amax(3))
+    assert s.gpu_bytes() == 40 * 2 * 3 * 16 * 2  # pages x batch x heads x [max, min] x bf16

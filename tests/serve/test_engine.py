@@ -139,6 +139,16 @@ def test_degrade_steps_reach_sampling_and_the_response(tiny_reference, tiny_toke
     assert sched.snapshot()["degrade_steps"] == {"temperature": 1, "top_p": 1, "max_new_tokens": 1}
     # The waiting L1 request took the freed row; nothing of L1 was degraded.
     assert long[1].row is not None and not any(x.sched.degraded for x in long)
+    # Each step in the server's metrics too.
+    from deepseek_flash.serve.app import ServeState
+
+    metrics = ServeState(eng, tiny_tokenizer, "m").metrics().splitlines()
+    assert [line for line in metrics if line.startswith(("deepseek_flash_serve_degrade_steps_total{",
+                                                         "deepseek_flash_serve_degraded_requests_total "))] == [
+        'deepseek_flash_serve_degrade_steps_total{step="temperature"} 1',
+        'deepseek_flash_serve_degrade_steps_total{step="top_p"} 1',
+        'deepseek_flash_serve_degrade_steps_total{step="max_new_tokens"} 1',
+        "deepseek_flash_serve_degraded_requests_total 1"]
     eng.close(timeout=0)
 
 

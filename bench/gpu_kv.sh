@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The tiered KV cache on a CUDA machine in one go (issue 15's Show):
+#   bash bench/gpu_kv.sh OUTDIR [ARCH] [CONTEXTS] [--smoke]
+# 1. pytest -m gpu tests/kv: lossless == DynamicCache on CUDA (page-locked pages, copy stream,
+#    one _foreach_copy_ per layer), top-K's one gather == the same pages copied run by run;
+# 2. bench/kv.py --profile: GPU KV, decode tok/s of DynamicCache / top-K 25 % / lossless /
+#    transformers' offload, PCIe bound, TTFT, host share per mode, and a profiler table of two
+#    steps per mode and context (OUTDIR/kv.<mode>-<context>.txt).
+# CONTEXTS default "8192 32768 131072" (~2 min on an H200); --smoke: the CPU with a tiny model.
+set -u -o pipefail
+out=${1:-/tmp/flash-kv}; arch=${2:-llama}; contexts=${3:-8192 32768 131072}; smoke=${4:-}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU";
+  $py -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)';
+  git log --oneline -1 2>/dev/null || true; } > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+status=0
+flags=()
+if [ "$smoke" = "--smoke" ]; then
+  flags=(--smoke --decode 2)
+else
+  $py -m pytest -q -m gpu tests/kv -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1 || status=1
+  echo "gpu tests: $(tail -1 "$out/gpu_tests.log")"
+  grep -E "^(FAILED|ERROR)|^E  " "$out/gpu_tests.log" | head -20
+fi
+# shellcheck disable=SC2086
+$py bench/kv.py --arch "$arch" --contexts $contexts --profile "${flags[@]}" \
+  --output "$out/kv.json" > "$out/kv.out" 2> "$out/kv.log" || status=1
+tail -8 "$out/kv.log"
+exit $status

@@ -1,0 +1,56 @@
+"""The tiered cache on a CUDA device (run on the GPU machine: ``pytest -m gpu tests/kv``):
+lossless mode gives DynamicCache's tokens with the pages in page-locked host memory, fetched on
+the copy stream by one ``_foreach_copy_`` per layer; top-K's one-gather fetch (kernels reading
+page-locked host memory) gives exactly what copying the same pages run by run gives."""
+import pytest
+import torch
+
+from deepseek_flash.kv import TieredCache
+
+from kvmodels import greedy, reference, tiny_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _prompt(batch, n=1500):
+    ids = torch.randint(1, 256, (batch, n), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :37] = 0
+    return ids.cuda(), mask.cuda()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_lossless_on_cuda_matches_dynamic_cache(batch):
+    import deepseek_flash.kv.pages as pages
+
+    model = tiny_model(layers=3).cuda()
+    ids, mask = _prompt(batch)
+    want_tokens, want_logits = reference(model, ids, mask, 32)
+    cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32)
+    tokens, logits = greedy(model, ids, mask, cache, 32)
+    assert torch.equal(tokens, want_tokens)
+    assert (logits - want_logits).abs().max().item() <= 1e-4
+    assert cache.pinned and len(cache.layers[0].chunks) > 1  # several chunks, one call
+    assert pages._FOREACH == [True]  # torch took the host->device _foreach_copy_
+    assert cache.stats()["pages_fetched"] > 0
+    cache.close()
+
+
+def test_topk_one_gather_on_cuda_equals_copied_pages():
+    model = tiny_model(layers=3).cuda()
+    ids, mask = _prompt(1)
+    runs = []
+    for one_gather in (True, False):
+        cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
+                                      top_k_pages=0.25, dense_layers=1)
+        if not one_gather:
+            for layer in cache.layers:
+                layer.pages._span_failed = True  # copy the chosen pages run by run
+        runs.append(greedy(model, ids, mask, cache, 16))
+        gathered = [layer.pages._span is not None for layer in cache.layers]
+        assert gathered == ([False, True, True] if one_gather else [False, False, False])
+        cache.close()
+    (t1, l1), (t2, l2) = runs
+    assert torch.equal(t1, t2) and torch.equal(l1, l2)
