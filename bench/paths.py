@@ -17,8 +17,9 @@ Default configuration everywhere except the host cache size (the machine's sizin
   class (the user's fresh process; the goal). Where the time went: the load's phases, this
   process's and the daemon's CPU, the daemon's own load time (its log); then, no load running,
   the skeleton built in a fresh interpreter (``skeleton_alone``: the imports' own time on this
-  machine); then the cold load again after a fresh daemon start with the class imported
-  (``model_class_imported``: the disk -> GPU path alone).
+  machine), and again beside ``dd`` reading the model's file (``skeleton_beside_dd``); then the
+  cold load again after a fresh daemon start with the class imported (``model_class_imported``:
+  the disk -> GPU path alone).
 
     python bench/paths.py --arch llama --dir /var/tmp/flash-bench --output paths.json
 """
@@ -31,6 +32,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -264,8 +266,9 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
     """Raw readers of the model's file (by default all of it: the bytes the load reads), then,
     beside another process holding ``--hog`` of the GPU: (1) the user's path -- a process that has
     imported torch but not the model's transformers class loads the model right after the daemon
-    starts (the goal); (2) the same process building the skeleton again in a fresh interpreter with
-    no load running (the interpreter's own import time on this machine); (3) the cold load again
+    starts (the goal); (2) the same skeleton built in a fresh interpreter with no load running
+    (the interpreter's own import time on this machine), then beside dd reading the model's file
+    (does any disk stream slow the imports, or the daemon's load in particular?); (3) the cold load again
     after a fresh daemon start, the model class imported now (the disk -> GPU path alone)."""
     import torch
     from deepseek_flash.daemon.config import parse_size
@@ -294,6 +297,20 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
         out["works"] = True
         save(res, args.output)
         out["skeleton_alone"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
+        save(res, args.output)
+        # The same beside a plain reader of the model's file (dd, no daemon): whether any disk
+        # stream slows the imports on this machine, or the daemon's load in particular.
+        # dd again and again until the build is done (its own process group, ended as one).
+        reader = subprocess.Popen(["sh", "-c", 'while :; do dd if="$0" of=/dev/null iflag=direct '
+                                   'bs=4M 2>/dev/null || exit 1; done', str(data)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        try:
+            out["skeleton_beside_dd"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
+            out["skeleton_beside_dd"]["dd_still_reading"] = reader.poll() is None
+        finally:
+            os.killpg(reader.pid, signal.SIGKILL)
+            reader.wait()
         save(res, args.output)
         runtimes.append(Path(tempfile.mkdtemp(prefix="flash-paths-")))
         out["model_class_imported"] = _cold_load(runtimes[-1], store_dir, best, nbytes)
