@@ -34,17 +34,23 @@ def new_graph(owner: "SelectGraph"):
 
 
 class SharedOut:
-    """The gathered keys and values of the current top-K layer, one buffer per cache, reallocated
-    when ``k`` (or the batch) changes."""
+    """The gathered keys and values of the current top-K layer: one buffer per row shape (layers
+    whose host chunks align differently gather in rows of another size), kept while ``k`` and
+    the batch stay, so that the captured graphs keep their addresses."""
 
     def __init__(self):
-        self.rows: torch.Tensor | None = None
+        self.buffers: dict[tuple, torch.Tensor] = {}
 
     def get(self, span, b: int, k: int, device) -> torch.Tensor:
         n = 2 * b * span.kv_heads * k * span.units_per_head
-        if self.rows is None or self.rows.shape[0] != n or self.rows.dtype != span.rows.dtype:
-            self.rows = torch.empty((n, span.rows.shape[1]), dtype=span.rows.dtype, device=device)
-        return self.rows
+        key = (n, span.rows.shape[1], span.rows.dtype)
+        rows = self.buffers.get(key)
+        if rows is None:
+            # another k or batch: the buffers of the old one are not replayed into again
+            self.buffers = {kk: t for kk, t in self.buffers.items() if kk[0] == n}
+            rows = torch.empty((n, span.rows.shape[1]), dtype=span.rows.dtype, device=device)
+            self.buffers[key] = rows
+        return rows
 
 
 class SelectGraph:
@@ -88,6 +94,7 @@ class LayerGraphs:
     def __init__(self):
         self.graph: SelectGraph | None = None
         self.failed = False
+        self.captures = 0
 
     def select(self, cache, layer, span, query, k):
         """Chosen pages and their keys and values through the graph, or None (use the eager
@@ -101,6 +108,7 @@ class LayerGraphs:
                tuple(query.shape), query.dtype, cache.scale, cache.window_pages)
         if self.graph is None or self.graph.key != key:
             self.graph = None
+            self.captures += 1
             try:
                 self.graph = SelectGraph(key, summaries, span, query, k, cache.scale,
                                          cache.window_pages, out, cache._graph_pool())

@@ -70,8 +70,12 @@ def test_captured_choice_and_gather_equal_the_eager_steps(emulated, batch):
     for layer in graphed.layers[1:]:
         g = layer.graphs.graph
         assert g.key[0] == layer.summaries.n and g.graph.captures == 1
-    # one output buffer for all layers: the gathered pages of one layer at a time
-    assert graphed.layers[1].graphs.graph.out_rows is graphed.layers[2].graphs.graph.out_rows
+    # captured again only when the pages, k or the host view change (a page boundary every 32
+    # steps, a new host chunk), not every step: the output buffers keep their addresses
+    for layer in graphed.layers[1:]:
+        assert 1 <= layer.graphs.captures <= 6
+    shapes = {layer.graphs.graph.out_rows.shape for layer in graphed.layers[1:]}
+    assert len(graphed._select_out.buffers) == len(shapes)  # one buffer per row shape
     graphed.close()
     assert all(layer.graphs.graph is None for layer in graphed.layers)
 
