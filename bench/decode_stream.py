@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     shape = SMOKE if args.smoke else dict(ARCH_SHAPES[args.arch], layers=args.layers)
     src = write_finite_llama(pathlib.Path(args.src) if args.src else work / "src", arch=args.arch, **shape)
     store_dir = work / "store"
+    work.mkdir(parents=True, exist_ok=True)          # with --src nothing was written under it yet
     if not (store_dir / "flash_metadata.bin").exists():
         pack(src, store_dir)
     store = Store.open(store_dir)

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The decode issue's remaining Show rows on a CUDA machine in one go (the C++ core built first:
-# pip install -e .), about 150 s on an H200:
+# pip install -e .), about 150-180 s on an H200 (each step under its own timeout: 45, 95, 65, 45 s):
 #   int4    -- bench/quant.py --decode graphs: the 8B llama int4 store (default settings, tile
 #              layout) resident under 8 GiB (vs the HBM bound, measured in the same run) and
 #              streamed under 3 GiB (vs the PCIe bound), batch 1 and 8, with a profile of one
 #              replayed batch-1 step;
 #   stream  -- bench/decode_stream.py: the 8B llama bf16 streamed under an 8 GiB budget with graphs,
 #              batch 1 (vs the PCIe bound, and the hooks' path), same checkpoint as int4;
-#   qwen2, mistral -- bench/decode.py --arch: the 8B-shaped model resident, graphs, batch 1 and 8.
+#   qwen2, mistral -- bench/decode.py --arch: the 8B-shaped model resident, graphs, batch 1 and 8;
+#   tests   -- (only when named) pytest -m gpu tests/decode (about 30 s).
 # qwen2 runs while the 16 GB checkpoint is written (CPU and disk only); everything else alone.
 #   bash bench/gpu_decode_show.sh OUTDIR [STEPS] [--smoke]
-# STEPS: comma-separated subset of int4,stream,qwen2,mistral (default all). --smoke: the same steps
+# STEPS: comma-separated subset of int4,stream,qwen2,mistral,tests (default all but tests). --smoke: the same steps
 # on the CPU with tiny models (what CI proves). Work files go under /var/tmp/flash-decode-show
 # (OUTDIR/work with --smoke) and are deleted at the end. OUTDIR keeps the JSON results, steps.txt
 # and logs.tar.gz (logs, machine.txt, the profile tables): six files.
@@ -24,7 +25,7 @@ cd "$(dirname "$0")"
 start=$(date +%s)
 lap() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$out/steps.txt"; }
 has() { [[ ",$steps," == *,$1,* ]]; }
-work=/var/tmp/flash-decode-show; flags=(); dec=(); t_dec=45; t_int4=80; t_stream=50
+work=/var/tmp/flash-decode-show; flags=(); t_dec=45; t_int4=95; t_stream=65
 if [ "$smoke" = "--smoke" ]; then
   work="$out/work"; flags=(--smoke); t_dec=300; t_int4=300; t_stream=300
 fi
@@ -57,12 +58,17 @@ if has int4; then
   rm -rf "$work"/store-llama-*          # disk for the bf16 store of the next step
 fi
 if has stream; then
-  if [ -n "$smoke" ]; then sargs=(--smoke); else sargs=(--arch llama --layers 32 --budget 8GiB --src "$work/src-llama"); fi
+  if [ -n "$smoke" ]; then sargs=(--smoke --src "$work/src-smoke"); else sargs=(--arch llama --layers 32 --budget 8GiB --src "$work/src-llama"); fi
   timeout "$t_stream" $py decode_stream.py "${sargs[@]}" --batches 1 --prompt 32 --new 12 --dir "$work" \
     --output "$out/decode_stream_8b.json" > "$out/decode_stream_8b.log" 2>&1
   rc=$?; lap "decode_stream.py rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -5 "$out/decode_stream_8b.log"; }
 fi
 if has mistral; then decode_arch mistral; fi
+if has tests; then
+  (cd .. && timeout 60 $py -m pytest -q -m gpu tests/decode -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1)
+  rc=$?; lap "gpu tests rc=$rc: $(tail -1 "$out/gpu_tests.log")"; [ $rc -eq 0 ] || status=1
+  grep -E "^(FAILED|ERROR)|^E  " "$out/gpu_tests.log" | head -20
+fi
 rm -rf "$work"
 
 $py - "$out" <<'EOF'

@@ -12,7 +12,14 @@ Default configuration everywhere except the host cache size (the machine's sizin
 * shared_gpu_cold -- another process holds ``--hog`` of GPU memory; ``deepseek-flashd`` starts
   with the default configuration and, right away, a client loads the model onto the GPU with the
   page cache dropped: request -> every layer on the GPU, GB/s vs the best raw reader (dd and the
-  Python O_DIRECT reader) of the same file in the same run.
+  Python O_DIRECT reader) of the same file, by default all of it (the bytes the load reads), in
+  the same run. The client is this process, which has imported torch but not transformers' model
+  class (the user's fresh process; the goal). Where the time went: the load's phases, this
+  process's and the daemon's CPU, the daemon's own load time (its log); then, no load running,
+  the skeleton built in a fresh interpreter (``skeleton_alone``: the imports' own time on this
+  machine), and again beside ``dd`` reading the model's file (``skeleton_beside_dd``); then the
+  cold load again after a fresh daemon start with the class imported (``model_class_imported``:
+  the disk -> GPU path alone).
 
     python bench/paths.py --arch llama --dir /var/tmp/flash-bench --output paths.json
 """
@@ -23,10 +30,13 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -120,43 +130,100 @@ def attach_phase(res, args, store_dir, nbytes) -> None:
         save(res, args.output)
 
 
-def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
+# Where a thread spends its time: its innermost Python frame every 20 ms (a C call such as a
+# file read or stat shows as the frame that made it), and the module whose body runs (an import)
+# by package. Shared by this process and the script below.
+SAMPLER = r"""
+import collections, os, sys, threading, time
+
+
+class StackSampler:
+    def __init__(self, ident, interval=0.02):
+        self.ident, self.interval = ident, interval
+        self.where, self.module, self.samples = collections.Counter(), collections.Counter(), 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self.ident)
+            if frame is None:
+                continue
+            self.samples += 1
+            code = frame.f_code
+            self.where[f"{os.path.basename(code.co_filename)}:{code.co_name}"] += 1
+            while frame is not None and frame.f_code.co_name != "<module>":
+                frame = frame.f_back
+            name = "-" if frame is None else (frame.f_globals.get("__name__") or "?")
+            self.module[name.split(".")[0]] += 1
+
+    def report(self, top=15):
+        share = lambda c: {k: round(v / max(self.samples, 1), 3) for k, v in c.most_common(top)}
+        return {"samples": self.samples, "interval_s": self.interval, "where": share(self.where),
+                "importing": share(self.module)}
+"""
+exec(SAMPLER)
+
+SKELETON_ALONE_SCRIPT = SAMPLER + r"""
+import json, sys, time
+import torch
+from deepseek_flash.client.skeleton import build_skeleton
+from deepseek_flash.store import Store
+config = Store.open(sys.argv[1]).config
+t, c = time.perf_counter(), time.thread_time()
+with StackSampler(threading.get_ident()) as sampler:
+    build_skeleton(config)
+print(json.dumps({"skeleton_s": round(time.perf_counter() - t, 3),
+                  "skeleton_cpu_s": round(time.thread_time() - c, 3), "profile": sampler.report()}))
+"""
+
+DONE_LINE = re.compile(r"load of \S+ onto \S+ done: (\d+) bytes in ([0-9.]+) s")
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (/proc/PID/stat), None where unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int) -> dict:
+    """Start ``deepseek-flashd`` with every default, send the load at once (page cache dropped
+    just before), time request -> every layer on the GPU -> first token, and say where the time
+    went: the load's phases in this process, this process's CPU, the daemon's own load time (its
+    log) and CPU."""
     import torch
     from deepseek_flash.client import Client
     from deepseek_flash.client.model import load_model
-    from deepseek_flash.daemon.config import parse_size
 
-    out = res.setdefault("shared_gpu_cold", {})
-    raw = min(os.path.getsize(data), parse_size("raw", args.raw_bytes))
-    drop_caches()
-    out["python_odirect_gbps"] = python_direct_read(str(data), raw, threads=8)
-    drop_caches()
-    out["dd_direct_gbps"] = dd_read(str(data), raw, bs=4 << 20)
-    out["raw_bytes_read"] = raw
-    out["best_raw_gbps"] = max(out["python_odirect_gbps"], out["dd_direct_gbps"])
-    hog = subprocess.Popen([sys.executable, "-c", HOG_SCRIPT, str(parse_size("hog", args.hog))],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    runtime = Path(tempfile.mkdtemp(prefix="flash-paths-"))
-    daemon = None
+    out = {"cache_dropped": drop_caches(),
+           # Other work on the machine's CPUs slows the client's imports (skeleton phase).
+           "loadavg_1min_before": round(os.getloadavg()[0], 2)}
+    t_spawn = time.perf_counter()
+    daemon = start_daemon(runtime, {})            # every key at its default
     try:
-        if hog.stdout.readline().strip() != "held":
-            out["error"] = f"the other process could not hold {args.hog}: {hog.stderr.read()[-2000:]}"
-            return
-        free, total = torch.cuda.mem_get_info(0)
-        out["gpu_free_with_other_process"] = free
-        out["gpu_total"] = total
-        out["cache_dropped"] = drop_caches()
-        # Other work on the machine's CPUs slows the client's imports (skeleton phase).
-        out["loadavg_1min_before"] = round(os.getloadavg()[0], 2)
-        t_spawn = time.perf_counter()
-        daemon = start_daemon(runtime, {})            # every key at its default
         t_ready = time.perf_counter()
         c = Client(socket_path=str(runtime / "control.sock"))
+        d_cpu, p_cpu, th_cpu = _proc_cpu_s(daemon.pid), sum(os.times()[:2]), time.thread_time()
         t = time.perf_counter()
-        m = load_model(store_dir, device="cuda:0", client=c)
+        with StackSampler(threading.get_ident()) as sampler:
+            m = load_model(store_dir, device="cuda:0", client=c)
         returned = time.perf_counter() - t
+        th_cpu = time.thread_time() - th_cpu
         wait_loaded(m)
         loaded = time.perf_counter() - t
+        d_cpu = None if d_cpu is None else _proc_cpu_s(daemon.pid) - d_cpu
+        p_cpu = sum(os.times()[:2]) - p_cpu
         with torch.no_grad():
             m(torch.tensor([[1, 2, 3, 4]], device="cuda:0")).logits[0, -1].argmax().item()
         torch.cuda.synchronize()
@@ -164,23 +231,97 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
         out.update({"daemon_start_to_status_s": round(t_ready - t_spawn, 3),
                     "load_model_returned_s": round(returned, 3),
                     "request_to_loaded_s": round(loaded, 3), "gbps": gbps(nbytes, loaded),
-                    "vs_best_raw": round(gbps(nbytes, loaded) / out["best_raw_gbps"], 3),
+                    "vs_best_raw": round(gbps(nbytes, loaded) / best_raw, 3),
                     "request_to_first_token_s": round(first_token, 3),
-                    "phases_ms": m.flash.timings, "works": True})
+                    "phases_ms": m.flash.timings,
+                    "load_model_thread_cpu_s": round(th_cpu, 3),
+                    "process_cpu_s_until_loaded": round(p_cpu, 3),
+                    "daemon_cpu_s_until_loaded": None if d_cpu is None else round(d_cpu, 3),
+                    "load_model_profile": sampler.report()})
+        ra = m.flash.read_ahead
+        if ra is not None:
+            try:
+                out["imports_read_ahead"] = {"files": ra.wait(60), "seconds": round(ra.seconds, 3)}
+            except TimeoutError:
+                out["imports_read_ahead"] = {"files": None, "seconds": None}
         m.flash.close()
         c.close()
-        log = (runtime / "daemon.log").read_text()
-        out["daemon_log_pin"] = [ln for ln in log.splitlines() if "page-locked" in ln or "segment" in ln][:6]
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+    log = (runtime / "daemon.log").read_text()
+    done = DONE_LINE.search(log)
+    if done:
+        # The daemon's side alone: attach -> every block copied to the GPU.
+        seconds = float(done.group(2))
+        out["daemon_load_s"] = seconds
+        out["daemon_load_gbps"] = gbps(int(done.group(1)), seconds)
+        out["daemon_load_vs_best_raw"] = round(out["daemon_load_gbps"] / best_raw, 3)
+    out["daemon_log_pin"] = [ln for ln in log.splitlines()
+                             if "page-locked" in ln or "segment" in ln or " done: " in ln][:6]
+    return out
+
+
+def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
+    """Raw readers of the model's file (by default all of it: the bytes the load reads), then,
+    beside another process holding ``--hog`` of the GPU: (1) the user's path -- a process that has
+    imported torch but not the model's transformers class loads the model right after the daemon
+    starts (the goal); (2) the same skeleton built in a fresh interpreter with no load running
+    (the interpreter's own import time on this machine), then beside dd reading the model's file
+    (does any disk stream slow the imports, or the daemon's load in particular?); (3) the cold load again
+    after a fresh daemon start, the model class imported now (the disk -> GPU path alone)."""
+    import torch
+    from deepseek_flash.daemon.config import parse_size
+
+    out = res.setdefault("shared_gpu_cold", {})
+    size = os.path.getsize(data)
+    raw = size if args.raw_bytes == "all" else min(size, parse_size("raw", args.raw_bytes))
+    drop_caches()
+    out["python_odirect_gbps"] = python_direct_read(str(data), raw, threads=8)
+    drop_caches()
+    out["dd_direct_gbps"] = dd_read(str(data), raw, bs=4 << 20)
+    out["raw_bytes_read"] = raw
+    best = out["best_raw_gbps"] = max(out["python_odirect_gbps"], out["dd_direct_gbps"])
+    hog = subprocess.Popen([sys.executable, "-c", HOG_SCRIPT, str(parse_size("hog", args.hog))],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runtimes = []
+    try:
+        if hog.stdout.readline().strip() != "held":
+            out["error"] = f"the other process could not hold {args.hog}: {hog.stderr.read()[-2000:]}"
+            return
+        free, total = torch.cuda.mem_get_info(0)
+        out["gpu_free_with_other_process"] = free
+        out["gpu_total"] = total
+        runtimes.append(Path(tempfile.mkdtemp(prefix="flash-paths-")))
+        out.update(_cold_load(runtimes[-1], store_dir, best, nbytes))
+        out["works"] = True
+        save(res, args.output)
+        out["skeleton_alone"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
+        save(res, args.output)
+        # The same beside a plain reader of the model's file (dd, no daemon): whether any disk
+        # stream slows the imports on this machine, or the daemon's load in particular.
+        # dd again and again until the build is done (its own process group, ended as one).
+        reader = subprocess.Popen(["sh", "-c", 'while :; do dd if="$0" of=/dev/null iflag=direct '
+                                   'bs=4M 2>/dev/null || exit 1; done', str(data)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        try:
+            out["skeleton_beside_dd"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
+            out["skeleton_beside_dd"]["dd_still_reading"] = reader.poll() is None
+        finally:
+            os.killpg(reader.pid, signal.SIGKILL)
+            reader.wait()
+        save(res, args.output)
+        runtimes.append(Path(tempfile.mkdtemp(prefix="flash-paths-")))
+        out["model_class_imported"] = _cold_load(runtimes[-1], store_dir, best, nbytes)
     except Exception as exc:   # noqa: BLE001 -- recorded: the run goes on to print its table
-        out["works"] = False
+        out.setdefault("works", False)
         out["error"] = f"{type(exc).__name__}: {exc}"[-2000:]
     finally:
-        if daemon is not None:
-            daemon.terminate()
-            daemon.wait(60)
         hog.kill()
         hog.wait()
-        shutil.rmtree(runtime, ignore_errors=True)
+        for runtime in runtimes:
+            shutil.rmtree(runtime, ignore_errors=True)
         save(res, args.output)
 
 
@@ -198,7 +339,8 @@ def main(argv=None) -> int:
     parser.add_argument("--host-caches", default="4GiB,40GiB")
     parser.add_argument("--stream-forwards", type=int, default=6)
     parser.add_argument("--hog", default="100GiB", help="GPU memory another process holds")
-    parser.add_argument("--raw-bytes", default="4GiB", help="bytes the raw readers read")
+    parser.add_argument("--raw-bytes", default="all",
+                        help="bytes of the model's file the raw readers read (all: what the load reads)")
     parser.add_argument("--only", choices=("all", "attach", "shared_gpu_cold"), default="all")
     parser.add_argument("--output")
     args = parser.parse_args(argv)

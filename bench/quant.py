@@ -452,11 +452,12 @@ def main(argv=None) -> int:
             res[label]["decoder"] = decoder_stats
         if graph_profile is not None:
             res[label]["graph_step_profile"] = graph_profile
-        if device != "cpu" and model.flash.stream is None:
-            per_step = step_weight_bytes(model)
-            bound = res["copy_bandwidth_gbps"] * 1e9 / per_step
-            res[label].update(weight_bytes_per_step=per_step, hbm_bound_tok_s_per_seq=round(bound, 1),
-                              vs_hbm_bound={b: round(r / (b * bound), 3) for b, r in rates.items()})
+        if model.flash.stream is None:
+            per_step = res[label]["weight_bytes_per_step"] = step_weight_bytes(model)
+            if device != "cpu":
+                bound = res["copy_bandwidth_gbps"] * 1e9 / per_step
+                res[label].update(hbm_bound_tok_s_per_seq=round(bound, 1),
+                                  vs_hbm_bound={b: round(r / (b * bound), 3) for b, r in rates.items()})
         if model.flash.stream is not None:
             res[label]["prefetch_hit_rate"] = round(model.flash.stream.stats()["prefetch_hit_rate"], 4)
         save(res, args.output)

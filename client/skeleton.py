@@ -8,7 +8,10 @@ bind through here.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+
+log = logging.getLogger("deepseek_flash.client")
 
 _meta = threading.local()          # .depth: this thread is inside meta_parameters()
 _install_lock = threading.Lock()
@@ -142,26 +145,27 @@ def imports_manifest_path():
     return Path(base) / f"skeleton-imports-{sys.implementation.cache_tag}-{prefix}.txt"
 
 
-def _module_files(names) -> set:
-    """The files an import of the named modules reads: the compiled module where there is one
-    (its source is only looked at, not read), else the file loaded."""
+def _module_files(names) -> list:
+    """The files an import of the named modules reads, in the order of ``names``: the compiled
+    module where there is one (its source is only looked at, not read), else the file loaded."""
     import os
     import sys
 
-    files = set()
+    files = {}
     for name in names:
         module = sys.modules.get(name)
         for attr in ("__cached__", "__file__"):
             path = getattr(module, attr, None)
             if isinstance(path, str) and os.path.isabs(path) and os.path.isfile(path):
-                files.add(path)
+                files[path] = None
                 break
-    return files
+    return list(files)
 
 
 def record_imports(names) -> int:
-    """Add the files of the modules ``names`` (those a skeleton build just imported) to the
-    manifest ``prefetch_imports`` reads next time; returns how many files it lists. Best effort:
+    """Add the files of the modules ``names`` (those a skeleton build just imported, in import
+    order) to the manifest ``prefetch_imports`` reads next time -- kept in import order, so a read-ahead
+    running beside the imports stays ahead of them; returns how many files it lists. Best effort:
     an unwritable cache directory only costs the next fresh process those files' reads."""
     import os
 
@@ -170,40 +174,30 @@ def record_imports(names) -> int:
         return 0
     path = imports_manifest_path()
     try:
-        known = set(path.read_text().split("\n")) - {""}
+        known = [p for p in path.read_text().split("\n") if p]
     except OSError:
-        known = set()
-    if files <= known:
+        known = []
+    have = set(known)
+    added = [f for f in files if f not in have]
+    if not added:
         return len(known)
-    known |= files
+    known += added
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("\n".join(sorted(known)) + "\n")
+        tmp.write_text("\n".join(known) + "\n")
         os.replace(tmp, path)
     except OSError:
         pass
     return len(known)
 
 
-def prefetch_imports(packages=None, threads: int = PREFETCH_THREADS,
-                     seen: list | None = None) -> int:
-    """Read into the page cache the files a skeleton build imports: those an earlier build of this
-    interpreter recorded (``record_imports``) and, walked by ``threads`` threads, each ``.py`` of
-    ``packages`` and each compiled module of this interpreter (``__pycache__/*.<cache tag>.pyc``).
-    ``packages`` by default: ``MANIFEST_WALK`` where a manifest exists (transformers reads its
-    models' sources as text; they are no modules), else ``PREFETCH_PACKAGES``
-    -- thousands of small reads in flight at once instead of one at a time. The bytes are read,
-    not only advised (``POSIX_FADV_WILLNEED`` is ignored by some kernels -- gVisor's -- which left
-    the first version of this a no-op there). Returns the number of files read; ``seen``, if
-    given, gets their paths. Test, header and library directories (``SKIP_DIRS``) are skipped;
-    errors are ignored (an import reads what is missing itself)."""
+def _read_ahead_job(packages, threads: int) -> dict | None:
+    """What ``prefetch_imports`` reads (see there), as the JSON job of ``client.imports_readahead``; None
+    when there is nothing to read."""
     import importlib.util
-    import os
-    import queue
     import sys
 
-    tag = f".{sys.implementation.cache_tag}."
     try:
         recorded = [p for p in imports_manifest_path().read_text().split("\n") if p]
     except OSError:
@@ -219,79 +213,98 @@ def prefetch_imports(packages=None, threads: int = PREFETCH_THREADS,
         if spec is not None and spec.submodule_search_locations:
             roots.extend(spec.submodule_search_locations)
     if not roots and not recorded:
+        return None
+    return {"files": recorded, "roots": list(dict.fromkeys(roots)),
+            "tag": f".{sys.implementation.cache_tag}.", "skip": sorted(SKIP_DIRS),
+            "threads": threads, "chunk": PREFETCH_CHUNK, "walk_pycache": not recorded}
+
+
+def prefetch_imports(packages=None, threads: int = PREFETCH_THREADS,
+                     seen: list | None = None) -> int:
+    """Read into the page cache the files a skeleton build imports: those an earlier build of this
+    interpreter recorded (``record_imports``, in import order) and, walked by ``threads`` threads,
+    each ``.py`` of ``packages`` and each compiled module of this interpreter
+    (``__pycache__/*.<cache tag>.pyc``). ``packages`` by default: ``MANIFEST_WALK`` where a
+    manifest exists (transformers reads its models' sources as text; they are no modules), else
+    ``PREFETCH_PACKAGES`` -- thousands of small reads in flight at once instead of one at a time.
+    The bytes are read, not only advised (``POSIX_FADV_WILLNEED`` is ignored by some kernels --
+    gVisor's -- which left the first version of this a no-op there). Returns the number of files
+    read; ``seen``, if given, gets their paths. Test, header and library directories
+    (``SKIP_DIRS``) are skipped; errors are ignored (an import reads what is missing itself).
+    In this process; ``start_read_ahead`` does the same in a process of its own."""
+    from .imports_readahead import read_ahead
+
+    job = _read_ahead_job(packages, threads)
+    if job is None:
         return 0
-    todo: queue.Queue = queue.Queue()
-    for path in recorded:                     # files first: most of what the imports need
-        todo.put(("file", path))
-    for root in dict.fromkeys(roots):
-        todo.put(("dir", root))
-    done = [set() for _ in range(threads)]
-
-    def read(path: str, buf: bytearray, mine: set) -> None:
-        if path in mine:
-            return
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOATIME)
-        except OSError:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                return
-        try:
-            while os.readv(fd, [buf]) == len(buf):
-                pass
-            mine.add(path)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-    def work(k: int) -> None:
-        buf = bytearray(PREFETCH_CHUNK)
-        mine = done[k]
-        while True:
-            item = todo.get()
-            if item is None:
-                todo.task_done()
-                return
-            kind, path = item
-            try:
-                if kind == "file":
-                    read(path, buf, mine)
-                    continue
-                with os.scandir(path) as entries:
-                    for e in entries:
-                        name = e.name
-                        if e.is_dir(follow_symlinks=False):
-                            if name == "__pycache__":
-                                if recorded:    # the compiled modules imported are listed
-                                    continue
-                                with os.scandir(e.path) as compiled:
-                                    for c in compiled:
-                                        if tag in c.name:
-                                            read(c.path, buf, mine)
-                            elif not name.startswith(".") and name not in SKIP_DIRS:
-                                todo.put(("dir", e.path))
-                        elif name.endswith(".py"):
-                            read(e.path, buf, mine)
-            except OSError:
-                pass
-            finally:
-                todo.task_done()
-
-    workers = [threading.Thread(target=work, args=(k,), name="flash-prefetch-imports", daemon=True)
-               for k in range(threads)]
-    for w in workers:
-        w.start()
-    todo.join()
-    for _ in workers:
-        todo.put(None)
-    for w in workers:
-        w.join()
-    files = set().union(*done)
+    files = read_ahead(**job)
     if seen is not None:
         seen.extend(sorted(files))
     return len(files)
+
+
+class ReadAhead:
+    """A ``prefetch_imports`` running as a process of its own (``start_read_ahead``)."""
+
+    def __init__(self, proc, started: float):
+        import threading
+
+        self.proc = proc
+        self.started = started
+        self.files: int | None = None           # read, once it has ended
+        self.seconds: float | None = None       # start -> end
+        self._done = threading.Event()
+        threading.Thread(target=self._reap, daemon=True, name="flash-read-ahead-reaper").start()
+
+    def _reap(self) -> None:
+        import time
+
+        try:
+            with self.proc.stdout as stdout:
+                out = stdout.read()
+            self.proc.wait()
+            self.files = int(out.strip().splitlines()[-1]) if self.proc.returncode == 0 else None
+        except (OSError, ValueError, IndexError):
+            self.files = None
+        self.seconds = time.perf_counter() - self.started
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Files read (None if the process failed); TimeoutError if still running."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("the import read-ahead is still running")
+        return self.files
+
+
+def start_read_ahead(packages=None, threads: int = PREFETCH_THREADS) -> ReadAhead | None:
+    """``prefetch_imports`` in a process of its own (``python -I -S client/imports_readahead.py``), so that
+    it runs beside this process's imports -- and beside a load's disk reads -- without holding
+    this interpreter's lock or the load's start. Returns None when there is nothing to read or no
+    process could be started (the imports then read their files themselves)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    job = _read_ahead_job(packages, threads)
+    if job is None:
+        return None
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "imports_readahead.py")
+    started = time.perf_counter()
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", "-S", script], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                close_fds=True)
+    except OSError as exc:
+        log.debug("import read-ahead not started: %s", exc)
+        return None
+    try:
+        proc.stdin.write(json.dumps(job))
+        proc.stdin.close()
+    except OSError:       # it ended at once; its reaper collects it
+        pass
+    return ReadAhead(proc, started)
 
 
 def build_skeleton(config_dict: dict):
@@ -307,8 +320,9 @@ def build_skeleton(config_dict: dict):
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.eval()
     if fresh:
-        # What this build imported, for the next fresh process's ``prefetch_imports``.
-        record_imports(set(sys.modules) - before)
+        # What this build imported (sys.modules keeps import order), for the next fresh
+        # process's read-ahead.
+        record_imports([m for m in sys.modules if m not in before])
     return model
 
 

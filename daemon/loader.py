@@ -71,6 +71,7 @@ class Load:
         self.last_used = time.monotonic()
         self.error: FlashError | None = None
         self.finished: Future = Future()        # resolved (or failed) when the walk ends
+        self.seconds: float | None = None        # start -> every block on the device (logged)
         self._stop: FlashError | None = None     # set by close(): the walk ends at its next stage
         if placement is not None:
             for bid, off in placement.offsets.items():
@@ -90,6 +91,7 @@ class Load:
         return out
 
     def _run(self) -> None:
+        started = time.monotonic()
         stages = self.order.stages
         # Keep at most half the host arena in flight for a GPU load: stages leave the host tier
         # once copied, so a model larger than the host cache streams through it.
@@ -136,6 +138,12 @@ class Load:
                 g, lease_id = copied.popleft()
                 self.placement.events[g].synchronize()
                 self._release(lease_id)
+            self.seconds = time.monotonic() - started
+            nbytes = sum(stage_bytes)
+            # What a cold load after start waits for on the daemon's side (bench/paths.py reads it).
+            log.info("load of %s onto %s done: %d bytes in %.3f s (%.3f GB/s)", self.info.name,
+                     _device_name(self.device), nbytes, self.seconds,
+                     nbytes / max(self.seconds, 1e-9) / 1e9)
         except Exception as exc:   # noqa: BLE001 -- any failure closes the gates, typed
             if not isinstance(exc, FlashError):
                 exc = DeviceError(f"loading {self.info.name} onto {self.device} failed: "

@@ -319,13 +319,13 @@ class TieredCache(Cache):
         if excess <= 0:
             return
         candidates = sorted((pg, layer.index) for layer in self.layers
-                            for pg in layer.prune.comp)
+                            if layer.prune.l3 is not None for pg in layer.prune.l3.pages)
         chosen: dict[int, list[int]] = {}
         for pg, index in candidates:
             if excess <= 0:
                 break
             chosen.setdefault(index, []).append(pg)
-            excess -= self.layers[index].prune.comp[pg].nbytes
+            excess -= self.layers[index].prune.l3.page_bytes()
         for index, pages in sorted(chosen.items()):
             try:
                 self.layers[index].prune.spill(pages)

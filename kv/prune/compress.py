@@ -164,3 +164,20 @@ def compressed_bytes(heads: int, page_tokens: int, head_dim: int) -> int:
     codes = 2 * heads * page_tokens * head_dim // 2
     groups = 2 * 2 * heads * head_dim + 2 * 2 * heads * page_tokens
     return codes + groups
+
+
+def rows_of(c: CompressedPages) -> torch.Tensor:
+    """Compressed pages of any leading shape ``L`` (``c.shape`` is ``[*L, 2, heads, tokens,
+    head_dim]``) as bytes, one row per page of one sequence ``[prod(L), compressed_bytes]`` uint8:
+    the six tensors back to back in ``FIELDS`` order (the form level 3 keeps on the host and in a
+    spill file; ``from_rows`` with ``like_page`` reads it back). On the tensors' device."""
+    m = 1
+    for n in c.shape[:-4]:
+        m *= n
+    return torch.cat([getattr(c, f).reshape(m, -1).contiguous().view(torch.uint8)
+                      for f in FIELDS], 1)
+
+
+def like_page(heads: int, page_tokens: int, head_dim: int, dtype: torch.dtype) -> CompressedPages:
+    """A compressed page of one sequence (zeros): the shapes ``from_rows`` reads rows by."""
+    return compress_pages(torch.zeros((2, heads, page_tokens, head_dim), dtype=dtype))

@@ -153,30 +153,75 @@ def resolve_scorer(spec, model=None):
     raise ValueError(f"prune_scorer {spec!r}: 'attention', 'mlp', a scorer file or a callable")
 
 
+STATS_CHUNK = 64
+"""``TokenStats`` grows by whole chunks of this many tokens (no copy of the statistics per step)."""
+
+
 class TokenStats:
-    """What one layer has observed about its committed tokens (slots ``0 .. length - 1``), on the
-    layer's device: attention received, key and value norms."""
+    """What one layer has observed about its committed tokens (slots ``0 .. length - 1``):
+    attention received (on the layer's device), key and value norms (on the host).
+
+    Per token and sequence: 3 fp32 on the device (``mass``, ``last``, ``observed``: updated by
+    every step's attention) -- 12 bytes, 0.3 % of an 8B shape's bf16 K and V (4,096 bytes) -- and
+    2 fp32 per KV head on the host (``knorm``, ``vnorm``: fixed once the token is written, read
+    only by an evaluation, which copies the scored slots over; page-locked with CUDA, written by
+    an asynchronous copy). Buffers grow by ``STATS_CHUNK`` tokens at a time: ``nbytes()``
+    (counted in ``gpu_bytes``) and ``host_nbytes()`` (in ``host_bytes``) are at most their
+    per-token bytes times ``length + STATS_CHUNK - 1``, and a decode step appends in place."""
 
     def __init__(self, window: int = 32):
         self.alpha = 1.0 / window
-        self.mass = self.last = self.observed = None
-        self.knorm = self.vnorm = None
+        self.n = 0
+        self._f = None      # [3, b, capacity] on the device: mass, last, observed
+        self._norms = None  # [capacity, 2, b, h] on the host: key and value norms
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._f is None else self._f.shape[-1]
+
+    @property
+    def mass(self):
+        return None if self._f is None else self._f[0, :, :self.n]
+
+    @property
+    def last(self):
+        return None if self._f is None else self._f[1, :, :self.n]
+
+    @property
+    def observed(self):
+        return None if self._f is None else self._f[2, :, :self.n]
+
+    @property
+    def knorm(self):
+        """``[b, h, n]`` (host)."""
+        return None if self._norms is None else self._norms[:self.n, 0].permute(1, 2, 0)
+
+    @property
+    def vnorm(self):
+        return None if self._norms is None else self._norms[:self.n, 1].permute(1, 2, 0)
+
+    def _grow(self, b: int, h: int, need: int, device) -> None:
+        cap = -(-need // STATS_CHUNK) * STATS_CHUNK
+        pinned = torch.device(device).type == "cuda"
+        f = torch.zeros((3, b, cap), dtype=torch.float32, device=device)
+        norms = torch.empty((cap, 2, b, h), dtype=torch.float32, pin_memory=pinned)
+        if self._f is not None:
+            f[..., :self.n] = self._f[..., :self.n]
+            if pinned:  # the norms' copies to the host are done before they are read here
+                torch.cuda.current_stream(device).synchronize()
+            norms[:self.n] = self._norms[:self.n]
+        self._f, self._norms = f, norms
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """New tokens ``[b, h, t, d]`` join (not observed yet)."""
         b, h, t, _ = keys.shape
-        kn = keys.float().norm(dim=-1)
-        vn = values.float().norm(dim=-1)
-        z = kn.new_zeros((b, t))
-        if self.mass is None:
-            self.mass, self.last, self.observed = z, z.clone(), z.clone()
-            self.knorm, self.vnorm = kn, vn
-        else:
-            self.mass = torch.cat((self.mass, z), 1)
-            self.last = torch.cat((self.last, z), 1)
-            self.observed = torch.cat((self.observed, z), 1)
-            self.knorm = torch.cat((self.knorm, kn), 2)
-            self.vnorm = torch.cat((self.vnorm, vn), 2)
+        if self.n + t > self.capacity:
+            self._grow(b, h, self.n + t, keys.device)
+        end = self.n + t
+        kv = torch.stack((keys.float().norm(dim=-1), values.float().norm(dim=-1)))  # [2, b, h, t]
+        self._norms[self.n:end].copy_(kv.permute(3, 0, 1, 2),
+                                      non_blocking=keys.device.type == "cuda")
+        self.n = end  # mass, last, observed of the new slots: zeros since the buffer was made
 
     def observe(self, probs: torch.Tensor, cols: torch.Tensor | None) -> None:
         """``probs`` ``[b, n_cols]`` (each row sums to 1: the attention share of each attended
@@ -186,25 +231,31 @@ class TokenStats:
         rel = probs.float() * n
         if cols is None:
             cols = torch.arange(n, device=probs.device).expand(b, n)
-        seen = torch.gather(self.observed, 1, cols)
-        old = torch.gather(self.mass, 1, cols)
+        mass, last, observed = self.mass, self.last, self.observed
+        seen = torch.gather(observed, 1, cols)
+        old = torch.gather(mass, 1, cols)
         new = torch.where(seen > 0, old + self.alpha * (rel - old), rel)
-        self.mass.scatter_(1, cols, new)
-        self.last.scatter_(1, cols, rel)
-        self.observed.scatter_add_(1, cols, torch.ones_like(rel))
+        mass.scatter_(1, cols, new)
+        last.scatter_(1, cols, rel)
+        observed.scatter_add_(1, cols, torch.ones_like(rel))
 
     def input(self, layer: int, num_layers: int, start: int, stop: int, length: int) -> ScoreInput:
-        """The ``ScoreInput`` of slots ``start .. stop - 1``."""
+        """The ``ScoreInput`` of slots ``start .. stop - 1`` (their norms copied to the device:
+        after the copies that wrote them, on the same stream)."""
         s = slice(start, stop)
+        dev = self._f.device
+        norms = self._norms[s].to(dev, non_blocking=dev.type == "cuda").permute(1, 2, 3, 0)
         return ScoreInput(layer, num_layers, self.mass[:, s], self.last[:, s],
-                          self.observed[:, s], self.knorm[:, :, s], self.vnorm[:, :, s],
-                          torch.arange(start, stop, device=self.mass.device), length)
+                          self.observed[:, s], norms[0], norms[1],
+                          torch.arange(start, stop, device=dev), length)
 
     def nbytes(self) -> int:
-        if self.mass is None:
-            return 0
-        return sum(t.numel() * t.element_size()
-                   for t in (self.mass, self.last, self.observed, self.knorm, self.vnorm))
+        """Bytes held on the device (the buffers' whole capacity)."""
+        return 0 if self._f is None else self._f.numel() * self._f.element_size()
+
+    def host_nbytes(self) -> int:
+        """Bytes held on the host (the norms' buffer)."""
+        return 0 if self._norms is None else self._norms.numel() * self._norms.element_size()
 
 
 def attention_probs(query: torch.Tensor, keys: torch.Tensor, scale: float,

@@ -7,16 +7,20 @@ A page lives in exactly one place:
 * level 1: on the model's device, attended every step, as one run per layer: ``l1_k``/``l1_v``
   ``[batch, heads, n * page_tokens, head_dim]`` holding pages ``l1_pages`` in that order (pages
   join at the end; a demotion copies its page out and compacts the run);
-* level 2: ``host[page]`` -- the same, on the host (page-locked when CUDA is present);
-* level 3: ``comp[page]`` -- int4 (kv/prune/compress.py) on the host; past the cache's
+* level 2: ``l2`` -- the same, as rows of one host buffer (kv/prune/rows.py; page-locked when
+  CUDA is present);
+* level 3: ``l3`` -- int4 (kv/prune/compress.py), rows of another such buffer; past the cache's
   ``host_bytes``, ``spilled[page]`` -- the same bytes in a spill file (kv/spill.py: the tiered
   cache's NVMe path, crc32c per page), oldest pages first (``TieredCache._prune_spill``).
 
 A page of level 2 or 3 is attended when the step recalls it: every such page when ``top_k_pages``
-is None (lossless recall) or in a dense layer or a prefill, else the best ``top_k_pages`` of them
-(a fraction: of the demoted pages) by the Quest bound (the layer's page summaries). A recalled
-page is copied to the device for the step (a level-3 page as int4, decompressed there) and
-dropped after it.
+is None (lossless recall) or in a dense layer or a prefill -- one copy per store -- else the best
+``top_k_pages`` of them (a fraction: of the demoted pages), split over the stores by their sizes,
+by the Quest bound (the layer's page summaries) -- one gather per store, indices on the device, no
+host sync. A recalled page is on the device for the step (a level-3 page as int4, decompressed
+there) and dropped after it; a page that keeps drawing attention comes back to level 1 at the next
+evaluation (within ``prune_device_tokens``). ``counters["recall_bytes"]`` and
+``["recall_copies"]`` count what the recalls moved.
 """
 from __future__ import annotations
 
@@ -24,9 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compress import compress_pages, decompress_pages, from_rows, stack_compressed, to_rows
+from .compress import compress_pages, compressed_bytes, decompress_pages, from_rows, like_page, rows_of
 from .offsets import OffsetMatcher, check_offsets
 from .policy import adjust_scores, next_levels, page_offsets, page_scores
+from .rows import HostRows
 from .scorers import TokenStats, attention_probs
 
 
@@ -87,13 +92,26 @@ class LayerPrune:
         self.level = torch.empty(0, dtype=torch.int8)
         self.l1_pages: list[int] = []
         self.l1_k = self.l1_v = None
-        self.host: dict[int, torch.Tensor] = {}
-        self.comp: dict = {}
+        self.l2: HostRows | None = None       # level 2: full-precision pages (kv/prune/rows.py)
+        self.l3: HostRows | None = None       # level 3: int4 pages (kv/prune/compress.py)
         self.spilled: dict[int, tuple] = {}   # page -> (SpilledChunk, row)
         self.lost: set[int] = set()           # spilled pages whose bytes failed their crc (graceful)
-        self._like = None                     # a compressed page: the shapes of the spill form
+        self._like = None                     # a compressed page of one sequence: the row's shapes
+        self._l1_cols = None                  # (l1_pages, slots [1, n * page_tokens]) cached
+        self._ahead = None                    # a lossless recall's rows copied ahead (prefetch)
         self.steps = 0
-        self.counters = {"demotions": 0, "promotions": 0, "recalls": 0, "evaluations": 0}
+        self.counters = {"demotions": 0, "promotions": 0, "recalls": 0, "evaluations": 0,
+                         "recall_bytes": 0, "recall_copies": 0}
+
+    def _stores(self) -> None:
+        """The level-2 and level-3 row stores, once the layer knows its batch and device."""
+        if self.l2 is not None:
+            return
+        layer, cache = self.layer, self.layer._cache
+        h, p, d = cache.kv_heads, cache.page_tokens, cache.head_dim
+        self._like = like_page(h, p, d, layer.dtype)
+        self.l2 = HostRows(cache.layout.page_bytes, layer.batch, layer.device)
+        self.l3 = HostRows(compressed_bytes(h, p, d), layer.batch, layer.device)
 
     # --- accounting ------------------------------------------------------------------------------
     @property
@@ -108,8 +126,8 @@ class LayerPrune:
         return kv + self.stats.nbytes()
 
     def host_bytes(self) -> int:
-        return (sum(t.numel() * t.element_size() for t in self.host.values())
-                + sum(c.nbytes for c in self.comp.values()))
+        rows = 0 if self.l2 is None else self.l2.nbytes() + self.l3.nbytes()
+        return rows + self.stats.host_nbytes()
 
     def spilled_bytes(self) -> int:
         """Bytes of the spill files holding this layer's live level-3 pages."""
@@ -118,13 +136,10 @@ class LayerPrune:
 
     def compressed_saved(self) -> int:
         """Bytes level 3 saves against holding the same pages at full precision."""
-        saved = sum(int(torch.Size(c.shape).numel()) * torch.empty((), dtype=c.dtype).element_size()
-                    - c.nbytes for c in self.comp.values())
-        if self.spilled and self._like is not None:
-            c = self._like
-            full = int(torch.Size(c.shape).numel()) * torch.empty((), dtype=c.dtype).element_size()
-            saved += len(self.spilled) * (full - c.nbytes)
-        return saved
+        if self.l3 is None:
+            return 0
+        per_page = self.l2.page_bytes() - self.l3.page_bytes()
+        return (len(self.l3) + len(self.spilled)) * per_page
 
     # --- pages ----------------------------------------------------------------------------------
     def append(self, pages: torch.Tensor) -> None:
@@ -145,62 +160,76 @@ class LayerPrune:
             self.l1_v = torch.cat((self.l1_v, v), 2)
         self.l1_pages.extend(ids)
 
-    def _leave_l1(self, ids: set[int]) -> dict[int, torch.Tensor]:
-        """Take pages ``ids`` out of the level-1 run -> their pages ``[b, 2, h, p, d]`` (device)."""
+    def _leave_l1(self, ids: set[int]) -> tuple[list[int], torch.Tensor]:
+        """Take pages ``ids`` out of the level-1 run -> those pages (in run order) and their
+        bytes ``[n, b, 2, h, p, d]`` on the device (one gather)."""
+        from ..layout import pack_pages
+
         p = self.layer._cache.page_tokens
-        out = {}
-        for pos, page in enumerate(self.l1_pages):
-            if page in ids:
-                sl = slice(pos * p, (pos + 1) * p)
-                out[page] = torch.stack((self.l1_k[:, :, sl], self.l1_v[:, :, sl]), 1)
+        dev = self.l1_k.device
+        ar = torch.arange(p, device=dev)
+        out = [pos for pos, page in enumerate(self.l1_pages) if page in ids]
         keep = [pos for pos, page in enumerate(self.l1_pages) if page not in ids]
-        cols = (torch.tensor(keep, dtype=torch.long, device=self.l1_k.device)[:, None] * p
-                + torch.arange(p, device=self.l1_k.device)).flatten()
+        gone = (torch.tensor(out, dtype=torch.long, device=dev)[:, None] * p + ar).flatten()
+        pages = pack_pages(self.l1_k.index_select(2, gone), self.l1_v.index_select(2, gone), p)
+        cols = (torch.tensor(keep, dtype=torch.long, device=dev)[:, None] * p + ar).flatten()
         self.l1_k = self.l1_k.index_select(2, cols)
         self.l1_v = self.l1_v.index_select(2, cols)
+        leaving = [self.l1_pages[pos] for pos in out]
         self.l1_pages = [self.l1_pages[pos] for pos in keep]
-        return out
+        return leaving, pages
+
+    def _full(self, rows: torch.Tensor, lead: tuple) -> torch.Tensor:
+        """Level-2 rows (uint8) -> pages ``[*lead, 2, h, p, d]`` of the layer's dtype (a view)."""
+        return rows.view(self.layer.dtype).view(*lead, *self.layer._cache.layout.shape)
+
+    def _decompressed(self, rows: torch.Tensor, lead: tuple) -> torch.Tensor:
+        """Level-3 rows (uint8, on the device) -> pages ``[*lead, 2, h, p, d]``."""
+        c = from_rows(rows, self._like)
+        return decompress_pages(c, self.layer.dtype).view(*lead, *self.layer._cache.layout.shape)
 
     def _pages_to_device(self, pages: list[int]) -> torch.Tensor:
-        """Demoted ``pages`` on the device, ``[n, b, 2, h, p, d]`` in the order given: each level-2
-        one copied straight into place, the level-3 ones in one copy of their int4 form,
-        decompressed there."""
+        """Demoted ``pages`` (named on the host: an evaluation's promotions) on the device,
+        ``[n, b, 2, h, p, d]`` in the order given: one copy per level."""
         layer = self.layer
-        pinned = layer.device.type == "cuda"
-        out = torch.empty((len(pages), *self._page_shape()), dtype=layer.dtype,
-                          device=layer.device)
-        full = [i for i, pg in enumerate(pages) if pg in self.host]
-        small = [i for i, pg in enumerate(pages) if pg not in self.host]
-        for i in full:
-            # one copy per page, straight from its (page-locked) host tensor into place: no
-            # host-side stack into pageable memory first (that was a second pass over the bytes
-            # and made the copy to the GPU a synchronous pageable one)
-            out[i].copy_(self.host[pages[i]], non_blocking=pinned)
-        if small:
-            c = stack_compressed([self.comp[pages[i]] if pages[i] in self.comp
-                                  else self._read_spilled(pages[i]) for i in small])
-            c = c.to(layer.device, non_blocking=pinned)
-            out[torch.tensor(small, device=layer.device)] = decompress_pages(c, layer.dtype)
+        b, dev = layer.batch, layer.device
+        out = torch.empty((len(pages), *self._page_shape()), dtype=layer.dtype, device=dev)
+        for store in (self.l2, self.l3, None):
+            at = [i for i, pg in enumerate(pages) if (pg in store if store is not None
+                                                       else pg in self.spilled)]
+            if not at:
+                continue
+            named = [pages[i] for i in at]
+            if store is None:
+                rows = torch.cat([self._read_spilled(pg) for pg in named]).to(dev)
+            else:
+                rows = store.fetch(named)
+            got = (self._full(rows, (len(at), b)) if store is self.l2
+                   else self._decompressed(rows, (len(at), b)))
+            out[torch.tensor(at, device=dev)] = got
         return out
 
     # --- level 3 on NVMe --------------------------------------------------------------------------
     def spill(self, pages: list[int]) -> int:
-        """Write level-3 ``pages`` (held in ``comp``) to one spill file and free their host bytes
-        -> bytes freed. Raises ``KVSpillFailed`` with every page still on the host."""
+        """Write level-3 ``pages`` to one spill file and free their host rows -> bytes freed.
+        Raises ``KVSpillFailed`` with every page still on the host."""
         cache = self.layer._cache
-        rows = to_rows([self.comp[pg] for pg in pages])
+        self._drop_ahead()
+        self._sync()
+        rows = self.l3.rows(pages).view(len(pages), -1)
         chunk = cache.spill.write_chunk(f"L{self.layer.index:03d}-P{pages[0]:08d}-int4", rows)
-        freed = 0
+        before = self.l3.nbytes()
+        self.l3.remove(pages)
         for i, pg in enumerate(pages):
-            freed += self.comp.pop(pg).nbytes
             self.spilled[pg] = (chunk, i)
         cache.counters["chunks_spilled"] += 1
-        return freed
+        return before - self.l3.nbytes()
 
-    def _read_spilled(self, page: int):
-        """A spilled level-3 page read back (crc-checked) -> its compressed form (CPU). A page
-        that fails its crc raises ``KVPageCorrupt`` (strict); graceful: it is lost -- left out of
-        attention from now on (``lost``, ``pages_lost``) and zeros stand in for this step."""
+    def _read_spilled(self, page: int) -> torch.Tensor:
+        """A spilled level-3 page read back (crc-checked) -> its rows ``[b, row_bytes]`` (CPU).
+        A page that fails its crc raises ``KVPageCorrupt`` (strict); graceful: it is lost -- left
+        out of attention from now on (``lost``, ``pages_lost``) and zeros stand in for this
+        step."""
         from deepseek_flash.errors import KVPageCorrupt
 
         cache = self.layer._cache
@@ -213,7 +242,7 @@ class LayerPrune:
             buf.zero_()
         else:
             cache.counters["pages_read_spilled"] += 1
-        return from_rows(buf[None], self._like).select(0)
+        return buf.view(self.layer.batch, -1)
 
     def _unspill(self, page: int) -> None:
         """``page`` left level 3 on disk: remove its file once no live page is in it."""
@@ -225,49 +254,94 @@ class LayerPrune:
         cache = self.layer._cache
         return (self.layer.batch, 2, cache.kv_heads, cache.page_tokens, cache.head_dim)
 
-    def _compress(self, pages: list[int]) -> None:
-        """Level-2 ``pages`` -> level 3: int4 in one batch (on the device when it is a GPU: the
-        pages go there, are quantized, and only their int4 form comes back)."""
-        layer = self.layer
-        batch = torch.stack([self.host.pop(pg) for pg in pages])
-        if layer.device.type == "cuda":
-            c = compress_pages(batch.to(layer.device, non_blocking=True)).to("cpu")
-        else:
-            c = compress_pages(batch)
-        for i, pg in enumerate(pages):
-            self.comp[pg] = c.select(i)
-        self._like = self.comp[pages[0]]
+    def _sync(self) -> None:
+        """Before the host side writes or reads the row stores: the device's copies of them
+        (recalls, page writes) are done."""
+        if self.layer.device.type == "cuda":
+            torch.cuda.current_stream(self.layer.device).synchronize()
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu":
-            return t.clone()
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t)
-        return out
+    def _versions(self) -> tuple[int, int]:
+        return (self.l2.version, self.l3.version)
+
+    def prefetch(self) -> None:
+        """Copy every level-2 and level-3 row of this layer to the device ahead of its step
+        (called by the layer before, during a decode step, when this one recalls losslessly): on
+        a GPU on the cache's copy stream, so the copy overlaps the layer before's compute. Used
+        by ``_recall`` when the stores did not change in between; else dropped."""
+        if self.l2 is None or not (len(self.l2) or len(self.l3)):
+            return
+        key = self._versions()
+        if self._ahead is not None and self._ahead[0] == key:
+            return
+        dev = self.layer.device
+        grab = lambda store: store.all() if len(store) else None  # noqa: E731
+        if dev.type != "cuda":
+            self._ahead = (key, None, grab(self.l2), grab(self.l3))
+            return
+        cache = self.layer._cache
+        if cache._copy_stream is None:
+            cache._copy_stream = torch.cuda.Stream(dev)
+        stream = cache._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(dev))  # after the rows were written
+        with torch.cuda.stream(stream):
+            r2, r3 = grab(self.l2), grab(self.l3)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._ahead = (key, done, r2, r3)
+
+    def _take_ahead(self):
+        """The rows ``prefetch`` copied -> ``{store: rows}``, or None (none, or stale)."""
+        entry, self._ahead = self._ahead, None
+        if entry is None or entry[0] != self._versions():
+            if entry is not None and entry[1] is not None:
+                entry[1].synchronize()
+            return None
+        key, done, r2, r3 = entry
+        if done is not None:
+            current = torch.cuda.current_stream(self.layer.device)
+            current.wait_event(done)
+            for t in (r2, r3):
+                if t is not None:
+                    t.record_stream(current)
+        return {id(self.l2): r2, id(self.l3): r3}
+
+    def _drop_ahead(self) -> None:
+        """Before the stores change: no copy of them may still be running."""
+        entry, self._ahead = self._ahead, None
+        if entry is not None and entry[1] is not None:
+            entry[1].synchronize()
 
     def _apply(self, old: torch.Tensor, new: torch.Tensor) -> None:
-        """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``)."""
+        """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``): the reads
+        first (one copy per level), then the removals, then the writes."""
         changed = torch.nonzero(new != old).flatten().tolist()
-        leaving = {pg for pg in changed if int(old[pg]) == 1}
-        if leaving:
-            for page, t in self._leave_l1(leaving).items():
-                self.host[page] = self._to_host(t)          # 1 -> 2
-        joining, compressing = [], []
-        for page in changed:
-            lv_old, lv_new = int(old[page]), int(new[page])
-            if lv_new == 1:
-                joining.append(page)
-            elif lv_new == 3 and lv_old == 2:
-                compressing.append(page)
+        if not changed:
+            return
+        self._stores()
+        self._drop_ahead()
+        self._sync()
+        b = self.layer.batch
+        leaving = [pg for pg in changed if int(old[pg]) == 1]                           # 1 -> 2
+        compressing = [pg for pg in changed if int(old[pg]) == 2 and int(new[pg]) == 3]  # 2 -> 3
+        joining = [pg for pg in changed if int(new[pg]) == 1]                           # -> 1
+        got = self._pages_to_device(joining) if joining else None
+        comp_rows = None
         if compressing:
-            self._compress(compressing)
+            full = self._full(self.l2.fetch(compressing), (len(compressing) * b,))
+            comp_rows = rows_of(compress_pages(full))
+        if joining or compressing:
+            self._sync()  # the gathers above read the rows the removals below move
+        self.l2.remove([pg for pg in compressing + joining if pg in self.l2])
+        self.l3.remove([pg for pg in joining if pg in self.l3])
+        for pg in joining:
+            if pg in self.spilled:
+                self._unspill(pg)
+        if comp_rows is not None:
+            self.l3.put(compressing, comp_rows)
+        if leaving:
+            leaving, pages = self._leave_l1(set(leaving))  # [n, b, 2, h, p, d] on the device
+            self.l2.put(leaving, pages.view(torch.uint8))
         if joining:
-            got = self._pages_to_device(joining)
-            for pg in joining:
-                self.host.pop(pg, None)
-                self.comp.pop(pg, None)
-                if pg in self.spilled:
-                    self._unspill(pg)
             self._join_l1(joining, got)
 
     # --- a step ---------------------------------------------------------------------------------
@@ -282,45 +356,99 @@ class LayerPrune:
         if self.l1_pages:
             k_parts.append(self.l1_k)
             v_parts.append(self.l1_v)
-            idx = torch.tensor(self.l1_pages, device=dev)
-            cols.append((s + idx[:, None] * p + ar).reshape(1, -1).expand(b, -1))
-        demoted = torch.nonzero(self.level > 1).flatten().tolist()
-        if self.lost:
-            demoted = [pg for pg in demoted if pg not in self.lost]
-        if demoted:
-            from ..select import resolve_top_k, select_pages
-            k = None if recall_all else resolve_top_k(cache.top_k_pages, len(demoted))
-            if k is None:
-                rows = [demoted] * b
-            else:
-                scores = layer.summaries.scores(query, cache.scale, cache.score,
-                                                cache.window_pages)
-                mask = torch.full((self.n_pages,), float("-inf"), device=scores.device)
-                mask[torch.tensor(demoted, device=scores.device)] = 0.0
-                rows = select_pages(scores + mask, k).cpu().tolist()
-            wanted = sorted({pg for r in rows for pg in r})
-            got = self._pages_to_device(wanted)  # [n, b, 2, h, p, d]
-            if all(r == wanted for r in rows):
-                per_row = got.transpose(0, 1)  # [b, k, 2, h, p, d]
-            else:
-                at = {pg: i for i, pg in enumerate(wanted)}
-                per_row = torch.stack([got[torch.tensor([at[pg] for pg in rows[r]],
-                                                        device=dev), r] for r in range(b)])
-            kb = per_row[:, :, 0].permute(0, 2, 1, 3, 4).reshape(b, per_row.shape[3], -1,
-                                                                 per_row.shape[-1])
-            vb = per_row[:, :, 1].permute(0, 2, 1, 3, 4).reshape(b, per_row.shape[3], -1,
-                                                                 per_row.shape[-1])
-            k_parts.append(kb)
-            v_parts.append(vb)
-            ridx = torch.tensor(rows, device=dev)  # [b, k]
-            cols.append((s + ridx[:, :, None] * p + ar).reshape(b, -1))
-            self.counters["recalls"] += sum(len(r) for r in rows)
-            cache.counters["pages_fetched"] += sum(len(r) for r in rows)
+            if self._l1_cols is None or self._l1_cols[0] != self.l1_pages:
+                idx = torch.tensor(self.l1_pages, device=dev)
+                self._l1_cols = (list(self.l1_pages), (s + idx[:, None] * p + ar).reshape(1, -1))
+            cols.append(self._l1_cols[1].expand(b, -1))
+        if self.l2 is not None:
+            for k, v, c in self._recall(query, recall_all):
+                k_parts.append(k)
+                v_parts.append(v)
+                cols.append(c)
+        if query.shape[2] <= cache.select_max_queries:  # a decode step
+            nxt = cache.layers[(layer.index + 1) % len(cache.layers)]
+            if nxt.prune is not None and (cache.top_k_pages is None or nxt.dense):
+                nxt.prune.prefetch()  # the next layer's lossless recall, copied during this one
         k_parts.append(layer.recent_k)
         v_parts.append(layer.recent_v)
         n_rec = layer.recent_k.shape[2]
         cols.append(torch.arange(layer.length - n_rec, layer.length, device=dev).expand(b, -1))
         return k_parts, v_parts, torch.cat(cols, 1)
+
+    def _recall(self, query: torch.Tensor, recall_all: bool):
+        """The demoted pages this step attends, per store (level 2, level 3, level 3 on disk):
+        keys, values ``[b, h, k * p, d]`` and their slots ``[b, k * p]``. Lossless (``recall_all``
+        or no ``top_k_pages``): every page, one copy per store. Top-K: the budget split over the
+        stores by their sizes (``split_k``), the best pages of each by the layer's page scores,
+        one gather per store with the indices on the device."""
+        from ..layout import unpack_pages
+        from ..select import resolve_top_k
+
+        layer, cache = self.layer, self.layer._cache
+        p, s, b, dev = cache.page_tokens, layer.sinks, layer.batch, layer.device
+        ar = torch.arange(p, device=dev)
+        disk = [pg for pg in self.spilled if pg not in self.lost]
+        sizes = [len(self.l2), len(self.l3), len(disk)]
+        total = sum(sizes)
+        if total == 0:
+            return []
+        k = None if recall_all else resolve_top_k(cache.top_k_pages, total)
+        scores = None
+        if k is not None:
+            scores = layer.summaries.scores(query, cache.scale, cache.score, cache.window_pages)
+        ahead = self._take_ahead() if k is None else None
+        out = []
+        for store, n, kg in zip((self.l2, self.l3, None), sizes,
+                                [None] * 3 if k is None else split_k(k, sizes)):
+            if n == 0 or kg == 0:
+                continue
+            if store is None:
+                pages, kv = self._recall_disk(disk, scores, kg)
+            elif kg is None:  # every page of the store, the same for every sequence
+                rows = ahead[id(store)] if ahead is not None else store.all()
+                got = (self._full(rows, (n, b)) if store is self.l2
+                       else self._decompressed(rows, (n, b)))
+                kv = unpack_pages(got)
+                pages = store.ids().expand(b, n)
+            else:
+                ids = store.ids()
+                slots = scores.index_select(1, ids).topk(kg, dim=-1).indices.sort(-1).values
+                rows = store.gather((slots * b + torch.arange(b, device=dev)[:, None]).flatten())
+                got = (self._full(rows, (b, kg)) if store is self.l2
+                       else self._decompressed(rows, (b, kg)))
+                kv = unpack_pages(got.transpose(0, 1))
+                pages = ids[slots]
+            if store is not None:
+                self.counters["recall_bytes"] += rows.numel()
+                self.counters["recall_copies"] += 1
+            m = pages.shape[1]
+            self.counters["recalls"] += b * m
+            cache.counters["pages_fetched"] += b * m
+            out.append((kv[0], kv[1], (s + pages[:, :, None] * p + ar).reshape(b, -1)))
+        return out
+
+    def _recall_disk(self, disk: list[int], scores, k):
+        """Spilled level-3 pages to attend: all of ``disk`` (``k`` None) or the best ``k`` per
+        sequence (the indices come to the host: pages on disk are read one by one anyway) ->
+        slots' pages ``[b, m]`` and keys, values."""
+        from ..layout import unpack_pages
+
+        layer = self.layer
+        b, dev = layer.batch, layer.device
+        if k is None:
+            rows = [disk] * b
+        else:
+            ids = torch.tensor(disk, device=dev)
+            best = scores.index_select(1, ids).topk(k, dim=-1).indices.sort(-1).values
+            rows = ids[best].cpu().tolist()
+        wanted = sorted({pg for r in rows for pg in r})
+        read = {pg: self._read_spilled(pg) for pg in wanted}  # [b, row_bytes] each
+        m = len(rows[0])
+        got = torch.stack([torch.stack([read[pg][r] for pg in rows[r]]) for r in range(b)])
+        self.counters["recall_bytes"] += got.numel()
+        self.counters["recall_copies"] += len(wanted)
+        pages = self._decompressed(got.view(b * m, -1).to(dev), (b, m))  # [b, m, 2, h, p, d]
+        return torch.tensor(rows, device=dev), unpack_pages(pages.transpose(0, 1))
 
     def shares(self, query, k_parts, k_new, cols, pad_mask, scale, q_len):
         """The attention share ``[b, n]`` of the attended slots (committed ``cols`` and the new
@@ -389,6 +517,24 @@ class LayerPrune:
         self.counters["demotions"] += int(demoted.sum())
         self.counters["evaluations"] += 1
         self.layer._cache._prune_spill()
+
+
+def split_k(k: int, sizes: list[int]) -> list[int]:
+    """A top-K budget of ``k`` pages over stores of ``sizes`` pages: proportional to the sizes
+    (largest remainders first, ties: the earlier store), each at most its size, ``k`` in all
+    (when the stores hold that many)."""
+    total = sum(sizes)
+    k = min(k, total)
+    share = [k * n // total if total else 0 for n in sizes]
+    rest = sorted(range(len(sizes)), key=lambda i: (-(k * sizes[i] % total) if total else 0, i))
+    left = k - sum(share)
+    for i in rest:
+        if left == 0:
+            break
+        if share[i] < sizes[i]:
+            share[i] += 1
+            left -= 1
+    return share
 
 
 def offset_values(matchers: list[OffsetMatcher], start: int, stop: int,

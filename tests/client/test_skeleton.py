@@ -109,7 +109,7 @@ def test_prefetch_reads_every_byte_where_the_kernel_ignores_read_ahead_advice(tm
     assert read == {str(pkg / rel): size for rel, size in sizes.items()}
 
 
-def test_the_next_fresh_process_reads_ahead_every_file_the_skeleton_imports(tmp_path):
+def test_the_next_fresh_process_reads_ahead_every_file_the_skeleton_imports(tmp_path, monkeypatch):
     """A skeleton build in a fresh process records what it imported; the next fresh process's
     prefetch reads all of it (whatever packages the environment's transformers pulls in) plus the
     model sources transformers reads as text, before any of it is imported."""
@@ -128,7 +128,7 @@ files = skeleton.prefetch_imports(seen=seen)
 before = set(sys.modules)
 skeleton.build_skeleton(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2).to_dict())
-imported = skeleton._module_files(set(sys.modules) - before)
+imported = set(skeleton._module_files([m for m in sys.modules if m not in before]))
 print(json.dumps({"files": files, "missed": sorted(imported - set(seen)),
                   "imported": len(imported), "manifest": skeleton.imports_manifest_path().is_file(),
                   "bert_source": any(p.endswith("models/bert/modeling_bert.py") for p in seen)}))
@@ -142,11 +142,27 @@ print(json.dumps({"files": files, "missed": sorted(imported - set(seen)),
     first, second = runs
     assert first["manifest"] and first["imported"] > 100
     assert second["missed"] == [] and second["bert_source"]
+    # In import order (a read-ahead beside the imports stays ahead of them): modeling_utils
+    # before the model that subclasses its PreTrainedModel (alphabetically it would be after).
+    from deepseek_flash.client import skeleton
 
-    """In a process that has not imported the model's transformers module, load_model reads the
-    module files ahead before the attach starts the load's disk reads, and imports nothing of
-    transformers before that attach (the decode engine's import comes after it)."""
+    monkeypatch.setenv("DEEPSEEK_FLASH_CACHE_DIR", env["DEEPSEEK_FLASH_CACHE_DIR"])
+    listed = skeleton.imports_manifest_path().read_text().split("\n")
+
+    def at(suffix):
+        return next(i for i, p in enumerate(listed) if p.endswith(suffix))
+
+    assert at(f"transformers/__pycache__/modeling_utils.{sys.implementation.cache_tag}.pyc") < at(
+        f"llama/__pycache__/modeling_llama.{sys.implementation.cache_tag}.pyc")
+
+
+def test_a_fresh_process_attaches_first_and_reads_the_imports_ahead_beside_the_load(tmp_path):
+    """In a process that has not imported the model's transformers module, load_model attaches
+    first (the load's disk reads start at once), then starts a process of its own that reads the
+    module files ahead while this one imports them; nothing of transformers is imported before
+    the attach (the decode engine's import comes after it)."""
     import json
+    import os
     import subprocess
     import sys
 
@@ -166,15 +182,25 @@ for rel in ("models/llama/modeling_llama.py", "modeling_utils.py"):
     os.close(fd)
 assert not imports_cached({{"model_type": "llama"}})
 from deepseek_flash.client.model import load_model
-seen = []
+import subprocess
+seen, events = [], []
+real_popen = subprocess.Popen
+def popen_spy(args, *a, **k):
+    if any(str(x).endswith("imports_readahead.py") for x in args):
+        events.append("read-ahead started")
+    return real_popen(args, *a, **k)
+subprocess.Popen = popen_spy
 with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
     attach = client.attach
     def spy(*a, **k):
         seen.append(sorted(m for m in sys.modules if m.startswith("transformers")))
+        events.append("attach")
         return attach(*a, **k)
     client.attach = spy
     model = load_model({str(store)!r}, device="cpu", client=client)
+    read = model.flash.read_ahead.wait(120)
     print(json.dumps({{"timings": list(model.flash.timings), "before_attach": seen[0],
+                      "events": events, "read": read,
                       "cached_after": imports_cached({{"model_type": "llama"}})}}))
     model.flash.close()
     # Another load in the same process: the module is imported, nothing is read ahead.
@@ -182,12 +208,17 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
     print(json.dumps({{"timings": list(again.flash.timings)}}))
     again.flash.close()
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, DEEPSEEK_FLASH_CACHE_DIR=str(tmp_path / "cache"))    # no manifest
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     first, again = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
-    assert first["timings"] == ["open_model_ms", "prefetch_imports_ms", "attach_ms", "skeleton_ms",
+    assert first["timings"] == ["open_model_ms", "attach_ms", "prefetch_imports_ms", "skeleton_ms",
                                 "device_memory_ms", "bind_ms", "total_ms"]
+    assert first["events"] == ["attach", "read-ahead started"]
     assert first["before_attach"] == [] and first["cached_after"] is True
+    # No manifest yet: the package walk, thousands of module files (transformers' sources alone).
+    assert first["read"] > 1000
     assert again["timings"] == ["open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms",
                                 "bind_ms", "total_ms"]
 

@@ -45,6 +45,52 @@ def test_cpu_load_opens_every_gate_with_the_host_offsets(controller, tiny_store)
     assert manager.stats()["active_leases"] == 0
 
 
+def test_a_finished_load_logs_its_bytes_and_duration(controller, tiny_store, caplog):
+    """The line a cold-load bench reads to tell the daemon's disk path from the client's wait."""
+    import logging
+    import os
+    import re
+
+    manager, arena = controller
+    cid = manager.connect({"name": "t"})
+    info = manager.open_model(cid, str(tiny_store))
+    loader = Loader(manager, arena)
+    with caplog.at_level(logging.INFO, logger="deepseek_flash.loader"):
+        load = loader.attach(cid, info, "cpu", [b.id for b in info.blocks])
+        load.finished.result(timeout=30)
+    nbytes = sum(b.length for b in info.blocks)
+    lines = [r.getMessage() for r in caplog.records if " done: " in r.getMessage()]
+    assert len(lines) == 1
+    m = re.fullmatch(rf"load of {re.escape(info.name)} onto cpu done: (\d+) bytes in "
+                     rf"([0-9.]+) s \(([0-9.]+) GB/s\)", lines[0])
+    assert m is not None, lines[0]
+    assert int(m.group(1)) == nbytes
+    assert float(m.group(2)) == pytest.approx(load.seconds, abs=1e-3) and load.seconds > 0
+    loader.detach(cid)
+    # bench/paths.py reads this line from the daemon's log, and a process's CPU from /proc.
+    bench = _bench_paths()
+    done = bench.DONE_LINE.search(f"2026-12-01 10:00:00,000 INFO deepseek_flash.loader: {lines[0]}")
+    assert done is not None and int(done.group(1)) == nbytes
+    assert float(done.group(2)) == pytest.approx(load.seconds, abs=1e-3)
+    assert bench._proc_cpu_s(os.getpid()) > 0 and bench._proc_cpu_s(1 << 30) is None
+
+
+def _bench_paths():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).parents[2] / "bench"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location("flash_bench_paths", folder / "paths.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
+    return module
+
+
 def test_gpu_copy_serves_as_a_recovery_source(controller, tiny_store):
     manager, arena = controller
     cid = manager.connect({"name": "t"})

@@ -29,10 +29,12 @@ def test_streamed_smoke_runs_the_static_ring(tmp_path):
     out = tmp_path / "stream.json"
     bench = BENCH.parent / "decode_stream.py"
     proc = subprocess.run([sys.executable, str(bench), "--smoke", "--dir", str(tmp_path / "w"),
+                           "--src", str(tmp_path / "src"),          # a checkpoint outside --dir
                            "--batches", "1,2", "--prompt", "6", "--new", "10", "--output", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
+    assert (tmp_path / "src" / "config.json").exists() and not (tmp_path / "w" / "llama-4-smoke" / "src").exists()
     assert res["plan"]["slots"] < res["plan"]["streamed_layers"]
     for b in ("1", "2"):
         row = res["batches"][b]

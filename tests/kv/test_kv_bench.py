@@ -42,9 +42,18 @@ def test_kv_prune_show_smoke(tmp_path):
                        "--output", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["context"] == 700
-    for name in ("dynamic", "tiered_topk25", "pruned", "pruned_topk25", "pruned_all_demoted"):
+    for name in ("dynamic", "tiered_lossless", "tiered_topk25", "pruned", "pruned_topk25",
+                 "pruned_all_demoted"):
         assert r[name]["gpu_kv_bytes"] > 0 and r[name]["tok_s"] > 0
         assert r[name]["decode_steps"] == 20
+    # what each moved per step: the tiered cache's fetched pages, pruning's recalls (lossless
+    # moves more than top-K 25 %)
+    tiered = [r[n]["fetched_bytes_per_step"] for n in ("tiered_lossless", "tiered_topk25")]
+    assert tiered[0] > tiered[1] > 0
+    pruned = [r[n]["recall_bytes_per_step"] for n in ("pruned", "pruned_topk25")]
+    assert pruned[0] > pruned[1] > 0
+    assert r["pruned_topk25"]["recall_ops_per_step"] <= 2 * 4  # one per level and layer at most
+    assert "pruned_vs_tiered_lossless_tok_s" in r and "pruned_topk25_vs_tiered_topk25_tok_s" in r
     assert r["dynamic"]["gpu_kv_bytes"] == (700 + 2 + 20) * 4 * 256
     demoted = r["pruned_all_demoted"]
     # threshold 1.0: every page is demoted at the prefill's evaluation and in int4 two later

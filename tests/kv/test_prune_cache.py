@@ -42,11 +42,13 @@ def test_threshold_zero_keeps_every_page_on_the_device_and_is_exact(model3):
     s = cache.stats()
     n = s["tokens"]
     assert n == 131 and s["level_tokens"] == [[n, 0, 0]] * 3
-    assert s["demotions"] == s["promotions"] == s["recalls"] == s["host_bytes"] == 0
-    # gpu_bytes: every token's K and V (fp32, 2 heads x 16) and the scorer's per-token
-    # statistics (3 floats + 2 norms per head); no page summaries: lossless recall ranks no page
+    assert s["demotions"] == s["promotions"] == s["recalls"] == 0
+    # gpu_bytes: every token's K and V (fp32, 2 heads x 16) and the scorer's attention
+    # statistics (3 floats per token) for 192 tokens (whole chunks of 64); no page summaries:
+    # lossless recall ranks no page. The host: the key and value norms (2 per head), no page
     kv = 2 * 2 * 16 * 4
-    per_layer = n * 2 * kv + n * 2 * (3 + 2 * 2) * 4
+    assert s["host_bytes"] == 3 * 192 * 2 * (2 * 2) * 4
+    per_layer = n * 2 * kv + 192 * 2 * 3 * 4
     assert s["gpu_bytes"] == 3 * per_layer
 
 
@@ -70,17 +72,24 @@ def test_threshold_one_demotes_to_int4_and_recalls_everything(model3):
     # lossless recall: every demoted page attended each decode step (3 layers, batch 1)
     assert s["recalls"] > 0 and s["pages_fetched"] == s["recalls"]
     assert s["level3_bytes_saved"] > 0
+    from deepseek_flash.kv.prune.compress import compressed_bytes, from_rows
+
     for i, layer in enumerate(cache.layers):
-        assert sorted(layer.prune.comp) == list(range(pages))
+        l3 = layer.prune.l3
+        assert sorted(l3.pages) == list(range(pages)) and len(layer.prune.l2) == 0
         want = pack_pages(ref.layers[i].keys[:, :, 4:4 + pages * 16],
                           ref.layers[i].values[:, :, 4:4 + pages * 16], 16)
         for j in range(pages):
-            back = decompress_pages(layer.prune.comp[j])
+            back = decompress_pages(from_rows(l3.rows([j]), layer.prune._like))
             assert back.shape == want[j].shape
             assert bool(((back - want[j]).abs() <= round_trip_bound(want[j])).all())
-    assert s["host_bytes"] == 3 * pages * sum(
-        t.numel() * t.element_size() for t in vars(compress_pages(want[:1])).values()
-        if isinstance(t, torch.Tensor))
+        # the int4 rows: 4 prefill pages in one buffer of 4, then page 4: the buffer doubled
+        assert l3.capacity == 8 and l3.row_bytes == compressed_bytes(2, 16, 16)
+        assert l3.row_bytes == sum(t.numel() * t.element_size() for t in
+                                   vars(compress_pages(want[:1])).values()
+                                   if isinstance(t, torch.Tensor))
+    # and the scorer's key and value norms (2 per head, 192 tokens: chunks of 64)
+    assert s["host_bytes"] == 3 * 8 * compressed_bytes(2, 16, 16) + 3 * 192 * (2 * 2) * 4
 
 
 def test_device_tokens_bound_level_one_and_the_rest_waits_at_level_two(model3):
@@ -102,9 +111,10 @@ def test_device_tokens_bound_level_one_and_the_rest_waits_at_level_two(model3):
         assert (l1, l2, l3) == (4 + recent + 32, n - 4 - recent - 32, 0)
     assert s["promotions"] == 0 and s["demotions"] > 0
     # on the device: sinks, recent window and two pages of K and V (fp32, 2 heads x 16) per
-    # layer and sequence, plus the scorer's per-token statistics (3 floats + 2 norms per head)
+    # layer and sequence, plus the scorer's attention statistics (3 floats per token) for 256
+    # tokens (whole chunks of 64)
     kv = 2 * 2 * 16 * 4
-    assert s["gpu_bytes"] == 3 * ((4 + recent + 32) * 2 * kv + n * 2 * (3 + 2 * 2) * 4)
+    assert s["gpu_bytes"] == 3 * ((4 + recent + 32) * 2 * kv + 256 * 2 * 3 * 4)
 
 
 def test_top_k_recall_and_promotion(model3):
@@ -130,7 +140,9 @@ def test_top_k_recall_and_promotion(model3):
     s = cache.stats()
     assert s["promotions"] == 3 * 4 and all(lv[1:] == [0, 0] for lv in s["level_tokens"])
     layer = cache.layers[2].prune
-    assert sorted(layer.l1_pages) == [0, 1, 2, 3] and not layer.comp and not layer.host
+    assert sorted(layer.l1_pages) == [0, 1, 2, 3] and len(layer.l3) == len(layer.l2) == 0
+    # the emptied row stores hold no buffer: the host keeps the scorer's norms alone
+    assert layer.host_bytes() == layer.stats.host_nbytes() == 192 * 2 * (2 * 2) * 4
     assert layer.l1_k.shape[2] == 4 * 16
 
 
@@ -222,7 +234,8 @@ def test_level3_past_host_bytes_spills_and_comes_back_exactly(model3, tmp_path):
     assert p["spilled_bytes"] == p["chunks_spilled"] == 0
     # every level-3 page left the host: the host holds nothing; each layer's pages went in one
     # file at the evaluation that compressed them (4 prefill pages), then one more (page 4)
-    assert s["host_bytes"] == 0 and p["host_bytes"] == 3 * 5 * compressed_bytes(2, 16, 16)
+    norms = 3 * 192 * (2 * 2) * 4  # the scorer's key and value norms, on the host in both
+    assert s["host_bytes"] == norms and p["host_bytes"] == 3 * 8 * compressed_bytes(2, 16, 16) + norms
     files = sorted(Path(tmp_path).glob("*-int4.pages"))
     assert s["chunks_spilled"] == len(files) == 6
     stride = -(-compressed_bytes(2, 16, 16) // 4096) * 4096

@@ -51,6 +51,28 @@ def test_token_stats_average_the_share_relative_to_uniform():
     assert st.knorm[0, 0].tolist() == pytest.approx([math.sqrt(2)] * 3)
 
 
+def test_token_stats_grow_by_chunks_and_keep_what_they_hold():
+    from deepseek_flash.kv.prune.scorers import STATS_CHUNK
+
+    torch.manual_seed(0)
+    st = TokenStats(window=4)
+    keys = torch.randn(2, 3, 70, 8)
+    vals = torch.randn(2, 3, 70, 8)
+    st.append(keys[:, :, :60], vals[:, :, :60])
+    st.observe(torch.full((2, 60), 1 / 60), None)
+    assert st.capacity == STATS_CHUNK == 64
+    # 3 floats per token and sequence on the device, 2 norms per head on the host
+    assert st.nbytes() == 2 * 64 * 3 * 4 and st.host_nbytes() == 2 * 64 * 2 * 3 * 4
+    for t in range(60, 70):  # decode: in place until the chunk is full, then one more chunk
+        st.append(keys[:, :, t:t + 1], vals[:, :, t:t + 1])
+    assert st.capacity == 128
+    assert st.nbytes() == 2 * 128 * 3 * 4 and st.host_nbytes() == 2 * 128 * 2 * 3 * 4
+    assert torch.equal(st.knorm, keys.float().norm(dim=-1))
+    assert torch.equal(st.vnorm, vals.float().norm(dim=-1))
+    assert st.mass[:, :60].eq(1.0).all() and st.mass[:, 60:].eq(0).all()
+    assert st.observed.tolist() == [[1.0] * 60 + [0.0] * 10] * 2
+
+
 def test_attention_probs_are_the_softmax_shares():
     torch.manual_seed(0)
     q = torch.randn(2, 4, 3, 8)   # 4 query heads over 2 kv heads, 3 queries

@@ -67,6 +67,10 @@ def test_smoke_decode_graphs_phases(tmp_path):
     assert "bf16_budget" not in res and "peer" not in res and "int4_vs_bf16_streamed" not in res
     assert set(res["store_bytes"]) == {"int4"}
     assert res["streamed_tokens_equal_resident"] is True
+    # Everything but the input embedding table: less than the store, more than its int4 layers.
+    resident = res["int4_budget"]
+    assert 0.3 * res["store_bytes"]["int4"] < resident["weight_bytes_per_step"] < res["store_bytes"]["int4"]
+    assert "vs_hbm_bound" not in resident and "weight_bytes_per_step" not in res["int4_small_budget"]
     for phase in ("int4_budget", "int4_small_budget"):
         for b, stats in res[phase]["decoder"].items():
             assert stats["mode"] == "eager" and "CUDA" in stats["eager_reason"]

@@ -1,0 +1,173 @@
+"""One level of one layer's demoted pages on the host, as the rows of one buffer, so that a step
+recalls them in one operation (docs/kv.md, "Importance pruning: the cost of a recall").
+
+``HostRows`` holds ``len(self)`` pages in slots ``0 .. len - 1`` (dense: a removed page's slot is
+filled by the last page), each page ``batch`` rows of ``row_bytes`` bytes (one row per sequence:
+``buf[slot * batch + b]``) in one uint8 buffer, page-locked when the cache's device is a GPU.
+
+* every page, in slot order (lossless recall): ``all()`` -- one copy of the buffer's prefix;
+* chosen rows ``[m]`` given on the device (top-K recall): ``gather(rows)`` -- one
+  ``index_select`` that a GPU runs over the page-locked buffer itself (kv/span.py's
+  ``raw_view``: page-locked memory is readable by kernels at its host address), no host sync;
+  where no such view can be made, the indices come to the host and the rows go over in one copy;
+* pages named on the host (an evaluation's moves): ``fetch(pages)`` (on the device, one gather)
+  or ``rows(pages)`` (on the host: what a spill writes).
+
+The buffer grows to twice its capacity when full and halves when three quarters are free, so
+``nbytes()`` (what it holds, counted in ``host_bytes``) stays within twice what its pages need
+(none when empty). A write on the host side (a removal's row move, a resize) must not race a copy
+still reading the buffer: the caller synchronises the device first (``LayerPrune._apply``).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("deepseek_flash.kv.cache")
+
+
+class HostRows:
+    def __init__(self, row_bytes: int, batch: int, device: torch.device):
+        self.row_bytes = int(row_bytes)
+        self.batch = int(batch)
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self.buf: torch.Tensor | None = None  # uint8 [capacity * batch, row_bytes]
+        self.pages: list[int] = []            # slot -> page
+        self.slot: dict[int, int] = {}        # page -> slot
+        self.version = 0                      # bumped by every put and remove
+        self._ids: tuple[int, torch.Tensor] | None = None
+        self._view: torch.Tensor | None = None  # the buffer as the device reads it (gather)
+        self._view_failed = False
+
+    # --- accounting ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def __contains__(self, page: int) -> bool:
+        return page in self.slot
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buf is None else self.buf.shape[0] // self.batch
+
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.numel()
+
+    def page_bytes(self) -> int:
+        """Bytes of one page (every sequence)."""
+        return self.batch * self.row_bytes
+
+    # --- writes -------------------------------------------------------------------------------
+    def _resize(self, capacity: int) -> None:
+        live = len(self.pages) * self.batch
+        if capacity == 0:
+            self.buf = None
+        else:
+            new = torch.empty((capacity * self.batch, self.row_bytes), dtype=torch.uint8,
+                              pin_memory=self.pinned)
+            if live:
+                new[:live].copy_(self.buf[:live])
+            self.buf = new
+        self._view = None
+
+    def put(self, pages: list[int], rows: torch.Tensor) -> None:
+        """Pages ``pages`` join, their rows ``[len(pages) * batch, row_bytes]`` uint8 (any device;
+        from a GPU the copy is asynchronous, ordered on the current stream)."""
+        if not pages:
+            return
+        n, need = len(self.pages), len(self.pages) + len(pages)
+        if need > self.capacity:
+            self._resize(max(need, 2 * self.capacity))
+        b = self.batch
+        self.buf[n * b:need * b].copy_(rows.reshape(-1, self.row_bytes),
+                                       non_blocking=self.pinned and rows.device.type == "cuda")
+        for i, pg in enumerate(pages):
+            self.slot[pg] = n + i
+        self.pages.extend(pages)
+        self.version += 1
+
+    def remove(self, pages) -> None:
+        """Pages ``pages`` leave; the last pages move into the freed slots."""
+        b = self.batch
+        for slot in sorted((self.slot.pop(pg) for pg in pages), reverse=True):
+            last = len(self.pages) - 1
+            if slot != last:
+                self.buf[slot * b:(slot + 1) * b].copy_(self.buf[last * b:(last + 1) * b])
+                moved = self.pages[last]
+                self.pages[slot] = moved
+                self.slot[moved] = slot
+            self.pages.pop()
+        if len(self.pages) * 4 <= self.capacity:
+            self._resize(2 * len(self.pages))
+        self.version += 1
+
+    # --- reads --------------------------------------------------------------------------------
+    def ids(self) -> torch.Tensor:
+        """The pages in slot order, int64 on the device (cached until the next change)."""
+        if self._ids is None or self._ids[0] != self.version:
+            self._ids = (self.version, torch.tensor(self.pages, dtype=torch.int64,
+                                                    device=self.device))
+        return self._ids[1]
+
+    def rows(self, pages: list[int]) -> torch.Tensor:
+        """The rows of ``pages`` (host), ``[len(pages) * batch, row_bytes]`` in the order given
+        (a copy)."""
+        b = self.batch
+        slots = torch.tensor([self.slot[pg] for pg in pages], dtype=torch.int64)
+        return self.buf.view(-1, b * self.row_bytes).index_select(0, slots).view(-1, self.row_bytes)
+
+    def fetch(self, pages: list[int]) -> torch.Tensor:
+        """The rows of ``pages`` (named on the host) on the device, in the order given: one
+        gather (a GPU reads them from the buffer; the indices go over, not the rows twice)."""
+        if self.device.type == "cpu":
+            return self.rows(pages)
+        b = self.batch
+        slots = torch.tensor([self.slot[pg] for pg in pages], dtype=torch.int64)
+        idx = (slots[:, None] * b + torch.arange(b)).flatten()
+        return self.gather(idx.to(self.device, non_blocking=False))
+
+    def all(self) -> torch.Tensor:
+        """Every page's rows in slot order on the device, ``[len * batch, row_bytes]``: one copy
+        (on the CPU: a view of the buffer, valid until the next change)."""
+        live = self.buf[:len(self.pages) * self.batch]
+        if self.device.type == "cpu":
+            return live
+        return live.to(self.device, non_blocking=self.pinned)
+
+    def _device_rows(self) -> torch.Tensor | None:
+        """The buffer as ``[capacity * batch, row_bytes / w]`` of a ``w``-byte integer type, on
+        the device (the CPU: the buffer itself); None where no view can be made."""
+        if self._view is not None:
+            return self._view
+        if self._view_failed:
+            return None
+        wide = next(t for w, t in ((8, torch.int64), (4, torch.int32), (2, torch.int16),
+                                   (1, torch.uint8)) if self.row_bytes % w == 0)
+        if self.device.type == "cpu":
+            self._view = self.buf.view(wide)
+            return self._view
+        try:
+            from ..span import raw_view
+
+            view = raw_view(self.buf.data_ptr(), self.buf.numel(), self.device)
+            view = view.view(-1, self.row_bytes).view(wide)
+            if not torch.equal(view[:1].view(torch.uint8).cpu(), self.buf[:1]):
+                raise RuntimeError("the device's view of the host rows differs from them")
+        except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
+            log.warning("no device view of the demoted pages (%s); recalls copy through the "
+                        "host", exc)
+            self._view_failed = True
+            return None
+        self._view = view
+        return view
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` ``[m]`` (int64 on the device: ``slot * batch + sequence``) -> their bytes
+        ``[m, row_bytes]`` uint8 on the device, in that order: one ``index_select``."""
+        view = self._device_rows()
+        if view is not None:
+            return view.index_select(0, rows).view(torch.uint8)
+        got = self.buf.index_select(0, rows.cpu())  # the fallback: one host sync, one copy
+        return got.to(self.device)
