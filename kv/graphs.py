@@ -42,12 +42,12 @@ class SharedOut:
         self.buffers: dict[tuple, torch.Tensor] = {}
 
     def get(self, span, b: int, k: int, device) -> torch.Tensor:
-        n = 2 * b * span.kv_heads * k * span.units_per_head
-        key = (n, span.rows.shape[1], span.rows.dtype)
+        key = (b, k, span.rows.shape[1], span.rows.dtype)
         rows = self.buffers.get(key)
         if rows is None:
             # another k or batch: the buffers of the old one are not replayed into again
-            self.buffers = {kk: t for kk, t in self.buffers.items() if kk[0] == n}
+            self.buffers = {kk: t for kk, t in self.buffers.items() if kk[:2] == (b, k)}
+            n = 2 * b * span.kv_heads * k * span.units_per_head
             rows = torch.empty((n, span.rows.shape[1]), dtype=span.rows.dtype, device=device)
             self.buffers[key] = rows
         return rows
