@@ -47,7 +47,8 @@ class Engine:
     """The batching loop over ``model`` (a ``load_model`` model or any HF causal LM)."""
 
     def __init__(self, model, tokenizer, scheduler: FlashScheduler | None = None, *, max_batch: int = 8,
-                 max_model_len: int | None = None, prefill_chunk: int = 512, device=None):
+                 max_model_len: int | None = None, prefill_chunk: int = 512, device=None,
+                 warm: bool | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = int(max_batch)
@@ -59,6 +60,10 @@ class Engine:
                                      cfg.max_position_embeddings))
         self.prefill_chunk = int(prefill_chunk)
         self.runner = RowRunner(model, self.max_batch, self.max_model_len, device)
+        # Every attention width met at start-up (``RowRunner.warm``): by default on a CUDA device,
+        # where a shape's first forward costs hundreds of milliseconds.
+        self.warm = self.runner.device.type == "cuda" if warm is None else bool(warm)
+        self.warm_s: float | None = None
         self.eos_ids = frozenset(self._eos_ids(model))
         self.flash = getattr(model, "flash", None)
         self.stream = getattr(self.flash, "stream", None)
@@ -117,6 +122,16 @@ class Engine:
 
     # -- thread -----------------------------------------------------------------------------------
     def start(self) -> "Engine":
+        """Warm the runner (``warm``), move what start-up made out of the garbage collector's
+        sight (``gc.freeze``: the model's and the server's long-lived objects are never scanned
+        again, so a collection under load walks only what requests made), then run the thread."""
+        import gc
+
+        if self.warm and self.warm_s is None:
+            self.warm_s = self.runner.warm()
+            log.info("engine warm: %d attention widths in %.2f s", len(self.runner.kv_seen), self.warm_s)
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
         self._thread.start()
         return self
