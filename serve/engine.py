@@ -60,14 +60,16 @@ class Engine:
                                      cfg.max_position_embeddings))
         self.prefill_chunk = int(prefill_chunk)
         self.runner = RowRunner(model, self.max_batch, self.max_model_len, device)
-        # Every attention width met at start-up (``RowRunner.warm``): by default on a CUDA device,
-        # where a shape's first forward costs hundreds of milliseconds.
-        self.warm = self.runner.device.type == "cuda" if warm is None else bool(warm)
-        self.warm_s: float | None = None
         self.eos_ids = frozenset(self._eos_ids(model))
         self.flash = getattr(model, "flash", None)
         self.stream = getattr(self.flash, "stream", None)
         self.read_base = int(getattr(self.flash, "priority", 0) or 0)
+        # Every attention width met at start-up (``RowRunner.warm``): by default on a CUDA device,
+        # where a shape's first forward costs hundreds of milliseconds, when the weights are resident
+        # (a streamed model's forward streams every layer: the sweep would cost a start-up of
+        # minutes for a large model).
+        self.warm = (self.runner.device.type == "cuda" and self.stream is None) if warm is None else bool(warm)
+        self.warm_s: float | None = None
         self._lock = threading.Condition()
         self._gens: dict[int, Generation] = {}        # id(SchedRequest) -> Generation
         self._rows: list[Generation | None] = [None] * self.max_batch
