@@ -21,10 +21,13 @@ still reading the buffer: the caller synchronises the device first (``LayerPrune
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 log = logging.getLogger("deepseek_flash.kv.cache")
+
+MAX_UNIT = 4096
 
 
 class HostRows:
@@ -40,6 +43,8 @@ class HostRows:
         self._ids: tuple[int, torch.Tensor] | None = None
         self._view: torch.Tensor | None = None  # the buffer as the device reads it (gather)
         self._view_failed = False
+        self._units = 1
+        self._unit_ar: torch.Tensor | None = None
 
     # --- accounting ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -137,23 +142,30 @@ class HostRows:
         return live.to(self.device, non_blocking=self.pinned)
 
     def _device_rows(self) -> torch.Tensor | None:
-        """The buffer as ``[capacity * batch, row_bytes / w]`` of a ``w``-byte integer type, on
-        the device (the CPU: the buffer itself); None where no view can be made."""
+        """The buffer as ``[capacity * batch * units, unit / w]`` of a ``w``-byte integer type
+        (``unit``: the largest divisor of ``row_bytes`` up to 4 KiB), on the device (the CPU: the
+        buffer itself); None where no view can be made. A row is gathered as its ``units``
+        4 KiB-or-smaller pieces: many indices of small rows keep a GPU reading host memory busy
+        on every lane (one index per 256 KiB page left most of them idle) -- kv/span.py's
+        layout."""
         if self._view is not None:
             return self._view
         if self._view_failed:
             return None
+        unit = math.gcd(self.row_bytes, MAX_UNIT)
+        self._units = self.row_bytes // unit
         wide = next(t for w, t in ((8, torch.int64), (4, torch.int32), (2, torch.int16),
-                                   (1, torch.uint8)) if self.row_bytes % w == 0)
+                                   (1, torch.uint8)) if unit % w == 0)
         if self.device.type == "cpu":
-            self._view = self.buf.view(wide)
+            self._view = self.buf.view(-1, unit).view(wide)
             return self._view
         try:
             from ..span import raw_view
 
             view = raw_view(self.buf.data_ptr(), self.buf.numel(), self.device)
-            view = view.view(-1, self.row_bytes).view(wide)
-            if not torch.equal(view[:1].view(torch.uint8).cpu(), self.buf[:1]):
+            view = view.view(-1, unit).view(wide)
+            if not torch.equal(view[:self._units].view(torch.uint8).reshape(1, -1).cpu(),
+                               self.buf[:1]):
                 raise RuntimeError("the device's view of the host rows differs from them")
         except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
             log.warning("no device view of the demoted pages (%s); recalls copy through the "
@@ -165,9 +177,14 @@ class HostRows:
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` ``[m]`` (int64 on the device: ``slot * batch + sequence``) -> their bytes
-        ``[m, row_bytes]`` uint8 on the device, in that order: one ``index_select``."""
+        ``[m, row_bytes]`` uint8 on the device, in that order: one ``index_select`` (of each
+        row's ``units`` pieces)."""
         view = self._device_rows()
         if view is not None:
-            return view.index_select(0, rows).view(torch.uint8)
+            units = self._units
+            if self._unit_ar is None or self._unit_ar.device != rows.device:
+                self._unit_ar = torch.arange(units, dtype=torch.int64, device=rows.device)
+            idx = (rows[:, None] * units + self._unit_ar).flatten()
+            return view.index_select(0, idx).view(torch.uint8).view(-1, self.row_bytes)
         got = self.buf.index_select(0, rows.cpu())  # the fallback: one host sync, one copy
         return got.to(self.device)
