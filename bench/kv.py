@@ -6,9 +6,10 @@ Batch 1, random-weight model of the ``--arch`` 7-8B shape (bf16, resident), cont
 * GPU bytes held by KV: ``DynamicCache`` vs ``TieredCache`` with the default settings
   (sinks + 512 recent tokens + page summaries; pages fetched for one step are transient and
   reported apart as ``tiered_peak_extra_bytes``, the step's peak allocation above the steady state);
-* decode tok/s: full ``DynamicCache`` on the GPU vs top-K 25 % of the pages vs lossless (every page
-  fetched from the host each step) vs ``DynamicCache(offloading=True)`` (transformers' own
-  layer-by-layer offload, up to ``--peer-max`` tokens);
+* decode tok/s: full ``DynamicCache`` on the GPU vs top-K 25 % of the pages (each top-K layer's
+  choice and gather as a captured CUDA graph, the default; ``topk25_eager_tok_s`` without) vs
+  lossless (every page fetched from the host each step) vs ``DynamicCache(offloading=True)``
+  (transformers' own layer-by-layer offload, up to ``--peer-max`` tokens);
 * the PCIe bound of the lossless mode: host->GPU bytes per token (every page of every layer) over
   the pinned host->GPU rate measured in this run;
 * time to first token (one forward over the prompt) vs ``DynamicCache``.
@@ -254,6 +255,8 @@ def run_context(model, T, args, device, h2d, record=True):
     # layers whose top-K pages came by one gather over their host chunks (kv/span.py); the
     # others (dense layers, or a view that could not be used: logged) copy page runs
     r["topk25_one_gather_layers"] = sum(layer.pages._span is not None for layer in cache.layers)
+    # layers whose choice and gather replayed as a captured CUDA graph (kv/graphs.py)
+    r["topk25_graph_layers"] = sum(layer.graphs.graph is not None for layer in cache.layers)
     r["tiered_gpu_bytes"] = s["gpu_bytes"]
     r["tiered_full_bytes"] = s["full_bytes"]
     r["tiered_host_bytes"] = s["host_bytes"]
@@ -262,6 +265,11 @@ def run_context(model, T, args, device, h2d, record=True):
         r["tiered_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base - steady
         r["tiered_peak_bytes"] = torch.cuda.max_memory_allocated()
     r["gpu_kv_ratio"] = round(s["gpu_bytes"] / r["dynamic_kv_bytes"], 4)
+    if cuda:  # the same top-K steps without the captured graphs (kv/graphs.py)
+        cache.select_graphs = False
+        tok, r["topk25_eager_tok_s"], _ = decode(model, cache, tok, steps, device, args.warmup,
+                                                 args.repeats)
+        cache.select_graphs = True
     cache.top_k_pages = None
     tok, r["lossless_tok_s"], r["lossless_host_share"] = decode(model, cache, tok, steps, device,
                                                                 args.warmup, args.repeats)

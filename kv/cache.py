@@ -21,6 +21,7 @@ from . import compat
 from .compat import cache_keyword
 from .compute import sdpa as _sdpa  # noqa: F401  (kept importable from here)
 from .config import CONFIG_KEYS, DEFAULTS, explicit_args, flash_kv_settings, validate
+from .graphs import LayerGraphs, SharedOut
 from .layer import TieredLayer
 from .layout import PageLayout, auto_page_tokens
 from .hostmem import ArenaMemory, OwnMemory
@@ -97,6 +98,11 @@ class TieredCache(Cache):
         self._spill_error: KVSpillFailed | None = None
         self._copy_stream = None
         self._prefetched: dict[int, tuple] = {}
+        # CUDA: each top-K layer's choice and gather replayed as a captured graph (kv/graphs.py);
+        # False: eager, as on the CPU
+        self.select_graphs = True
+        self._select_out = SharedOut()
+        self._graph_pool_handle = None
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
 
     # --- construction ------------------------------------------------------------------------
@@ -405,9 +411,18 @@ class TieredCache(Cache):
         self._reporter.send(self)
         return True
 
+    def _graph_pool(self):
+        """One memory pool for the captured graphs of all layers (replayed one after the other
+        on one stream, their temporaries may share memory)."""
+        if self._graph_pool_handle is None:
+            self._graph_pool_handle = torch.cuda.graph_pool_handle()
+        return self._graph_pool_handle
+
     def close(self) -> None:
         """Free the host pages and remove the spill files now (also done when collected)."""
+        self._select_out = SharedOut()
         for layer in self.layers:
+            layer.graphs = LayerGraphs()  # the graphs read the host pages freed below
             layer.pages.clear()
         if self.spill is not None:
             self.spill.close()

@@ -21,6 +21,8 @@ from deepseek_flash.errors import KVCacheMismatch, KVError
 
 from .attention import _ACTIVE
 from .compute import attend_columns
+from . import graphs
+from .graphs import LayerGraphs
 from .layout import pack_pages
 from .pages import LayerPages
 from .prune.state import LayerPrune
@@ -50,6 +52,7 @@ class TieredLayer(CacheLayerMixin):
         # pruning with lossless recall (top_k_pages None) never ranks pages: no summaries kept
         self.keeps_summaries = cache.prune is None or cache.top_k_pages is not None
         self.pages = LayerPages(self._cache, index)
+        self.graphs = LayerGraphs()  # CUDA: the top-K choice and gather as one graph
         self.prune = LayerPrune(self, cache.prune) if cache.prune is not None else None
 
     # --- the page store's state, as the layer's ------------------------------------------------
@@ -216,9 +219,19 @@ class TieredLayer(CacheLayerMixin):
                 cache._prefetch_next(self)
             cols = self._cols_without_lost() if self.lost_pages else None
             return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], cols
-        chosen = self.summaries.choose(query, k, scale=cache.scale, score=cache.score,
-                                       window_pages=cache.window_pages, lost=self.lost_pages)
-        pk, pv = self.pages.fetch_selected(chosen)
+        got = None
+        if (cache.select_graphs and graphs.applies(self.device) and cache.score == "hybrid"
+                and not self.lost_pages):
+            span = self.pages.span()
+            if span is not None:
+                got = self.graphs.select(cache, self, span, query, k)
+        if got is not None:
+            chosen, pk, pv = got
+            cache.counters["pages_fetched"] += self.batch * k
+        else:
+            chosen = self.summaries.choose(query, k, scale=cache.scale, score=cache.score,
+                                           window_pages=cache.window_pages, lost=self.lost_pages)
+            pk, pv = self.pages.fetch_selected(chosen)
         if not need_cols:
             return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], None
         p, s, b = cache.page_tokens, self.sinks, self.batch

@@ -96,8 +96,19 @@ class HostSpan:
         """Pages ``chosen`` ``[b, k]`` (device) -> keys, values ``[b, kv_heads, k * page_tokens,
         head_dim]``: one index computation and one ``index_select``."""
         b, k = chosen.shape
+        return self.unpack(self.rows.index_select(0, self.indices(chosen)), b, k)
+
+    def indices(self, chosen: torch.Tensor) -> torch.Tensor:
+        """The rows of pages ``chosen`` ``[b, k]``, ordered K/V, sequence, head, page, row."""
+        b, k = chosen.shape
         start = self.table.gather(1, chosen)  # [b, k]
-        idx = (start.view(1, b, 1, k, 1) + self.offsets).view(-1)  # [2, b, heads, k, units]
-        kv = self.rows.index_select(0, idx).view(self.dtype).view(2, b, self.kv_heads, k * self.page_tokens,
-                                                 self.head_dim)
+        return (start.view(1, b, 1, k, 1) + self.offsets).view(-1)  # [2, b, heads, k, units]
+
+    def gather_into(self, chosen: torch.Tensor, out: torch.Tensor) -> None:
+        """``gather`` into the rows ``out`` (kv/graphs.py: a buffer of fixed address)."""
+        torch.index_select(self.rows, 0, self.indices(chosen), out=out)
+
+    def unpack(self, rows: torch.Tensor, b: int, k: int):
+        """Gathered rows -> keys, values ``[b, kv_heads, k * page_tokens, head_dim]`` (views)."""
+        kv = rows.view(self.dtype).view(2, b, self.kv_heads, k * self.page_tokens, self.head_dim)
         return kv[0], kv[1]

@@ -158,20 +158,22 @@ STATS_CHUNK = 64
 
 
 class TokenStats:
-    """What one layer has observed about its committed tokens (slots ``0 .. length - 1``), on the
-    layer's device: attention received, key and value norms.
+    """What one layer has observed about its committed tokens (slots ``0 .. length - 1``):
+    attention received (on the layer's device), key and value norms (on the host).
 
-    Bounded: per token and sequence, 3 fp32 (``mass``, ``last``, ``observed``) and 2 fp32 per KV
-    head (``knorm``, ``vnorm``) -- ``4 * (3 + 2 * kv_heads)`` bytes, 1.9 % of an 8B shape's bf16
-    K and V (76 of 4,096 bytes) -- in buffers that grow by ``STATS_CHUNK`` tokens at a time:
-    ``nbytes()`` (counted in ``gpu_bytes``) is at most that times ``length + STATS_CHUNK - 1``,
-    and a decode step appends in place instead of copying every statistic."""
+    Per token and sequence: 3 fp32 on the device (``mass``, ``last``, ``observed``: updated by
+    every step's attention) -- 12 bytes, 0.3 % of an 8B shape's bf16 K and V (4,096 bytes) -- and
+    2 fp32 per KV head on the host (``knorm``, ``vnorm``: fixed once the token is written, read
+    only by an evaluation, which copies the scored slots over; page-locked with CUDA, written by
+    an asynchronous copy). Buffers grow by ``STATS_CHUNK`` tokens at a time: ``nbytes()``
+    (counted in ``gpu_bytes``) and ``host_nbytes()`` (in ``host_bytes``) are at most their
+    per-token bytes times ``length + STATS_CHUNK - 1``, and a decode step appends in place."""
 
     def __init__(self, window: int = 32):
         self.alpha = 1.0 / window
         self.n = 0
-        self._f = None  # [3, b, capacity]: mass, last, observed
-        self._norms = None  # [2, b, h, capacity]: key and value norms
+        self._f = None      # [3, b, capacity] on the device: mass, last, observed
+        self._norms = None  # [capacity, 2, b, h] on the host: key and value norms
 
     @property
     def capacity(self) -> int:
@@ -191,19 +193,23 @@ class TokenStats:
 
     @property
     def knorm(self):
-        return None if self._norms is None else self._norms[0, :, :, :self.n]
+        """``[b, h, n]`` (host)."""
+        return None if self._norms is None else self._norms[:self.n, 0].permute(1, 2, 0)
 
     @property
     def vnorm(self):
-        return None if self._norms is None else self._norms[1, :, :, :self.n]
+        return None if self._norms is None else self._norms[:self.n, 1].permute(1, 2, 0)
 
     def _grow(self, b: int, h: int, need: int, device) -> None:
         cap = -(-need // STATS_CHUNK) * STATS_CHUNK
+        pinned = torch.device(device).type == "cuda"
         f = torch.zeros((3, b, cap), dtype=torch.float32, device=device)
-        norms = torch.zeros((2, b, h, cap), dtype=torch.float32, device=device)
+        norms = torch.empty((cap, 2, b, h), dtype=torch.float32, pin_memory=pinned)
         if self._f is not None:
             f[..., :self.n] = self._f[..., :self.n]
-            norms[..., :self.n] = self._norms[..., :self.n]
+            if pinned:  # the norms' copies to the host are done before they are read here
+                torch.cuda.current_stream(device).synchronize()
+            norms[:self.n] = self._norms[:self.n]
         self._f, self._norms = f, norms
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -212,8 +218,9 @@ class TokenStats:
         if self.n + t > self.capacity:
             self._grow(b, h, self.n + t, keys.device)
         end = self.n + t
-        torch.linalg.vector_norm(keys.float(), dim=-1, out=self._norms[0, :, :, self.n:end])
-        torch.linalg.vector_norm(values.float(), dim=-1, out=self._norms[1, :, :, self.n:end])
+        kv = torch.stack((keys.float().norm(dim=-1), values.float().norm(dim=-1)))  # [2, b, h, t]
+        self._norms[self.n:end].copy_(kv.permute(3, 0, 1, 2),
+                                      non_blocking=keys.device.type == "cuda")
         self.n = end  # mass, last, observed of the new slots: zeros since the buffer was made
 
     def observe(self, probs: torch.Tensor, cols: torch.Tensor | None) -> None:
@@ -233,18 +240,22 @@ class TokenStats:
         observed.scatter_add_(1, cols, torch.ones_like(rel))
 
     def input(self, layer: int, num_layers: int, start: int, stop: int, length: int) -> ScoreInput:
-        """The ``ScoreInput`` of slots ``start .. stop - 1``."""
+        """The ``ScoreInput`` of slots ``start .. stop - 1`` (their norms copied to the device:
+        after the copies that wrote them, on the same stream)."""
         s = slice(start, stop)
+        dev = self._f.device
+        norms = self._norms[s].to(dev, non_blocking=dev.type == "cuda").permute(1, 2, 3, 0)
         return ScoreInput(layer, num_layers, self.mass[:, s], self.last[:, s],
-                          self.observed[:, s], self.knorm[:, :, s], self.vnorm[:, :, s],
-                          torch.arange(start, stop, device=self._f.device), length)
+                          self.observed[:, s], norms[0], norms[1],
+                          torch.arange(start, stop, device=dev), length)
 
     def nbytes(self) -> int:
         """Bytes held on the device (the buffers' whole capacity)."""
-        if self._f is None:
-            return 0
-        return (self._f.numel() * self._f.element_size()
-                + self._norms.numel() * self._norms.element_size())
+        return 0 if self._f is None else self._f.numel() * self._f.element_size()
+
+    def host_nbytes(self) -> int:
+        """Bytes held on the host (the norms' buffer)."""
+        return 0 if self._norms is None else self._norms.numel() * self._norms.element_size()
 
 
 def attention_probs(query: torch.Tensor, keys: torch.Tensor, scale: float,

@@ -126,7 +126,8 @@ class LayerPrune:
         return kv + self.stats.nbytes()
 
     def host_bytes(self) -> int:
-        return 0 if self.l2 is None else self.l2.nbytes() + self.l3.nbytes()
+        rows = 0 if self.l2 is None else self.l2.nbytes() + self.l3.nbytes()
+        return rows + self.stats.host_nbytes()
 
     def spilled_bytes(self) -> int:
         """Bytes of the spill files holding this layer's live level-3 pages."""

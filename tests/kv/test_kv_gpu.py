@@ -1,7 +1,8 @@
 """The tiered cache on a CUDA device (run on the GPU machine: ``pytest -m gpu tests/kv``):
 lossless mode gives DynamicCache's tokens with the pages in page-locked host memory, fetched on
 the copy stream by one ``_foreach_copy_`` per layer; top-K's one-gather fetch (kernels reading
-page-locked host memory) gives exactly what copying the same pages run by run gives."""
+page-locked host memory) gives exactly what copying the same pages run by run gives, and so does
+the same choice and gather replayed as a captured CUDA graph (kv/graphs.py)."""
 import pytest
 import torch
 
@@ -45,6 +46,7 @@ def test_topk_one_gather_on_cuda_equals_copied_pages():
     for one_gather in (True, False):
         cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
                                       top_k_pages=0.25, dense_layers=1)
+        cache.select_graphs = False
         if not one_gather:
             for layer in cache.layers:
                 layer.pages._span_failed = True  # copy the chosen pages run by run
@@ -52,5 +54,28 @@ def test_topk_one_gather_on_cuda_equals_copied_pages():
         gathered = [layer.pages._span is not None for layer in cache.layers]
         assert gathered == ([False, True, True] if one_gather else [False, False, False])
         cache.close()
+    (t1, l1), (t2, l2) = runs
+    assert torch.equal(t1, t2) and torch.equal(l1, l2)
+
+
+def test_topk_captured_graphs_equal_the_eager_steps(caplog):
+    # the choice and gather of each top-K layer replayed as a CUDA graph: the same tokens and
+    # logits as the eager steps, across page boundaries (recaptures) and with batch 2
+    import logging
+
+    model = tiny_model(layers=3).cuda()
+    ids, mask = _prompt(2)
+    runs = []
+    for graphs in (False, True):
+        cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
+                                      top_k_pages=0.25, dense_layers=1)
+        cache.select_graphs = graphs
+        with caplog.at_level(logging.WARNING, logger="deepseek_flash.kv.cache"):
+            runs.append(greedy(model, ids, mask, cache, 80))  # 80 steps: 2 page boundaries
+        captured = [layer.graphs.graph is not None for layer in cache.layers]
+        assert captured == ([False, True, True] if graphs else [False, False, False])
+        assert not any(layer.graphs.failed for layer in cache.layers)
+        cache.close()
+    assert "not captured" not in caplog.text and "failed to replay" not in caplog.text
     (t1, l1), (t2, l2) = runs
     assert torch.equal(t1, t2) and torch.equal(l1, l2)

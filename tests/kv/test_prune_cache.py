@@ -42,12 +42,13 @@ def test_threshold_zero_keeps_every_page_on_the_device_and_is_exact(model3):
     s = cache.stats()
     n = s["tokens"]
     assert n == 131 and s["level_tokens"] == [[n, 0, 0]] * 3
-    assert s["demotions"] == s["promotions"] == s["recalls"] == s["host_bytes"] == 0
-    # gpu_bytes: every token's K and V (fp32, 2 heads x 16) and the scorer's per-token
-    # statistics (3 floats + 2 norms per head) for 192 tokens (whole chunks of 64); no page
-    # summaries: lossless recall ranks no page
+    assert s["demotions"] == s["promotions"] == s["recalls"] == 0
+    # gpu_bytes: every token's K and V (fp32, 2 heads x 16) and the scorer's attention
+    # statistics (3 floats per token) for 192 tokens (whole chunks of 64); no page summaries:
+    # lossless recall ranks no page. The host: the key and value norms (2 per head), no page
     kv = 2 * 2 * 16 * 4
-    per_layer = n * 2 * kv + 192 * 2 * (3 + 2 * 2) * 4
+    assert s["host_bytes"] == 3 * 192 * 2 * (2 * 2) * 4
+    per_layer = n * 2 * kv + 192 * 2 * 3 * 4
     assert s["gpu_bytes"] == 3 * per_layer
 
 
@@ -87,7 +88,8 @@ def test_threshold_one_demotes_to_int4_and_recalls_everything(model3):
         assert l3.row_bytes == sum(t.numel() * t.element_size() for t in
                                    vars(compress_pages(want[:1])).values()
                                    if isinstance(t, torch.Tensor))
-    assert s["host_bytes"] == 3 * 8 * compressed_bytes(2, 16, 16)
+    # and the scorer's key and value norms (2 per head, 192 tokens: chunks of 64)
+    assert s["host_bytes"] == 3 * 8 * compressed_bytes(2, 16, 16) + 3 * 192 * (2 * 2) * 4
 
 
 def test_device_tokens_bound_level_one_and_the_rest_waits_at_level_two(model3):
@@ -109,10 +111,10 @@ def test_device_tokens_bound_level_one_and_the_rest_waits_at_level_two(model3):
         assert (l1, l2, l3) == (4 + recent + 32, n - 4 - recent - 32, 0)
     assert s["promotions"] == 0 and s["demotions"] > 0
     # on the device: sinks, recent window and two pages of K and V (fp32, 2 heads x 16) per
-    # layer and sequence, plus the scorer's per-token statistics (3 floats + 2 norms per head)
-    # for 256 tokens (whole chunks of 64)
+    # layer and sequence, plus the scorer's attention statistics (3 floats per token) for 256
+    # tokens (whole chunks of 64)
     kv = 2 * 2 * 16 * 4
-    assert s["gpu_bytes"] == 3 * ((4 + recent + 32) * 2 * kv + 256 * 2 * (3 + 2 * 2) * 4)
+    assert s["gpu_bytes"] == 3 * ((4 + recent + 32) * 2 * kv + 256 * 2 * 3 * 4)
 
 
 def test_top_k_recall_and_promotion(model3):
@@ -139,7 +141,8 @@ def test_top_k_recall_and_promotion(model3):
     assert s["promotions"] == 3 * 4 and all(lv[1:] == [0, 0] for lv in s["level_tokens"])
     layer = cache.layers[2].prune
     assert sorted(layer.l1_pages) == [0, 1, 2, 3] and len(layer.l3) == len(layer.l2) == 0
-    assert layer.host_bytes() == 0  # the emptied row stores hold no buffer
+    # the emptied row stores hold no buffer: the host keeps the scorer's norms alone
+    assert layer.host_bytes() == layer.stats.host_nbytes() == 192 * 2 * (2 * 2) * 4
     assert layer.l1_k.shape[2] == 4 * 16
 
 
@@ -231,7 +234,8 @@ def test_level3_past_host_bytes_spills_and_comes_back_exactly(model3, tmp_path):
     assert p["spilled_bytes"] == p["chunks_spilled"] == 0
     # every level-3 page left the host: the host holds nothing; each layer's pages went in one
     # file at the evaluation that compressed them (4 prefill pages), then one more (page 4)
-    assert s["host_bytes"] == 0 and p["host_bytes"] == 3 * 8 * compressed_bytes(2, 16, 16)
+    norms = 3 * 192 * (2 * 2) * 4  # the scorer's key and value norms, on the host in both
+    assert s["host_bytes"] == norms and p["host_bytes"] == 3 * 8 * compressed_bytes(2, 16, 16) + norms
     files = sorted(Path(tmp_path).glob("*-int4.pages"))
     assert s["chunks_spilled"] == len(files) == 6
     stride = -(-compressed_bytes(2, 16, 16) // 4096) * 4096

@@ -61,11 +61,12 @@ def test_token_stats_grow_by_chunks_and_keep_what_they_hold():
     st.append(keys[:, :, :60], vals[:, :, :60])
     st.observe(torch.full((2, 60), 1 / 60), None)
     assert st.capacity == STATS_CHUNK == 64
-    per_token = 4 * (3 + 2 * 3)
-    assert st.nbytes() == 2 * 64 * per_token
+    # 3 floats per token and sequence on the device, 2 norms per head on the host
+    assert st.nbytes() == 2 * 64 * 3 * 4 and st.host_nbytes() == 2 * 64 * 2 * 3 * 4
     for t in range(60, 70):  # decode: in place until the chunk is full, then one more chunk
         st.append(keys[:, :, t:t + 1], vals[:, :, t:t + 1])
-    assert st.capacity == 128 and st.nbytes() == 2 * 128 * per_token
+    assert st.capacity == 128
+    assert st.nbytes() == 2 * 128 * 3 * 4 and st.host_nbytes() == 2 * 128 * 2 * 3 * 4
     assert torch.equal(st.knorm, keys.float().norm(dim=-1))
     assert torch.equal(st.vnorm, vals.float().norm(dim=-1))
     assert st.mass[:, :60].eq(1.0).all() and st.mass[:, 60:].eq(0).all()

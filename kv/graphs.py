@@ -1,0 +1,126 @@
+"""A top-K layer's choice and gather as one captured CUDA graph (CUDA only).
+
+An eager decode step of a large model is bound by the host: every dispatched operation costs
+host time whatever its size. A top-K layer's page choice (the Quest bound, two rankings, the
+top-``k`` key) and its one-gather fetch (kv/span.py) are ~30 such operations per layer and step,
+always with the same shapes between two page boundaries. ``SelectGraph`` captures them once per
+(layer, pages, k, view of the host chunks, summaries buffer) and replays them: a step then costs
+one copy of the query and one replay per layer.
+
+The gathered pages land in one buffer shared by all the layers of a cache (``SharedOut``): layer
+``i + 1`` replays after layer ``i``'s attention has read it, in the order of the one compute
+stream, so the device holds one layer's gathered pages at a time, as in the eager path. Capture
+happens on a side stream, in thread-local mode (other threads' CUDA work is not disturbed), after
+one eager run there; anything refused falls back to the eager path for good (logged once).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("deepseek_flash.kv.cache")
+
+
+def applies(device: torch.device) -> bool:
+    """Whether top-K choices on ``device`` are captured (CUDA only)."""
+    return device.type == "cuda"
+
+
+def new_graph(owner: "SelectGraph"):
+    """The graph object ``owner`` captures into (tests/kv/test_kv_graphs.py swaps in an
+    emulation that reruns ``owner``'s steps on the CPU)."""
+    return torch.cuda.CUDAGraph()
+
+
+class SharedOut:
+    """The gathered keys and values of the current top-K layer: one buffer per row shape (layers
+    whose host chunks align differently gather in rows of another size), kept while ``k`` and
+    the batch stay, so that the captured graphs keep their addresses."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, span, b: int, k: int, device) -> torch.Tensor:
+        key = (b, k, span.rows.shape[1], span.rows.dtype)
+        rows = self.buffers.get(key)
+        if rows is None:
+            # another k or batch: the buffers of the old one are not replayed into again
+            self.buffers = {kk: t for kk, t in self.buffers.items() if kk[:2] == (b, k)}
+            n = 2 * b * span.kv_heads * k * span.units_per_head
+            rows = torch.empty((n, span.rows.shape[1]), dtype=span.rows.dtype, device=device)
+            self.buffers[key] = rows
+        return rows
+
+
+class SelectGraph:
+    """The captured choice + gather of one layer for fixed shapes and buffers (``key``)."""
+
+    def __init__(self, key, summaries, span, query, k, scale, window_pages, out_rows, pool):
+        self.key = key
+        self.summaries, self.span = summaries, span
+        self.k, self.scale, self.window_pages = k, scale, window_pages
+        self.out_rows = out_rows
+        self.query = torch.empty_like(query)
+        self.query.copy_(query)
+        side = torch.cuda.Stream(query.device)
+        side.wait_stream(torch.cuda.current_stream(query.device))
+        with torch.cuda.stream(side):
+            self._run()  # once eagerly: lazy initialisations (cuBLAS handles, ...) happen here
+            self.graph = new_graph(self)
+            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                self.chosen = self._run()
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(query.device).wait_stream(side)
+
+    def _run(self) -> torch.Tensor:
+        chosen = self.summaries._choose_hybrid(self.query, self.k, self.scale, self.window_pages)
+        self.span.gather_into(chosen, self.out_rows)
+        return chosen
+
+    def replay(self, query):
+        """-> chosen ``[b, k]``, keys, values ``[b, kv_heads, k * page_tokens, head_dim]``."""
+        self.query.copy_(query)
+        self.graph.replay()
+        return (self.chosen, *self.span.unpack(self.out_rows, self.chosen.shape[0], self.k))
+
+
+class LayerGraphs:
+    """A top-K layer's captured graph, recaptured when its key changes; ``None`` for good once a
+    capture failed."""
+
+    def __init__(self):
+        self.graph: SelectGraph | None = None
+        self.failed = False
+        self.captures = 0
+
+    def select(self, cache, layer, span, query, k):
+        """Chosen pages and their keys and values through the graph, or None (use the eager
+        path)."""
+        if self.failed:
+            return None
+        summaries = layer.summaries
+        b = query.shape[0]
+        out = cache._select_out.get(span, b, k, query.device)
+        key = (summaries.n, k, id(span), summaries.minmax.data_ptr(), out.data_ptr(),
+               tuple(query.shape), query.dtype, cache.scale, cache.window_pages)
+        if self.graph is None or self.graph.key != key:
+            self.graph = None
+            self.captures += 1
+            try:
+                self.graph = SelectGraph(key, summaries, span, query, k, cache.scale,
+                                         cache.window_pages, out, cache._graph_pool())
+            except Exception as exc:  # refused by torch or the driver: eager from now on
+                self.failed = True
+                log.warning("layer %d: top-K choice and gather not captured as a CUDA graph "
+                            "(%s); they run eagerly", layer.index, exc)
+                return None
+        try:
+            return self.graph.replay(query)
+        except RuntimeError as exc:
+            self.failed, self.graph = True, None
+            log.warning("layer %d: the captured top-K graph failed to replay (%s); the choice "
+                        "and gather run eagerly", layer.index, exc)
+            return None

@@ -1,0 +1,101 @@
+"""The captured top-K choice and gather (kv/graphs.py) on the CPU, with the CUDA graph emulated:
+capture runs the steps once, a replay reruns them into the same output tensors. What this
+checks is the plumbing -- the query copied in, the shared output buffer, the gather into it,
+the recapture key (pages, k, view, buffers) -- against the eager path, token for token; the
+real graphs are checked on CUDA by tests/kv/test_kv_gpu.py."""
+import contextlib
+
+import pytest
+import torch
+
+import deepseek_flash.kv.graphs as graphs
+from deepseek_flash.kv import TieredCache
+
+from kvmodels import greedy, tiny_model
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+
+class _Graph:
+    """Replays by rerunning the owner's steps into the tensors the capture returned."""
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.captures = 0
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        self.captures += 1
+
+    def capture_end(self):
+        pass
+
+    def replay(self):
+        self.owner.chosen.copy_(self.owner._run())
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(graphs, "applies", lambda device: True)
+    monkeypatch.setattr(graphs, "new_graph", _Graph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_captured_choice_and_gather_equal_the_eager_steps(emulated, batch):
+    model = tiny_model(layers=3)
+    ids = torch.randint(1, 256, (batch, 900), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :50] = 0
+    runs, caches = [], []
+    for captured in (False, True):
+        cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
+                                      top_k_pages=0.25, dense_layers=1)
+        cache.select_graphs = captured
+        runs.append(greedy(model, ids, mask, cache, 70))  # 70 steps: 2 page boundaries
+        caches.append(cache)
+    (t1, l1), (t2, l2) = runs
+    assert torch.equal(t1, t2) and torch.equal(l1, l2)
+    eager, graphed = caches
+    assert [layer.graphs.graph is None for layer in eager.layers] == [True, True, True]
+    assert [layer.graphs.graph is not None for layer in graphed.layers] == [False, True, True]
+    assert eager.stats()["pages_fetched"] == graphed.stats()["pages_fetched"]
+    # the last graph of each top-K layer was captured for the pages held now
+    for layer in graphed.layers[1:]:
+        g = layer.graphs.graph
+        assert g.key[0] == layer.summaries.n and g.graph.captures == 1
+    # captured again only when the pages, k or the host view change (a page boundary every 32
+    # steps, a new host chunk), not every step: the output buffers keep their addresses
+    for layer in graphed.layers[1:]:
+        assert 1 <= layer.graphs.captures <= 6
+    shapes = {layer.graphs.graph.out_rows.shape for layer in graphed.layers[1:]}
+    assert len(graphed._select_out.buffers) == len(shapes)  # one buffer per row shape
+    graphed.close()
+    assert all(layer.graphs.graph is None for layer in graphed.layers)
+
+
+def test_a_refused_capture_leaves_the_layer_eager_for_good(emulated, monkeypatch, caplog):
+    class Refused(_Graph):
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "new_graph", Refused)
+    model = tiny_model(layers=3)
+    ids = torch.randint(1, 256, (1, 900), generator=torch.Generator().manual_seed(8))
+    cache = TieredCache.for_model(model, gpu_tokens=64, page_tokens=32, top_k_pages=0.25,
+                                  dense_layers=1)
+    want = TieredCache.for_model(model, gpu_tokens=64, page_tokens=32, top_k_pages=0.25,
+                                 dense_layers=1)
+    want.select_graphs = False
+    with caplog.at_level("WARNING", logger="deepseek_flash.kv.cache"):
+        got_tokens, _ = greedy(model, ids, None, cache, 8)
+    want_tokens, _ = greedy(model, ids, None, want, 8)
+    assert torch.equal(got_tokens, want_tokens)
+    assert [layer.graphs.failed for layer in cache.layers] == [False, True, True]
+    assert caplog.text.count("not captured as a CUDA graph") == 2  # once per layer
