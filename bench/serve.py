@@ -112,6 +112,7 @@ async def one(http, base, model, cls, max_tokens, prompt, t0, rec=None):
     rec.update({"class": cls, "max_tokens": max_tokens, "status": None, "ttft": None, "latency": None,
                 "tokens": 0, "degraded": False, "server_ttft_ms": None, "queue_ms": None})
     start = time.perf_counter()
+    rec["sent_at"] = start          # the clock the server's forwards are stamped with (monotonic)
     try:
         async with http.stream("POST", base + "/v1/completions", json=body) as resp:
             rec["status"] = resp.status_code
@@ -264,6 +265,26 @@ async def run_load(base, model, arrivals, prompt_len, drain_s):
     return records, time.perf_counter() - t0
 
 
+def worst_l0(recs, forwards, n=3) -> list:
+    """The ``n`` L0 requests with the longest time to first token, each with the engine's forwards
+    that began between its sending and its first token (ms from its sending, kind, rows, tokens per
+    row, attention key positions, ms on the host until the result, ms issuing it): where its wait
+    went."""
+    ok = sorted((r for r in recs if r["class"] == "L0" and r.get("ttft") is not None and r.get("sent_at")),
+                key=lambda r: -r["ttft"])
+    out = []
+    for r in ok[:n]:
+        lo, hi = r["sent_at"], r["sent_at"] + r["ttft"]
+        # The forward running when it arrived began before it: take from the last one before.
+        before = [f for f in forwards if f[3] < lo][-1:]
+        during = before + [f for f in forwards if lo <= f[3] <= hi]
+        out.append({"ttft_ms": ms(r["ttft"]), "server_ttft_ms": r["server_ttft_ms"], "queue_ms": r["queue_ms"],
+                    "forwards_ms": round(sum(f[4] for f in during), 3),
+                    "forwards": [{"at_ms": round((f[3] - lo) * 1e3, 2), "kind": f[0], "rows": f[1],
+                                  "tokens": f[2], "kv": f[6], "ms": f[4], "launch_ms": f[5]} for f in during]})
+    return out
+
+
 def summarize(recs, unloaded_p99_ms):
     out = {}
     for cls in ("L0", "L1", "L2"):
@@ -398,6 +419,8 @@ def main(argv=None) -> int:
     try:
         for mode in ("flash", "fifo"):
             state = make_state(model, tokenizer, max_batch=args.max_batch, max_model_len=max_len, scheduler=mode)
+            # Start-up's warm-up of every attention width (on by default on a CUDA device), seconds.
+            result.setdefault("engine_warm_s", {})[mode] = state.engine.warm_s
             srv, thread, base = start_server(state)
             try:
                 name = state.model_name
@@ -440,13 +463,15 @@ def main(argv=None) -> int:
                     save(result, args.output)
                 state.engine.runner.profile(reset=True)
                 recs, wall = client(pool, run_load, base, name, arrivals, args.prompt_len, drain)
+                forwards = state.engine.runner.forwards()
                 profiles[mode] = state.engine.runner.profile(reset=True)
                 phase(f"load {mode}")
                 results[mode] = {"records": recs, "wall_s": round(wall, 2),
                                  "summary": summarize(recs, result["unloaded"]["ttft_p99_ms"]),
                                  "metrics_degrade": state.engine.scheduler.snapshot()["degrade_steps"]}
                 result[mode] = results[mode]["summary"] | {"wall_s": results[mode]["wall_s"],
-                                                           "degrade_steps": results[mode]["metrics_degrade"]}
+                                                           "degrade_steps": results[mode]["metrics_degrade"],
+                                                           "worst_l0": worst_l0(recs, forwards)}
                 result["engine_profile"] = profiles
                 save(result, args.output)
             finally:
@@ -473,6 +498,12 @@ def main(argv=None) -> int:
         print(f"{mode:6} {l0['ttft_p99_ms']!s:>12} {tail:>16} "
               f"{s['checks']['l0_p99_over_unloaded']!s:>14} {s['L1']['latency_p99_ms']!s:>11} {s['L2']['degraded']!s:>12} "
               f"{sum(s[c]['lost'] for c in ('L0', 'L1', 'L2'))} {sum(s[c]['unfinished'] for c in ('L0', 'L1', 'L2'))}")
+    for mode in ("flash", "fifo"):
+        for w in result[mode].get("worst_l0", [])[:1]:
+            slow = sorted(w["forwards"], key=lambda f: -f["ms"])[:3]
+            print(f"{mode} worst L0: ttft {w['ttft_ms']} ms, queue {w['queue_ms']} ms, {len(w['forwards'])} forwards "
+                  f"{w['forwards_ms']} ms; slowest: " + ", ".join(
+                      f"{f['kind']} rows={f['rows']} tok={f['tokens']} kv={f['kv']} {f['ms']} ms" for f in slow))
     print(f"throughput {args.max_batch} vs 1: {result['throughput']['ratio']}x")
     for name in ("one", "full"):
         for key, p in profiles.get(name, {}).items():

@@ -47,7 +47,8 @@ class Engine:
     """The batching loop over ``model`` (a ``load_model`` model or any HF causal LM)."""
 
     def __init__(self, model, tokenizer, scheduler: FlashScheduler | None = None, *, max_batch: int = 8,
-                 max_model_len: int | None = None, prefill_chunk: int = 512, device=None):
+                 max_model_len: int | None = None, prefill_chunk: int = 512, device=None,
+                 warm: bool | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = int(max_batch)
@@ -63,6 +64,12 @@ class Engine:
         self.flash = getattr(model, "flash", None)
         self.stream = getattr(self.flash, "stream", None)
         self.read_base = int(getattr(self.flash, "priority", 0) or 0)
+        # Every attention width met at start-up (``RowRunner.warm``): by default on a CUDA device,
+        # where a shape's first forward costs hundreds of milliseconds, when the weights are resident
+        # (a streamed model's forward streams every layer: the sweep would cost a start-up of
+        # minutes for a large model).
+        self.warm = (self.runner.device.type == "cuda" and self.stream is None) if warm is None else bool(warm)
+        self.warm_s: float | None = None
         self._lock = threading.Condition()
         self._gens: dict[int, Generation] = {}        # id(SchedRequest) -> Generation
         self._rows: list[Generation | None] = [None] * self.max_batch
@@ -117,6 +124,16 @@ class Engine:
 
     # -- thread -----------------------------------------------------------------------------------
     def start(self) -> "Engine":
+        """Warm the runner (``warm``), move what start-up made out of the garbage collector's
+        sight (``gc.freeze``: the model's and the server's long-lived objects are never scanned
+        again, so a collection under load walks only what requests made), then run the thread."""
+        import gc
+
+        if self.warm and self.warm_s is None:
+            self.warm_s = self.runner.warm()
+            log.info("engine warm: %d attention widths in %.2f s", len(self.runner.kv_seen), self.warm_s)
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
         self._thread.start()
         return self

@@ -94,8 +94,11 @@ class RowRunner:
             from torch.nn.attention import SDPBackend
 
             self.sdpa = [getattr(SDPBackend, name) for name in SDPA_BACKENDS]
-        # (kind, rows, tokens per row, launch seconds, seconds until the result was on the host)
+        # (kind, rows, tokens per row, launch seconds, seconds until the result was on the host,
+        # monotonic start, attention key positions)
         self._profile: list = []
+        # Attention widths (``KV_BUCKET`` multiples) that a forward has met: see ``warm``.
+        self.kv_seen: set = set()
 
     def _kwargs(self, cache) -> dict:
         kwargs = {self._cache_kw: cache, "use_cache": True}
@@ -108,6 +111,8 @@ class RowRunner:
         the attention reads ``kv_len`` key positions, rounded up to a ``KV_BUCKET``."""
         torch = self.torch
         kv_len = min(self.cache.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)
+        self.kv_seen.add(kv_len)
+        self._kv_last = kv_len
         span = (rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[0] + len(rows))) else None
         self.cache.bind(torch.tensor(rows, device=self.device), positions, kv_len, span)
         keys = torch.arange(kv_len, device=self.device)
@@ -134,7 +139,7 @@ class RowRunner:
         launched = time.perf_counter() - began
         self._sync()                # the cost of this forward, not of the next one that waits
         spent = time.perf_counter() - began
-        self._record("prefill", len(rows), len(ids[0]), launched, spent)
+        self._record("prefill", len(rows), len(ids[0]), launched, spent, began)
         return logits, spent
 
     def decode(self, gens, rows: list, last: list, lengths: list):
@@ -148,7 +153,7 @@ class RowRunner:
         launched = time.perf_counter() - began
         tokens = self.sample(logits, gens)
         spent = time.perf_counter() - began
-        self._record("decode", len(rows), 1, launched, spent)
+        self._record("decode", len(rows), 1, launched, spent, began)
         return tokens, spent
 
     def solo(self, kv_cache, ids: list):
@@ -181,12 +186,48 @@ class RowRunner:
         finally:
             self.attention(self.attn_default)
 
+    def forwards(self, since: float = 0.0) -> list:
+        """The recorded forwards that began at or after ``since`` (``time.perf_counter``), oldest
+        first: (kind, rows, tokens per row, began, ms until the result was on the host, ms the host
+        spent issuing it, attention key positions)."""
+        return [(kind, rows, tokens, began, round(total_s * 1e3, 3), round(launch_s * 1e3, 3), kv)
+                for kind, rows, tokens, launch_s, total_s, began, kv in self._profile[-PROFILE_SAMPLES:]
+                if began >= since]
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
 
-    def _record(self, kind: str, rows: int, tokens: int, launch_s: float, total_s: float) -> None:
-        self._profile.append((kind, rows, tokens, launch_s, total_s))
+    def warm(self) -> float:
+        """Meet, before any request does, every attention width a forward can have: one decode
+        forward over all rows per ``KV_BUCKET`` multiple up to the cache's length, one over two
+        rows apart (the gathered-rows path), and a prompt chunk. On a CUDA device the first forward
+        of a new shape costs a few hundred milliseconds of host time (kernel selection and set-up);
+        met under load, that stalls every running request and the queue behind it -- an L0
+        request's first token among them. Keys written here are beyond any request's length
+        (masked, as an earlier occupant's are). Returns the seconds it took."""
+        torch = self.torch
+        began = time.perf_counter()
+        rows = self.cache.keys[0].shape[0]
+        widths = range(KV_BUCKET, self.cache.max_len + KV_BUCKET, KV_BUCKET)
+        with torch.inference_mode():
+            for kv_len in widths:
+                last = min(kv_len, self.cache.max_len) - 1
+                for group in (list(range(rows)), [0, rows - 1] if rows > 2 else None):
+                    if group is None:
+                        continue
+                    ids = torch.zeros((len(group), 1), dtype=torch.long, device=self.device)
+                    positions = torch.full((len(group), 1), last, device=self.device)
+                    self.forward(group, ids, positions, last + 1)
+            chunk = min(KV_BUCKET, self.cache.max_len)
+            ids = torch.zeros((1, chunk), dtype=torch.long, device=self.device)
+            self.forward([0], ids, torch.arange(chunk, device=self.device)[None, :], chunk)
+            self._sync()
+        return time.perf_counter() - began
+
+    def _record(self, kind: str, rows: int, tokens: int, launch_s: float, total_s: float,
+                began: float = 0.0) -> None:
+        self._profile.append((kind, rows, tokens, launch_s, total_s, began, getattr(self, "_kv_last", 0)))
         if len(self._profile) > 2 * PROFILE_SAMPLES:
             del self._profile[:-PROFILE_SAMPLES]
 
@@ -200,7 +241,7 @@ class RowRunner:
         if reset:
             self._profile = []
         groups: dict = {}
-        for kind, rows, tokens, launch_s, total_s in samples:
+        for kind, rows, tokens, launch_s, total_s, *_ in samples:
             if kind == "decode":
                 key = "decode_rows_" + next(f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in
                                             ((1, 1), (2, 4), (5, 8), (9, 16), (17, 1 << 30)) if rows <= hi)

@@ -46,6 +46,11 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
         assert summary["L0"]["answered"] > 0 and summary["L0"]["ttft_p99_ms"] > 0
         assert summary["checks"]["l0_ttft_samples"] == summary["L0"]["ttft_samples"] == summary["L0"]["answered"]
         assert summary["checks"]["unloaded_p99_ttft_ms"] == unloaded["ttft_p99_ms"]
+        # Where the slowest L0 requests' waits went: the forwards between sending and first token.
+        worst = summary["worst_l0"]
+        assert worst and worst[0]["ttft_ms"] == summary["L0"]["ttft_max_ms"]
+        assert all(f["kind"] in ("prefill", "decode") and f["ms"] > 0 for w in worst for f in w["forwards"])
+        assert any(f["kind"] == "prefill" for f in worst[0]["forwards"])       # its own prefill at least
     assert result["fifo"]["degrade_steps"] == {"temperature": 0, "top_p": 0, "max_new_tokens": 0}
     assert result["throughput"]["one"]["tokens"] == 8 and result["throughput"]["full"]["tokens"] == 4 * 8
     pngs = sorted(Path(p).name for p in result["png"])

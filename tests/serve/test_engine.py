@@ -453,3 +453,26 @@ def test_an_l0_request_takes_the_row_of_a_running_one_which_resumes_where_it_was
     assert b.on_event.result()[1]["preempted"] == 1 and a.on_event.result()[1]["preempted"] == 0
     assert eng.scheduler.snapshot()["preempted"] == {"L0": 0, "L1": 1, "L2": 0}
     eng.close(timeout=0)
+
+
+def test_a_warmed_engine_has_met_every_attention_width_before_its_first_request(engine, tiny_reference):
+    # A shape's first forward on a CUDA device costs hundreds of milliseconds of host time; met
+    # under load it stalls the whole batch and the L0 request queued behind it. The warm-up meets
+    # every width a forward can read (KV_BUCKET multiples up to the cache), full batch and gathered
+    # rows, so no request does -- and its keys, beyond any request's length, change no output.
+    import gc
+
+    from deepseek_flash.serve.runner import KV_BUCKET
+
+    assert Engine(tiny_reference, None, max_batch=2).warm is False      # CPU default: nothing to warm
+    eng = engine(max_batch=3, max_model_len=200, warm=True)
+    widths = {KV_BUCKET, 2 * KV_BUCKET, 3 * KV_BUCKET, 200}
+    assert eng.runner.kv_seen == widths and eng.warm_s > 0
+    assert gc.get_freeze_count() > 0                     # start-up's objects out of the collector's scans
+    prompt = [(5 * j) % 250 + 3 for j in range(60)]
+    g = generation(prompt, 136)
+    assert eng.submit(g).admitted
+    kind, _ = g.on_event.result()
+    assert kind == "done" and g.output_ids == greedy(tiny_reference, prompt, len(g.output_ids))
+    assert len(prompt) + len(g.output_ids) > 3 * KV_BUCKET      # it reached the last width
+    assert eng.runner.kv_seen == widths                  # and met none the warm-up had not
