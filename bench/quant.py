@@ -462,6 +462,7 @@ def main(argv=None) -> int:
             res[label]["prefetch_hit_rate"] = round(model.flash.stream.stats()["prefetch_hit_rate"], 4)
         save(res, args.output)
         name = model.flash.info.name
+        del decoder                 # it holds the model: the phase's memory must go with it
         free(model)
         del model
         free()      # collected once its last reference is gone, before the next phase measures

@@ -268,6 +268,10 @@ class GraphDecoder:
         self.graphs.clear()
         self.states.clear()
         self.store = None
+        # The caches' views hold the old buffers too: drop them before a larger cache is made (a
+        # batch-8 cache was allocated while the batch-1 one still lived).
+        self._caches = {}
+        self._kv_rows = {}
         self.pool = None
         self.counters["graph_pool_bytes"] = 0
 

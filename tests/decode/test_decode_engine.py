@@ -160,6 +160,30 @@ def test_out_of_memory_falls_back_to_transformers_for_the_call(where, monkeypatc
     assert decoder.stats()["generate_calls"] == 2 and decoder.stats()["kv_bytes"] > 0
 
 
+def test_a_larger_batch_frees_the_old_cache_before_making_the_new(monkeypatch):
+    import weakref
+
+    from deepseek_flash.decode import engine
+
+    model = tiny_model("llama", seed=2)
+    decoder = enable(model, capacity=32)
+    ids, mask = left_padded(1, 6, seed=3)
+    reference(model, ids, mask, max_new_tokens=4)
+    old = weakref.ref(decoder.store)
+    assert decoder._caches and decoder._kv_rows        # views of the old buffers
+    alive_at_new, make = [], engine.KVStore
+
+    def store(*args, **kwargs):
+        alive_at_new.append(old() is not None or bool(decoder._caches) or bool(decoder._kv_rows))
+        return make(*args, **kwargs)
+    monkeypatch.setattr(engine, "KVStore", store)
+    ids, mask = left_padded(3, 6, seed=4)
+    want = decoder.transformers_generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                         pad_token_id=0)
+    assert torch.equal(reference(model, ids, mask, max_new_tokens=4), want)
+    assert alive_at_new == [False] and decoder.store.batch == 4
+
+
 def test_unsupported_calls_go_to_transformers_with_a_logged_reason(caplog):
     model = tiny_model("llama")
     ids, mask = left_padded(1, 6)
