@@ -287,6 +287,11 @@ def start_read_ahead(packages=None, threads: int = PREFETCH_THREADS) -> ReadAhea
     import sys
     import time
 
+    exe = sys.executable
+    if not exe or not os.path.basename(exe).lower().startswith(("python", "pypy")):
+        # An embedding host (uWSGI, a C++ server): its executable would not run the script.
+        log.debug("import read-ahead not started: %r is no Python interpreter", exe)
+        return None
     job = _read_ahead_job(packages, threads)
     if job is None:
         return None

@@ -109,6 +109,29 @@ def test_prefetch_reads_every_byte_where_the_kernel_ignores_read_ahead_advice(tm
     assert read == {str(pkg / rel): size for rel, size in sizes.items()}
 
 
+def test_the_read_ahead_process_reads_every_file_and_only_under_a_python_executable(tmp_path,
+                                                                                   monkeypatch):
+    import subprocess
+    import sys
+
+    from deepseek_flash.client import skeleton
+
+    pkg = tmp_path / "flash_prefetch_proc"
+    for rel in ("__init__.py", "a.py", "sub/__init__.py", "tests/t.py"):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("DEEPSEEK_FLASH_CACHE_DIR", str(tmp_path / "cache"))    # no manifest
+    ra = skeleton.start_read_ahead(("flash_prefetch_proc",), threads=2)
+    assert ra.wait(60) == 3 and ra.proc.returncode == 0 and ra.seconds > 0
+    assert skeleton.start_read_ahead(("no_such_package_here",)) is None
+    # Embedded in a host whose executable is not Python: nothing is started.
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(sys, "executable", "/usr/bin/uwsgi")
+    assert skeleton.start_read_ahead(("flash_prefetch_proc",)) is None and started == []
+
+
 def test_the_next_fresh_process_reads_ahead_every_file_the_skeleton_imports(tmp_path, monkeypatch):
     """A skeleton build in a fresh process records what it imported; the next fresh process's
     prefetch reads all of it (whatever packages the environment's transformers pulls in) plus the
