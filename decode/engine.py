@@ -10,7 +10,7 @@ transformers' processors apply them -- is a mask and a step count held in device
 ``capacity`` (tokens per sequence, prompt + new) sizes the cache once; a request beyond it raises
 ``DecodeCapacityExceeded`` before any work.
 
-State the step reads and writes lives in fixed device tensors (``_State``): the last token, each
+State the step reads and writes lives in fixed device tensors (``state.StepState``): the last token, each
 row's first real slot, the slot written next, the output index, the finished flags and the output
 buffer. Before capturing, the step runs twice eagerly on a side stream (as CUDA graphs require)
 and the scalars it advanced are put back. ``stats()["graph_pool_bytes"]``: the memory the
@@ -30,6 +30,7 @@ from . import fused as fusion
 from . import kernels
 from . import request as requests
 from .cache import Cursor, KVStore
+from .state import StepState, is_eos, suppress_eos
 from .step import (PACKED_ATTENTION, MaskSpec, StepModules, cache_keyword, choose, decode_allowed,
                    forward_last, prefill_allowed, register_attention, rms_norms, unsupported)
 
@@ -49,57 +50,12 @@ def length_bucket(tokens: int, capacity: int, step: int = LENGTH_BUCKET) -> int:
     return min(capacity, -(-tokens // step) * step)
 
 
-def _is_eos(tokens, eos):
-    """``torch.isin`` without its sorting path, which syncs with the host (a capture breaker)."""
-    return (tokens[:, None] == eos[None, :]).any(dim=-1)
-
-
-def _suppress_eos(logits, st, step):
-    """transformers' MinLength / MinNewTokensLength processors: eos logits -inf while fewer than
-    ``min_new`` new tokens exist (``step``: the index of the token being chosen)."""
-    return logits.masked_fill(st.eos_mask & (st.min_new > step), float("-inf"))
-
-
 def _oom_error(torch):
     return getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 
 def _records_logits(kind) -> bool:
     return isinstance(kind, tuple) and kind[-1] == "logits"
-
-
-class _State:
-    """The fixed tensors one batch bucket's graphs read and write."""
-
-    def __init__(self, batch: int, capacity: int, vocab: int, device, torch):
-        i64 = dict(dtype=torch.int64, device=device)
-        self.batch = batch
-        self.tokens = torch.zeros(batch, **i64)
-        self.valid_from = torch.zeros(batch, **i64)
-        self.slot = torch.zeros(1, **i64)
-        self.step = torch.zeros(1, **i64)
-        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.out = torch.zeros(batch, capacity, **i64)
-        self.done = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.eos = torch.full((requests.MAX_EOS,), -1, **i64)
-        self.pad = torch.zeros(1, **i64)
-        # min_new_tokens / min_length: eos logits are -inf while step < min_new.
-        self.min_new = torch.zeros(1, **i64)
-        self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-        self.temperature = torch.ones(1, dtype=torch.float32, device=device)
-        self.top_p = torch.ones(1, dtype=torch.float32, device=device)
-        self.key_slots = torch.arange(capacity, **i64)
-        self.logits = None          # (batch, steps, vocab) float32 while generate_with_logits runs
-
-    def scalars(self):
-        return (self.tokens, self.slot, self.step, self.finished)
-
-    def snapshot(self):
-        return [t.clone() for t in self.scalars()]
-
-    def restore(self, saved) -> None:
-        for t, s in zip(self.scalars(), saved):
-            t.copy_(s)
 
 
 class GraphDecoder:
@@ -159,7 +115,7 @@ class GraphDecoder:
         self.store: KVStore | None = None
         self._caches: dict = {}
         self._kv_rows: dict = {}
-        self.states: dict[int, _State] = {}
+        self.states: dict[int, StepState] = {}
         self.graphs: dict[tuple, object] = {}
         self.pool = None
         self.cursor = Cursor()
@@ -305,7 +261,7 @@ class GraphDecoder:
         st.valid_from.zero_()
         st.valid_from[:b] = req.valid_from
         st.finished.fill_(True)
-        st.finished[:b] = _is_eos(first, st.eos)
+        st.finished[:b] = is_eos(first, st.eos)
         st.out[:, 0] = st.tokens
         st.done[0] = st.finished.all()
         st.slot.fill_(prompt)
@@ -351,7 +307,7 @@ class GraphDecoder:
         if st.logits is not None:
             st.logits[:b, 0] = logits
         if suppress:
-            logits = _suppress_eos(logits, st, 0)
+            logits = suppress_eos(logits, st, 0)
         return choose(logits, self._sampling(st, sampling_kind))
 
     def _ring_for_steps(self):
@@ -420,10 +376,10 @@ class GraphDecoder:
         if st.logits is not None:
             st.logits.index_copy_(1, st.step, logits[:, None])
         if suppress:
-            logits = _suppress_eos(logits, st, st.step)
+            logits = suppress_eos(logits, st, st.step)
         nxt = choose(logits, self._sampling(st, sampling_kind))
         nxt = torch.where(st.finished, st.pad, nxt)
-        st.finished |= _is_eos(nxt, st.eos)
+        st.finished |= is_eos(nxt, st.eos)
         st.out.index_copy_(1, st.step, nxt[:, None])
         st.done.index_copy_(0, st.step, st.finished.all()[None])
         st.tokens.copy_(nxt)
@@ -543,7 +499,7 @@ class GraphDecoder:
         self._log_once(f"decode steps run eagerly over the static cache: {reason}")
 
     # --- buffers ---------------------------------------------------------------------------------
-    def _state(self, bucket: int) -> _State:
+    def _state(self, bucket: int) -> StepState:
         if self.store is None or self.store.batch < bucket:
             if self.store is not None:
                 log.info("decode cache grows from %d to %d rows; graphs are captured again",
@@ -561,7 +517,7 @@ class GraphDecoder:
         if st is None:
             head = self.model.get_output_embeddings()
             vocab = getattr(head, "out_features", None) or self.model.config.vocab_size
-            st = self.states[bucket] = _State(bucket, self.capacity, vocab, self.device, self.torch)
+            st = self.states[bucket] = StepState(bucket, self.capacity, vocab, self.device, self.torch)
             self._caches[bucket] = self.store.cache(bucket, self.cursor)
         return st
 
