@@ -119,18 +119,24 @@ def test_one_gather_fetch_is_the_bytes_of_the_chosen_pages(batch, monkeypatch):
         assert cache.counters["pages_fetched"] == batch * 5
 
 
-def test_a_view_that_reads_other_bytes_falls_back_to_copies(monkeypatch, caplog):
-    # the view's self-check (first page through the view == the page copied) fails: the layer
-    # says so once and fetches run by run, with the right bytes
-    import deepseek_flash.kv.span as span
-
-    torch.manual_seed(5)
+def _seven_pages_on_the_host(seed):
+    """One top-K layer (2 sinks, P tokens on the GPU) after a prefill of seven pages' worth."""
+    torch.manual_seed(seed)
     n_tokens = 2 + 6 * P + P
     keys, values = torch.randn(1, H, n_tokens, D), torch.randn(1, H, n_tokens, D)
     cache = TieredCache(1, kv_heads=H, head_dim=D, gpu_tokens=P, sink_tokens=2, page_tokens=P,
                         dense_layers=0, top_k_pages=2)
     layer = cache.layers[0]
     _step(layer, torch.zeros(1, 2 * H, n_tokens, D), keys, values)
+    return cache, layer, keys, values
+
+
+def test_a_view_that_reads_other_bytes_falls_back_to_copies(monkeypatch, caplog):
+    # the view's self-check (first page through the view == the page copied) fails: the layer
+    # says so once and fetches run by run, with the right bytes
+    import deepseek_flash.kv.span as span
+
+    cache, layer, keys, values = _seven_pages_on_the_host(seed=5)
     real = span.raw_view
     monkeypatch.setattr(span, "raw_view", lambda a, n, dev: real(a, n, dev).clone().zero_())
     with caplog.at_level("WARNING", logger="deepseek_flash.kv.cache"):
@@ -144,13 +150,7 @@ def test_a_view_that_reads_other_bytes_falls_back_to_copies(monkeypatch, caplog)
 def test_a_gather_refused_by_torch_falls_back_to_copies(monkeypatch):
     import deepseek_flash.kv.span as span
 
-    torch.manual_seed(6)
-    n_tokens = 2 + 6 * P + P
-    keys, values = torch.randn(1, H, n_tokens, D), torch.randn(1, H, n_tokens, D)
-    cache = TieredCache(1, kv_heads=H, head_dim=D, gpu_tokens=P, sink_tokens=2, page_tokens=P,
-                        dense_layers=0, top_k_pages=2)
-    layer = cache.layers[0]
-    _step(layer, torch.zeros(1, 2 * H, n_tokens, D), keys, values)
+    cache, layer, keys, values = _seven_pages_on_the_host(seed=6)
     assert layer.pages.span() is not None  # built (and self-checked) before gather is refused
 
     def refuse(self, chosen):
