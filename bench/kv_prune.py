@@ -18,8 +18,9 @@ the first ``--prefill`` tokens are a dense prefill, every later token is decoded
   hold; the pruned cache also attends what it recalls from the host (``pages_fetched_per_step``
   says how much).
 
-GPU KV bytes of the pruned cache: ``stats()["gpu_bytes"]`` (sinks, recent window, level-1 pages,
-page summaries when top-K recall reads them, the scorer's per-token statistics), and what full
+GPU KV bytes of the pruned cache: ``stats()["gpu_bytes"]`` (K and V on the device: sinks, recent
+window, level-1 pages, and page summaries when top-K recall reads them; the scorer's per-token
+statistics are not KV: ``scorer_gpu_bytes_final`` in the JSON), and what full
 attention holds at the same instants (``full_bytes``), both sampled every 8 decode steps;
 ``memory_ratio`` = mean full bytes / mean GPU bytes over those samples.
 
@@ -130,7 +131,8 @@ def run(model, windows: torch.Tensor, prefill: int, spec: dict, batch: int) -> d
                    promotions=sum(s["promotions"] for s in stats),
                    recalls=sum(s["recalls"] for s in stats),
                    pages_fetched_per_step=round(sum(s["pages_fetched"] for s in stats) / steps, 2),
-                   level3_bytes_saved=st["level3_bytes_saved"])
+                   level3_bytes_saved=st["level3_bytes_saved"],
+                   scorer_gpu_bytes_final=st.get("scorer_gpu_bytes", 0))
     return row
 
 

@@ -97,9 +97,11 @@ class LayerPrune:
         self.spilled: dict[int, tuple] = {}   # page -> (SpilledChunk, row)
         self.lost: set[int] = set()           # spilled pages whose bytes failed their crc (graceful)
         self._like = None                     # a compressed page of one sequence: the row's shapes
-        self._l1_cols = None                  # (l1_pages, slots [1, n * page_tokens]) cached
+        self._cols = None                     # (levels' key, slots of all but the recent window)
+        self._recalled_stores = []            # the store of each part ``_recall`` returned
         self._ahead = None                    # a lossless recall's rows copied ahead (prefetch)
         self.steps = 0
+        self.due = False                      # an evaluation is due at the end of the step
         self.counters = {"demotions": 0, "promotions": 0, "recalls": 0, "evaluations": 0,
                          "recall_bytes": 0, "recall_copies": 0}
 
@@ -122,8 +124,12 @@ class LayerPrune:
         return [int((self.level == lv).sum()) for lv in (1, 2, 3)]
 
     def gpu_bytes(self) -> int:
-        kv = 0 if self.l1_k is None else 2 * self.l1_k.numel() * self.l1_k.element_size()
-        return kv + self.stats.nbytes()
+        """KV bytes of level 1 on the device (the scorer's statistics: ``scorer_gpu_bytes``)."""
+        return 0 if self.l1_k is None else 2 * self.l1_k.numel() * self.l1_k.element_size()
+
+    def scorer_gpu_bytes(self) -> int:
+        """The scorer's per-token attention statistics on the device (not KV)."""
+        return self.stats.nbytes()
 
     def host_bytes(self) -> int:
         rows = 0 if self.l2 is None else self.l2.nbytes() + self.l3.nbytes()
@@ -185,8 +191,27 @@ class LayerPrune:
 
     def _decompressed(self, rows: torch.Tensor, lead: tuple) -> torch.Tensor:
         """Level-3 rows (uint8, on the device) -> pages ``[*lead, 2, h, p, d]``."""
-        c = from_rows(rows, self._like)
+        c = from_rows(rows, self._like, copy=False)
         return decompress_pages(c, self.layer.dtype).view(*lead, *self.layer._cache.layout.shape)
+
+    def _decompressed_kv(self, rows: torch.Tensor, n: int, seq_major: bool):
+        """Level-3 rows (uint8, on the device) of ``n`` pages -> keys, values ``[b, h, n * p,
+        d]``, decompressed straight into that layout (no copy of the pages to reorder them).
+        Rows are page-major (``slot * b + sequence``) or, ``seq_major``, sequence-major."""
+        from .compress import CompressedPages, decompress_into
+
+        b, shape = self.layer.batch, self.layer._cache.layout.shape  # (2, h, p, d)
+        c = from_rows(rows, self._like, copy=False)
+        lead = (b, n) if seq_major else (n, b)
+        fields = {f: getattr(c, f).reshape(*lead, *getattr(c, f).shape[1:])
+                  for f in ("k_codes", "v_codes", "k_lo", "k_step", "v_lo", "v_step")}
+        c = CompressedPages(**fields, shape=(*lead, *shape), dtype=self.layer.dtype)
+        _, h, p, d = shape
+        out = torch.empty((2, b, h, n, p, d), dtype=torch.float32, device=rows.device)
+        decompress_into(c, out.permute(1, 3, 0, 2, 4, 5) if seq_major
+                        else out.permute(3, 1, 0, 2, 4, 5))
+        kv = out.to(self.layer.dtype).view(2, b, h, n * p, d)
+        return kv[0], kv[1]
 
     def _pages_to_device(self, pages: list[int]) -> torch.Tensor:
         """Demoted ``pages`` (named on the host: an evaluation's promotions) on the device,
@@ -314,16 +339,17 @@ class LayerPrune:
     def _apply(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``): the reads
         first (one copy per level), then the removals, then the writes."""
-        changed = torch.nonzero(new != old).flatten().tolist()
-        if not changed:
+        moved = new != old
+        if not bool(moved.any()):
             return
         self._stores()
         self._drop_ahead()
         self._sync()
         b = self.layer.batch
-        leaving = [pg for pg in changed if int(old[pg]) == 1]                           # 1 -> 2
-        compressing = [pg for pg in changed if int(old[pg]) == 2 and int(new[pg]) == 3]  # 2 -> 3
-        joining = [pg for pg in changed if int(new[pg]) == 1]                           # -> 1
+        pages_of = lambda mask: torch.nonzero(mask).flatten().tolist()  # noqa: E731
+        leaving = pages_of(moved & (old == 1))                    # 1 -> 2
+        compressing = pages_of(moved & (old == 2) & (new == 3))   # 2 -> 3
+        joining = pages_of(moved & (new == 1))                    # -> 1
         got = self._pages_to_device(joining) if joining else None
         comp_rows = None
         if compressing:
@@ -347,24 +373,19 @@ class LayerPrune:
     # --- a step ---------------------------------------------------------------------------------
     def past(self, query: torch.Tensor, recall_all: bool):
         """Parts (slot order not required) and slot indices ``[b, n]`` of the committed tokens to
-        attend: sinks, level-1 pages, recalled pages, recent window."""
+        attend: sinks, level-1 pages, recalled pages, recent window. The slots of all but the
+        recent window are kept while the levels and the recall mode stay the same (lossless
+        recall: every step)."""
         layer, cache = self.layer, self.layer._cache
         p, s, b, dev = cache.page_tokens, layer.sinks, layer.batch, layer.device
-        ar = torch.arange(p, device=dev)
-        k_parts, v_parts, cols = [layer.sink_k], [layer.sink_v], [torch.arange(s, device=dev)
-                                                                  .expand(b, s)]
+        k_parts, v_parts = [layer.sink_k], [layer.sink_v]
         if self.l1_pages:
             k_parts.append(self.l1_k)
             v_parts.append(self.l1_v)
-            if self._l1_cols is None or self._l1_cols[0] != self.l1_pages:
-                idx = torch.tensor(self.l1_pages, device=dev)
-                self._l1_cols = (list(self.l1_pages), (s + idx[:, None] * p + ar).reshape(1, -1))
-            cols.append(self._l1_cols[1].expand(b, -1))
-        if self.l2 is not None:
-            for k, v, c in self._recall(query, recall_all):
-                k_parts.append(k)
-                v_parts.append(v)
-                cols.append(c)
+        recalled = self._recall(query, recall_all) if self.l2 is not None else []
+        for k, v, _ in recalled:
+            k_parts.append(k)
+            v_parts.append(v)
         if query.shape[2] <= cache.select_max_queries:  # a decode step
             nxt = cache.layers[(layer.index + 1) % len(cache.layers)]
             if nxt.prune is not None and (cache.top_k_pages is None or nxt.dense):
@@ -372,22 +393,42 @@ class LayerPrune:
         k_parts.append(layer.recent_k)
         v_parts.append(layer.recent_v)
         n_rec = layer.recent_k.shape[2]
-        cols.append(torch.arange(layer.length - n_rec, layer.length, device=dev).expand(b, -1))
-        return k_parts, v_parts, torch.cat(cols, 1)
+        fixed = all(c is None for _, _, c in recalled)  # every recalled page: slots from the ids
+        key = (s, b, tuple(self.l1_pages), self._versions() if self.l2 is not None else None,
+               tuple(id(store) for store in self._recalled_stores) if recalled else ())
+        if not fixed or self._cols is None or self._cols[0] != key:
+            ar = torch.arange(p, device=dev)
+            cols = [torch.arange(s, device=dev).expand(b, s)]
+            if self.l1_pages:
+                idx = torch.tensor(self.l1_pages, device=dev)
+                cols.append((s + idx[:, None] * p + ar).reshape(1, -1).expand(b, -1))
+            for store, (_, _, c) in zip(self._recalled_stores, recalled):
+                if c is None:
+                    ids = store.ids()
+                    c = (s + ids[:, None] * p + ar).reshape(1, -1).expand(b, -1)
+                cols.append(c)
+            head = torch.cat(cols, 1)
+            self._cols = (key, head) if fixed else None
+        else:
+            head = self._cols[1]
+        recent = torch.arange(layer.length - n_rec, layer.length, device=dev).expand(b, -1)
+        return k_parts, v_parts, torch.cat((head, recent), 1)
 
     def _recall(self, query: torch.Tensor, recall_all: bool):
         """The demoted pages this step attends, per store (level 2, level 3, level 3 on disk):
-        keys, values ``[b, h, k * p, d]`` and their slots ``[b, k * p]``. Lossless (``recall_all``
-        or no ``top_k_pages``): every page, one copy per store. Top-K: the budget split over the
-        stores by their sizes (``split_k``), the best pages of each by the layer's page scores,
-        one gather per store with the indices on the device."""
+        keys, values ``[b, h, k * p, d]`` and their slots ``[b, k * p]`` (None: every page of the
+        store, in its slot order -- ``past`` makes them from the store's ids). Lossless
+        (``recall_all`` or no ``top_k_pages``): every page, one copy per store. Top-K: the budget
+        split over the stores by their sizes (``split_k``), the best pages of each by the layer's
+        page scores, one gather per store with the indices on the device. ``_recalled_stores``:
+        the store of each part returned."""
         from ..layout import unpack_pages
         from ..select import resolve_top_k
 
         layer, cache = self.layer, self.layer._cache
         p, s, b, dev = cache.page_tokens, layer.sinks, layer.batch, layer.device
-        ar = torch.arange(p, device=dev)
-        disk = [pg for pg in self.spilled if pg not in self.lost]
+        self._recalled_stores = []
+        disk = [pg for pg in self.spilled if pg not in self.lost] if self.spilled else []
         sizes = [len(self.l2), len(self.l3), len(disk)]
         total = sum(sizes)
         if total == 0:
@@ -404,27 +445,28 @@ class LayerPrune:
                 continue
             if store is None:
                 pages, kv = self._recall_disk(disk, scores, kg)
+                m = pages.shape[1]
+                cols = (s + pages[:, :, None] * p + torch.arange(p, device=dev)).reshape(b, -1)
             elif kg is None:  # every page of the store, the same for every sequence
                 rows = ahead[id(store)] if ahead is not None else store.all()
-                got = (self._full(rows, (n, b)) if store is self.l2
-                       else self._decompressed(rows, (n, b)))
-                kv = unpack_pages(got)
-                pages = store.ids().expand(b, n)
+                kv = (unpack_pages(self._full(rows, (n, b))) if store is self.l2
+                      else self._decompressed_kv(rows, n, seq_major=False))
+                m, cols = n, None
             else:
                 ids = store.ids()
                 slots = scores.index_select(1, ids).topk(kg, dim=-1).indices.sort(-1).values
                 rows = store.gather((slots * b + torch.arange(b, device=dev)[:, None]).flatten())
-                got = (self._full(rows, (b, kg)) if store is self.l2
-                       else self._decompressed(rows, (b, kg)))
-                kv = unpack_pages(got.transpose(0, 1))
-                pages = ids[slots]
+                kv = (unpack_pages(self._full(rows, (b, kg)).transpose(0, 1))
+                      if store is self.l2 else self._decompressed_kv(rows, kg, seq_major=True))
+                m = kg
+                cols = (s + ids[slots][:, :, None] * p + torch.arange(p, device=dev)).reshape(b, -1)
             if store is not None:
                 self.counters["recall_bytes"] += rows.numel()
                 self.counters["recall_copies"] += 1
-            m = pages.shape[1]
             self.counters["recalls"] += b * m
             cache.counters["pages_fetched"] += b * m
-            out.append((kv[0], kv[1], (s + pages[:, :, None] * p + ar).reshape(b, -1)))
+            self._recalled_stores.append(store)
+            out.append((kv[0], kv[1], cols))
         return out
 
     def _recall_disk(self, disk: list[int], scores, k):
@@ -450,11 +492,11 @@ class LayerPrune:
         pages = self._decompressed(got.view(b * m, -1).to(dev), (b, m))  # [b, m, 2, h, p, d]
         return torch.tensor(rows, device=dev), unpack_pages(pages.transpose(0, 1))
 
-    def shares(self, query, k_parts, k_new, cols, pad_mask, scale, q_len):
+    def shares(self, query, keys, cols, pad_mask, scale, q_len):
         """The attention share ``[b, n]`` of the attended slots (committed ``cols`` and the new
-        tokens) for the last ``observe_queries`` queries, and those slots ``[b, n]``."""
+        tokens; ``keys``: theirs, as the attention concatenated them) for the last
+        ``observe_queries`` queries, and those slots ``[b, n]``."""
         layer = self.layer
-        keys = torch.cat((*k_parts, k_new), 2)
         b = keys.shape[0]
         new_slots = torch.arange(layer.length, layer.length + q_len, device=keys.device)
         slots = torch.cat((cols, new_slots.expand(b, -1)), 1)
@@ -473,16 +515,25 @@ class LayerPrune:
         self.stats.append(k_new, v_new)
         self.stats.observe(probs, slots)
         if q_len > self.layer._cache.select_max_queries:
-            self.evaluate()
+            self.due = True
             self.steps = 0
-            return
-        self.steps += 1
-        if self.steps % self.s.every == 0:
-            self.evaluate()
+        else:
+            self.steps += 1
+            if self.steps % self.s.every == 0:
+                self.due = True
+        cache = self.layer._cache
+        if self.layer.index == len(cache.layers) - 1:
+            evaluate_due(cache.layers)
 
     def page_scores(self) -> torch.Tensor:
-        """Scores ``[n_pages]`` (CPU) of the layer's pages: the scorer's token scores, averaged
-        per page, times the compensation, plus the pattern offsets (kv/prune/policy.py)."""
+        """Scores ``[n_pages]`` (CPU) of the layer's pages (``device_page_scores``, brought to
+        the host)."""
+        return self.device_page_scores().cpu()
+
+    def device_page_scores(self) -> torch.Tensor:
+        """Scores ``[n_pages]`` of the layer's pages, on its device: the scorer's token scores,
+        averaged per page, times the compensation, plus the pattern offsets
+        (kv/prune/policy.py)."""
         layer, cache = self.layer, self.layer._cache
         s, p = layer.sinks, cache.page_tokens
         inp = self.stats.input(layer.index, cache.num_layers, s, s + self.n_pages * p,
@@ -492,7 +543,7 @@ class LayerPrune:
         off = page_offsets(tok_off, p) if tok_off is not None else None
         l1, l2, _ = self.level_pages()
         n_active = layer.sinks + layer.recent_k.shape[2] + (l1 + l2) * p
-        return adjust_scores(raw, n_active, off, compensate=self.s.compensate).cpu()
+        return adjust_scores(raw, n_active, off, compensate=self.s.compensate)
 
     def l1_cap(self) -> int | None:
         """Level-1 pages the layer may hold: what ``device_tokens`` leaves after the sinks and
@@ -503,10 +554,13 @@ class LayerPrune:
         left = self.s.device_tokens - cache.sink_tokens - cache.gpu_tokens
         return max(0, left) // cache.page_tokens
 
-    def evaluate(self) -> None:
+    def evaluate(self, scores: torch.Tensor | None = None) -> None:
+        """Move the pages to their levels by ``scores`` (CPU ``[n_pages]``; None: scored now)."""
+        self.due = False
         if self.n_pages == 0:
             return
-        scores = self.page_scores()
+        if scores is None:
+            scores = self.page_scores()
         if self.lost:  # a lost page has no bytes to come back with: it stays at level 3
             scores[torch.tensor(sorted(self.lost))] = -1.0
         new, promoted, demoted = next_levels(self.level, scores, self.s.threshold,
@@ -517,6 +571,23 @@ class LayerPrune:
         self.counters["demotions"] += int(demoted.sum())
         self.counters["evaluations"] += 1
         self.layer._cache._prune_spill()
+
+
+def evaluate_due(layers) -> None:
+    """After a step's last layer: evaluate every layer that is due (``LayerPrune.due``), their
+    page scores computed on the device first and brought to the host together (one sync for the
+    step, not one per layer), the levels then moved layer by layer (kv/prune/policy.py)."""
+    due = [layer.prune for layer in layers
+           if layer.prune is not None and layer.prune.due and layer.prune.n_pages]
+    for layer in layers:
+        if layer.prune is not None:
+            layer.prune.due = False
+    if not due:
+        return
+    scores = [p.device_page_scores() for p in due]
+    host = torch.cat([t.float() for t in scores]).cpu().split([t.numel() for t in scores])
+    for p, sc in zip(due, host):
+        p.evaluate(sc.clone())
 
 
 def split_k(k: int, sizes: list[int]) -> list[int]:
