@@ -306,11 +306,13 @@ def show(args) -> dict:
             cache = new()
             tok, ttft = kv.prefill(model, ids, cache, device)
             before = cache.stats() if name != "dynamic" else None
-            tok, steps, tps = _decode_until(kv, model, cache, tok, args.decode, device, deadline)
+            tok, steps, tps, step_ms, evaluated = _decode_until(kv, model, cache, tok,
+                                                                args.decode, device, deadline)
             kv_bytes = (kv.dynamic_kv_bytes(cache) if name == "dynamic"
                         else cache.stats()["gpu_bytes"])
             out[name] = {"gpu_kv_bytes": kv_bytes, "tok_s": round(tps, 3),
-                         "ttft_s": round(ttft, 3), "decode_steps": steps}
+                         "ttft_s": round(ttft, 3), "decode_steps": steps,
+                         **_step_split(step_ms, evaluated)}
             if name.startswith("pruned"):
                 st = cache.stats()
                 out[name].update(level_tokens_layer0=st["level_tokens"][0],
@@ -318,7 +320,8 @@ def show(args) -> dict:
                                                    for i in range(3)],
                                  demotions=st["demotions"], promotions=st["promotions"],
                                  recalls=st["recalls"], full_bytes=st["full_bytes"],
-                                 host_bytes=st["host_bytes"])
+                                 host_bytes=st["host_bytes"],
+                                 scorer_gpu_bytes=st["scorer_gpu_bytes"])
                 # what the recalls moved per decode step (the 2 untimed steps included)
                 n = steps + 2
                 out[name]["recall_bytes_per_step"] = round(
@@ -328,6 +331,13 @@ def show(args) -> dict:
                 ms = scorer_ms(cache, device)
                 out[name]["scorer_ms_per_evaluation"] = ms
                 out[name]["scorer_ms_per_step"] = round(ms / cache.prune.every, 3)
+                if args.profile_dir and name == "pruned":
+                    # a profiler table of the next steps, one evaluation among them
+                    left = cache.prune.every - cache.layers[0].prune.steps % cache.prune.every
+                    out[name]["profile"] = kv.profile_steps(
+                        model, cache, tok, device,
+                        Path(args.profile_dir) / f"kv_prune.{name}-{ctx}.txt", steps=left)
+                    out[name]["profile"]["steps"] = left
             elif name != "dynamic":
                 st = cache.stats()
                 out[name]["fetched_bytes_per_step"] = round(
@@ -357,9 +367,16 @@ TAIL_S = 1.0
 """Seconds the Show keeps per configuration for what follows its decode (stats, scorer timing)."""
 
 
+def _evaluations(cache) -> int:
+    prune = getattr(cache, "prune", None) and cache.layers[0].prune
+    return prune.counters["evaluations"] if prune else 0
+
+
 def _decode_until(kv, model, cache, tok, steps, device, deadline):
     """Greedy decode of up to ``steps`` timed steps (after 2 untimed), stopping at ``deadline``
-    (perf_counter): the next token, the steps timed, tok/s."""
+    (perf_counter), each step synchronised (as a generation loop that reads its token does):
+    the next token, the steps timed, tok/s, each step's ms and whether pruning evaluated the
+    levels in it."""
     from deepseek_flash.kv import cache_kwargs as kw
 
     with torch.no_grad():
@@ -367,20 +384,34 @@ def _decode_until(kv, model, cache, tok, steps, device, deadline):
             tok = model(tok, **kw(model, cache)).logits[:, -1:].argmax(-1)
         kv.sync(device)
         t = time.perf_counter()
-        done = 0
+        done, step_ms, evaluated = 0, [], []
         while done < steps and (done == 0 or time.perf_counter() < deadline):
+            t_step, ev = time.perf_counter(), _evaluations(cache)
             tok = model(tok, **kw(model, cache)).logits[:, -1:].argmax(-1)
+            kv.sync(device)
+            step_ms.append(round(1e3 * (time.perf_counter() - t_step), 2))
+            evaluated.append(_evaluations(cache) > ev)
             done += 1
-            if done % 4 == 0:
-                kv.sync(device)
-        kv.sync(device)
-    return tok, done, done / (time.perf_counter() - t)
+    return tok, done, done / (time.perf_counter() - t), step_ms, evaluated
+
+
+def _step_split(step_ms, evaluated) -> dict:
+    """Median ms of the steps without an evaluation of the levels and mean ms of those with."""
+    plain = sorted(ms for ms, ev in zip(step_ms, evaluated) if not ev)
+    evals = [ms for ms, ev in zip(step_ms, evaluated) if ev]
+    out = {"step_ms": step_ms}
+    if plain:
+        out["median_step_ms"] = plain[len(plain) // 2]
+    if evals:
+        out["evaluation_step_ms"] = round(sum(evals) / len(evals), 2)
+        out["evaluation_steps"] = len(evals)
+    return out
 
 
 def print_show(r: dict) -> None:
     print(f"\n{'cache (context ' + str(r['context']) + ')':28} {'GPU KV MiB':>11} {'vs Dynamic':>10} "
-          f"{'tok/s':>8} {'steps':>6} {'MiB moved/step':>15} {'scorer ms/step':>15}",
-          file=sys.stderr)
+          f"{'tok/s':>8} {'steps':>6} {'MiB moved/step':>15} {'scorer ms/step':>15} "
+          f"{'median step ms':>15} {'eval step ms':>13}", file=sys.stderr)
     dyn = r["dynamic"].get("gpu_kv_bytes")
     for name in SHOW_ROWS:
         x = r[name]
@@ -393,19 +424,23 @@ def print_show(r: dict) -> None:
         moved /= 2**20
         print(f"{name:28} {x['gpu_kv_bytes'] / 2**20:11.1f} {ratio:10.4f} {x['tok_s']:8.2f} "
               f"{x['decode_steps']:6d} {moved:15.1f} "
-              f"{x.get('scorer_ms_per_step', float('nan')):15.3f}", file=sys.stderr)
+              f"{x.get('scorer_ms_per_step', float('nan')):15.3f} "
+              f"{x.get('median_step_ms', float('nan')):15.2f} "
+              f"{x.get('evaluation_step_ms', float('nan')):13.2f}", file=sys.stderr)
     print(f"total {r['total_s']} s (budget {r['budget_s']} s)", file=sys.stderr)
 
 
 def scorer_ms(cache, device, reps: int = 5) -> float:
-    """Scoring every layer once (what an evaluation costs: scorer, compensation, offsets, page
-    scores), in ms; per decode step that is this / ``prune_every``."""
+    """Scoring every layer once as an evaluation does (scorer, compensation, offsets, page
+    scores on the device, brought to the host together: ``score_layers``), in ms; per decode
+    step that is this / ``prune_every``."""
+    from deepseek_flash.kv.prune.state import score_layers
+
     kv = _bench_kv()
     kv.sync(device)
     t = time.perf_counter()
     for _ in range(reps):
-        for layer in cache.layers:
-            layer.prune.page_scores()
+        score_layers([layer.prune for layer in cache.layers])
     kv.sync(device)
     return round(1000 * (time.perf_counter() - t) / reps, 3)
 
@@ -426,7 +461,12 @@ def main(argv=None) -> int:
                     help="with --compensation both: for top-K recall too")
     ap.add_argument("--baselines", choices=("all", "default"), default="all")
     ap.add_argument("--scorer", default="attention")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: 1 for the accuracy run, torch's own default "
+                         "for --show, as a user gets it)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="with --show: a profiler table of the pruned row's steps up to and "
+                         "with its next evaluation, written there")
     ap.add_argument("--plot", default=None, help="PNG path for the ablation plot")
     ap.add_argument("--output", default=None)
     ap.add_argument("--show", action="store_true", help="the H200 run (see above)")
@@ -437,8 +477,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=45.0,
                     help="with --show: wall-clock bound of the whole run, model build included")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads if args.threads is not None else (None if args.show else 1)
+    if threads:
+        torch.set_num_threads(threads)
     result = show(args) if args.show else accuracy(args)
     result.setdefault("bench", "kv_prune_show" if args.show else "kv_prune")
     text = json.dumps(result, indent=1)

@@ -584,10 +584,16 @@ def evaluate_due(layers) -> None:
             layer.prune.due = False
     if not due:
         return
-    scores = [p.device_page_scores() for p in due]
+    for p, sc in zip(due, score_layers(due)):
+        p.evaluate(sc)
+
+
+def score_layers(prunes) -> list[torch.Tensor]:
+    """Page scores of each layer in ``prunes`` (``LayerPrune.device_page_scores``), on the host:
+    computed on the device first, one copy to the host for all of them."""
+    scores = [p.device_page_scores() for p in prunes]
     host = torch.cat([t.float() for t in scores]).cpu().split([t.numel() for t in scores])
-    for p, sc in zip(due, host):
-        p.evaluate(sc.clone())
+    return [t.clone() for t in host]
 
 
 def split_k(k: int, sizes: list[int]) -> list[int]:
