@@ -334,10 +334,9 @@ def show(args) -> dict:
                 if args.profile_dir and name == "pruned":
                     # a profiler table of the next steps, one evaluation among them
                     left = cache.prune.every - cache.layers[0].prune.steps % cache.prune.every
-                    out[name]["profile"] = kv.profile_steps(
+                    out[name]["profile"] = profile_steps(
                         model, cache, tok, device,
                         Path(args.profile_dir) / f"kv_prune.{name}-{ctx}.txt", steps=left)
-                    out[name]["profile"]["steps"] = left
             elif name != "dynamic":
                 st = cache.stats()
                 out[name]["fetched_bytes_per_step"] = round(
@@ -428,6 +427,39 @@ def print_show(r: dict) -> None:
               f"{x.get('median_step_ms', float('nan')):15.2f} "
               f"{x.get('evaluation_step_ms', float('nan')):13.2f}", file=sys.stderr)
     print(f"total {r['total_s']} s (budget {r['budget_s']} s)", file=sys.stderr)
+
+
+def profile_steps(model, cache, tok, device, path: Path, steps: int) -> dict:
+    """A torch profiler over ``steps`` decode steps: two tables to ``path`` -- by host time (an
+    eager step is bound by the host: what each operation, sync and allocation costs it) and by
+    device time -- and the wall ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepseek_flash.kv import cache_kwargs as kw
+
+    kv = _bench_kv()
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    kv.sync(device)
+    with torch.no_grad(), profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            tok = model(tok, **kw(model, cache)).logits[:, -1:].argmax(-1)
+        kv.sync(device)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    parts = [f"{steps} decode steps (one evaluation among them), {1e3 * wall / steps:.2f} ms "
+             f"per step under the profiler\n\nby host time:\n"
+             + events.table(sort_by="self_cpu_time_total", row_limit=45)]
+    if cuda:
+        for key in ("self_device_time_total", "self_cuda_time_total"):
+            try:
+                parts.append("by device time:\n" + events.table(sort_by=key, row_limit=25))
+                break
+            except Exception:  # a sort key this torch does not know
+                continue
+    path.write_text("\n\n".join(parts) + "\n")
+    return {"steps": steps, "wall_ms_per_step": round(1e3 * wall / steps, 2), "table": path.name}
 
 
 def scorer_ms(cache, device, reps: int = 5) -> float:
