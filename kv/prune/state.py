@@ -96,6 +96,7 @@ class LayerPrune(Recall):
         self._like = None                     # a compressed page of one sequence: the row's shapes
         self._cols = None                     # (levels' key, slots of all but the recent window)
         self._recalled_stores = []            # the store of each part ``_recall`` returned
+        self._slots = None                    # the step's attended slots, new tokens' last
         self._ahead = None                    # a lossless recall's rows copied ahead (prefetch)
         self.steps = 0
         self.due = False                      # an evaluation is due at the end of the step
@@ -297,9 +298,7 @@ class LayerPrune(Recall):
         tokens; ``keys``: theirs, as the attention concatenated them) for the last
         ``observe_queries`` queries, and those slots ``[b, n]``."""
         layer = self.layer
-        b = keys.shape[0]
-        new_slots = torch.arange(layer.length, layer.length + q_len, device=keys.device)
-        slots = torch.cat((cols, new_slots.expand(b, -1)), 1)
+        slots = self._slots  # ``past``: ``cols`` and then the new tokens' slots
         valid = None
         if pad_mask is not None:
             valid = torch.gather(pad_mask[:, :layer.length + q_len].to(torch.bool), 1, slots)
