@@ -97,6 +97,7 @@ class TieredCache(Cache):
         self._poisoned: str | None = None
         self._spill_error: KVSpillFailed | None = None
         self._copy_stream = None
+        self._write_stream = None  # CUDA: device->host page writes (kv/pages.py, append)
         self._prefetched: dict[int, tuple] = {}
         self._every_page: list[bool] = []  # per layer, as of the step's start: reads every page
         # CUDA: each top-K layer's choice and gather replayed as a captured graph (kv/graphs.py);
@@ -277,6 +278,13 @@ class TieredCache(Cache):
                 return nxt
         return None
 
+    def write_stream(self):
+        """CUDA: the stream the device->host page writes run on (host->device copies ahead run
+        on ``_copy_stream``: the two directions overlap)."""
+        if self._write_stream is None:
+            self._write_stream = torch.cuda.Stream(self.device)
+        return self._write_stream
+
     def _drop_prefetched(self, layer: TieredLayer) -> None:
         """A layer copied ahead that attends top-K after all (its page count grew past ``k``)."""
         entry = self._prefetched.pop(layer.index, None)
@@ -384,7 +392,7 @@ class TieredCache(Cache):
         if self.spill is None:
             return
         if self.pinned:
-            torch.cuda.current_stream(self.device).synchronize()  # device->host page copies
+            self._writes_done()  # the chunks are read on the host below
         while self.host_bytes() > self.host_bytes_limit:
             candidates = [(c.first, layer.index, layer, c) for layer in self.layers
                           for c in layer.pages.spillable()]
@@ -443,8 +451,16 @@ class TieredCache(Cache):
             self._graph_pool_handle = torch.cuda.graph_pool_handle()
         return self._graph_pool_handle
 
+    def _writes_done(self) -> None:
+        """Wait for every device->host page write issued so far (CUDA)."""
+        torch.cuda.current_stream(self.device).synchronize()
+        if self._write_stream is not None:
+            self._write_stream.synchronize()
+
     def close(self) -> None:
         """Free the host pages and remove the spill files now (also done when collected)."""
+        if self.pinned and self._write_stream is not None:
+            self._write_stream.synchronize()  # no write into a chunk given back
         self._select_out = SharedOut()
         for layer in self.layers:
             layer.graphs = LayerGraphs()  # the graphs read the host pages freed below

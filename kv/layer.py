@@ -212,6 +212,8 @@ class TieredLayer(CacheLayerMixin):
         lost in graceful mode), or slot indices ``[b, n]`` (top-K; only when ``need_cols``: the
         slots matter to the padding mask alone, causality is over the new tokens)."""
         cache = self._cache
+        if cache.pinned:
+            self.pages.before_read()  # the host pages written last are there
         k = resolve_top_k(cache.top_k_pages, self.n_pages) if self.n_pages else None
         if k is None or self.dense or q_len > cache.select_max_queries:
             if self.n_pages == 0:
