@@ -258,25 +258,24 @@ class LayerPrune(Recall):
     def _versions(self) -> tuple[int, int]:
         return (self.l2.version, self.l3.version)
 
-    def _apply(self, old: torch.Tensor, new: torch.Tensor) -> None:
+    def _apply(self, old: torch.Tensor, new: torch.Tensor, comp_rows=None) -> None:
         """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``): the reads
-        first (one copy per level), then the removals, then the writes."""
+        first (one copy per level), then the removals, then the writes. ``comp_rows``: the int4
+        rows of the pages going 2 -> 3 (in page order) when the caller compressed them already
+        (``compress_moving``: every layer's at once)."""
         moved = new != old
         if not bool(moved.any()):
             return
         self._stores()
         self._drop_ahead()
         self._sync()
-        b = self.layer.batch
         pages_of = lambda mask: torch.nonzero(mask).flatten().tolist()  # noqa: E731
         leaving = pages_of(moved & (old == 1))                    # 1 -> 2
         compressing = pages_of(moved & (old == 2) & (new == 3))   # 2 -> 3
         joining = pages_of(moved & (new == 1))                    # -> 1
         got = self._pages_to_device(joining) if joining else None
-        comp_rows = None
-        if compressing:
-            full = self._full(self.l2.fetch(compressing), (len(compressing) * b,))
-            comp_rows = rows_of(compress_pages(full))
+        if compressing and comp_rows is None:
+            comp_rows = rows_of(compress_pages(self._to_compress(compressing)))
         if joining or compressing:
             self._sync()  # the gathers above read the rows the removals below move
         self.l2.remove([pg for pg in compressing + joining if pg in self.l2])
@@ -353,18 +352,28 @@ class LayerPrune(Recall):
         left = self.s.device_tokens - cache.sink_tokens - cache.gpu_tokens
         return max(0, left) // cache.page_tokens
 
-    def evaluate(self, scores: torch.Tensor | None = None) -> None:
-        """Move the pages to their levels by ``scores`` (CPU ``[n_pages]``; None: scored now)."""
+    def _to_compress(self, pages: list[int]) -> torch.Tensor:
+        """Level-2 ``pages`` on the device, ``[len(pages) * b, 2, h, p, d]`` (one gather)."""
+        return self._full(self.l2.fetch(pages), (len(pages) * self.layer.batch,))
+
+    def plan(self, scores: torch.Tensor):
+        """The levels ``scores`` (CPU ``[n_pages]``) give -> new levels, promoted, demoted
+        (``next_levels``); nothing moves yet."""
+        if self.lost:  # a lost page has no bytes to come back with: it stays at level 3
+            scores[torch.tensor(sorted(self.lost))] = -1.0
+        return next_levels(self.level, scores, self.s.threshold, self.l1_cap())
+
+    def evaluate(self, scores: torch.Tensor | None = None, planned=None,
+                 comp_rows=None) -> None:
+        """Move the pages to their levels by ``scores`` (CPU ``[n_pages]``; None: scored now) or
+        by ``planned`` (``plan``'s result; ``comp_rows``: see ``_apply``)."""
         self.due = False
         if self.n_pages == 0:
             return
-        if scores is None:
-            scores = self.page_scores()
-        if self.lost:  # a lost page has no bytes to come back with: it stays at level 3
-            scores[torch.tensor(sorted(self.lost))] = -1.0
-        new, promoted, demoted = next_levels(self.level, scores, self.s.threshold,
-                                             self.l1_cap())
-        self._apply(self.level, new)
+        if planned is None:
+            planned = self.plan(scores if scores is not None else self.page_scores())
+        new, promoted, demoted = planned
+        self._apply(self.level, new, comp_rows)
         self.level = new
         self.counters["promotions"] += int(promoted.sum())
         self.counters["demotions"] += int(demoted.sum())
@@ -383,8 +392,25 @@ def evaluate_due(layers) -> None:
             layer.prune.due = False
     if not due:
         return
-    for p, sc in zip(due, score_layers(due)):
-        p.evaluate(sc)
+    plans = [p.plan(sc) for p, sc in zip(due, score_layers(due))]
+    for p, plan, rows in zip(due, plans, compress_moving(due, plans)):
+        p.evaluate(planned=plan, comp_rows=rows)
+
+
+def compress_moving(prunes, plans) -> list:
+    """The int4 rows of every layer's pages going 2 -> 3 by ``plans``, compressed in one
+    ``compress_pages`` call for all the layers (int4 groups are per page: the same bytes as layer
+    by layer) -> per layer its rows (page order) or None (nothing to compress, or layers on
+    several devices: each compresses its own)."""
+    pages = [torch.nonzero((p.level == 2) & (new == 3)).flatten().tolist()
+             for p, (new, _, _) in zip(prunes, plans)]
+    moving = [(p, pg) for p, pg in zip(prunes, pages) if pg]
+    if len(moving) < 2 or len({p.layer.device for p, _ in moving}) > 1:
+        return [None] * len(prunes)
+    fulls = [p._to_compress(pg) for p, pg in moving]
+    rows = rows_of(compress_pages(torch.cat(fulls))).split([f.shape[0] for f in fulls])
+    got = {id(p): r for (p, _), r in zip(moving, rows)}
+    return [got.get(id(p)) for p in prunes]
 
 
 def score_layers(prunes) -> list[torch.Tensor]:
