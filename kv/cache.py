@@ -49,7 +49,7 @@ class TieredCache(Cache):
                  host_arena: bool = True, prune_threshold: float | None = None,
                  prune_scorer="attention", prune_offsets=None, prune_tokenizer=None,
                  prune_compensation: bool = True, prune_every: int = 8, prune_window: int = 32,
-                 prune_device_tokens: int | None = 512):
+                 prune_device_tokens: int | None = 512, dense_on_device: bool | None = None):
         if report_interval is not None and (isinstance(report_interval, bool) or not isinstance(
                 report_interval, (int, float)) or report_interval < 0):
             from deepseek_flash.errors import ConfigError
@@ -74,6 +74,8 @@ class TieredCache(Cache):
         self.top_k_pages = top_k_pages
         self.host_bytes_limit = host_bytes
         self.dense_layers = dense_layers
+        # the dense layers' pages on the device as well (kv/mirror.py): None = on a CUDA device
+        self.dense_on_device = dense_on_device
         self.score = score
         self.window_pages = window_pages
         self.select_max_queries = select_max_queries
@@ -117,7 +119,8 @@ class TieredCache(Cache):
         """Install the tiered attention function on ``model`` and return a new cache for one
         generation: ``model.generate(ids, cache=cache)``. Options: ``dense_layers``
         (2), ``score`` ("hybrid" | "quest" | "windowed" | "mass" | "mass_max"), ``window_pages`` (64), ``error_recovery_mode``
-        ("strict" | "graceful"), ``prefill_chunk`` (4096 queries).
+        ("strict" | "graceful"), ``prefill_chunk`` (4096 queries), ``dense_on_device`` (None: on
+        a CUDA device the dense layers keep their pages on the device as well, kv/mirror.py).
 
         Importance pruning (off by default; docs/kv.md): ``prune_threshold`` (the seed's 0.15),
         ``prune_scorer`` ("attention" | "mlp" | a scorer file | a callable), ``prune_offsets``
@@ -242,7 +245,7 @@ class TieredCache(Cache):
         if self._reporter is not None:
             self._reporter.tick(self)
         if self.pinned:
-            self._every_page = [layer.reads_every_page() for layer in self.layers]
+            self._every_page = [layer.copies_every_page() for layer in self.layers]
 
     def _poison(self, why: str) -> None:
         self._poisoned = why
@@ -278,6 +281,12 @@ class TieredCache(Cache):
                 return nxt
         return None
 
+    def mirrors_dense(self) -> bool:
+        """Whether the dense layers keep their pages on the device as well (kv/mirror.py)."""
+        if self.dense_on_device is None:
+            return self.pinned
+        return bool(self.dense_on_device)
+
     def write_stream(self):
         """CUDA: the stream the device->host page writes run on (host->device copies ahead run
         on ``_copy_stream``: the two directions overlap)."""
@@ -297,7 +306,7 @@ class TieredCache(Cache):
         if not self.pinned:
             return
         if len(self._every_page) != len(self.layers):
-            self._every_page = [lyr.reads_every_page() for lyr in self.layers]
+            self._every_page = [lyr.copies_every_page() for lyr in self.layers]
         nxt = self.next_to_prefetch(layer, self._every_page)
         if nxt is None:
             return
