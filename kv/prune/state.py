@@ -445,7 +445,8 @@ def attention_scores_together(prunes) -> list[torch.Tensor] | None:
     p = cache.page_tokens
     stop = s + n_pages * p
     f = torch.stack([q.stats._f[:, :, s:stop] for q in prunes])        # [L, 3, b, n]
-    norms = torch.empty((len(prunes), stop - s, *first.stats._norms.shape[1:]), device=dev)
+    norms = torch.empty((len(prunes), stop - s, *first.stats._norms.shape[1:]),
+                        dtype=torch.float32, device=dev)
     for i, q in enumerate(prunes):  # the host's norms of the scored slots: one copy per layer
         norms[i].copy_(q.stats._norms[s:stop], non_blocking=dev.type == "cuda")
     knorm = norms[:, :, 0].permute(0, 2, 3, 1)                          # [L, b, h, n]
