@@ -259,16 +259,27 @@ class LayerPrune(Recall):
         return (self.l2.version, self.l3.version)
 
     def _apply(self, old: torch.Tensor, new: torch.Tensor, comp_rows=None) -> None:
-        """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``): the reads
-        first (one copy per level), then the removals, then the writes. ``comp_rows``: the int4
-        rows of the pages going 2 -> 3 (in page order) when the caller compressed them already
-        (``compress_moving``: every layer's at once)."""
+        """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``): the device
+        side (``_begin``), one wait for the device, the host side (``_finish``)."""
+        st = self._begin(old, new, comp_rows)
+        if st is not None:
+            self._sync()  # the gathers read the rows the removals move
+            self._finish(st)
+
+    def _begin(self, old: torch.Tensor, new: torch.Tensor, comp_rows=None):
+        """The device side of moving the pages whose level changes from ``old`` to ``new``:
+        the pages joining level 1 gathered to the device (one copy per level), those going
+        2 -> 3 compressed (``comp_rows``: their int4 rows in page order when the caller
+        compressed them already -- ``compress_moving``, every layer's at once), those leaving
+        level 1 taken out of its run -> what ``_finish`` needs, or None (nothing moves). No host
+        row changes here; the caller waits for the device before ``_finish``. A host read of
+        the rows here (spill files, the no-view fallback) follows the evaluation's own wait for
+        the device (the scores' copy to the host)."""
         moved = new != old
         if not bool(moved.any()):
-            return
+            return None
         self._stores()
         self._drop_ahead()
-        self._sync()
         pages_of = lambda mask: torch.nonzero(mask).flatten().tolist()  # noqa: E731
         leaving = pages_of(moved & (old == 1))                    # 1 -> 2
         compressing = pages_of(moved & (old == 2) & (new == 3))   # 2 -> 3
@@ -276,8 +287,15 @@ class LayerPrune(Recall):
         got = self._pages_to_device(joining) if joining else None
         if compressing and comp_rows is None:
             comp_rows = rows_of(compress_pages(self._to_compress(compressing)))
-        if joining or compressing:
-            self._sync()  # the gathers above read the rows the removals below move
+        left = None
+        if leaving:
+            leaving, left = self._leave_l1(set(leaving))  # [n, b, 2, h, p, d] on the device
+        return leaving, compressing, joining, got, comp_rows, left
+
+    def _finish(self, st) -> None:
+        """The host side of ``_begin``'s moves: removals from the host rows first, then the
+        writes (asynchronous from a GPU, ordered on its stream)."""
+        leaving, compressing, joining, got, comp_rows, left = st
         self.l2.remove([pg for pg in compressing + joining if pg in self.l2])
         self.l3.remove([pg for pg in joining if pg in self.l3])
         for pg in joining:
@@ -286,8 +304,7 @@ class LayerPrune(Recall):
         if comp_rows is not None:
             self.l3.put(compressing, comp_rows)
         if leaving:
-            leaving, pages = self._leave_l1(set(leaving))  # [n, b, 2, h, p, d] on the device
-            self.l2.put(leaving, pages.view(torch.uint8))
+            self.l2.put(leaving, left.view(torch.uint8))
         if joining:
             self._join_l1(joining, got)
 
@@ -372,8 +389,12 @@ class LayerPrune(Recall):
             return
         if planned is None:
             planned = self.plan(scores if scores is not None else self.page_scores())
+        self._apply(self.level, planned[0], comp_rows)
+        self._planned(planned)
+
+    def _planned(self, planned) -> None:
+        """After the pages moved: the new levels, the counters, the spill check."""
         new, promoted, demoted = planned
-        self._apply(self.level, new, comp_rows)
         self.level = new
         self.counters["promotions"] += int(promoted.sum())
         self.counters["demotions"] += int(demoted.sum())
@@ -384,7 +405,9 @@ class LayerPrune(Recall):
 def evaluate_due(layers) -> None:
     """After a step's last layer: evaluate every layer that is due (``LayerPrune.due``), their
     page scores computed on the device first and brought to the host together (one sync for the
-    step, not one per layer), the levels then moved layer by layer (kv/prune/policy.py)."""
+    step, not one per layer), every layer's 2 -> 3 pages compressed together, every layer's
+    device side of the moves launched, one wait for the device, then every layer's host side
+    (kv/prune/policy.py)."""
     due = [layer.prune for layer in layers
            if layer.prune is not None and layer.prune.due and layer.prune.n_pages]
     for layer in layers:
@@ -393,8 +416,18 @@ def evaluate_due(layers) -> None:
     if not due:
         return
     plans = [p.plan(sc) for p, sc in zip(due, score_layers(due))]
-    for p, plan, rows in zip(due, plans, compress_moving(due, plans)):
-        p.evaluate(planned=plan, comp_rows=rows)
+    # every layer's device side, one wait for each device, then every layer's host side
+    begun = [p._begin(p.level, plan[0], rows)
+             for p, plan, rows in zip(due, plans, compress_moving(due, plans))]
+    waited = set()
+    for p, st in zip(due, begun):
+        if st is not None and p.layer.device not in waited:
+            p._sync()
+            waited.add(p.layer.device)
+    for p, plan, st in zip(due, plans, begun):
+        if st is not None:
+            p._finish(st)
+        p._planned(plan)
 
 
 def compress_moving(prunes, plans) -> list:
