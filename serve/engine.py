@@ -48,7 +48,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, scheduler: FlashScheduler | None = None, *, max_batch: int = 8,
                  max_model_len: int | None = None, prefill_chunk: int = 512, device=None,
-                 warm: bool | None = None):
+                 warm: bool | None = None, decode: str = "auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = int(max_batch)
@@ -59,7 +59,8 @@ class Engine:
         self.max_model_len = int(min(max_model_len or cfg.max_position_embeddings,
                                      cfg.max_position_embeddings))
         self.prefill_chunk = int(prefill_chunk)
-        self.runner = RowRunner(model, self.max_batch, self.max_model_len, device)
+        # The batch's decode: CUDA graphs where they can be captured (``RowRunner(decode=)``).
+        self.runner = RowRunner(model, self.max_batch, self.max_model_len, device, decode=decode)
         self.eos_ids = frozenset(self._eos_ids(model))
         self.flash = getattr(model, "flash", None)
         self.stream = getattr(self.flash, "stream", None)
@@ -130,8 +131,9 @@ class Engine:
         import gc
 
         if self.warm and self.warm_s is None:
-            self.warm_s = self.runner.warm()
-            log.info("engine warm: %d attention widths in %.2f s", len(self.runner.kv_seen), self.warm_s)
+            self.warm_s = self.runner.warm(self.prefill_chunk)
+            log.info("engine warm: %d attention widths in %.2f s, decode %s", len(self.runner.kv_seen),
+                     self.warm_s, self.runner.decode_stats())
         gc.collect()
         gc.freeze()
         self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
