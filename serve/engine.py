@@ -88,7 +88,8 @@ class Engine:
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
-                      "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0, "preempted": 0,
+                      "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0,
+                      "preempted": 0, "l2_open_steps": 0,
                       "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
 
     @staticmethod
@@ -384,6 +385,8 @@ class Engine:
                 if not gen.cancelled:
                     self._accept(gen, token, now)
             self.scheduler.tick()
+            # Steps after which L2's rule lets an elastic request join (``FlashScheduler.l2_open``).
+            self.stats["l2_open_steps"] += bool(self.scheduler.l2_open())
 
     def _accept(self, gen: Generation, token: int, now: float) -> None:
         """``token`` is ``gen``'s next: count it, hand it to the request, retire the request when it

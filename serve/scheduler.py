@@ -241,13 +241,18 @@ class FlashScheduler:
         for r in self._order("L2"):
             if free == 0 or self._count(self.running, "L1", "L2") >= shared:
                 break
-            wanted = len(self.running) + self._count(self.queued, "L0", "L1")
-            if (self.slots - wanted) / self.slots <= self.l2_idle_above:
+            if not self.l2_open():
                 break
             start(r)
             free -= 1
         self._note_demand()
         return chosen
+
+    def l2_open(self) -> bool:
+        """L2's rule to join: the slots neither running (any class) nor wanted by a queued L0/L1
+        request are more than ``l2_idle_above`` of all slots."""
+        wanted = len(self.running) + self._count(self.queued, "L0", "L1")
+        return (self.slots - wanted) / self.slots > self.l2_idle_above
 
     def _preempt_one(self) -> bool:
         """Free a slot for an L0 request: the running L2 request that started last, else the L1
