@@ -13,6 +13,7 @@ the forwards over the shared KV cache and the sampling are ``runner``'s, a reque
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -84,6 +85,10 @@ class Engine:
         self._decode_s: float | None = None
         self._per_token_s: float | None = None
         self._l0_at: float | None = None
+        self._cutting = False                   # an L0 prefill nested in another forward runs
+        # An L0 request may cut into other prompts' chunk between two layers (``_l0_cut_in``).
+        self.cut_in = (not self.scheduler.fifo and self.stream is None
+                       and getattr(getattr(model, "model", None), "layers", None) is not None)
         self.l0_recent_s = 10.0
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
@@ -203,6 +208,10 @@ class Engine:
         chosen = self.scheduler.dispatch()
         for req in self.scheduler.take_preempted():
             self._preempt(self._gens[id(req)])
+        self._admit(chosen)
+
+    def _admit(self, chosen) -> None:
+        """Give each request the scheduler chose a free row (lock held)."""
         for req in chosen:
             gen = self._gens[id(req)]
             gen.row = self._rows.index(None)
@@ -318,6 +327,39 @@ class Engine:
                     if not gen.cancelled:
                         self._accept(gen, token, now)
 
+    def _l0_cut_in(self, module, args) -> None:
+        """Forward pre-hook on every decoder layer while a chunk of other prompts (or an eager
+        decode) runs: an L0
+        request that arrived meanwhile joins (when free rows take every queued L0 request without
+        preempting anyone: a preempted row may be one this forward still writes) and its prompt
+        is prefilled now, in a forward of its own nested between two layers of the other one --
+        it waits for one layer, not for the whole forward."""
+        if self._cutting:
+            return
+        with self._lock:
+            sched = self.scheduler
+            waiting = sched.queued_count("L0")
+            if not waiting or sched.slots - len(sched.running) < waiting:
+                return
+            self._admit(sched.dispatch())
+        self._cutting = True
+        try:
+            with self.runner.nested():
+                self._prefill_l0()
+        finally:
+            self._cutting = False
+
+    def _cut_in_hooks(self):
+        """``_l0_cut_in`` on every decoder layer for the duration of a ``with`` (not with the
+        scheduler off, nor for a streamed model, whose layer ring one forward at a time drives)."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if not self.cut_in or layers is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for layer in layers:
+            stack.callback(layer.register_forward_pre_hook(self._l0_cut_in).remove)
+        return stack
+
     def _prefill_l0(self) -> None:
         """Every L0 prompt in the batch, one chunk each, in one forward of their own -- before any
         other prefill or the decode of this step."""
@@ -339,7 +381,9 @@ class Engine:
         self._apply_window(batch)
         self._prefill_l0()
         l0_recent = self._l0_at is not None and time.monotonic() - self._l0_at < self.l0_recent_s
-        budget = prefill_budget(self.prefill_chunk, self._decode_s, self._per_token_s, l0_recent)
+        # Where an L0 request can cut in, it waits for one layer of the chunk, whatever its size.
+        budget = prefill_budget(self.prefill_chunk, self._decode_s, self._per_token_s,
+                                l0_recent and not self.cut_in)
         # Packed in join order while rows x the widest chunk stays within the budget (padding is
         # compute too); the first prompt in line always gets its share.
         group, width = [], 0
@@ -353,7 +397,8 @@ class Engine:
             group.append((gen, n))
             width = max(width, n)
         if group:
-            self._prefill(group)
+            with self._cut_in_hooks():
+                self._prefill(group)
         with self._lock:
             if self.scheduler.queued_count("L0"):
                 self._boundary()
@@ -369,9 +414,11 @@ class Engine:
                         and g.kv_cache is None]
         if decoding:
             self._read_priority(decoding)
-            tokens, spent = self.runner.decode(decoding, [g.row for g in decoding],
-                                               [g.output_ids[-1] for g in decoding],
-                                               [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding])
+            # An eager decode (no CUDA graphs here) lets an L0 request cut in between its layers too.
+            with self._cut_in_hooks() if self.runner.static is None else contextlib.nullcontext():
+                positions = [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding]
+                tokens, spent = self.runner.decode(decoding, [g.row for g in decoding],
+                                                   [g.output_ids[-1] for g in decoding], positions)
             produced = list(zip(decoding, tokens))
             self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
             self.stats["decode_steps"] += 1

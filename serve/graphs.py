@@ -190,7 +190,8 @@ class StaticDecode:
         # capture; a graph that baked an input in (a position, a token) is off by far more.
         error = ((replayed.float() - eager).norm() / eager.norm().clamp_min(1e-6)).item()
         if not error <= CHECK_TOLERANCE:
-            return f"a replay of the width-{kv_len} graph differs from the eager step (relative error {error:.3g})"
+            return (f"a replay of the width-{kv_len} graph differs from the eager step "
+                    f"(relative error {error:.3g})")
         return None
 
     def _give_up(self, reason: str):

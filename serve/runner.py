@@ -52,7 +52,7 @@ class RowCache:
         self.max_len = max_len
         self.scratch = max_len
         self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * self.keys[0].element_size()
-        self._rows = self._positions = None
+        self._rows = self._positions = self._span = None
         self._kv_len = 0
         self._static = False
         self.is_compileable = False
@@ -187,6 +187,24 @@ class RowRunner:
 
         with sdpa_kernel(self.sdpa):
             return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
+
+    def nested(self):
+        """A forward run inside another one (between two of its layers) leaves the outer
+        forward's cache binding as it found it."""
+        import contextlib
+
+        cache = self.cache
+
+        @contextlib.contextmanager
+        def keep():
+            saved = (cache._rows, cache._positions, cache._kv_len, cache._span, cache._static,
+                     getattr(self, "_kv_last", 0))
+            try:
+                yield
+            finally:
+                (cache._rows, cache._positions, cache._kv_len, cache._span, cache._static,
+                 self._kv_last) = saved
+        return keep()
 
     def _width(self, kv_len: int) -> int:
         """``kv_len`` rounded up to a ``KV_BUCKET`` multiple (at most the cache's length), noted."""

@@ -292,6 +292,36 @@ def test_l0_arriving_under_load_waits_for_at_most_the_forward_in_flight(tiny_ref
     eng.close(timeout=0)
 
 
+def test_l0_arriving_during_other_prompts_chunk_is_prefilled_between_two_of_its_layers(tiny_reference,
+                                                                                       tiny_tokenizer):
+    # The L0 request arrives as the long prompt's chunk begins: its prefill runs nested in that
+    # forward (before its first layer), not after it; both requests' tokens stay the greedy ones.
+    eng, running, long_prompt = loaded_engine(tiny_reference, tiny_tokenizer)
+    boundary(eng)
+    l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    inner, log, depth = eng.runner.forward, [], [0]
+
+    def forward(rows, ids, positions, kv_len):
+        log.append((depth[0], list(rows), ids.shape[1]))
+        if len(log) == 1:
+            assert eng.submit(l0).admitted
+        depth[0] += 1
+        try:
+            return inner(rows, ids, positions, kv_len)
+        finally:
+            depth[0] -= 1
+    eng.runner.forward = forward
+    with torch.inference_mode():
+        eng._step()
+    assert log[:2] == [(0, [long_prompt.row], 8), (1, [l0.row], 5)]
+    assert len(l0.output_ids) == 2 and long_prompt.prefilled == 8       # first token, then the decode
+    eng.runner.forward = inner
+    drive(eng, done(l0, long_prompt))
+    for g in (l0, long_prompt):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
+
+
 @pytest.mark.parametrize("cls, expected", [("L0", 4), ("L1", 3), ("L2", 2)])
 def test_the_class_of_a_request_is_the_priority_of_the_reads_it_causes(tiny_tokenizer, streamed_store, cls,
                                                                         expected):
