@@ -98,6 +98,7 @@ class TieredCache(Cache):
         self._spill_error: KVSpillFailed | None = None
         self._copy_stream = None
         self._prefetched: dict[int, tuple] = {}
+        self._every_page: list[bool] = []  # per layer, as of the step's start: reads every page
         # CUDA: each top-K layer's choice and gather replayed as a captured graph (kv/graphs.py);
         # False: eager, as on the CPU
         self.select_graphs = True
@@ -239,6 +240,8 @@ class TieredCache(Cache):
             self._spill_oldest()  # retry what an earlier failure left on the host
         if self._reporter is not None:
             self._reporter.tick(self)
+        if self.pinned:
+            self._every_page = [layer.reads_every_page() for layer in self.layers]
 
     def _poison(self, why: str) -> None:
         self._poisoned = why
@@ -258,15 +261,37 @@ class TieredCache(Cache):
             return self.chunk_pages_setting
         return min(self.max_chunk_pages, max(FIRST_CHUNK_PAGES, 2 * previous))
 
+    def next_to_prefetch(self, layer: TieredLayer, every_page: list[bool]):
+        """The layer whose pages a decode step's ``layer`` starts copying ahead, or None: the
+        first layer after it, cyclically (past the last layer: the next step's, whose pages are
+        final once it has committed this step), that reads every page (``every_page``) and is
+        not copied ahead yet. A lossless step copies one layer ahead; a top-K step copies its
+        dense layers for the next step while its top-K layers compute, not when they are due."""
+        n = len(self.layers)
+        for ahead in range(1, n):
+            i = (layer.index + ahead) % n
+            if every_page[i] and i not in self._prefetched:
+                nxt = self.layers[i]
+                if nxt.n_pages == 0 or not nxt.pages.all_on_host():
+                    return None
+                return nxt
+        return None
+
+    def _drop_prefetched(self, layer: TieredLayer) -> None:
+        """A layer copied ahead that attends top-K after all (its page count grew past ``k``)."""
+        entry = self._prefetched.pop(layer.index, None)
+        if entry is not None:
+            self.counters["pages_fetched"] -= entry[0] * layer.batch
+
     def _prefetch_next(self, layer: TieredLayer) -> None:
-        """CUDA: start copying every page of the next layer (cyclically: after the last layer,
-        the first layer of the next step, whose pages are final by then) on a copy stream, so
-        the copies of a lossless step overlap the previous layer's compute."""
+        """CUDA: start copying every page of ``next_to_prefetch``'s layer on a copy stream, so
+        the copies overlap the compute of the layers before it."""
         if not self.pinned:
             return
-        nxt = self.layers[(layer.index + 1) % len(self.layers)]
-        if (nxt.index in self._prefetched or nxt.n_pages == 0 or not nxt.reads_every_page()
-                or not nxt.pages.all_on_host()):
+        if len(self._every_page) != len(self.layers):
+            self._every_page = [lyr.reads_every_page() for lyr in self.layers]
+        nxt = self.next_to_prefetch(layer, self._every_page)
+        if nxt is None:
             return
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)

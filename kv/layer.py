@@ -219,6 +219,10 @@ class TieredLayer(CacheLayerMixin):
                 cache._prefetch_next(self)
             cols = self._cols_without_lost() if self.lost_pages else None
             return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], cols
+        if cache.pinned:  # CUDA: the dense layers' pages of the next step copied meanwhile
+            if self.index in cache._prefetched:
+                cache._drop_prefetched(self)
+            cache._prefetch_next(self)
         got = None
         if (cache.select_graphs and graphs.applies(self.device) and cache.score == "hybrid"
                 and not self.lost_pages):

@@ -16,6 +16,11 @@ import logging
 import math
 import time
 
+# Attention on a CUDA device: every kernel but cuDNN's (SDPA_BACKENDS, deepseek_flash/cuda.py):
+# cuDNN builds an execution plan for every new shape, and a continuously batched engine makes new
+# shapes all the time; the memory-efficient kernel takes the same additive mask with no set-up.
+from deepseek_flash.cuda import SDPA_BACKENDS, sdpa_backends  # noqa: F401 (SDPA_BACKENDS: tests)
+
 log = logging.getLogger("deepseek_flash.serve")
 
 # The attention reads a multiple of this many key positions (masked beyond each row's length), so
@@ -23,12 +28,6 @@ log = logging.getLogger("deepseek_flash.serve")
 KV_BUCKET = 64
 # The batch's decode step (``RowRunner(decode=...)``): see ``RowRunner._decode_setup``.
 DECODE_MODES = ("auto", "eager", "static")
-# Attention kernels a forward may use on a CUDA device: every one but cuDNN's. cuDNN's attention
-# (torch's first choice on sm90/sm100 with a recent cuDNN) builds an execution plan for every new
-# shape -- hundreds of milliseconds each -- and a continuously batched engine makes new shapes all
-# the time (rows joining and leaving, lengths growing); the memory-efficient kernel takes the same
-# additive mask with no per-shape set-up.
-SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 # Forwards kept for ``RowRunner.profile`` (the most recent).
 PROFILE_SAMPLES = 8192
 
@@ -112,11 +111,7 @@ class RowRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self.attn_default = getattr(cfg, "_attn_implementation", None)
-        self.sdpa = None
-        if self.device.type == "cuda":
-            from torch.nn.attention import SDPBackend
-
-            self.sdpa = [getattr(SDPBackend, name) for name in SDPA_BACKENDS]
+        self.sdpa = self.device.type == "cuda"  # attention without cuDNN (SDPA_BACKENDS)
         # (kind, rows, tokens per row, launch seconds, seconds until the result was on the host,
         # monotonic start, attention key positions)
         self._profile: list = []
@@ -181,11 +176,7 @@ class RowRunner:
     def call_model(self, ids, positions, mask):
         """The model over the bound ``cache`` (cuDNN's attention left out on a CUDA device)."""
         kwargs = self._kwargs(self.cache)
-        if self.sdpa is None:
-            return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
-        from torch.nn.attention import sdpa_kernel
-
-        with sdpa_kernel(self.sdpa):
+        with sdpa_backends(self.device):
             return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
 
     def nested(self):
