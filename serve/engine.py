@@ -86,6 +86,7 @@ class Engine:
         self._per_token_s: float | None = None
         self._l0_at: float | None = None
         self._cutting = False                   # an L0 prefill nested in another forward runs
+        self._outer: list = []                  # the requests of the forward it is nested in
         # An L0 request may cut into other prompts' chunk between two layers (``_l0_cut_in``).
         self.cut_in = (not self.scheduler.fifo and self.stream is None
                        and getattr(getattr(model, "model", None), "layers", None) is not None)
@@ -329,19 +330,21 @@ class Engine:
 
     def _l0_cut_in(self, module, args) -> None:
         """Forward pre-hook on every decoder layer while a chunk of other prompts (or an eager
-        decode) runs: an L0
-        request that arrived meanwhile joins (when free rows take every queued L0 request without
-        preempting anyone: a preempted row may be one this forward still writes) and its prompt
-        is prefilled now, in a forward of its own nested between two layers of the other one --
-        it waits for one layer, not for the whole forward."""
+        decode) runs: an L0 request that arrived meanwhile joins and its prompt is prefilled now,
+        in a forward of its own nested between two layers of the other one -- it waits for one
+        layer, not for the whole forward. Its row is a free one, or that of a request it preempts,
+        never one of the requests this forward still writes (``_outer``); where neither exists it
+        joins at the next step boundary as before."""
         if self._cutting:
             return
         with self._lock:
             sched = self.scheduler
-            waiting = sched.queued_count("L0")
-            if not waiting or sched.slots - len(sched.running) < waiting:
+            if not sched.queued_count("L0"):
                 return
-            self._admit(sched.dispatch())
+            chosen = sched.dispatch(protect=self._outer)
+            for req in sched.take_preempted():
+                self._preempt(self._gens[id(req)])
+            self._admit(chosen)
         self._cutting = True
         try:
             with self.runner.nested():
@@ -349,13 +352,15 @@ class Engine:
         finally:
             self._cutting = False
 
-    def _cut_in_hooks(self):
+    def _cut_in_hooks(self, outer=()):
         """``_l0_cut_in`` on every decoder layer for the duration of a ``with`` (not with the
         scheduler off, nor for a streamed model, whose layer ring one forward at a time drives)."""
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         if not self.cut_in or layers is None:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
+        self._outer = [g.sched for g in outer]
+        stack.callback(setattr, self, "_outer", [])
         for layer in layers:
             stack.callback(layer.register_forward_pre_hook(self._l0_cut_in).remove)
         return stack
@@ -397,7 +402,7 @@ class Engine:
             group.append((gen, n))
             width = max(width, n)
         if group:
-            with self._cut_in_hooks():
+            with self._cut_in_hooks([g for g, _ in group]):
                 self._prefill(group)
         with self._lock:
             if self.scheduler.queued_count("L0"):
@@ -415,7 +420,7 @@ class Engine:
         if decoding:
             self._read_priority(decoding)
             # An eager decode (no CUDA graphs here) lets an L0 request cut in between its layers too.
-            with self._cut_in_hooks() if self.runner.static is None else contextlib.nullcontext():
+            with self._cut_in_hooks(decoding) if self.runner.static is None else contextlib.nullcontext():
                 positions = [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding]
                 tokens, spent = self.runner.decode(decoding, [g.row for g in decoding],
                                                    [g.output_ids[-1] for g in decoding], positions)
