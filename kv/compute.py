@@ -31,16 +31,19 @@ def sdpa(query, keys, values, mask, is_causal, scale, one_shape=False):
 
 
 def attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling, *,
-                   length: int, prefill_chunk: int):
+                   length: int, prefill_chunk: int, keys_out: list | None = None):
     """Attention of ``query`` ``[b, q_heads, q_len, d]`` over the committed parts (in slot
     order) and the new tokens -> ``[b, q_len, q_heads, d]``.
 
     ``cols`` says which of the ``length`` committed slots the parts are: None (all), a bool mask
     over the slots (the parts hold every slot; the False ones are dropped here), or slot indices
     ``[b, n]`` (the parts hold just those). ``pad_mask`` ``[b, length + q_len]`` is the key
-    validity (padding) or None."""
+    validity (padding) or None. ``keys_out``: a list the concatenated keys (parts, then the new
+    tokens) are appended to, for a caller that reads them too."""
     b, hq, q_len, d = query.shape
     keys = torch.cat((*k_parts, k_new), 2)
+    if keys_out is not None:
+        keys_out.append(keys)
     values = torch.cat((*v_parts, v_new), 2)
     n_past = keys.shape[2] - q_len
     keep = cols if isinstance(cols, torch.Tensor) and cols.dtype == torch.bool else None

@@ -190,10 +190,12 @@ class TieredLayer(CacheLayerMixin):
                 k_parts, v_parts, cols = self.prune.past(query, recall_all)
             else:
                 k_parts, v_parts, cols = self._past(query, q_len, pad_mask is not None)
+            keys = [] if self.prune is not None else None
             out = attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling,
-                                 length=self.length, prefill_chunk=cache.prefill_chunk)
+                                 length=self.length, prefill_chunk=cache.prefill_chunk,
+                                 keys_out=keys)
             if self.prune is not None:
-                shares = self.prune.shares(query, k_parts, k_new, cols, pad_mask, scaling, q_len)
+                shares = self.prune.shares(query, keys[0], cols, pad_mask, scaling, q_len)
         except BaseException:
             self.pending = None
             cache._poison(f"layer {self.index} failed during attention")

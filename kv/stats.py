@@ -36,13 +36,15 @@ def collect(cache) -> dict:
 def _prune_stats(cache) -> dict:
     """Importance pruning's keys (kv/prune): tokens per level per layer, level moves, recalls
     (pages, the bytes they moved to the device and the copy or gather operations that moved
-    them), and the bytes level 3 saves on the host. Present with pruning off too (levels 1 and 2 are
+    them), the bytes level 3 saves on the host, and the scorer's statistics on the device (not KV:
+not in ``gpu_bytes``). Present with pruning off too (levels 1 and 2 are
     then the device and host tiers; no moves)."""
     layers = cache.layers
     prunes = [layer.prune for layer in layers if getattr(layer, "prune", None) is not None]
     out = {"level_tokens": [layer.level_tokens() for layer in layers],
            "demotions": 0, "promotions": 0, "recalls": 0, "recall_bytes": 0, "recall_copies": 0,
-           "level3_bytes_saved": 0}
+           "level3_bytes_saved": 0,
+           "scorer_gpu_bytes": sum(p.scorer_gpu_bytes() for p in prunes)}
     for p in prunes:
         for key in ("demotions", "promotions", "recalls", "recall_bytes", "recall_copies"):
             out[key] += p.counters[key]

@@ -94,16 +94,27 @@ class HostRows:
         self.version += 1
 
     def remove(self, pages) -> None:
-        """Pages ``pages`` leave; the last pages move into the freed slots."""
-        b = self.batch
-        for slot in sorted((self.slot.pop(pg) for pg in pages), reverse=True):
-            last = len(self.pages) - 1
+        """Pages ``pages`` leave; the last pages move into the freed slots (freed slots taken from
+        the highest down, each filled by the page then last), in one indexed copy of the pages
+        that move."""
+        gone = sorted((self.slot.pop(pg) for pg in pages), reverse=True)
+        if not gone:
+            return
+        src = list(range(len(self.pages)))  # slot -> the slot its page comes from
+        for slot in gone:
+            last = len(src) - 1
             if slot != last:
-                self.buf[slot * b:(slot + 1) * b].copy_(self.buf[last * b:(last + 1) * b])
-                moved = self.pages[last]
-                self.pages[slot] = moved
-                self.slot[moved] = slot
-            self.pages.pop()
+                src[slot] = src[last]
+            src.pop()
+        moves = [(dst, s) for dst, s in enumerate(src) if dst != s]
+        if moves:
+            per_page = self.buf.view(-1, self.batch * self.row_bytes)
+            dst_i = torch.tensor([d for d, _ in moves], dtype=torch.int64)
+            src_i = torch.tensor([s for _, s in moves], dtype=torch.int64)
+            per_page.index_copy_(0, dst_i, per_page.index_select(0, src_i))
+        self.pages = [self.pages[s] for s in src]
+        for dst, _ in moves:
+            self.slot[self.pages[dst]] = dst
         if len(self.pages) * 4 <= self.capacity:
             self._resize(2 * len(self.pages))
         self.version += 1
