@@ -49,7 +49,7 @@ class TieredCache(Cache):
                  host_arena: bool = True, prune_threshold: float | None = None,
                  prune_scorer="attention", prune_offsets=None, prune_tokenizer=None,
                  prune_compensation: bool = True, prune_every: int = 8, prune_window: int = 32,
-                 prune_device_tokens: int | None = 512):
+                 prune_device_tokens: int | None = 512, dense_on_device: bool | None = None):
         if report_interval is not None and (isinstance(report_interval, bool) or not isinstance(
                 report_interval, (int, float)) or report_interval < 0):
             from deepseek_flash.errors import ConfigError
@@ -74,6 +74,8 @@ class TieredCache(Cache):
         self.top_k_pages = top_k_pages
         self.host_bytes_limit = host_bytes
         self.dense_layers = dense_layers
+        # the dense layers' pages on the device as well (kv/mirror.py): None = on a CUDA device
+        self.dense_on_device = dense_on_device
         self.score = score
         self.window_pages = window_pages
         self.select_max_queries = select_max_queries
@@ -97,6 +99,7 @@ class TieredCache(Cache):
         self._poisoned: str | None = None
         self._spill_error: KVSpillFailed | None = None
         self._copy_stream = None
+        self._write_stream = None  # CUDA: device->host page writes (kv/pages.py, append)
         self._prefetched: dict[int, tuple] = {}
         self._every_page: list[bool] = []  # per layer, as of the step's start: reads every page
         # CUDA: each top-K layer's choice and gather replayed as a captured graph (kv/graphs.py);
@@ -116,7 +119,8 @@ class TieredCache(Cache):
         """Install the tiered attention function on ``model`` and return a new cache for one
         generation: ``model.generate(ids, cache=cache)``. Options: ``dense_layers``
         (2), ``score`` ("hybrid" | "quest" | "windowed" | "mass" | "mass_max"), ``window_pages`` (64), ``error_recovery_mode``
-        ("strict" | "graceful"), ``prefill_chunk`` (4096 queries).
+        ("strict" | "graceful"), ``prefill_chunk`` (4096 queries), ``dense_on_device`` (None: on
+        a CUDA device the dense layers keep their pages on the device as well, kv/mirror.py).
 
         Importance pruning (off by default; docs/kv.md): ``prune_threshold`` (the seed's 0.15),
         ``prune_scorer`` ("attention" | "mlp" | a scorer file | a callable), ``prune_offsets``
@@ -241,7 +245,7 @@ class TieredCache(Cache):
         if self._reporter is not None:
             self._reporter.tick(self)
         if self.pinned:
-            self._every_page = [layer.reads_every_page() for layer in self.layers]
+            self._every_page = [layer.copies_every_page() for layer in self.layers]
 
     def _poison(self, why: str) -> None:
         self._poisoned = why
@@ -277,6 +281,19 @@ class TieredCache(Cache):
                 return nxt
         return None
 
+    def mirrors_dense(self) -> bool:
+        """Whether the dense layers keep their pages on the device as well (kv/mirror.py)."""
+        if self.dense_on_device is None:
+            return self.pinned
+        return bool(self.dense_on_device)
+
+    def write_stream(self):
+        """CUDA: the stream the device->host page writes run on (host->device copies ahead run
+        on ``_copy_stream``: the two directions overlap)."""
+        if self._write_stream is None:
+            self._write_stream = torch.cuda.Stream(self.device)
+        return self._write_stream
+
     def _drop_prefetched(self, layer: TieredLayer) -> None:
         """A layer copied ahead that attends top-K after all (its page count grew past ``k``)."""
         entry = self._prefetched.pop(layer.index, None)
@@ -289,7 +306,7 @@ class TieredCache(Cache):
         if not self.pinned:
             return
         if len(self._every_page) != len(self.layers):
-            self._every_page = [lyr.reads_every_page() for lyr in self.layers]
+            self._every_page = [lyr.copies_every_page() for lyr in self.layers]
         nxt = self.next_to_prefetch(layer, self._every_page)
         if nxt is None:
             return
@@ -384,7 +401,7 @@ class TieredCache(Cache):
         if self.spill is None:
             return
         if self.pinned:
-            torch.cuda.current_stream(self.device).synchronize()  # device->host page copies
+            self._writes_done()  # the chunks are read on the host below
         while self.host_bytes() > self.host_bytes_limit:
             candidates = [(c.first, layer.index, layer, c) for layer in self.layers
                           for c in layer.pages.spillable()]
@@ -443,8 +460,16 @@ class TieredCache(Cache):
             self._graph_pool_handle = torch.cuda.graph_pool_handle()
         return self._graph_pool_handle
 
+    def _writes_done(self) -> None:
+        """Wait for every device->host page write issued so far (CUDA)."""
+        torch.cuda.current_stream(self.device).synchronize()
+        if self._write_stream is not None:
+            self._write_stream.synchronize()
+
     def close(self) -> None:
         """Free the host pages and remove the spill files now (also done when collected)."""
+        if self.pinned and self._write_stream is not None:
+            self._write_stream.synchronize()  # no write into a chunk given back
         self._select_out = SharedOut()
         for layer in self.layers:
             layer.graphs = LayerGraphs()  # the graphs read the host pages freed below

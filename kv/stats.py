@@ -24,6 +24,10 @@ def collect(cache) -> dict:
         "page_tokens": cache.page_tokens,
         "page_bytes": cache.layout.page_bytes if cache.layout else 0,
         "pages": sum(layer.n_pages for layer in layers) * batch,
+        # pages of the dense layers kept on the device as well (kv/mirror.py): never copied
+        "mirrored_pages": sum(layer.mirror.tokens for layer in layers
+                              if getattr(layer, "mirror", None) is not None)
+        // (cache.page_tokens or 1) * batch,
         "gpu_bytes": sum(layer.gpu_bytes() for layer in layers),
         "host_bytes": cache.host_bytes(),
         "spilled_bytes": sum(layer.spilled_bytes() for layer in layers),

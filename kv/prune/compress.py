@@ -153,6 +153,42 @@ def decompress_pages(c: CompressedPages, dtype: torch.dtype | None = None) -> to
     return decompress_into(c, out).to(dtype or c.dtype)
 
 
+def decompress_rows_into(rows: torch.Tensor, like: CompressedPages, lead: tuple,
+                         out: torch.Tensor) -> torch.Tensor:
+    """``rows_of``' bytes ``[prod(lead), compressed_bytes]`` (any device) decompressed into
+    ``out`` (fp32 ``[*lead, 2, heads, tokens, head_dim]``, any strides) -> ``out``: what
+    ``decompress_into(from_rows(rows, like), out)`` gives, with the K and V codes split into
+    nibbles together and the four fp16 group tensors widened together (they lie back to back in
+    a row: ``FIELDS``)."""
+    codes_n = like.k_codes.numel() + like.v_codes.numel()
+    groups = rows[:, codes_n:]
+    if rows.stride(0) % 2 or codes_n % 2 or rows.storage_offset() % 2:
+        groups = groups.contiguous()
+    groups = groups.view(torch.float16).float()
+    codes = rows[:, :codes_n]
+    low, high = codes & 0x0F, codes >> 4
+    parts, at = {}, 0
+    for f in ("k_codes", "v_codes"):  # bytes of the codes region
+        size, shape = getattr(like, f).numel(), getattr(like, f).shape
+        parts[f] = (low[:, at:at + size].reshape(*lead, *shape),
+                    high[:, at:at + size].reshape(*lead, *shape))
+        at += size
+    at = 0
+    for f in ("k_lo", "k_step", "v_lo", "v_step"):  # fp16 elements of the groups region
+        size, shape = getattr(like, f).numel(), getattr(like, f).shape
+        parts[f] = groups[:, at:at + size].reshape(*lead, *shape)
+        at += size
+    for i, (kind, per_channel) in enumerate((("k", True), ("v", False))):
+        part = out.select(-4, i)
+        lo_q, hi_q = parts[f"{kind}_codes"]
+        step = parts[f"{kind}_step"]
+        even, odd = (step[..., 0::2], step[..., 1::2]) if per_channel else (step, step)
+        torch.mul(lo_q, even, out=part[..., 0::2])
+        torch.mul(hi_q, odd, out=part[..., 1::2])
+        part.add_(parts[f"{kind}_lo"])  # lo + q * step
+    return out
+
+
 def decompress_into(c: CompressedPages, out: torch.Tensor) -> torch.Tensor:
     """Decompress into ``out`` (fp32, ``c.shape``, any strides: e.g. a permuted view of the
     keys-and-values layout attention reads) -> ``out``. Each element is ``lo + q * step``

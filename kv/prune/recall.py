@@ -34,18 +34,14 @@ class Recall:
         """Level-3 rows (uint8, on the device) of ``n`` pages -> keys, values ``[b, h, n * p,
         d]``, decompressed straight into that layout (no copy of the pages to reorder them).
         Rows are page-major (``slot * b + sequence``) or, ``seq_major``, sequence-major."""
-        from .compress import CompressedPages, decompress_into
+        from .compress import decompress_rows_into
 
         b, shape = self.layer.batch, self.layer._cache.layout.shape  # (2, h, p, d)
-        c = from_rows(rows, self._like, copy=False)
         lead = (b, n) if seq_major else (n, b)
-        fields = {f: getattr(c, f).reshape(*lead, *getattr(c, f).shape[1:])
-                  for f in ("k_codes", "v_codes", "k_lo", "k_step", "v_lo", "v_step")}
-        c = CompressedPages(**fields, shape=(*lead, *shape), dtype=self.layer.dtype)
         _, h, p, d = shape
         out = torch.empty((2, b, h, n, p, d), dtype=torch.float32, device=rows.device)
-        decompress_into(c, out.permute(1, 3, 0, 2, 4, 5) if seq_major
-                        else out.permute(3, 1, 0, 2, 4, 5))
+        decompress_rows_into(rows, self._like, lead, out.permute(1, 3, 0, 2, 4, 5) if seq_major
+                             else out.permute(3, 1, 0, 2, 4, 5))
         kv = out.to(self.layer.dtype).view(2, b, h, n * p, d)
         return kv[0], kv[1]
 
@@ -137,8 +133,11 @@ class Recall:
             self._cols = (key, head) if fixed else None
         else:
             head = self._cols[1]
-        recent = torch.arange(layer.length - n_rec, layer.length, device=dev).expand(b, -1)
-        return k_parts, v_parts, torch.cat((head, recent), 1)
+        # the recent window's slots and this step's new tokens' (``shares`` reads them all)
+        q_len = query.shape[2]
+        recent = torch.arange(layer.length - n_rec, layer.length + q_len, device=dev)
+        self._slots = torch.cat((head, recent.expand(b, -1)), 1)
+        return k_parts, v_parts, self._slots[:, :self._slots.shape[1] - q_len]
 
     def _recall(self, query: torch.Tensor, recall_all: bool):
         """The demoted pages this step attends, per store (level 2, level 3, level 3 on disk):

@@ -96,6 +96,7 @@ class LayerPrune(Recall):
         self._like = None                     # a compressed page of one sequence: the row's shapes
         self._cols = None                     # (levels' key, slots of all but the recent window)
         self._recalled_stores = []            # the store of each part ``_recall`` returned
+        self._slots = None                    # the step's attended slots, new tokens' last
         self._ahead = None                    # a lossless recall's rows copied ahead (prefetch)
         self.steps = 0
         self.due = False                      # an evaluation is due at the end of the step
@@ -297,9 +298,7 @@ class LayerPrune(Recall):
         tokens; ``keys``: theirs, as the attention concatenated them) for the last
         ``observe_queries`` queries, and those slots ``[b, n]``."""
         layer = self.layer
-        b = keys.shape[0]
-        new_slots = torch.arange(layer.length, layer.length + q_len, device=keys.device)
-        slots = torch.cat((cols, new_slots.expand(b, -1)), 1)
+        slots = self._slots  # ``past``: ``cols`` and then the new tokens' slots
         valid = None
         if pad_mask is not None:
             valid = torch.gather(pad_mask[:, :layer.length + q_len].to(torch.bool), 1, slots)
@@ -390,10 +389,55 @@ def evaluate_due(layers) -> None:
 
 def score_layers(prunes) -> list[torch.Tensor]:
     """Page scores of each layer in ``prunes`` (``LayerPrune.device_page_scores``), on the host:
-    computed on the device first, one copy to the host for all of them."""
-    scores = [p.device_page_scores() for p in prunes]
+    computed on the device first -- for the built-in attention scorer every layer at once
+    (``attention_scores_together``) -- one copy to the host for all of them."""
+    scores = attention_scores_together(prunes)
+    if scores is None:
+        scores = [p.device_page_scores() for p in prunes]
     host = torch.cat([t.float() for t in scores]).cpu().split([t.numel() for t in scores])
     return [t.clone() for t in host]
+
+
+def attention_scores_together(prunes) -> list[torch.Tensor] | None:
+    """``device_page_scores`` of every layer in ``prunes`` in one set of tensor operations, not
+    one per layer, where that gives the same numbers: every layer scored by the built-in
+    ``"attention"`` scorer, no pattern offsets, the same paged slots, batch and device (the usual
+    case: every layer of a cache holds the same tokens); else None."""
+    from .scorers import ATTENTION_HALF, KEY_NORM_WEIGHT, _zscore, attention_scorer
+    from .policy import compensation
+
+    if len(prunes) < 2:
+        return None
+    first = prunes[0]
+    cache = first.layer._cache
+    key = (first.layer.sinks, first.n_pages, first.layer.batch, first.layer.device)
+    if getattr(cache, "_matchers", None) or any(
+            q.s.scorer is not attention_scorer or q.stats._f is None
+            or (q.layer.sinks, q.n_pages, q.layer.batch, q.layer.device) != key for q in prunes):
+        return None
+    s, n_pages, b, dev = key
+    p = cache.page_tokens
+    stop = s + n_pages * p
+    f = torch.stack([q.stats._f[:, :, s:stop] for q in prunes])        # [L, 3, b, n]
+    norms = torch.empty((len(prunes), stop - s, *first.stats._norms.shape[1:]), device=dev)
+    for i, q in enumerate(prunes):  # the host's norms of the scored slots: one copy per layer
+        norms[i].copy_(q.stats._norms[s:stop], non_blocking=dev.type == "cuda")
+    knorm = norms[:, :, 0].permute(0, 2, 3, 1)                          # [L, b, h, n]
+    # attention_scorer, for every layer at once
+    z = _zscore(knorm).mean(2)
+    x = f[:, 0].clamp(min=0) * torch.exp(-KEY_NORM_WEIGHT * z)
+    score = x / (ATTENTION_HALF + x)
+    tok = torch.where(f[:, 2] > 0, score, torch.full_like(score, 0.5))
+    # page_scores and adjust_scores (kv/prune/policy.py), per layer's row
+    raw = tok.float().clamp(0.0, 1.0).view(len(prunes), b, n_pages, p).mean(3).amax(1)
+    factors = []
+    for q in prunes:
+        l1, l2, _ = q.level_pages()
+        n_active = q.layer.sinks + q.layer.recent_k.shape[2] + (l1 + l2) * p
+        factors.append(compensation(n_active, q.s.compensate))
+    if any(c != 1.0 for c in factors):
+        raw = raw * torch.tensor(factors, dtype=raw.dtype, device=dev)[:, None]
+    return list(raw.clamp(0.0, 1.0).unbind(0))
 
 
 def offset_values(matchers: list[OffsetMatcher], start: int, stop: int,

@@ -35,7 +35,12 @@ def test_lossless_on_cuda_matches_dynamic_cache(batch):
     assert (logits - want_logits).abs().max().item() <= 1e-4
     assert cache.pinned and len(cache.layers[0].chunks) > 1  # several chunks, one call
     assert pages._FOREACH == [True]  # torch took the host->device _foreach_copy_
-    assert cache.stats()["pages_fetched"] > 0
+    s = cache.stats()
+    assert s["pages_fetched"] > 0
+    # the two dense layers' pages are on the device as well (kv/mirror.py, the CUDA default):
+    # only the third layer's are copied
+    assert s["mirrored_pages"] == 2 * s["pages"] // 3
+    assert [layer.mirror is not None for layer in cache.layers] == [True, True, False]
     cache.close()
 
 
@@ -90,7 +95,7 @@ def test_topk_dense_layers_copied_ahead_equal_their_pages_copied_when_due():
     runs, used = [], []
     for ahead in (True, False):
         cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
-                                      top_k_pages=0.25, dense_layers=2)
+                                      top_k_pages=0.25, dense_layers=2, dense_on_device=False)
         took = []
 
         def take(layer, take=cache._take_prefetched):
