@@ -154,7 +154,10 @@ class StackSampler:
 
     def _run(self):
         while not self._stop.wait(self.interval):
-            frame = sys._current_frames().get(self.ident)
+            # load_model imports on a thread of its own while the caller waits: sample that one.
+            ident = next((t.ident for t in threading.enumerate()
+                          if t.name == "flash-skeleton-imports"), self.ident)
+            frame = sys._current_frames().get(ident)
             if frame is None:
                 continue
             self.samples += 1
@@ -245,6 +248,7 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int) -> dict:
         imports = m.flash.imports
         # The skeleton's imports on their own thread (started after open_model): their time.
         out["imports_thread_s"] = None if imports is None else round(imports.seconds or 0, 3)
+        out["imports_thread_cpu_s"] = None if imports is None else round(imports.cpu_seconds or 0, 3)
         m.flash.close()
         c.close()
     finally:

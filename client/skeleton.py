@@ -100,6 +100,7 @@ class Imports:
     def __init__(self, module: str):
         self.module = module
         self.seconds: float | None = None       # the imports' own time, once done
+        self.cpu_seconds: float | None = None   # and this thread's CPU time in it
         self._thread = threading.Thread(target=self._run, daemon=True, name="flash-skeleton-imports")
         self._thread.start()
 
@@ -107,11 +108,12 @@ class Imports:
         import importlib
         import time
 
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             importlib.import_module(self.module)
         except Exception as exc:  # noqa: BLE001 -- the caller's import raises it again
             log.debug("importing %s ahead failed: %s", self.module, exc)
+        self.cpu_seconds = time.thread_time() - cpu
         self.seconds = time.perf_counter() - started
 
     def wait(self) -> None:
