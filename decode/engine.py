@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 
+from ..cuda import sdpa_backends
 from ..errors import DecodeCapacityExceeded
 from . import fused as fusion
 from . import kernels
@@ -167,9 +168,13 @@ class GraphDecoder:
         return f"out of device memory in the static-cache decode ({first})"
 
     def _on_device(self):
-        """Streams and captures on the model's device, whatever device is current."""
+        """Streams and captures on the model's device, whatever device is current, and its
+        attention without cuDNN's kernel (a plan per new prompt length; deepseek_flash/cuda.py)."""
         if self.device.type == "cuda":
-            return self.torch.cuda.device(self.device)
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.torch.cuda.device(self.device))
+            stack.enter_context(sdpa_backends(self.device))
+            return stack
         return contextlib.nullcontext()
 
     def generate_with_logits(self, *args, **kwargs):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from deepseek_flash.cuda import sdpa_backends
+
 
 def sdpa(query, keys, values, mask, is_causal, scale):
-    """``scaled_dot_product_attention`` over GQA keys. With a mask on CUDA the kv heads are
+    """``scaled_dot_product_attention`` over GQA keys, without cuDNN's kernel. With a mask on CUDA the kv heads are
     repeated first: the fused kernels that take a mask do not all take GQA, and the fallback
     would materialise every score."""
     groups = query.shape[1] // keys.shape[1]
@@ -15,9 +17,12 @@ def sdpa(query, keys, values, mask, is_causal, scale):
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
         groups = 1
-    return torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale,
-        enable_gqa=groups > 1)
+    # never cuDNN's kernel on CUDA: the key length changes every step and cuDNN builds a plan
+    # for each new one (~2 ms of host time per call; deepseek_flash/cuda.py)
+    with sdpa_backends(query.device):
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale,
+            enable_gqa=groups > 1)
 
 
 def attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling, *,

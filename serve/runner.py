@@ -14,15 +14,14 @@ import inspect
 import math
 import time
 
+# Attention on a CUDA device: every kernel but cuDNN's (SDPA_BACKENDS, deepseek_flash/cuda.py):
+# cuDNN builds an execution plan for every new shape, and a continuously batched engine makes new
+# shapes all the time; the memory-efficient kernel takes the same additive mask with no set-up.
+from deepseek_flash.cuda import SDPA_BACKENDS, sdpa_backends  # noqa: F401 (SDPA_BACKENDS: tests)
+
 # The attention reads a multiple of this many key positions (masked beyond each row's length), so
 # the shapes a forward's attention sees are few and repeat, whatever the rows' lengths.
 KV_BUCKET = 64
-# Attention kernels a forward may use on a CUDA device: every one but cuDNN's. cuDNN's attention
-# (torch's first choice on sm90/sm100 with a recent cuDNN) builds an execution plan for every new
-# shape -- hundreds of milliseconds each -- and a continuously batched engine makes new shapes all
-# the time (rows joining and leaving, lengths growing); the memory-efficient kernel takes the same
-# additive mask with no per-shape set-up.
-SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 # Forwards kept for ``RowRunner.profile`` (the most recent).
 PROFILE_SAMPLES = 8192
 
@@ -89,11 +88,7 @@ class RowRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self.attn_default = getattr(cfg, "_attn_implementation", None)
-        self.sdpa = None
-        if self.device.type == "cuda":
-            from torch.nn.attention import SDPBackend
-
-            self.sdpa = [getattr(SDPBackend, name) for name in SDPA_BACKENDS]
+        self.sdpa = self.device.type == "cuda"  # attention without cuDNN (SDPA_BACKENDS)
         # (kind, rows, tokens per row, launch seconds, seconds until the result was on the host,
         # monotonic start, attention key positions)
         self._profile: list = []
@@ -120,13 +115,8 @@ class RowRunner:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         kwargs = self._kwargs(self.cache)
-        if self.sdpa is None:
+        with sdpa_backends(self.device):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
-        else:
-            from torch.nn.attention import sdpa_kernel
-
-            with sdpa_kernel(self.sdpa):
-                out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
         return out.logits[:, -1, :]
 
     def prefill(self, rows: list, ids: list, positions: list, kv_len: int):

@@ -24,10 +24,17 @@ def test_kv_bench_smoke(tmp_path):
     assert r["lossless_bytes_per_token"] == pages * 4 * 32 * 256
     assert r["topk25_pages_per_token"] > 0
     assert r["topk25_one_gather_layers"] == 2  # 4 layers, the first 2 dense
-    for key in ("dynamic_tok_s", "topk25_tok_s", "lossless_tok_s", "ttft_dynamic_s", "ttft_tiered_s"):
+    for key in ("dynamic_tok_s", "dynamic_nocudnn_tok_s", "topk25_tok_s", "lossless_tok_s",
+                "ttft_dynamic_s", "ttft_dynamic_nocudnn_s", "ttft_tiered_s", "ttft_tiered_first_s"):
         assert r[key] > 0
-    for key in ("dynamic_host_share", "topk25_host_share", "lossless_host_share"):
+    for key in ("dynamic_host_share", "dynamic_nocudnn_host_share", "topk25_host_share",
+                "lossless_host_share"):
         assert 0 < r[key] <= 1.0
+    # the ratios are against the faster DynamicCache of the two
+    assert r["dynamic_best_tok_s"] == max(r["dynamic_tok_s"], r["dynamic_nocudnn_tok_s"])
+    assert r["dynamic_baseline"] in ("dynamic", "dynamic_nocudnn")
+    assert r["topk25_vs_dynamic"] == round(r["topk25_tok_s"] / r["dynamic_best_tok_s"], 3)
+    assert r["ttft_dynamic_best_s"] == min(r["ttft_dynamic_s"], r["ttft_dynamic_nocudnn_s"])
     assert result["dynamic_floor_tok_s"] > 0 and result["warmup_s"] > 0
 
 
