@@ -273,7 +273,7 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         timings[name] = round(timings.get(name, 0.0) + (now - mark) * 1e3, 3)
         mark = now
 
-    handle = None
+    handle = imports = None
     try:
         if tp is not None:
             info = client.shard(name_or_path, tp[1], tp[2], flash_context)
@@ -331,7 +331,10 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         for_loaded_model(model, handle, mode, decode_capacity)
         timings["total_ms"] = round(sum(timings.values()), 3)
         return model
-    except BaseException:
+    except BaseException as exc:
+        if imports is not None and isinstance(exc, Exception):
+            # The caller may import transformers next: not while that thread is halfway through.
+            imports.wait()
         if handle is not None and handle.desc is not None:
             try:
                 handle.close()

@@ -167,3 +167,33 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
     assert again["timings"] == ["open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms",
                                 "bind_ms", "total_ms"]
     assert again["imports"] is None
+
+
+def test_a_failed_load_model_returns_only_after_its_imports(tmp_path):
+    """load_model that fails after starting the skeleton's imports (here: a budget below the
+    model's minimum) returns its error only once that thread is done, so the caller's own
+    imports of transformers never run beside it."""
+    import json
+    import subprocess
+    import sys
+
+    from deepseek_flash.store import pack
+    from deepseek_flash.testing import make_tiny_model
+
+    store = pack(make_tiny_model(tmp_path / "src", "llama", num_layers=2), tmp_path / "store")
+    script = f"""
+import json, threading
+from deepseek_flash.client import Client
+from deepseek_flash.client.model import load_model
+from deepseek_flash.errors import BudgetTooSmall
+with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
+    try:
+        load_model({str(store)!r}, device="cpu", client=client, weight_budget=1)
+    except BudgetTooSmall as exc:
+        print(json.dumps({{"error": type(exc).__name__, "threads": sorted(
+            t.name for t in threading.enumerate() if t.name == "flash-skeleton-imports")}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"error": "BudgetTooSmall",
+                                                                "threads": []}
