@@ -31,5 +31,5 @@ fi
 # shellcheck disable=SC2086
 $py bench/kv.py --arch "$arch" --contexts $contexts --profile "${flags[@]}" \
   --output "$out/kv.json" > "$out/kv.out" 2> "$out/kv.log" || status=1
-tail -8 "$out/kv.log"
+sed -n '/^dynamic floor/,/^goals:/p' "$out/kv.log"
 exit $status

@@ -235,7 +235,6 @@ def run_context(model, T, args, device, h2d, record=True):
     steps = args.decode if T < 100000 else max(4, args.decode // 2)
     r = {"context": T, "decode_steps": steps}
 
-    profile = args.profile and args.output and record and T in args.profile_at
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     model.set_attn_implementation("sdpa")  # the peers run as transformers runs them
@@ -248,9 +247,6 @@ def run_context(model, T, args, device, h2d, record=True):
             tok, r[f"ttft_{name}_s"] = prefill(model, ids, dc, device)
             tok, r[f"{name}_tok_s"], r[f"{name}_host_share"] = decode(
                 model, dc, tok, steps, device, args.warmup, args.repeats)
-            if profile and name == "dynamic_nocudnn":
-                r[f"{name}_profile"] = profile_steps(
-                    model, dc, tok, device, Path(args.output).with_suffix(f".{name}-{T}.txt"))
         r["dynamic_kv_bytes"] = dynamic_kv_bytes(dc)  # the same tokens as the tiered stats below
         if cuda:
             r["dynamic_peak_bytes"] = torch.cuda.max_memory_allocated()
@@ -275,9 +271,12 @@ def run_context(model, T, args, device, h2d, record=True):
     s = cache.stats()
     r["topk25_pages_per_token"] = (s["pages_fetched"] - fetched) / (args.warmup
                                                                      + args.repeats * steps)
-    if profile:
-        r["topk25_profile"] = profile_steps(
-            model, cache, tok, device, Path(args.output).with_suffix(f".topk25-{T}.txt"))
+    # what a top-K step must move over PCIe (the chosen pages of the top-K layers, every page of
+    # the dense ones) and the rate that allows at the host->GPU rate of this run: the most top-K
+    # can reach with its pages on the host, however well the copies overlap
+    r["topk25_bytes_per_token"] = round(r["topk25_pages_per_token"] * s["page_bytes"])
+    if h2d:
+        r["topk25_bound_tok_s"] = round(h2d * 1e9 / r["topk25_bytes_per_token"], 3)
     # layers whose top-K pages came by one gather over their host chunks (kv/span.py); the
     # others (dense layers, or a view that could not be used: logged) copy page runs
     r["topk25_one_gather_layers"] = sum(layer.pages._span is not None for layer in cache.layers)
@@ -299,11 +298,9 @@ def run_context(model, T, args, device, h2d, record=True):
     cache.top_k_pages = None
     tok, r["lossless_tok_s"], r["lossless_host_share"] = decode(model, cache, tok, steps, device,
                                                                 args.warmup, args.repeats)
-    if profile:
-        r["lossless_profile"] = profile_steps(
-            model, cache, tok, device, Path(args.output).with_suffix(f".lossless-{T}.txt"))
     s = cache.stats()
-    moved = s["pages"] * s["page_bytes"]  # every page of every layer, each step
+    # every page of every layer, each step, but the dense layers' kept on the device as well
+    moved = (s["pages"] - s["mirrored_pages"]) * s["page_bytes"]
     r["lossless_bytes_per_token"] = moved
     if h2d:
         r["lossless_bound_tok_s"] = round(h2d * 1e9 / moved, 3)
@@ -341,6 +338,41 @@ def run_context(model, T, args, device, h2d, record=True):
     return r
 
 
+def profile_context(model, T, args, device) -> dict:
+    """Profiler tables of 2 decode steps of DynamicCache (cuDNN left out), top-K 25 % and
+    lossless at context ``T``, in a pass of their own after every timed figure (a profiler
+    leaves the process slower to dispatch for a while: nothing timed comes after it)."""
+    import torch
+    from transformers import DynamicCache
+
+    from deepseek_flash.kv import TieredCache
+
+    ids = torch.randint(1, model.config.vocab_size, (1, T),
+                        generator=torch.Generator().manual_seed(T)).to(device)
+    path = Path(args.output)
+    out = {}
+    model.set_attn_implementation("sdpa")
+    with backends():
+        dc = DynamicCache(config=model.config)
+        tok, _ = prefill(model, ids, dc, device)
+        tok, _, _ = decode(model, dc, tok, 1, device, 2, 1)
+        out["dynamic_nocudnn_profile"] = profile_steps(
+            model, dc, tok, device, path.with_suffix(f".dynamic_nocudnn-{T}.txt"))
+    del dc
+    free(device)
+    cache = TieredCache.for_model(model, top_k_pages=0.25)
+    tok, _ = prefill(model, ids, cache, device)
+    for mode, top_k in (("topk25", 0.25), ("lossless", None)):
+        cache.top_k_pages = top_k
+        tok, _, _ = decode(model, cache, tok, 1, device, 2, 1)
+        out[f"{mode}_profile"] = profile_steps(model, cache, tok, device,
+                                               path.with_suffix(f".{mode}-{T}.txt"))
+    cache.close()
+    del cache
+    free(device)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=sorted(SHAPES), default="llama")
@@ -376,17 +408,19 @@ def main(argv=None) -> int:
             print("bench/kv.py: no CUDA device (use --smoke on a CPU)", file=sys.stderr)
             return 2
         device = "cuda:0"
-    t = time.perf_counter()
+    started = t = time.perf_counter()
     model = build(args.arch, args.smoke, max(args.contexts) + 64, device)
     result = {"bench": "kv", "date": datetime.date.today().isoformat(), "machine": platform.node(),
               "arch": args.arch, "smoke": args.smoke, "torch": torch.__version__,
               "transformers": transformers.__version__, "build_s": round(time.perf_counter() - t, 1),
               "gpu": torch.cuda.get_device_name(0) if device != "cpu" else None,
               "h2d_gbps": h2d_rate(device, 1 << 30), "contexts": []}
-    # every mode once at a short context, untimed: the first context is not timed cold (kernel
-    # selection, allocator growth, the copy stream and pinned pools are all warm by then)
+    # every mode once at a short context, untimed (a few steps each): the first context is not
+    # timed cold (kernel selection, allocator growth, the copy stream and pinned pools are all
+    # warm by then)
     t = time.perf_counter()
-    run_context(model, min(1024, min(args.contexts)), args, device, result["h2d_gbps"], False)
+    warm = argparse.Namespace(**{**vars(args), "decode": 2, "warmup": 2, "repeats": 1})
+    run_context(model, min(1024, min(args.contexts)), warm, device, result["h2d_gbps"], False)
     result["warmup_s"] = round(time.perf_counter() - t, 1)
     result["dynamic_floor_tok_s"] = floor_tok_s(model, args, device)
     for T in args.contexts:
@@ -406,10 +440,9 @@ def main(argv=None) -> int:
             "lossless_ge_2x_offload_at_32k": r.get("lossless_vs_offload", 0) >= 2.0,
             "ttft_le_1.1x_at_32k": r["ttft_ratio"] <= 1.1,
         }
-    text = json.dumps(result, indent=1)
+    result["timed_s"] = round(time.perf_counter() - started, 1)
     if args.output:
-        Path(args.output).write_text(text + "\n")
-    print(text)
+        Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
     print(f"dynamic floor (256-token context): {result['dynamic_floor_tok_s']} tok/s",
           file=sys.stderr)
     cols = ["context", "gpu_kv_ratio", "dynamic_tok_s", "dynamic_nocudnn_tok_s", "topk25_tok_s",
@@ -418,6 +451,16 @@ def main(argv=None) -> int:
     print(" ".join(f"{c:>14}" for c in cols), file=sys.stderr)
     for r in result["contexts"]:
         print(" ".join(f"{str(r.get(c, '-')):>14}" for c in cols), file=sys.stderr)
+    print(f"goals: {result.get('goals')}", file=sys.stderr, flush=True)
+    # the profiler tables last: a profiler leaves the process slower for a while, and a run cut
+    # short by a time limit has every timed figure written already
+    if args.profile and args.output:
+        for T in args.profile_at:
+            if T in by:
+                by[T].update(profile_context(model, T, args, device))
+        result["total_s"] = round(time.perf_counter() - started, 1)
+        Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
     return 0
 
 

@@ -61,6 +61,13 @@ def test_kv_prune_show_smoke(tmp_path):
     assert pruned[0] > pruned[1] > 0
     assert r["pruned_topk25"]["recall_ops_per_step"] <= 2 * 4  # one per level and layer at most
     assert "pruned_vs_tiered_lossless_tok_s" in r and "pruned_topk25_vs_tiered_topk25_tok_s" in r
+    # each timed step's ms; pruning's evaluations (every 8 steps: the 8th and 16th of the 22
+    # decoded, the first 2 untimed) apart from the median of the other steps
+    for name in ("tiered_lossless", "pruned"):
+        assert len(r[name]["step_ms"]) == 20 and r[name]["median_step_ms"] > 0
+    assert "evaluation_steps" not in r["tiered_lossless"]
+    assert r["pruned"]["evaluation_steps"] == 2 and r["pruned"]["evaluation_step_ms"] > 0
+    assert r["pruned"]["scorer_gpu_bytes"] == 4 * 768 * 3 * 4  # 722 tokens: 12 chunks of 64
     assert r["dynamic"]["gpu_kv_bytes"] == (700 + 2 + 20) * 4 * 256
     demoted = r["pruned_all_demoted"]
     # threshold 1.0: every page is demoted at the prefill's evaluation and in int4 two later
