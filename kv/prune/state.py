@@ -258,27 +258,44 @@ class LayerPrune(Recall):
     def _versions(self) -> tuple[int, int]:
         return (self.l2.version, self.l3.version)
 
-    def _apply(self, old: torch.Tensor, new: torch.Tensor) -> None:
-        """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``): the reads
-        first (one copy per level), then the removals, then the writes."""
+    def _apply(self, old: torch.Tensor, new: torch.Tensor, comp_rows=None) -> None:
+        """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``): the device
+        side (``_begin``), one wait for the device, the host side (``_finish``)."""
+        st = self._begin(old, new, comp_rows)
+        if st is not None:
+            self._sync()  # the gathers read the rows the removals move
+            self._finish(st)
+
+    def _begin(self, old: torch.Tensor, new: torch.Tensor, comp_rows=None):
+        """The device side of moving the pages whose level changes from ``old`` to ``new``:
+        the pages joining level 1 gathered to the device (one copy per level), those going
+        2 -> 3 compressed (``comp_rows``: their int4 rows in page order when the caller
+        compressed them already -- ``compress_moving``, every layer's at once), those leaving
+        level 1 taken out of its run -> what ``_finish`` needs, or None (nothing moves). No host
+        row changes here; the caller waits for the device before ``_finish``. A host read of
+        the rows here (spill files, the no-view fallback) follows the evaluation's own wait for
+        the device (the scores' copy to the host)."""
         moved = new != old
         if not bool(moved.any()):
-            return
+            return None
         self._stores()
         self._drop_ahead()
-        self._sync()
-        b = self.layer.batch
         pages_of = lambda mask: torch.nonzero(mask).flatten().tolist()  # noqa: E731
         leaving = pages_of(moved & (old == 1))                    # 1 -> 2
         compressing = pages_of(moved & (old == 2) & (new == 3))   # 2 -> 3
         joining = pages_of(moved & (new == 1))                    # -> 1
         got = self._pages_to_device(joining) if joining else None
-        comp_rows = None
-        if compressing:
-            full = self._full(self.l2.fetch(compressing), (len(compressing) * b,))
-            comp_rows = rows_of(compress_pages(full))
-        if joining or compressing:
-            self._sync()  # the gathers above read the rows the removals below move
+        if compressing and comp_rows is None:
+            comp_rows = rows_of(compress_pages(self._to_compress(compressing)))
+        left = None
+        if leaving:
+            leaving, left = self._leave_l1(set(leaving))  # [n, b, 2, h, p, d] on the device
+        return leaving, compressing, joining, got, comp_rows, left
+
+    def _finish(self, st) -> None:
+        """The host side of ``_begin``'s moves: removals from the host rows first, then the
+        writes (asynchronous from a GPU, ordered on its stream)."""
+        leaving, compressing, joining, got, comp_rows, left = st
         self.l2.remove([pg for pg in compressing + joining if pg in self.l2])
         self.l3.remove([pg for pg in joining if pg in self.l3])
         for pg in joining:
@@ -287,8 +304,7 @@ class LayerPrune(Recall):
         if comp_rows is not None:
             self.l3.put(compressing, comp_rows)
         if leaving:
-            leaving, pages = self._leave_l1(set(leaving))  # [n, b, 2, h, p, d] on the device
-            self.l2.put(leaving, pages.view(torch.uint8))
+            self.l2.put(leaving, left.view(torch.uint8))
         if joining:
             self._join_l1(joining, got)
 
@@ -353,18 +369,32 @@ class LayerPrune(Recall):
         left = self.s.device_tokens - cache.sink_tokens - cache.gpu_tokens
         return max(0, left) // cache.page_tokens
 
-    def evaluate(self, scores: torch.Tensor | None = None) -> None:
-        """Move the pages to their levels by ``scores`` (CPU ``[n_pages]``; None: scored now)."""
+    def _to_compress(self, pages: list[int]) -> torch.Tensor:
+        """Level-2 ``pages`` on the device, ``[len(pages) * b, 2, h, p, d]`` (one gather)."""
+        return self._full(self.l2.fetch(pages), (len(pages) * self.layer.batch,))
+
+    def plan(self, scores: torch.Tensor):
+        """The levels ``scores`` (CPU ``[n_pages]``) give -> new levels, promoted, demoted
+        (``next_levels``); nothing moves yet."""
+        if self.lost:  # a lost page has no bytes to come back with: it stays at level 3
+            scores[torch.tensor(sorted(self.lost))] = -1.0
+        return next_levels(self.level, scores, self.s.threshold, self.l1_cap())
+
+    def evaluate(self, scores: torch.Tensor | None = None, planned=None,
+                 comp_rows=None) -> None:
+        """Move the pages to their levels by ``scores`` (CPU ``[n_pages]``; None: scored now) or
+        by ``planned`` (``plan``'s result; ``comp_rows``: see ``_apply``)."""
         self.due = False
         if self.n_pages == 0:
             return
-        if scores is None:
-            scores = self.page_scores()
-        if self.lost:  # a lost page has no bytes to come back with: it stays at level 3
-            scores[torch.tensor(sorted(self.lost))] = -1.0
-        new, promoted, demoted = next_levels(self.level, scores, self.s.threshold,
-                                             self.l1_cap())
-        self._apply(self.level, new)
+        if planned is None:
+            planned = self.plan(scores if scores is not None else self.page_scores())
+        self._apply(self.level, planned[0], comp_rows)
+        self._planned(planned)
+
+    def _planned(self, planned) -> None:
+        """After the pages moved: the new levels, the counters, the spill check."""
+        new, promoted, demoted = planned
         self.level = new
         self.counters["promotions"] += int(promoted.sum())
         self.counters["demotions"] += int(demoted.sum())
@@ -375,7 +405,9 @@ class LayerPrune(Recall):
 def evaluate_due(layers) -> None:
     """After a step's last layer: evaluate every layer that is due (``LayerPrune.due``), their
     page scores computed on the device first and brought to the host together (one sync for the
-    step, not one per layer), the levels then moved layer by layer (kv/prune/policy.py)."""
+    step, not one per layer), every layer's 2 -> 3 pages compressed together, every layer's
+    device side of the moves launched, one wait for the device, then every layer's host side
+    (kv/prune/policy.py)."""
     due = [layer.prune for layer in layers
            if layer.prune is not None and layer.prune.due and layer.prune.n_pages]
     for layer in layers:
@@ -383,8 +415,35 @@ def evaluate_due(layers) -> None:
             layer.prune.due = False
     if not due:
         return
-    for p, sc in zip(due, score_layers(due)):
-        p.evaluate(sc)
+    plans = [p.plan(sc) for p, sc in zip(due, score_layers(due))]
+    # every layer's device side, one wait for each device, then every layer's host side
+    begun = [p._begin(p.level, plan[0], rows)
+             for p, plan, rows in zip(due, plans, compress_moving(due, plans))]
+    waited = set()
+    for p, st in zip(due, begun):
+        if st is not None and p.layer.device not in waited:
+            p._sync()
+            waited.add(p.layer.device)
+    for p, plan, st in zip(due, plans, begun):
+        if st is not None:
+            p._finish(st)
+        p._planned(plan)
+
+
+def compress_moving(prunes, plans) -> list:
+    """The int4 rows of every layer's pages going 2 -> 3 by ``plans``, compressed in one
+    ``compress_pages`` call for all the layers (int4 groups are per page: the same bytes as layer
+    by layer) -> per layer its rows (page order) or None (nothing to compress, or layers on
+    several devices: each compresses its own)."""
+    pages = [torch.nonzero((p.level == 2) & (new == 3)).flatten().tolist()
+             for p, (new, _, _) in zip(prunes, plans)]
+    moving = [(p, pg) for p, pg in zip(prunes, pages) if pg]
+    if len(moving) < 2 or len({p.layer.device for p, _ in moving}) > 1:
+        return [None] * len(prunes)
+    fulls = [p._to_compress(pg) for p, pg in moving]
+    rows = rows_of(compress_pages(torch.cat(fulls))).split([f.shape[0] for f in fulls])
+    got = {id(p): r for (p, _), r in zip(moving, rows)}
+    return [got.get(id(p)) for p in prunes]
 
 
 def score_layers(prunes) -> list[torch.Tensor]:
@@ -419,7 +478,8 @@ def attention_scores_together(prunes) -> list[torch.Tensor] | None:
     p = cache.page_tokens
     stop = s + n_pages * p
     f = torch.stack([q.stats._f[:, :, s:stop] for q in prunes])        # [L, 3, b, n]
-    norms = torch.empty((len(prunes), stop - s, *first.stats._norms.shape[1:]), device=dev)
+    norms = torch.empty((len(prunes), stop - s, *first.stats._norms.shape[1:]),
+                        dtype=torch.float32, device=dev)
     for i, q in enumerate(prunes):  # the host's norms of the scored slots: one copy per layer
         norms[i].copy_(q.stats._norms[s:stop], non_blocking=dev.type == "cuda")
     knorm = norms[:, :, 0].permute(0, 2, 3, 1)                          # [L, b, h, n]

@@ -249,12 +249,17 @@ def test_an_evaluation_runs_as_many_tensor_operations_at_any_context(model3):
     assert counts[0]["aten::_local_scalar_dense"] <= 3 * 6, counts[0]
 
 
-def test_host_rows_remove_keeps_every_page_and_the_slot_order():
+@pytest.mark.parametrize("moves", ["host", "device"])
+def test_host_rows_remove_keeps_every_page_and_the_slot_order(moves):
     """Removals of any pages keep every other page's bytes, and the slots follow the rule (freed
     slots from the highest down, each filled by the page then last) -- what lossless recall's
-    column order, and so the logits, depend on."""
+    column order, and so the logits, depend on. ``device``: the pages moved by the kernels'
+    path (on a GPU over the page-locked buffer; here its index arithmetic on the CPU), the first
+    move read back and checked."""
     gen = torch.Generator().manual_seed(0)
     rows = HostRows(row_bytes=8, batch=2, device=torch.device("cpu"))
+    if moves == "device":
+        rows.MOVE_DEVICES = ("cpu",)
     data = {pg: torch.randint(0, 255, (2, 8), generator=gen, dtype=torch.uint8)
             for pg in range(200)}
     order, nxt = [], 0
@@ -274,6 +279,8 @@ def test_host_rows_remove_keeps_every_page_and_the_slot_order():
         assert rows.pages == order and rows.slot == {pg: i for i, pg in enumerate(order)}
         if order:
             assert torch.equal(rows.all(), torch.cat([data[pg] for pg in order]))
+            assert rows._moves_failed is False
             assert rows.capacity < 4 * len(order)  # a quarter or less in use: it halved
         else:
             assert rows.capacity == 0 and rows.buf is None
+    assert rows._moves_checked is (moves == "device")
