@@ -36,6 +36,10 @@ __all__ = ["TieredCache", "TieredLayer", "CONFIG_KEYS", "flash_kv_settings", "CH
            "FIRST_CHUNK_PAGES", "Chunk"]
 
 
+COPIES_AHEAD = 2
+"""Layers whose every page is copied ahead on the copy stream, at most, at a time."""
+
+
 class TieredCache(Cache):
     """The tiered KV cache of one generation. Build it with ``TieredCache.for_model``."""
 
@@ -270,7 +274,12 @@ class TieredCache(Cache):
         first layer after it, cyclically (past the last layer: the next step's, whose pages are
         final once it has committed this step), that reads every page (``every_page``) and is
         not copied ahead yet. A lossless step copies one layer ahead; a top-K step copies its
-        dense layers for the next step while its top-K layers compute, not when they are due."""
+        dense layers for the next step while its top-K layers compute, not when they are due.
+        At most ``COPIES_AHEAD`` layers' copies are held at a time (layers that copy nothing of
+        their own, mirrored dense layers, would otherwise run the copies further and further
+        ahead)."""
+        if len(self._prefetched) >= COPIES_AHEAD:
+            return None
         n = len(self.layers)
         for ahead in range(1, n):
             i = (layer.index + ahead) % n

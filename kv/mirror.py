@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-GROW_TOKENS = 1024
-"""The capacity grows by at least this many tokens (or an eighth) at a time."""
+GROW_TOKENS = 256
+"""The capacity grows by at least this many tokens (or a sixteenth) at a time."""
 
 
 class DenseMirror:
@@ -28,8 +28,8 @@ class DenseMirror:
         need = self.tokens + t
         cap = 0 if self.k is None else self.k.shape[2]
         if need > cap:
-            # exactly what a prefill writes; then in steps of an eighth (at least GROW_TOKENS)
-            new_cap = need if self.k is None else max(need, cap + max(cap // 8, GROW_TOKENS))
+            # exactly what a prefill writes; then in steps of a sixteenth (at least GROW_TOKENS)
+            new_cap = need if self.k is None else max(need, cap + max(cap // 16, GROW_TOKENS))
             b, h, _, d = keys.shape
             k = keys.new_empty((b, h, new_cap, d))
             v = values.new_empty((b, h, new_cap, values.shape[-1]))

@@ -138,6 +138,9 @@ class Engine:
         import gc
 
         if self.warm and self.warm_s is None:
+            # Frozen first too: each CUDA graph capture of the warm-up starts with a collection.
+            gc.collect()
+            gc.freeze()
             self.warm_s = self.runner.warm(self.prefill_chunk)
             log.info("engine warm: %d attention widths in %.2f s, decode %s", len(self.runner.kv_seen),
                      self.warm_s, self.runner.decode_stats())

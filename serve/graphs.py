@@ -145,10 +145,10 @@ class StaticDecode:
                     self.pool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
                 # No collection inside the capture (a cycle freed there may release CUDA resources,
-                # illegal while capturing); thread_local: the process's other threads' CUDA calls
-                # neither join nor invalidate it.
+                # illegal while capturing; ``torch.cuda.graph`` collects once as it starts -- fast
+                # after ``Engine.start``'s ``gc.freeze``); thread_local: the process's other
+                # threads' CUDA calls neither join nor invalidate it.
                 gc_was_enabled = gc.isenabled()
-                gc.collect()
                 gc.disable()
                 try:
                     with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):

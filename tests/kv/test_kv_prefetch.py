@@ -22,20 +22,30 @@ def _order(cache, every_page, prefetched=()):
     cache._prefetched = {i: None for i in prefetched}
     got = []
     for layer in cache.layers:
+        cache._prefetched.pop(layer.index, None)  # the layer takes what was copied for it
         nxt = cache.next_to_prefetch(layer, every_page)
         got.append(None if nxt is None else nxt.index)
         if nxt is not None:
             cache._prefetched[nxt.index] = None
-        cache._prefetched.pop(layer.index, None)  # the layer took what was copied for it
+    left = sorted(cache._prefetched)
     cache._prefetched = {}
-    return got
+    return got, left
 
 
 def test_lossless_copies_one_layer_ahead_and_wraps_to_the_next_step():
     cache = _cache(None)
     every = [layer.reads_every_page() for layer in cache.layers]
     assert every == [True] * 5
-    assert _order(cache, every, prefetched=(0,)) == [1, 2, 3, 4, 0]
+    assert _order(cache, every, prefetched=(0,)) == ([1, 2, 3, 4, 0], [0])
+
+
+def test_mirrored_dense_layers_copy_nothing_and_the_others_stay_two_ahead_at_most():
+    # lossless with the two dense layers on the device as well (kv/mirror.py): they copy
+    # nothing, and the copies they start do not run further than COPIES_AHEAD layers ahead
+    cache = _cache(None)
+    every = [False, False, True, True, True]
+    assert _order(cache, every, prefetched=(2,)) == ([3, None, 4, 2, 3], [2, 3])
+    assert _order(cache, every, prefetched=(2, 3)) == ([None, None, 4, 2, 3], [2, 3])
 
 
 def test_top_k_copies_its_dense_layers_for_the_next_step_while_the_others_compute():
@@ -44,10 +54,10 @@ def test_top_k_copies_its_dense_layers_for_the_next_step_while_the_others_comput
     assert every == [True, True, False, False, False]
     # layer 0 finds layer 1 copied already (by layer 2 of the last step); layer 1 starts layer 0
     # of the next step (committed by then), layer 2 starts layer 1; then nothing is left
-    assert _order(cache, every, prefetched=(0, 1)) == [None, 0, 1, None, None]
+    assert _order(cache, every, prefetched=(0, 1)) == ([None, 0, 1, None, None], [0, 1])
     # the first step after the prefill, nothing copied ahead yet: layer 0 starts layer 1 of
     # this step, then the same as every step after
-    assert _order(cache, every) == [1, 0, 1, None, None]
+    assert _order(cache, every) == ([1, 0, 1, None, None], [0, 1])
 
 
 def test_no_pages_no_copy():
