@@ -61,7 +61,8 @@ class Engine:
                                      cfg.max_position_embeddings))
         self.prefill_chunk = int(prefill_chunk)
         # The batch's decode: CUDA graphs where they can be captured (``RowRunner(decode=)``).
-        self.runner = RowRunner(model, self.max_batch, self.max_model_len, device, decode=decode)
+        self.runner = RowRunner(model, self.max_batch, self.max_model_len, device, decode=decode,
+                                prefill_chunk=self.prefill_chunk)
         self.eos_ids = frozenset(self._eos_ids(model))
         self.flash = getattr(model, "flash", None)
         self.stream = getattr(self.flash, "stream", None)
