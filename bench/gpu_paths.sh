@@ -2,6 +2,10 @@
 # Every path a user takes, on a CUDA machine, default configuration (docs/benchmarks.md, "paths"):
 #   bash bench/gpu_paths.sh OUTDIR 1   build, GPU parity tests, llama: stream (batch 1, 8) + paths
 #   bash bench/gpu_paths.sh OUTDIR 2   build, qwen2 and mistral: stream (batch 1, 8)
+#   bash bench/gpu_paths.sh OUTDIR cold      mistral: a cold load right after a default daemon
+#                                            starts (~110 s on a fresh machine)
+#   bash bench/gpu_paths.sh OUTDIR window1   mistral: stream batch 1, 8 with a two-slot ring
+#                                            (prefetch_window 1, an experiment) vs accelerate
 # Each step writes its JSON under OUTDIR as it goes; a short table comes last.
 set -u -o pipefail
 out=${1:-/tmp/flash-paths}
@@ -13,8 +17,12 @@ work=/var/tmp/flash-bench
 { nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv,noheader;
   nproc; free -g | head -2; df -h /var/tmp | tail -1; } > "$out/machine.txt" 2>&1
 t0=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
+if python3 -c "import deepseek_flash._core, deepseek_flash, sys; sys.exit(not deepseek_flash.__file__.startswith('$PWD/'))" 2>/dev/null; then
+  echo "built already"
+else
+  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
 logs=/tmp/flash-paths-logs   # at most 8 files come back: the JSON, run.log, build.log, machine.txt
 mkdir -p $logs
 stream() {  # arch
@@ -23,7 +31,19 @@ stream() {  # arch
   rc=$?; echo "stream $1: rc $rc at $(( $(date +%s) - t0 )) s"
   [ $rc = 0 ] || tail -25 "$logs/stream-$1.log"
 }
-if [ "$part" = 1 ]; then
+if [ "$part" = cold ]; then
+  python3 bench/stream.py --arch mistral --dir $work --prepare-only > "$logs/prep-mistral.txt" 2>&1
+  echo "prepared at $(( $(date +%s) - t0 )) s: $(tail -1 "$logs/prep-mistral.txt")"
+  python3 bench/paths.py --arch mistral --dir $work --only shared_gpu_cold \
+    --output "$out/paths-mistral.json" > "$out/cold.log" 2>&1
+  rc=$?; echo "cold: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$out/cold.log"
+elif [ "$part" = window1 ]; then
+  python3 bench/stream.py --arch mistral --dir $work --prepare-only > "$logs/prep-mistral.txt" 2>&1
+  python3 bench/stream.py --arch mistral --dir $work --batches 1,8 --tokens 8 --skip-ttft \
+    --accelerate-tokens 3 --host-cache 20GiB --prefetch-window 1 \
+    --output "$out/stream-mistral-w1.json" > "$out/stream-w1.log" 2>&1
+  rc=$?; echo "stream mistral window 1: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$out/stream-w1.log"
+elif [ "$part" = 1 ]; then
   timeout 110 python3 -m pytest -q -x -m gpu tests/client/test_load_model.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests: rc $? $(tail -1 "$out/gpu_tests.log") at $(( $(date +%s) - t0 )) s"
   grep -E "^(FAILED|ERROR)|Error" "$out/gpu_tests.log" | head -20
@@ -50,7 +70,8 @@ for p in sorted(out.glob("stream-*.json")):
     print(f"{d.get('arch')}: h2d {d.get('pinned_h2d_gbps')} GB/s plan {d.get('plan')} "
           f"tok/s {d.get('streamed_tok_s')} vs_bound {d.get('vs_bound')} resident {d.get('resident_tok_s')} "
           f"accelerate {d.get('accelerate_tok_s')} x{d.get('vs_accelerate')} hit {d.get('steady_prefetch_hit_rate')} "
-          f"same_tokens {d.get('tokens_identical_to_resident')} decisions {d.get('window_decisions_by_batch')}")
+          f"same_tokens {d.get('tokens_identical_to_resident')} decisions {d.get('window_decisions_by_batch')} "
+          f"accelerate_gpu {d.get('accelerate_gpu_weight_bytes')} + peak {d.get('accelerate_gpu_peak_above_weights_bytes')}")
 for p in sorted(out.glob("paths-*.json")):
     d = json.loads(p.read_text())
     for cache, e in d.get("attach", {}).items():

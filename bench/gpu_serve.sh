@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # bench/serve.py on a CUDA machine in one go: the serve extra's wheels (FastAPI, uvicorn and the
 # pydantic stack, carried in .whl/ since the machine has no network -- docs/benchmarks.md, "serve"),
-# the C++ core, then the bench against the scheduler and FIFO. About 2-2.5 minutes on the H200
-# (the bench itself is limited to 170 s -- ~125 s expected: 200 unloaded requests ~10 s, the two load
-# phases ~40 s each with 10 s waves, enough for ~100 L0 requests, so that their p99 is not their
-# maximum; its JSON is saved after every phase).
+# the C++ core, the GPU tests of the decode step's CUDA graphs, then the bench against the scheduler
+# and FIFO. About 2.5 minutes on the H200 (the bench itself is limited to 160 s -- ~115 s expected:
+# the model ~20 s, 200 unloaded requests ~10 s, the two load phases ~35-40 s each with 10 s waves,
+# enough for ~100 L0 requests, so that their p99 is not their maximum; its JSON is saved after
+# every phase).
 #   bash bench/gpu_serve.sh OUTDIR [ARCH] [extra bench/serve.py arguments]
 set -u -o pipefail
 out=${1:-/tmp/flash-serve}; arch=${2:-llama}; shift 2 2>/dev/null || shift $#
@@ -30,7 +31,11 @@ else
   python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
     || { echo "build failed"; tail -20 "$out/build.log"; exit 1; }
 fi
-(cd bench && timeout 170 python3 serve.py --arch "$arch" --device cuda:0 --wave-seconds 10 --drain-seconds 25 \
+# The decode step's CUDA graphs give the eager step's tokens (tests/serve/test_graphs.py, -m gpu;
+# ~15 s), then the bench (its JSON says how the batch decoded: engine_decode, flash.decode).
+timeout 60 python3 -m pytest -q -m gpu tests/serve/test_graphs.py -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
+echo "gpu tests: $? -- $(tail -1 "$out/gpu_tests.log")"
+(cd bench && timeout 160 python3 serve.py --arch "$arch" --device cuda:0 --wave-seconds 10 --drain-seconds 25 \
    --output "$out/serve_$arch.json" --png-dir "$out/png" "$@") > "$out/serve_$arch.log" 2>&1
 rc=$?
 echo "bench: $rc"

@@ -18,8 +18,9 @@ the first ``--prefill`` tokens are a dense prefill, every later token is decoded
   hold; the pruned cache also attends what it recalls from the host (``pages_fetched_per_step``
   says how much).
 
-GPU KV bytes of the pruned cache: ``stats()["gpu_bytes"]`` (sinks, recent window, level-1 pages,
-page summaries when top-K recall reads them, the scorer's per-token statistics), and what full
+GPU KV bytes of the pruned cache: ``stats()["gpu_bytes"]`` (K and V on the device: sinks, recent
+window, level-1 pages, and page summaries when top-K recall reads them; the scorer's per-token
+statistics are not KV: ``scorer_gpu_bytes_final`` in the JSON), and what full
 attention holds at the same instants (``full_bytes``), both sampled every 8 decode steps;
 ``memory_ratio`` = mean full bytes / mean GPU bytes over those samples.
 
@@ -130,7 +131,8 @@ def run(model, windows: torch.Tensor, prefill: int, spec: dict, batch: int) -> d
                    promotions=sum(s["promotions"] for s in stats),
                    recalls=sum(s["recalls"] for s in stats),
                    pages_fetched_per_step=round(sum(s["pages_fetched"] for s in stats) / steps, 2),
-                   level3_bytes_saved=st["level3_bytes_saved"])
+                   level3_bytes_saved=st["level3_bytes_saved"],
+                   scorer_gpu_bytes_final=st.get("scorer_gpu_bytes", 0))
     return row
 
 
@@ -304,11 +306,13 @@ def show(args) -> dict:
             cache = new()
             tok, ttft = kv.prefill(model, ids, cache, device)
             before = cache.stats() if name != "dynamic" else None
-            tok, steps, tps = _decode_until(kv, model, cache, tok, args.decode, device, deadline)
+            tok, steps, tps, step_ms, evaluated = _decode_until(kv, model, cache, tok,
+                                                                args.decode, device, deadline)
             kv_bytes = (kv.dynamic_kv_bytes(cache) if name == "dynamic"
                         else cache.stats()["gpu_bytes"])
             out[name] = {"gpu_kv_bytes": kv_bytes, "tok_s": round(tps, 3),
-                         "ttft_s": round(ttft, 3), "decode_steps": steps}
+                         "ttft_s": round(ttft, 3), "decode_steps": steps,
+                         **_step_split(step_ms, evaluated)}
             if name.startswith("pruned"):
                 st = cache.stats()
                 out[name].update(level_tokens_layer0=st["level_tokens"][0],
@@ -316,7 +320,8 @@ def show(args) -> dict:
                                                    for i in range(3)],
                                  demotions=st["demotions"], promotions=st["promotions"],
                                  recalls=st["recalls"], full_bytes=st["full_bytes"],
-                                 host_bytes=st["host_bytes"])
+                                 host_bytes=st["host_bytes"],
+                                 scorer_gpu_bytes=st["scorer_gpu_bytes"])
                 # what the recalls moved per decode step (the 2 untimed steps included)
                 n = steps + 2
                 out[name]["recall_bytes_per_step"] = round(
@@ -326,6 +331,12 @@ def show(args) -> dict:
                 ms = scorer_ms(cache, device)
                 out[name]["scorer_ms_per_evaluation"] = ms
                 out[name]["scorer_ms_per_step"] = round(ms / cache.prune.every, 3)
+                if args.profile_dir and name == "pruned":
+                    # a profiler table of the next steps, one evaluation among them
+                    left = cache.prune.every - cache.layers[0].prune.steps % cache.prune.every
+                    out[name]["profile"] = profile_steps(
+                        model, cache, tok, device,
+                        Path(args.profile_dir) / f"kv_prune.{name}-{ctx}.txt", steps=left)
             elif name != "dynamic":
                 st = cache.stats()
                 out[name]["fetched_bytes_per_step"] = round(
@@ -355,9 +366,16 @@ TAIL_S = 1.0
 """Seconds the Show keeps per configuration for what follows its decode (stats, scorer timing)."""
 
 
+def _evaluations(cache) -> int:
+    prune = getattr(cache, "prune", None) and cache.layers[0].prune
+    return prune.counters["evaluations"] if prune else 0
+
+
 def _decode_until(kv, model, cache, tok, steps, device, deadline):
     """Greedy decode of up to ``steps`` timed steps (after 2 untimed), stopping at ``deadline``
-    (perf_counter): the next token, the steps timed, tok/s."""
+    (perf_counter), each step synchronised (as a generation loop that reads its token does):
+    the next token, the steps timed, tok/s, each step's ms and whether pruning evaluated the
+    levels in it."""
     from deepseek_flash.kv import cache_kwargs as kw
 
     with torch.no_grad():
@@ -365,20 +383,34 @@ def _decode_until(kv, model, cache, tok, steps, device, deadline):
             tok = model(tok, **kw(model, cache)).logits[:, -1:].argmax(-1)
         kv.sync(device)
         t = time.perf_counter()
-        done = 0
+        done, step_ms, evaluated = 0, [], []
         while done < steps and (done == 0 or time.perf_counter() < deadline):
+            t_step, ev = time.perf_counter(), _evaluations(cache)
             tok = model(tok, **kw(model, cache)).logits[:, -1:].argmax(-1)
+            kv.sync(device)
+            step_ms.append(round(1e3 * (time.perf_counter() - t_step), 2))
+            evaluated.append(_evaluations(cache) > ev)
             done += 1
-            if done % 4 == 0:
-                kv.sync(device)
-        kv.sync(device)
-    return tok, done, done / (time.perf_counter() - t)
+    return tok, done, done / (time.perf_counter() - t), step_ms, evaluated
+
+
+def _step_split(step_ms, evaluated) -> dict:
+    """Median ms of the steps without an evaluation of the levels and mean ms of those with."""
+    plain = sorted(ms for ms, ev in zip(step_ms, evaluated) if not ev)
+    evals = [ms for ms, ev in zip(step_ms, evaluated) if ev]
+    out = {"step_ms": step_ms}
+    if plain:
+        out["median_step_ms"] = plain[len(plain) // 2]
+    if evals:
+        out["evaluation_step_ms"] = round(sum(evals) / len(evals), 2)
+        out["evaluation_steps"] = len(evals)
+    return out
 
 
 def print_show(r: dict) -> None:
     print(f"\n{'cache (context ' + str(r['context']) + ')':28} {'GPU KV MiB':>11} {'vs Dynamic':>10} "
-          f"{'tok/s':>8} {'steps':>6} {'MiB moved/step':>15} {'scorer ms/step':>15}",
-          file=sys.stderr)
+          f"{'tok/s':>8} {'steps':>6} {'MiB moved/step':>15} {'scorer ms/step':>15} "
+          f"{'median step ms':>15} {'eval step ms':>13}", file=sys.stderr)
     dyn = r["dynamic"].get("gpu_kv_bytes")
     for name in SHOW_ROWS:
         x = r[name]
@@ -391,19 +423,56 @@ def print_show(r: dict) -> None:
         moved /= 2**20
         print(f"{name:28} {x['gpu_kv_bytes'] / 2**20:11.1f} {ratio:10.4f} {x['tok_s']:8.2f} "
               f"{x['decode_steps']:6d} {moved:15.1f} "
-              f"{x.get('scorer_ms_per_step', float('nan')):15.3f}", file=sys.stderr)
+              f"{x.get('scorer_ms_per_step', float('nan')):15.3f} "
+              f"{x.get('median_step_ms', float('nan')):15.2f} "
+              f"{x.get('evaluation_step_ms', float('nan')):13.2f}", file=sys.stderr)
     print(f"total {r['total_s']} s (budget {r['budget_s']} s)", file=sys.stderr)
 
 
+def profile_steps(model, cache, tok, device, path: Path, steps: int) -> dict:
+    """A torch profiler over ``steps`` decode steps: two tables to ``path`` -- by host time (an
+    eager step is bound by the host: what each operation, sync and allocation costs it) and by
+    device time -- and the wall ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepseek_flash.kv import cache_kwargs as kw
+
+    kv = _bench_kv()
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    kv.sync(device)
+    with torch.no_grad(), profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            tok = model(tok, **kw(model, cache)).logits[:, -1:].argmax(-1)
+        kv.sync(device)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    parts = [f"{steps} decode steps (one evaluation among them), {1e3 * wall / steps:.2f} ms "
+             f"per step under the profiler\n\nby host time:\n"
+             + events.table(sort_by="self_cpu_time_total", row_limit=45)]
+    if cuda:
+        for key in ("self_device_time_total", "self_cuda_time_total"):
+            try:
+                parts.append("by device time:\n" + events.table(sort_by=key, row_limit=25))
+                break
+            except Exception:  # a sort key this torch does not know
+                continue
+    path.write_text("\n\n".join(parts) + "\n")
+    return {"steps": steps, "wall_ms_per_step": round(1e3 * wall / steps, 2), "table": path.name}
+
+
 def scorer_ms(cache, device, reps: int = 5) -> float:
-    """Scoring every layer once (what an evaluation costs: scorer, compensation, offsets, page
-    scores), in ms; per decode step that is this / ``prune_every``."""
+    """Scoring every layer once as an evaluation does (scorer, compensation, offsets, page
+    scores on the device, brought to the host together: ``score_layers``), in ms; per decode
+    step that is this / ``prune_every``."""
+    from deepseek_flash.kv.prune.state import score_layers
+
     kv = _bench_kv()
     kv.sync(device)
     t = time.perf_counter()
     for _ in range(reps):
-        for layer in cache.layers:
-            layer.prune.page_scores()
+        score_layers([layer.prune for layer in cache.layers])
     kv.sync(device)
     return round(1000 * (time.perf_counter() - t) / reps, 3)
 
@@ -424,7 +493,12 @@ def main(argv=None) -> int:
                     help="with --compensation both: for top-K recall too")
     ap.add_argument("--baselines", choices=("all", "default"), default="all")
     ap.add_argument("--scorer", default="attention")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: 1 for the accuracy run, torch's own default "
+                         "for --show, as a user gets it)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="with --show: a profiler table of the pruned row's steps up to and "
+                         "with its next evaluation, written there")
     ap.add_argument("--plot", default=None, help="PNG path for the ablation plot")
     ap.add_argument("--output", default=None)
     ap.add_argument("--show", action="store_true", help="the H200 run (see above)")
@@ -435,8 +509,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=45.0,
                     help="with --show: wall-clock bound of the whole run, model build included")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads if args.threads is not None else (None if args.show else 1)
+    if threads:
+        torch.set_num_threads(threads)
     result = show(args) if args.show else accuracy(args)
     result.setdefault("bench", "kv_prune_show" if args.show else "kv_prune")
     text = json.dumps(result, indent=1)

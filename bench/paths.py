@@ -17,9 +17,9 @@ Default configuration everywhere except the host cache size (the machine's sizin
   class (the user's fresh process; the goal). Where the time went: the load's phases, this
   process's and the daemon's CPU, the daemon's own load time (its log); then, no load running,
   the skeleton built in a fresh interpreter (``skeleton_alone``: the imports' own time on this
-  machine), and again beside ``dd`` reading the model's file (``skeleton_beside_dd``); then the
-  cold load again after a fresh daemon start with the class imported (``model_class_imported``:
-  the disk -> GPU path alone).
+  machine); with ``--diagnose`` also again beside ``dd`` reading the model's file
+  (``skeleton_beside_dd``) and the cold load again after a fresh daemon start with the class
+  imported (``model_class_imported``: the disk -> GPU path alone).
 
     python bench/paths.py --arch llama --dir /var/tmp/flash-bench --output paths.json
 """
@@ -154,7 +154,10 @@ class StackSampler:
 
     def _run(self):
         while not self._stop.wait(self.interval):
-            frame = sys._current_frames().get(self.ident)
+            # load_model imports on a thread of its own while the caller waits: sample that one.
+            ident = next((t.ident for t in threading.enumerate()
+                          if t.name == "flash-skeleton-imports"), self.ident)
+            frame = sys._current_frames().get(ident)
             if frame is None:
                 continue
             self.samples += 1
@@ -214,6 +217,7 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int) -> dict:
     try:
         t_ready = time.perf_counter()
         c = Client(socket_path=str(runtime / "control.sock"))
+        t_hello = time.perf_counter()
         d_cpu, p_cpu, th_cpu = _proc_cpu_s(daemon.pid), sum(os.times()[:2]), time.thread_time()
         t = time.perf_counter()
         with StackSampler(threading.get_ident()) as sampler:
@@ -229,6 +233,9 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int) -> dict:
         torch.cuda.synchronize()
         first_token = time.perf_counter() - t
         out.update({"daemon_start_to_status_s": round(t_ready - t_spawn, 3),
+                    # The user's whole wait: daemon spawned -> every layer on the GPU.
+                    "daemon_start_to_hello_s": round(t_hello - t_spawn, 3),
+                    "daemon_start_to_loaded_s": round(t - t_spawn + loaded, 3),
                     "load_model_returned_s": round(returned, 3),
                     "request_to_loaded_s": round(loaded, 3), "gbps": gbps(nbytes, loaded),
                     "vs_best_raw": round(gbps(nbytes, loaded) / best_raw, 3),
@@ -238,12 +245,10 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int) -> dict:
                     "process_cpu_s_until_loaded": round(p_cpu, 3),
                     "daemon_cpu_s_until_loaded": None if d_cpu is None else round(d_cpu, 3),
                     "load_model_profile": sampler.report()})
-        ra = m.flash.read_ahead
-        if ra is not None:
-            try:
-                out["imports_read_ahead"] = {"files": ra.wait(60), "seconds": round(ra.seconds, 3)}
-            except TimeoutError:
-                out["imports_read_ahead"] = {"files": None, "seconds": None}
+        imports = m.flash.imports
+        # The skeleton's imports on their own thread (started after open_model): their time.
+        out["imports_thread_s"] = None if imports is None else round(imports.seconds or 0, 3)
+        out["imports_thread_cpu_s"] = None if imports is None else round(imports.cpu_seconds or 0, 3)
         m.flash.close()
         c.close()
     finally:
@@ -298,6 +303,8 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
         save(res, args.output)
         out["skeleton_alone"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
         save(res, args.output)
+        if not args.diagnose:
+            return
         # The same beside a plain reader of the model's file (dd, no daemon): whether any disk
         # stream slows the imports on this machine, or the daemon's load in particular.
         # dd again and again until the build is done (its own process group, ended as one).
@@ -342,6 +349,9 @@ def main(argv=None) -> int:
     parser.add_argument("--raw-bytes", default="all",
                         help="bytes of the model's file the raw readers read (all: what the load reads)")
     parser.add_argument("--only", choices=("all", "attach", "shared_gpu_cold"), default="all")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="shared_gpu_cold: also the skeleton beside dd and a second cold load "
+                             "with the model class imported (~40 s more)")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
 

@@ -421,6 +421,8 @@ def main(argv=None) -> int:
             state = make_state(model, tokenizer, max_batch=args.max_batch, max_model_len=max_len, scheduler=mode)
             # Start-up's warm-up of every attention width (on by default on a CUDA device), seconds.
             result.setdefault("engine_warm_s", {})[mode] = state.engine.warm_s
+            # How the batch decodes (CUDA graphs, or eager and why), graphs captured.
+            result.setdefault("engine_decode", {})[mode] = state.engine.runner.decode_stats()
             srv, thread, base = start_server(state)
             try:
                 name = state.model_name
@@ -462,7 +464,9 @@ def main(argv=None) -> int:
                     result["arrivals"] = len(arrivals)
                     save(result, args.output)
                 state.engine.runner.profile(reset=True)
+                steps0, open0 = state.engine.stats["steps"], state.engine.stats["l2_open_steps"]
                 recs, wall = client(pool, run_load, base, name, arrivals, args.prompt_len, drain)
+                steps = state.engine.stats["steps"] - steps0
                 forwards = state.engine.runner.forwards()
                 profiles[mode] = state.engine.runner.profile(reset=True)
                 phase(f"load {mode}")
@@ -471,7 +475,13 @@ def main(argv=None) -> int:
                                  "metrics_degrade": state.engine.scheduler.snapshot()["degrade_steps"]}
                 result[mode] = results[mode]["summary"] | {"wall_s": results[mode]["wall_s"],
                                                            "degrade_steps": results[mode]["metrics_degrade"],
-                                                           "worst_l0": worst_l0(recs, forwards)}
+                                                           "worst_l0": worst_l0(recs, forwards),
+                                                           # the fraction of steps after which L2's
+                                                           # 30 %-idle rule let it join
+                                                           "l2_open_step_fraction": round(
+                                                               (state.engine.stats["l2_open_steps"] - open0)
+                                                               / max(1, steps), 4),
+                                                           "decode": state.engine.runner.decode_stats()}
                 result["engine_profile"] = profiles
                 save(result, args.output)
             finally:
@@ -505,6 +515,9 @@ def main(argv=None) -> int:
                   f"{w['forwards_ms']} ms; slowest: " + ", ".join(
                       f"{f['kind']} rows={f['rows']} tok={f['tokens']} kv={f['kv']} {f['ms']} ms" for f in slow))
     print(f"throughput {args.max_batch} vs 1: {result['throughput']['ratio']}x")
+    for mode in ("flash", "fifo"):
+        print(f"{mode} decode: {result[mode]['decode']}; steps with L2's rule open: "
+              f"{result[mode]['l2_open_step_fraction']}; L2 ttft p50 {result[mode]['L2']['ttft_p50_ms']} ms")
     for name in ("one", "full"):
         for key, p in profiles.get(name, {}).items():
             if key.startswith("decode"):

@@ -58,6 +58,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,4,16,32")
     parser.add_argument("--host-cache", default="20GiB")
     parser.add_argument("--skip-accelerate", action="store_true")
+    parser.add_argument("--prefetch-window", type=int, default=None,
+                        help="an experiment, not the default: the streamed load's prefetch_window "
+                             "(its ring has window + 1 slots, out of the same budget)")
     parser.add_argument("--accelerate-tokens", type=int, default=4)
     parser.add_argument("--skip-ttft", action="store_true", help="skip the cold time-to-first-token")
     parser.add_argument("--cleanup", action="store_true", help="delete the checkpoint and store after")
@@ -110,7 +113,10 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
 
     # Streamed under the budget.
-    streamed = load_model(store_dir, device="cuda:0", client=client, weight_budget=budget)
+    context = None if args.prefetch_window is None else {"prefetch_window": args.prefetch_window}
+    res["flash_context"] = context or "default"
+    streamed = load_model(store_dir, device="cuda:0", client=client, weight_budget=budget,
+                          flash_context=context)
     runtime = streamed.flash.stream
     plan = runtime.plan
     per_token = sum(store.block(b).length for layer in plan.streamed_layers
@@ -119,6 +125,7 @@ def main(argv=None) -> int:
     res["plan"] = {"streamed_layers": len(plan.streamed_layers), "slots": plan.n_slots,
                    "window": plan.window,
                    "slot_bytes": plan.slot_bytes, "resident_bytes": plan.resident_bytes,
+                   "budget_used_bytes": plan.resident_bytes + plan.n_slots * plan.slot_bytes,
                    "streamed_bytes_per_token": per_token}
     res["bound_batch1_tok_s"] = round(bound1, 3)
     res["streamed_tok_s"] = {}
@@ -184,7 +191,14 @@ def main(argv=None) -> int:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             src, dtype=torch.bfloat16, device_map="auto",
             max_memory={0: budget, "cpu": 200 << 30})
+        # What the peer keeps on the GPU under the same max_memory: its resident weights, and
+        # its peak while decoding (the offloaded layers it moves in for each pass come on top).
+        res["accelerate_gpu_weight_bytes"] = sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
+        torch.cuda.reset_peak_memory_stats(0)
+        base = torch.cuda.memory_allocated(0)
         rate, _ = decode_rate(model, 1, args.accelerate_tokens)
+        res["accelerate_gpu_peak_above_weights_bytes"] = torch.cuda.max_memory_allocated(0) - base
         res["accelerate_tok_s"] = round(rate, 3)
         res["vs_accelerate"] = round(res["streamed_tok_s"][1] / rate, 2)
         del model

@@ -22,8 +22,7 @@ from ..errors import BudgetTooSmall, ConfigError, DeviceMapError, FlashIOError
 from ..sizes import parse_size
 from ..store.views import block_tensors
 from ..wire import GATE_FAILED, GATE_PENDING, GATE_READY, SLOT_ALIGNMENT, Plan, control_views
-from .skeleton import (bind_parameters, build_skeleton, decoder_parts, imports_cached, skeleton_imported,
-                       start_read_ahead)
+from .skeleton import bind_parameters, build_skeleton, decoder_parts, start_imports
 from .placement import block_sizes, resolve
 from .stream import StreamGroup, start_reports, start_streaming
 
@@ -124,7 +123,7 @@ class FlashModelHandle:
         self.stream = None
         self.decoder = None                     # decode.GraphDecoder with decode="graphs"
         self.timings: dict[str, float] = {}     # load_model's phases, ms
-        self.read_ahead = None                  # skeleton.ReadAhead of a fresh process's imports
+        self.imports = None                     # skeleton.Imports of a fresh process (ahead)
         self.priority = 0                       # of this model's reads in the controller
         self.parts: list[PartHandle] = []      # device_map: one per device slice
         self._hooks: list = []                  # device_map: activation moves between devices
@@ -274,29 +273,23 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         timings[name] = round(timings.get(name, 0.0) + (now - mark) * 1e3, 3)
         mark = now
 
-    handle = None
+    handle = imports = None
     try:
         if tp is not None:
             info = client.shard(name_or_path, tp[1], tp[2], flash_context)
         else:
             info = client.open_model(name_or_path, flash_context)
-        # A fresh process after the page cache lost transformers: the skeleton's imports read
-        # thousands of small files one after another, each behind the load's disk reads -- a
-        # process of its own reads them all at once, ahead of the imports, beside the load and
-        # without this interpreter's lock (client.imports_readahead); the attach goes first.
-        fresh = not skeleton_imported(info.config) and not imports_cached(info.config)
-        read_ahead = None
+        # A fresh process: the skeleton's imports (seconds) start now, on a thread of their own,
+        # and run while the attach's round trip and the load's first reads are under way.
+        imports = start_imports(info.config)
         if device_map is not None:
             _, reason = resolve_decode_mode(decode, None, split=True)
             if reason is not None:
                 log.info("%s", reason)
-            if fresh:
-                lap("open_model_ms")
-                read_ahead = start_read_ahead()
-                lap("prefetch_imports_ms")
+            lap("open_model_ms")
             handle, model = _load_parts(client, info, device_map, weight_budget, priority,
-                                        owns_client, lap)
-            handle.read_ahead = read_ahead
+                                        owns_client, lap, imports)
+            handle.imports = imports
             model.flash = handle
             timings.update(handle.timings)
             handle.timings = timings
@@ -312,9 +305,10 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         handle.priority = priority
         handle.desc = client.attach(info.name, target, weight_budget=budget, priority=priority)
         lap("attach_ms")
-        if fresh:
-            handle.read_ahead = start_read_ahead()
-            lap("prefetch_imports_ms")
+        handle.imports = imports
+        if imports is not None:
+            imports.wait()
+            lap("imports_ms")
         model = build_skeleton(info.config)
         if dev.type != "cpu":
             # Rotary tables and other buffers are computed in this process; only they move.
@@ -337,7 +331,10 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         for_loaded_model(model, handle, mode, decode_capacity)
         timings["total_ms"] = round(sum(timings.values()), 3)
         return model
-    except BaseException:
+    except BaseException as exc:
+        if imports is not None and isinstance(exc, Exception):
+            # The caller may import transformers next: not while that thread is halfway through.
+            imports.wait()
         if handle is not None and handle.desc is not None:
             try:
                 handle.close()
@@ -392,7 +389,7 @@ def _devices_here() -> tuple[list[str], dict]:
     return devices, free
 
 
-def _load_parts(client, info, device_map, weight_budget, priority, owns_client, lap):
+def _load_parts(client, info, device_map, weight_budget, priority, owns_client, lap, imports=None):
     """``load_model`` with a ``device_map``: resolve the parts, attach each (its blocks, its
     device, its budget), then one skeleton bound part by part. Returns (handle, model)."""
     import torch
@@ -417,6 +414,9 @@ def _load_parts(client, info, device_map, weight_budget, priority, owns_client, 
             handle.parts.append(PartHandle(part, desc))
         handle.desc = handle.parts[0].desc
         lap("attach_ms")
+        if imports is not None:
+            imports.wait()
+            lap("imports_ms")
         model = build_skeleton(info.config)
         _, layers, _, _ = decoder_parts(model)
         device_of = {}

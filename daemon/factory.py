@@ -66,11 +66,11 @@ class Controller:
         snap = self.manager.snapshot()
         status = snap["status"]
         fabric = self.attachments.fabric
-        status["unified_memory_fabric"] = "ENABLED" if fabric.available else "HOST_ONLY"
+        status["unified_memory_fabric"] = "ENABLED" if fabric.available_hint else "HOST_ONLY"
         if status.get("host_only_models"):
             # A model whose device is gone is served from the host tier alone.
             status["unified_memory_fabric"] = "HOST_ONLY"
-        if not fabric.available:
+        if not fabric.available_hint:
             # No GPU tier: every model is served from the host tier, whatever its own state says.
             for model in snap["models"].values():
                 model["unified_memory_fabric"] = "HOST_ONLY"

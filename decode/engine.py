@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 
+from ..cuda import sdpa_backends
 from ..errors import DecodeCapacityExceeded
 from . import fused as fusion
 from . import kernels
@@ -167,9 +168,13 @@ class GraphDecoder:
         return f"out of device memory in the static-cache decode ({first})"
 
     def _on_device(self):
-        """Streams and captures on the model's device, whatever device is current."""
+        """Streams and captures on the model's device, whatever device is current, and its
+        attention without cuDNN's kernel (a plan per new prompt length; deepseek_flash/cuda.py)."""
         if self.device.type == "cuda":
-            return self.torch.cuda.device(self.device)
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.torch.cuda.device(self.device))
+            stack.enter_context(sdpa_backends(self.device))
+            return stack
         return contextlib.nullcontext()
 
     def generate_with_logits(self, *args, **kwargs):
@@ -481,17 +486,7 @@ class GraphDecoder:
 
     def _capture_blocker(self) -> str | None:
         """A reason the step cannot be captured faithfully (None: it can)."""
-        torch = self.torch
-        hooks = torch.nn.modules.module
-        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-            return "global forward hooks are registered (a graph would run them once)"
-        for name, module in self.model.named_modules():
-            if id(module) in self.hooks_ok:
-                continue
-            if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
-                name = name or type(module).__name__
-                return f"module {name} has forward hooks (a graph would run them once)"
-        return None
+        return capture_blocker(self.model, self.hooks_ok)
 
     def _to_eager(self, reason: str) -> None:
         self.eager_reason = reason
@@ -525,6 +520,24 @@ class GraphDecoder:
         if message not in self._logged:
             self._logged.add(message)
             log.warning(message)
+
+
+def capture_blocker(model, hooks_ok=()) -> str | None:
+    """Why a CUDA graph of ``model``'s forward would not do what the forward does (None: it
+    would): forward hooks (a graph runs them once, at capture), other than those of the modules
+    whose ids are in ``hooks_ok``."""
+    import torch
+
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return "global forward hooks are registered (a graph would run them once)"
+    for name, module in model.named_modules():
+        if id(module) in hooks_ok:
+            continue
+        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+            name = name or type(module).__name__
+            return f"module {name} has forward hooks (a graph would run them once)"
+    return None
 
 
 def enable(model, capacity: int | None = None, graphs: bool = True, **options) -> GraphDecoder:

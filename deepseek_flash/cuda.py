@@ -13,6 +13,38 @@ log = logging.getLogger("deepseek_flash.cuda")
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
 
+# Attention kernels our CUDA paths let torch's scaled_dot_product_attention choose from: every one
+# but cuDNN's. cuDNN's attention (torch's first choice on sm90/sm100 with a recent cuDNN) builds an
+# execution plan for every new shape -- ~2 ms of host time per call at decode, where the key length
+# grows by one each step, and far more for a new prefill shape -- while the flash and
+# memory-efficient kernels need no per-shape set-up. The one place serve, kv and decode take it from.
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+@functools.lru_cache(maxsize=None)
+def _sdpa_backend_list() -> tuple:
+    from torch.nn.attention import SDPBackend
+
+    return tuple(getattr(SDPBackend, name) for name in SDPA_BACKENDS)
+
+
+def sdpa_backends(device=None):
+    """Context manager: torch's SDPA restricted to ``SDPA_BACKENDS`` when ``device`` (a
+    ``torch.device``, a string, or None for "CUDA if present") is a CUDA device; a no-op
+    elsewhere (no cuDNN attention on a CPU)."""
+    import contextlib
+
+    if device is None:
+        cuda = cuda_available()
+    else:
+        cuda = getattr(device, "type", str(device).split(":")[0]) == "cuda"
+    if not cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(list(_sdpa_backend_list()))
+
+
 def nvidia_driver_present() -> bool:
     """Cheap test, without importing torch: is an NVIDIA kernel driver loaded here?"""
     import os

@@ -69,7 +69,8 @@ def _plain_attention(module, query, key, value, pad_mask, scaling):
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = None
     if pad_mask is None and q_len == kv_len:
-        return _sdpa(query, key, value, None, q_len > 1, scaling).transpose(1, 2).contiguous(), None
+        return (_sdpa(query, key, value, None, q_len > 1, scaling, one_shape=q_len > 1)
+                .transpose(1, 2).contiguous(), None)
     if pad_mask is not None or q_len > 1:
         causal = (torch.arange(kv_len, device=query.device)[None, :]
                   <= (kv_len - q_len + torch.arange(q_len, device=query.device))[:, None])

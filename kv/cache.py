@@ -36,6 +36,10 @@ __all__ = ["TieredCache", "TieredLayer", "CONFIG_KEYS", "flash_kv_settings", "CH
            "FIRST_CHUNK_PAGES", "Chunk"]
 
 
+COPIES_AHEAD = 2
+"""Layers whose every page is copied ahead on the copy stream, at most, at a time."""
+
+
 class TieredCache(Cache):
     """The tiered KV cache of one generation. Build it with ``TieredCache.for_model``."""
 
@@ -49,7 +53,7 @@ class TieredCache(Cache):
                  host_arena: bool = True, prune_threshold: float | None = None,
                  prune_scorer="attention", prune_offsets=None, prune_tokenizer=None,
                  prune_compensation: bool = True, prune_every: int = 8, prune_window: int = 32,
-                 prune_device_tokens: int | None = 512):
+                 prune_device_tokens: int | None = 512, dense_on_device: bool | None = None):
         if report_interval is not None and (isinstance(report_interval, bool) or not isinstance(
                 report_interval, (int, float)) or report_interval < 0):
             from deepseek_flash.errors import ConfigError
@@ -74,6 +78,8 @@ class TieredCache(Cache):
         self.top_k_pages = top_k_pages
         self.host_bytes_limit = host_bytes
         self.dense_layers = dense_layers
+        # the dense layers' pages on the device as well (kv/mirror.py): None = on a CUDA device
+        self.dense_on_device = dense_on_device
         self.score = score
         self.window_pages = window_pages
         self.select_max_queries = select_max_queries
@@ -97,7 +103,9 @@ class TieredCache(Cache):
         self._poisoned: str | None = None
         self._spill_error: KVSpillFailed | None = None
         self._copy_stream = None
+        self._write_stream = None  # CUDA: device->host page writes (kv/pages.py, append)
         self._prefetched: dict[int, tuple] = {}
+        self._every_page: list[bool] = []  # per layer, as of the step's start: reads every page
         # CUDA: each top-K layer's choice and gather replayed as a captured graph (kv/graphs.py);
         # False: eager, as on the CPU
         self.select_graphs = True
@@ -115,7 +123,8 @@ class TieredCache(Cache):
         """Install the tiered attention function on ``model`` and return a new cache for one
         generation: ``model.generate(ids, cache=cache)``. Options: ``dense_layers``
         (2), ``score`` ("hybrid" | "quest" | "windowed" | "mass" | "mass_max"), ``window_pages`` (64), ``error_recovery_mode``
-        ("strict" | "graceful"), ``prefill_chunk`` (4096 queries).
+        ("strict" | "graceful"), ``prefill_chunk`` (4096 queries), ``dense_on_device`` (None: on
+        a CUDA device the dense layers keep their pages on the device as well, kv/mirror.py).
 
         Importance pruning (off by default; docs/kv.md): ``prune_threshold`` (the seed's 0.15),
         ``prune_scorer`` ("attention" | "mlp" | a scorer file | a callable), ``prune_offsets``
@@ -239,6 +248,8 @@ class TieredCache(Cache):
             self._spill_oldest()  # retry what an earlier failure left on the host
         if self._reporter is not None:
             self._reporter.tick(self)
+        if self.pinned:
+            self._every_page = [layer.copies_every_page() for layer in self.layers]
 
     def _poison(self, why: str) -> None:
         self._poisoned = why
@@ -258,15 +269,55 @@ class TieredCache(Cache):
             return self.chunk_pages_setting
         return min(self.max_chunk_pages, max(FIRST_CHUNK_PAGES, 2 * previous))
 
+    def next_to_prefetch(self, layer: TieredLayer, every_page: list[bool]):
+        """The layer whose pages a decode step's ``layer`` starts copying ahead, or None: the
+        first layer after it, cyclically (past the last layer: the next step's, whose pages are
+        final once it has committed this step), that reads every page (``every_page``) and is
+        not copied ahead yet. A lossless step copies one layer ahead; a top-K step copies its
+        dense layers for the next step while its top-K layers compute, not when they are due.
+        At most ``COPIES_AHEAD`` layers' copies are held at a time (layers that copy nothing of
+        their own, mirrored dense layers, would otherwise run the copies further and further
+        ahead)."""
+        if len(self._prefetched) >= COPIES_AHEAD:
+            return None
+        n = len(self.layers)
+        for ahead in range(1, n):
+            i = (layer.index + ahead) % n
+            if every_page[i] and i not in self._prefetched:
+                nxt = self.layers[i]
+                if nxt.n_pages == 0 or not nxt.pages.all_on_host():
+                    return None
+                return nxt
+        return None
+
+    def mirrors_dense(self) -> bool:
+        """Whether the dense layers keep their pages on the device as well (kv/mirror.py)."""
+        if self.dense_on_device is None:
+            return self.pinned
+        return bool(self.dense_on_device)
+
+    def write_stream(self):
+        """CUDA: the stream the device->host page writes run on (host->device copies ahead run
+        on ``_copy_stream``: the two directions overlap)."""
+        if self._write_stream is None:
+            self._write_stream = torch.cuda.Stream(self.device)
+        return self._write_stream
+
+    def _drop_prefetched(self, layer: TieredLayer) -> None:
+        """A layer copied ahead that attends top-K after all (its page count grew past ``k``)."""
+        entry = self._prefetched.pop(layer.index, None)
+        if entry is not None:
+            self.counters["pages_fetched"] -= entry[0] * layer.batch
+
     def _prefetch_next(self, layer: TieredLayer) -> None:
-        """CUDA: start copying every page of the next layer (cyclically: after the last layer,
-        the first layer of the next step, whose pages are final by then) on a copy stream, so
-        the copies of a lossless step overlap the previous layer's compute."""
+        """CUDA: start copying every page of ``next_to_prefetch``'s layer on a copy stream, so
+        the copies overlap the compute of the layers before it."""
         if not self.pinned:
             return
-        nxt = self.layers[(layer.index + 1) % len(self.layers)]
-        if (nxt.index in self._prefetched or nxt.n_pages == 0 or not nxt.reads_every_page()
-                or not nxt.pages.all_on_host()):
+        if len(self._every_page) != len(self.layers):
+            self._every_page = [lyr.copies_every_page() for lyr in self.layers]
+        nxt = self.next_to_prefetch(layer, self._every_page)
+        if nxt is None:
             return
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -359,7 +410,7 @@ class TieredCache(Cache):
         if self.spill is None:
             return
         if self.pinned:
-            torch.cuda.current_stream(self.device).synchronize()  # device->host page copies
+            self._writes_done()  # the chunks are read on the host below
         while self.host_bytes() > self.host_bytes_limit:
             candidates = [(c.first, layer.index, layer, c) for layer in self.layers
                           for c in layer.pages.spillable()]
@@ -418,8 +469,16 @@ class TieredCache(Cache):
             self._graph_pool_handle = torch.cuda.graph_pool_handle()
         return self._graph_pool_handle
 
+    def _writes_done(self) -> None:
+        """Wait for every device->host page write issued so far (CUDA)."""
+        torch.cuda.current_stream(self.device).synchronize()
+        if self._write_stream is not None:
+            self._write_stream.synchronize()
+
     def close(self) -> None:
         """Free the host pages and remove the spill files now (also done when collected)."""
+        if self.pinned and self._write_stream is not None:
+            self._write_stream.synchronize()  # no write into a chunk given back
         self._select_out = SharedOut()
         for layer in self.layers:
             layer.graphs = LayerGraphs()  # the graphs read the host pages freed below

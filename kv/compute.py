@@ -3,34 +3,47 @@ attended columns (sinks + pages + recent + this step's tokens), with causality a
 applied over those columns only, in chunks of queries for a long prefill."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from deepseek_flash.cuda import sdpa_backends
 
-def sdpa(query, keys, values, mask, is_causal, scale):
+
+def sdpa(query, keys, values, mask, is_causal, scale, one_shape=False):
     """``scaled_dot_product_attention`` over GQA keys. With a mask on CUDA the kv heads are
     repeated first: the fused kernels that take a mask do not all take GQA, and the fallback
-    would materialise every score."""
+    would materialise every score.
+
+    cuDNN's kernel is left out (deepseek_flash/cuda.py: it builds a plan for every new shape, and
+    a decode step's key length is new every step) unless ``one_shape``: a whole prompt's causal
+    attention, the same shape in every layer of the forward, where the caller's choice stands
+    (torch's default picks cuDNN on recent GPUs, as for a ``DynamicCache`` prefill)."""
     groups = query.shape[1] // keys.shape[1]
     if groups > 1 and mask is not None and query.device.type == "cuda":
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
         groups = 1
-    return torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale,
-        enable_gqa=groups > 1)
+    with contextlib.nullcontext() if one_shape else sdpa_backends(query.device):
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale,
+            enable_gqa=groups > 1)
 
 
 def attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling, *,
-                   length: int, prefill_chunk: int):
+                   length: int, prefill_chunk: int, keys_out: list | None = None):
     """Attention of ``query`` ``[b, q_heads, q_len, d]`` over the committed parts (in slot
     order) and the new tokens -> ``[b, q_len, q_heads, d]``.
 
     ``cols`` says which of the ``length`` committed slots the parts are: None (all), a bool mask
     over the slots (the parts hold every slot; the False ones are dropped here), or slot indices
     ``[b, n]`` (the parts hold just those). ``pad_mask`` ``[b, length + q_len]`` is the key
-    validity (padding) or None."""
+    validity (padding) or None. ``keys_out``: a list the concatenated keys (parts, then the new
+    tokens) are appended to, for a caller that reads them too."""
     b, hq, q_len, d = query.shape
     keys = torch.cat((*k_parts, k_new), 2)
+    if keys_out is not None:
+        keys_out.append(keys)
     values = torch.cat((*v_parts, v_new), 2)
     n_past = keys.shape[2] - q_len
     keep = cols if isinstance(cols, torch.Tensor) and cols.dtype == torch.bool else None
@@ -49,7 +62,7 @@ def attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scalin
         valid = torch.cat((past_mask, pad_mask[:, length:length + q_len]), 1)
     if n_past == 0 and valid is None:
         # a first prompt without padding: plain causal attention, no mask, one call
-        out = sdpa(query, keys, values, None, q_len > 1, scaling)
+        out = sdpa(query, keys, values, None, q_len > 1, scaling, one_shape=q_len > 1)
         return out.transpose(1, 2).contiguous()
     outs = []
     step = q_len if q_len <= prefill_chunk else prefill_chunk

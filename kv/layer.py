@@ -24,6 +24,7 @@ from .compute import attend_columns
 from . import graphs
 from .graphs import LayerGraphs
 from .layout import pack_pages
+from .mirror import DenseMirror
 from .pages import LayerPages
 from .prune.state import LayerPrune
 from .select import resolve_top_k
@@ -53,6 +54,7 @@ class TieredLayer(CacheLayerMixin):
         self.keeps_summaries = cache.prune is None or cache.top_k_pages is not None
         self.pages = LayerPages(self._cache, index)
         self.graphs = LayerGraphs()  # CUDA: the top-K choice and gather as one graph
+        self.mirror: DenseMirror | None = None  # a dense layer's pages on the device as well
         self.prune = LayerPrune(self, cache.prune) if cache.prune is not None else None
 
     # --- the page store's state, as the layer's ------------------------------------------------
@@ -85,6 +87,8 @@ class TieredLayer(CacheLayerMixin):
         self.dtype = key_states.dtype
         self.batch = b
         cache._fix_layout(b, h, d, key_states.dtype, key_states.device, t)
+        if self.dense and cache.prune is None and cache.mirrors_dense():
+            self.mirror = DenseMirror()
         empty = key_states.new_empty((b, h, 0, d))
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = empty
         self.summaries.init(key_states)
@@ -149,6 +153,8 @@ class TieredLayer(CacheLayerMixin):
             return 0
         tensors = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
         total = sum(t.numel() * t.element_size() for t in tensors) + self.summaries.gpu_bytes()
+        if self.mirror is not None:
+            total += self.mirror.nbytes()
         return total + (self.prune.gpu_bytes() if self.prune is not None else 0)
 
     def host_bytes(self) -> int:
@@ -176,6 +182,11 @@ class TieredLayer(CacheLayerMixin):
             return False  # the pruned levels are fetched by kv/prune/state.py, not prefetched
         return self.dense or resolve_top_k(cache.top_k_pages, self.n_pages) is None
 
+    def copies_every_page(self) -> bool:
+        """Whether this layer's next decode step copies every page to the device (reads every
+        page and keeps no mirror of them there): what is worth copying ahead."""
+        return self.mirror is None and self.reads_every_page()
+
     # --- a step --------------------------------------------------------------------------------
     def attend(self, module, query: torch.Tensor, pad_mask: torch.Tensor | None,
                scaling: float) -> torch.Tensor:
@@ -190,10 +201,12 @@ class TieredLayer(CacheLayerMixin):
                 k_parts, v_parts, cols = self.prune.past(query, recall_all)
             else:
                 k_parts, v_parts, cols = self._past(query, q_len, pad_mask is not None)
+            keys = [] if self.prune is not None else None
             out = attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling,
-                                 length=self.length, prefill_chunk=cache.prefill_chunk)
+                                 length=self.length, prefill_chunk=cache.prefill_chunk,
+                                 keys_out=keys)
             if self.prune is not None:
-                shares = self.prune.shares(query, k_parts, k_new, cols, pad_mask, scaling, q_len)
+                shares = self.prune.shares(query, keys[0], cols, pad_mask, scaling, q_len)
         except BaseException:
             self.pending = None
             cache._poison(f"layer {self.index} failed during attention")
@@ -210,15 +223,25 @@ class TieredLayer(CacheLayerMixin):
         lost in graceful mode), or slot indices ``[b, n]`` (top-K; only when ``need_cols``: the
         slots matter to the padding mask alone, causality is over the new tokens)."""
         cache = self._cache
+        if cache.pinned:
+            self.pages.before_read()  # the host pages written last are there
         k = resolve_top_k(cache.top_k_pages, self.n_pages) if self.n_pages else None
         if k is None or self.dense or q_len > cache.select_max_queries:
             if self.n_pages == 0:
                 return [self.sink_k, self.recent_k], [self.sink_v, self.recent_v], None
-            pk, pv = cache._take_prefetched(self) or self.pages.fetch_all()
+            if (self.mirror is not None and self.mirror.tokens == self.paged_tokens
+                    and not self.lost_pages):
+                pk, pv = self.mirror.parts()  # on the device already: nothing copied
+            else:
+                pk, pv = cache._take_prefetched(self) or self.pages.fetch_all()
             if q_len <= cache.select_max_queries:
                 cache._prefetch_next(self)
             cols = self._cols_without_lost() if self.lost_pages else None
             return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], cols
+        if cache.pinned:  # CUDA: the dense layers' pages of the next step copied meanwhile
+            if self.index in cache._prefetched:
+                cache._drop_prefetched(self)
+            cache._prefetch_next(self)
         got = None
         if (cache.select_graphs and graphs.applies(self.device) and cache.score == "hybrid"
                 and not self.lost_pages):
@@ -276,6 +299,8 @@ class TieredLayer(CacheLayerMixin):
         p = cache.page_tokens
         if self.keeps_summaries:
             self.summaries.append_keys(keys, p)
+        if self.mirror is not None:
+            self.mirror.append(keys, values)
         if self.prune is not None:
             self.prune.append(pack_pages(keys, values, p))  # level 1: stays on the device
             return

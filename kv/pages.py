@@ -83,6 +83,7 @@ class LayerPages:
         self._span: HostSpan | None = None  # the one-gather view of the host chunks (kv/span.py)
         self._span_failed = False
         self.written = None  # CUDA event after the last page write (what a prefetch waits for)
+        self._unread_writes = False  # the compute stream has not waited for ``written`` yet
 
     def bind(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
         self.batch, self.dtype, self.device = batch, dtype, device
@@ -118,9 +119,25 @@ class LayerPages:
     # --- write -------------------------------------------------------------------------------
     def append(self, pages: torch.Tensor) -> None:
         """Append packed pages ``[n, batch, 2, heads, page_tokens, head_dim]`` (kv/layout.py's
-        ``pack_pages``) after the last one; the copy to the host is asynchronous from a GPU."""
+        ``pack_pages``) after the last one. From a GPU the copies to the host run on the cache's
+        write stream, off the compute stream (a long prefill's later layers do not wait for
+        them); ``written`` marks their end and the first read of this layer's host pages on the
+        compute stream waits for it (``before_read``)."""
         cache = self._cache
         n, b = pages.shape[0], self.batch
+        if not cache.pinned:
+            self._copy_in(pages, n, b, False)
+            return
+        stream = cache.write_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the pages are packed
+        with torch.cuda.stream(stream):
+            self._copy_in(pages, n, b, True)
+            self.written = torch.cuda.Event()
+            self.written.record(stream)
+        pages.record_stream(stream)  # not reused before the copies have read it
+        self._unread_writes = True
+
+    def _copy_in(self, pages, n: int, b: int, non_blocking: bool) -> None:
         done = 0
         while done < n:
             chunk = self._open_chunk()
@@ -128,13 +145,17 @@ class LayerPages:
             m = min(room, n - done)
             dst = chunk.tensor[chunk.filled * b:(chunk.filled + m) * b]
             dst.copy_(pages[done:done + m].reshape(m * b, *pages.shape[2:]),
-                      non_blocking=cache.pinned)
+                      non_blocking=non_blocking)
             chunk.filled += m
             done += m
         self.n_pages += n
-        if cache.pinned:
-            self.written = torch.cuda.Event()
-            self.written.record()
+
+    def before_read(self) -> None:
+        """CUDA: the current stream waits for this layer's page writes still in flight (once
+        per write); every read of the host pages on the device comes after it."""
+        if self._unread_writes:
+            torch.cuda.current_stream(self.device).wait_event(self.written)
+            self._unread_writes = False
 
     def _open_chunk(self) -> Chunk:
         cache = self._cache

@@ -24,6 +24,10 @@ def collect(cache) -> dict:
         "page_tokens": cache.page_tokens,
         "page_bytes": cache.layout.page_bytes if cache.layout else 0,
         "pages": sum(layer.n_pages for layer in layers) * batch,
+        # pages of the dense layers kept on the device as well (kv/mirror.py): never copied
+        "mirrored_pages": sum(layer.mirror.tokens for layer in layers
+                              if getattr(layer, "mirror", None) is not None)
+        // (cache.page_tokens or 1) * batch,
         "gpu_bytes": sum(layer.gpu_bytes() for layer in layers),
         "host_bytes": cache.host_bytes(),
         "spilled_bytes": sum(layer.spilled_bytes() for layer in layers),
@@ -36,13 +40,15 @@ def collect(cache) -> dict:
 def _prune_stats(cache) -> dict:
     """Importance pruning's keys (kv/prune): tokens per level per layer, level moves, recalls
     (pages, the bytes they moved to the device and the copy or gather operations that moved
-    them), and the bytes level 3 saves on the host. Present with pruning off too (levels 1 and 2 are
+    them), the bytes level 3 saves on the host, and the scorer's statistics on the device (not KV:
+not in ``gpu_bytes``). Present with pruning off too (levels 1 and 2 are
     then the device and host tiers; no moves)."""
     layers = cache.layers
     prunes = [layer.prune for layer in layers if getattr(layer, "prune", None) is not None]
     out = {"level_tokens": [layer.level_tokens() for layer in layers],
            "demotions": 0, "promotions": 0, "recalls": 0, "recall_bytes": 0, "recall_copies": 0,
-           "level3_bytes_saved": 0}
+           "level3_bytes_saved": 0,
+           "scorer_gpu_bytes": sum(p.scorer_gpu_bytes() for p in prunes)}
     for p in prunes:
         for key in ("demotions", "promotions", "recalls", "recall_bytes", "recall_copies"):
             out[key] += p.counters[key]

@@ -13,6 +13,7 @@ the forwards over the shared KV cache and the sampling are ``runner``'s, a reque
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -48,7 +49,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, scheduler: FlashScheduler | None = None, *, max_batch: int = 8,
                  max_model_len: int | None = None, prefill_chunk: int = 512, device=None,
-                 warm: bool | None = None):
+                 warm: bool | None = None, decode: str = "auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = int(max_batch)
@@ -59,7 +60,8 @@ class Engine:
         self.max_model_len = int(min(max_model_len or cfg.max_position_embeddings,
                                      cfg.max_position_embeddings))
         self.prefill_chunk = int(prefill_chunk)
-        self.runner = RowRunner(model, self.max_batch, self.max_model_len, device)
+        # The batch's decode: CUDA graphs where they can be captured (``RowRunner(decode=)``).
+        self.runner = RowRunner(model, self.max_batch, self.max_model_len, device, decode=decode)
         self.eos_ids = frozenset(self._eos_ids(model))
         self.flash = getattr(model, "flash", None)
         self.stream = getattr(self.flash, "stream", None)
@@ -83,11 +85,17 @@ class Engine:
         self._decode_s: float | None = None
         self._per_token_s: float | None = None
         self._l0_at: float | None = None
+        self._cutting = False                   # an L0 prefill nested in another forward runs
+        self._outer: list = []                  # the requests of the forward it is nested in
+        # An L0 request may cut into other prompts' chunk between two layers (``_l0_cut_in``).
+        self.cut_in = (not self.scheduler.fifo and self.stream is None
+                       and getattr(getattr(model, "model", None), "layers", None) is not None)
         self.l0_recent_s = 10.0
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
-                      "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0, "preempted": 0,
+                      "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0,
+                      "preempted": 0, "l2_open_steps": 0,
                       "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
 
     @staticmethod
@@ -130,8 +138,9 @@ class Engine:
         import gc
 
         if self.warm and self.warm_s is None:
-            self.warm_s = self.runner.warm()
-            log.info("engine warm: %d attention widths in %.2f s", len(self.runner.kv_seen), self.warm_s)
+            self.warm_s = self.runner.warm(self.prefill_chunk)
+            log.info("engine warm: %d attention widths in %.2f s, decode %s", len(self.runner.kv_seen),
+                     self.warm_s, self.runner.decode_stats())
         gc.collect()
         gc.freeze()
         self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
@@ -200,6 +209,10 @@ class Engine:
         chosen = self.scheduler.dispatch()
         for req in self.scheduler.take_preempted():
             self._preempt(self._gens[id(req)])
+        self._admit(chosen)
+
+    def _admit(self, chosen) -> None:
+        """Give each request the scheduler chose a free row (lock held)."""
         for req in chosen:
             gen = self._gens[id(req)]
             gen.row = self._rows.index(None)
@@ -315,6 +328,43 @@ class Engine:
                     if not gen.cancelled:
                         self._accept(gen, token, now)
 
+    def _l0_cut_in(self, module, args) -> None:
+        """Forward pre-hook on every decoder layer while a chunk of other prompts (or an eager
+        decode) runs: an L0 request that arrived meanwhile joins and its prompt is prefilled now,
+        in a forward of its own nested between two layers of the other one -- it waits for one
+        layer, not for the whole forward. Its row is a free one, or that of a request it preempts,
+        never one of the requests this forward still writes (``_outer``); where neither exists it
+        joins at the next step boundary as before."""
+        if self._cutting:
+            return
+        with self._lock:
+            sched = self.scheduler
+            if not sched.queued_count("L0"):
+                return
+            chosen = sched.dispatch(protect=self._outer)
+            for req in sched.take_preempted():
+                self._preempt(self._gens[id(req)])
+            self._admit(chosen)
+        self._cutting = True
+        try:
+            with self.runner.nested():
+                self._prefill_l0()
+        finally:
+            self._cutting = False
+
+    def _cut_in_hooks(self, outer=()):
+        """``_l0_cut_in`` on every decoder layer for the duration of a ``with`` (not with the
+        scheduler off, nor for a streamed model, whose layer ring one forward at a time drives)."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if not self.cut_in or layers is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        self._outer = [g.sched for g in outer]
+        stack.callback(setattr, self, "_outer", [])
+        for layer in layers:
+            stack.callback(layer.register_forward_pre_hook(self._l0_cut_in).remove)
+        return stack
+
     def _prefill_l0(self) -> None:
         """Every L0 prompt in the batch, one chunk each, in one forward of their own -- before any
         other prefill or the decode of this step."""
@@ -336,7 +386,9 @@ class Engine:
         self._apply_window(batch)
         self._prefill_l0()
         l0_recent = self._l0_at is not None and time.monotonic() - self._l0_at < self.l0_recent_s
-        budget = prefill_budget(self.prefill_chunk, self._decode_s, self._per_token_s, l0_recent)
+        # Where an L0 request can cut in, it waits for one layer of the chunk, whatever its size.
+        budget = prefill_budget(self.prefill_chunk, self._decode_s, self._per_token_s,
+                                l0_recent and not self.cut_in)
         # Packed in join order while rows x the widest chunk stays within the budget (padding is
         # compute too); the first prompt in line always gets its share.
         group, width = [], 0
@@ -350,7 +402,8 @@ class Engine:
             group.append((gen, n))
             width = max(width, n)
         if group:
-            self._prefill(group)
+            with self._cut_in_hooks([g for g, _ in group]):
+                self._prefill(group)
         with self._lock:
             if self.scheduler.queued_count("L0"):
                 self._boundary()
@@ -366,9 +419,11 @@ class Engine:
                         and g.kv_cache is None]
         if decoding:
             self._read_priority(decoding)
-            tokens, spent = self.runner.decode(decoding, [g.row for g in decoding],
-                                               [g.output_ids[-1] for g in decoding],
-                                               [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding])
+            # An eager decode (no CUDA graphs here) lets an L0 request cut in between its layers too.
+            with self._cut_in_hooks(decoding) if self.runner.static is None else contextlib.nullcontext():
+                positions = [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding]
+                tokens, spent = self.runner.decode(decoding, [g.row for g in decoding],
+                                                   [g.output_ids[-1] for g in decoding], positions)
             produced = list(zip(decoding, tokens))
             self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
             self.stats["decode_steps"] += 1
@@ -382,6 +437,8 @@ class Engine:
                 if not gen.cancelled:
                     self._accept(gen, token, now)
             self.scheduler.tick()
+            # Steps after which L2's rule lets an elastic request join (``FlashScheduler.l2_open``).
+            self.stats["l2_open_steps"] += bool(self.scheduler.l2_open())
 
     def _accept(self, gen: Generation, token: int, now: float) -> None:
         """``token`` is ``gen``'s next: count it, hand it to the request, retire the request when it

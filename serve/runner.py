@@ -1,28 +1,33 @@
 """The device side of the engine's steps: forwards of the model over rows of one shared KV cache, and
 the sampling of each row's next token. Which requests go into which forward is the engine's.
 
-The KV cache (``RowCache``) is one tensor pair per layer of shape ``[rows, kv_heads, max_len,
-head_dim]``; a request owns a row from position 0, so rows need no left padding. Each forward gets
+The KV cache (``RowCache``) is one tensor pair per layer of shape ``[rows, kv_heads, max_len + 1,
+head_dim]`` (the last slot is scratch, never read); a request owns a row from position 0, so rows need no left padding. Each forward gets
 per-row ``position_ids`` and a 4-D additive mask (a query at position ``p`` sees keys ``0..p`` of its
 own row), which ``transformers`` takes as it is; the cache's ``update`` scatters the new keys at each
 row's positions and hands the attention the rows of this forward. Keys beyond a row's length (left
 by an earlier occupant) are masked, so a request's greedy output is the same alone or in a batch.
+The batch's decode step runs as CUDA graphs over every row where it can (``graphs.StaticDecode``).
 """
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import time
+
+# Attention on a CUDA device: every kernel but cuDNN's (SDPA_BACKENDS, deepseek_flash/cuda.py):
+# cuDNN builds an execution plan for every new shape, and a continuously batched engine makes new
+# shapes all the time; the memory-efficient kernel takes the same additive mask with no set-up.
+from deepseek_flash.cuda import SDPA_BACKENDS, sdpa_backends  # noqa: F401 (SDPA_BACKENDS: tests)
+
+log = logging.getLogger("deepseek_flash.serve")
 
 # The attention reads a multiple of this many key positions (masked beyond each row's length), so
 # the shapes a forward's attention sees are few and repeat, whatever the rows' lengths.
 KV_BUCKET = 64
-# Attention kernels a forward may use on a CUDA device: every one but cuDNN's. cuDNN's attention
-# (torch's first choice on sm90/sm100 with a recent cuDNN) builds an execution plan for every new
-# shape -- hundreds of milliseconds each -- and a continuously batched engine makes new shapes all
-# the time (rows joining and leaving, lengths growing); the memory-efficient kernel takes the same
-# additive mask with no per-shape set-up.
-SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# The batch's decode step (``RowRunner(decode=...)``): see ``RowRunner._decode_setup``.
+DECODE_MODES = ("auto", "eager", "static")
 # Forwards kept for ``RowRunner.profile`` (the most recent).
 PROFILE_SAMPLES = 8192
 
@@ -31,29 +36,46 @@ class RowCache:
     """The shared KV cache: a row per batch slot (duck-typed ``transformers`` cache).
 
     ``bind(rows, positions, kv_len)`` before a forward names the rows it runs on, the position of
-    each of its tokens, and how many key positions the attention reads."""
+    each of its tokens, and how many key positions the attention reads; ``bind_static(positions,
+    kv_len)`` a forward over every row, one token each, written with a scatter (``StaticDecode``).
+    Each row has one slot more than ``max_len``: ``scratch``, where a row with nothing to decode
+    writes in the fixed-shape step; no attention width reaches it."""
 
     def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, max_len: int,
                  dtype, device):
         import torch
 
-        shape = (rows, kv_heads, max_len, head_dim)
+        shape = (rows, kv_heads, max_len + 1, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
+        self.scratch = max_len
         self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * self.keys[0].element_size()
-        self._rows = self._positions = None
+        self._rows = self._positions = self._span = None
         self._kv_len = 0
+        self._static = False
         self.is_compileable = False
 
     def bind(self, rows, positions, kv_len: int, span: tuple[int, int] | None = None) -> None:
         """``span``: (first, end) when ``rows`` is that contiguous ascending range -- the attention
         then reads a view of the cache instead of a gathered copy of every row's keys."""
         self._rows, self._positions, self._kv_len, self._span = rows, positions, kv_len, span
+        self._static = False
+
+    def bind_static(self, positions, kv_len: int) -> None:
+        """A forward over every row, one token each at ``positions`` (``[rows, 1]``, on the
+        device): fixed shapes, nothing read on the host (what a CUDA graph captures)."""
+        self._positions, self._kv_len, self._static = positions, kv_len, True
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        rows, pos = self._rows[:, None], self._positions
         keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self._static:
+            # key_states: [rows, kv_heads, 1, head_dim]; each row's one key at its position.
+            index = self._positions.view(-1, 1, 1, 1).expand(key_states.shape)
+            keys.scatter_(2, index, key_states.to(keys.dtype))
+            values.scatter_(2, index, value_states.to(values.dtype))
+            return keys[:, :, : self._kv_len], values[:, :, : self._kv_len]
+        rows, pos = self._rows[:, None], self._positions
         # Advanced indices around a slice put the indexed dims first: [b, q, kv_heads, head_dim].
         keys[rows, :, pos] = key_states.transpose(1, 2).to(keys.dtype)
         values[rows, :, pos] = value_states.transpose(1, 2).to(values.dtype)
@@ -73,7 +95,7 @@ class RowRunner:
     """Forwards of ``model`` over rows of its ``RowCache`` (``prefill``, ``decode``), and over a
     request's own tiered KV cache (``solo``); each timed for ``profile``."""
 
-    def __init__(self, model, rows: int, max_len: int, device=None):
+    def __init__(self, model, rows: int, max_len: int, device=None, decode: str = "auto"):
         import torch
 
         self.torch = torch
@@ -89,16 +111,48 @@ class RowRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self.attn_default = getattr(cfg, "_attn_implementation", None)
-        self.sdpa = None
-        if self.device.type == "cuda":
-            from torch.nn.attention import SDPBackend
-
-            self.sdpa = [getattr(SDPBackend, name) for name in SDPA_BACKENDS]
+        self.sdpa = self.device.type == "cuda"  # attention without cuDNN (SDPA_BACKENDS)
         # (kind, rows, tokens per row, launch seconds, seconds until the result was on the host,
         # monotonic start, attention key positions)
         self._profile: list = []
         # Attention widths (``KV_BUCKET`` multiples) that a forward has met: see ``warm``.
         self.kv_seen: set = set()
+        self.static = None
+        self.decode_reason = self._decode_setup(decode)
+        if self.decode_reason is not None:
+            log.info("serve decode steps run eagerly: %s", self.decode_reason)
+
+    def _decode_setup(self, decode: str) -> str | None:
+        """The batch's decode step (``decode``): ``"auto"`` (default) CUDA graphs of the fixed-shape
+        step (``graphs.StaticDecode``) where they can be captured, else the eager decode over the
+        gathered rows; ``"eager"`` always that; ``"static"`` the fixed-shape step run eagerly.
+        Returns why the decode is eager (None: it is not)."""
+        from .graphs import StaticDecode, graphs_blocker
+
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode {decode!r} is not one of {DECODE_MODES}")
+        if decode == "eager":
+            return "decode='eager'"
+        if decode == "static":
+            self.static = StaticDecode(self, capture=False)
+            return None
+        reason = graphs_blocker(self)
+        if reason is None:
+            self.static = StaticDecode(self, capture=True)
+        return reason
+
+    @property
+    def decode_mode(self) -> str:
+        """``graphs``, ``static`` (the fixed-shape step, eagerly) or ``eager``."""
+        if self.static is None:
+            return "eager"
+        return self.static.stats()["mode"]
+
+    def decode_stats(self) -> dict:
+        """How the batch decodes: mode, why eager (``reason``), graphs captured, replays."""
+        if self.static is None:
+            return {"mode": "eager", "reason": self.decode_reason}
+        return self.static.stats()
 
     def _kwargs(self, cache) -> dict:
         kwargs = {self._cache_kw: cache, "use_cache": True}
@@ -110,24 +164,45 @@ class RowRunner:
         """Logits at the last position of each of ``rows`` after feeding ``ids`` at ``positions``;
         the attention reads ``kv_len`` key positions, rounded up to a ``KV_BUCKET``."""
         torch = self.torch
-        kv_len = min(self.cache.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)
-        self.kv_seen.add(kv_len)
-        self._kv_last = kv_len
+        kv_len = self._width(kv_len)
         span = (rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[0] + len(rows))) else None
         self.cache.bind(torch.tensor(rows, device=self.device), positions, kv_len, span)
         keys = torch.arange(kv_len, device=self.device)
         allowed = keys[None, None, None, :] <= positions[:, None, :, None]
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        kwargs = self._kwargs(self.cache)
-        if self.sdpa is None:
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
-        else:
-            from torch.nn.attention import sdpa_kernel
+        return self.call_model(ids, positions, mask).logits[:, -1, :]
 
-            with sdpa_kernel(self.sdpa):
-                out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
-        return out.logits[:, -1, :]
+    def call_model(self, ids, positions, mask):
+        """The model over the bound ``cache`` (cuDNN's attention left out on a CUDA device)."""
+        kwargs = self._kwargs(self.cache)
+        with sdpa_backends(self.device):
+            return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
+
+    def nested(self):
+        """A forward run inside another one (between two of its layers) leaves the outer
+        forward's cache binding as it found it."""
+        import contextlib
+
+        cache = self.cache
+
+        @contextlib.contextmanager
+        def keep():
+            saved = (cache._rows, cache._positions, cache._kv_len, cache._span, cache._static,
+                     getattr(self, "_kv_last", 0))
+            try:
+                yield
+            finally:
+                (cache._rows, cache._positions, cache._kv_len, cache._span, cache._static,
+                 self._kv_last) = saved
+        return keep()
+
+    def _width(self, kv_len: int) -> int:
+        """``kv_len`` rounded up to a ``KV_BUCKET`` multiple (at most the cache's length), noted."""
+        kv_len = min(self.cache.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)
+        self.kv_seen.add(kv_len)
+        self._kv_last = kv_len
+        return kv_len
 
     def prefill(self, rows: list, ids: list, positions: list, kv_len: int):
         """One forward of prompt chunks (``ids``/``positions``: a list per row, of equal length);
@@ -146,10 +221,17 @@ class RowRunner:
         """One batched decode: each row's ``last`` token at its position ``lengths``; returns (the
         next token of each of ``gens``, seconds until they were on the host)."""
         torch = self.torch
-        ids = torch.tensor([[t] for t in last], device=self.device)
-        positions = torch.tensor(lengths, device=self.device)[:, None]
         began = time.perf_counter()
-        logits = self.forward(rows, ids, positions, max(lengths) + 1)
+        logits = None
+        if self.static is not None:
+            kv_len = self._width(max(lengths) + 1)
+            logits = self.static.run(rows, last, lengths, kv_len)
+            if logits is None:                  # capture failed: eager from now on, logged
+                self.decode_reason, self.static = self.static.reason, None
+        if logits is None:
+            ids = torch.tensor([[t] for t in last], device=self.device)
+            positions = torch.tensor(lengths, device=self.device)[:, None]
+            logits = self.forward(rows, ids, positions, max(lengths) + 1)
         launched = time.perf_counter() - began
         tokens = self.sample(logits, gens)
         spent = time.perf_counter() - began
@@ -198,30 +280,45 @@ class RowRunner:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
 
-    def warm(self) -> float:
-        """Meet, before any request does, every attention width a forward can have: one decode
-        forward over all rows per ``KV_BUCKET`` multiple up to the cache's length, one over two
-        rows apart (the gathered-rows path), and a prompt chunk. On a CUDA device the first forward
-        of a new shape costs a few hundred milliseconds of host time (kernel selection and set-up);
+    def warm(self, prefill_chunk: int = 512) -> float:
+        """Meet, before any request does, every shape a forward can have. The batch's decode at
+        every attention width (``KV_BUCKET`` multiples up to the cache's length): its CUDA graphs
+        captured (``StaticDecode``), or eagerly one decode over all rows and one over two rows apart
+        (the gathered-rows path). A one-row prompt of 1, 2, 3, 4, 6, 8, ... tokens up to
+        ``prefill_chunk`` (the matrix products pick their kernels by the number of tokens), and the
+        sampling. On a CUDA device the first forward of a new shape costs tens to hundreds of
+        milliseconds of host time (kernel selection, a kernel's module loaded at its first use);
         met under load, that stalls every running request and the queue behind it -- an L0
         request's first token among them. Keys written here are beyond any request's length
         (masked, as an earlier occupant's are). Returns the seconds it took."""
+        from types import SimpleNamespace
+
         torch = self.torch
         began = time.perf_counter()
         rows = self.cache.keys[0].shape[0]
-        widths = range(KV_BUCKET, self.cache.max_len + KV_BUCKET, KV_BUCKET)
+        widths = sorted({self._width(n) for n in range(KV_BUCKET, self.cache.max_len + KV_BUCKET, KV_BUCKET)})
         with torch.inference_mode():
-            for kv_len in widths:
-                last = min(kv_len, self.cache.max_len) - 1
+            if self.static is not None and self.static.capture:
+                self.static.capture_all(widths)
+                if self.static.reason is not None:
+                    self.decode_reason, self.static = self.static.reason, None
+            elif self.static is not None:
+                for kv_len in widths:
+                    self.static.run([0], [0], [kv_len - 1], kv_len)
+            for kv_len in widths if self.static is None else ():
+                last = kv_len - 1
                 for group in (list(range(rows)), [0, rows - 1] if rows > 2 else None):
                     if group is None:
                         continue
                     ids = torch.zeros((len(group), 1), dtype=torch.long, device=self.device)
                     positions = torch.full((len(group), 1), last, device=self.device)
                     self.forward(group, ids, positions, last + 1)
-            chunk = min(KV_BUCKET, self.cache.max_len)
-            ids = torch.zeros((1, chunk), dtype=torch.long, device=self.device)
-            self.forward([0], ids, torch.arange(chunk, device=self.device)[None, :], chunk)
+            for n in prompt_sizes(min(prefill_chunk, self.cache.max_len)):
+                ids = torch.zeros((1, n), dtype=torch.long, device=self.device)
+                logits = self.forward([0], ids, torch.arange(n, device=self.device)[None, :], n)
+            hot = SimpleNamespace(sched=SimpleNamespace(temperature=0.7, top_p=0.9), generator=None, seed=0)
+            cold = SimpleNamespace(sched=SimpleNamespace(temperature=0.0, top_p=1.0), generator=None, seed=0)
+            self.sample(torch.cat([logits, logits]), [hot, cold])
             self._sync()
         return time.perf_counter() - began
 
@@ -299,6 +396,16 @@ def _uniform(torch, gen) -> float:
         gen.generator = torch.Generator()
         gen.generator.manual_seed(gen.seed if gen.seed is not None else torch.seed())
     return float(torch.rand((), generator=gen.generator))
+
+
+def prompt_sizes(limit: int) -> list:
+    """1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and their halfway points) up to ``limit``,
+    ``limit`` included: the prompt lengths ``RowRunner.warm`` runs."""
+    sizes, p = {limit}, 1
+    while p <= limit:
+        sizes.update(n for n in (p, p + p // 2) if n <= limit)
+        p *= 2
+    return sorted(sizes)
 
 
 def quantiles(values, qs=(0.5, 0.9, 0.99)) -> dict:

@@ -209,8 +209,9 @@ class FlashScheduler:
         """Requests of class ``cls`` waiting to join."""
         return self._count(self.queued, cls)
 
-    def dispatch(self) -> list[SchedRequest]:
-        """The queued requests that join the batch now, in order (they are marked running)."""
+    def dispatch(self, protect=()) -> list[SchedRequest]:
+        """The queued requests that join the batch now, in order (they are marked running).
+        ``protect``: running requests that must not be preempted now."""
         now = self.clock()
         chosen = []
 
@@ -223,7 +224,7 @@ class FlashScheduler:
 
         free = self.slots - len(self.running)
         for r in self._order("L0"):
-            if free == 0 and not (self.l0_preempts and self._preempt_one()):
+            if free == 0 and not (self.l0_preempts and self._preempt_one(protect)):
                 self._note_demand()
                 return chosen
             start(r)
@@ -241,20 +242,26 @@ class FlashScheduler:
         for r in self._order("L2"):
             if free == 0 or self._count(self.running, "L1", "L2") >= shared:
                 break
-            wanted = len(self.running) + self._count(self.queued, "L0", "L1")
-            if (self.slots - wanted) / self.slots <= self.l2_idle_above:
+            if not self.l2_open():
                 break
             start(r)
             free -= 1
         self._note_demand()
         return chosen
 
-    def _preempt_one(self) -> bool:
+    def l2_open(self) -> bool:
+        """L2's rule to join: the slots neither running (any class) nor wanted by a queued L0/L1
+        request are more than ``l2_idle_above`` of all slots."""
+        wanted = len(self.running) + self._count(self.queued, "L0", "L1")
+        return (self.slots - wanted) / self.slots > self.l2_idle_above
+
+    def _preempt_one(self, protect=()) -> bool:
         """Free a slot for an L0 request: the running L2 request that started last, else the L1
-        one; it goes back to its queue. False when every running request is L0 (or not
-        preemptible)."""
+        one (none in ``protect``); it goes back to its queue. False when every running request is
+        L0 (or not preemptible, or protected)."""
         for cls in ("L2", "L1"):
-            victims = [r for r in self.running if r.priority_class == cls and r.preemptible]
+            victims = [r for r in self.running if r.priority_class == cls and r.preemptible
+                       and not any(r is p for p in protect)]
             if victims:
                 victim = max(victims, key=lambda r: (r.started or 0.0, r.seq))
                 self.running.remove(victim)

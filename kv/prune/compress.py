@@ -109,14 +109,19 @@ def to_rows(pages: list[CompressedPages]) -> torch.Tensor:
                                    for f in FIELDS]) for c in pages])
 
 
-def from_rows(rows: torch.Tensor, like: CompressedPages) -> CompressedPages:
-    """``to_rows``' bytes ``[n, nbytes]`` back to a batch ``[n, ...]`` shaped like page ``like``."""
+def from_rows(rows: torch.Tensor, like: CompressedPages, copy: bool = True) -> CompressedPages:
+    """``to_rows``' bytes ``[n, nbytes]`` back to a batch ``[n, ...]`` shaped like page ``like``;
+    ``copy=False``: views of ``rows`` where the fields' offsets allow it (valid while ``rows``
+    is)."""
     n = rows.shape[0]
     out, at = {}, 0
     for f in FIELDS:
         t = getattr(like, f)
         size = t.numel() * t.element_size()
-        out[f] = rows[:, at:at + size].contiguous().view(t.dtype).reshape(n, *t.shape)
+        part = rows[:, at:at + size]
+        if copy or at % t.element_size() or rows.stride(0) % t.element_size():
+            part = part.contiguous()
+        out[f] = part.view(t.dtype).reshape(n, *t.shape)
         at += size
     return CompressedPages(**out, shape=(n, *like.shape), dtype=like.dtype)
 
@@ -144,9 +149,60 @@ def compress_pages(pages: torch.Tensor) -> CompressedPages:
 def decompress_pages(c: CompressedPages, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Back to ``[..., 2, heads, page_tokens, head_dim]`` of ``dtype`` (the original's by
     default), on the device the compressed tensors are on."""
-    k = c.k_lo.float() + _unpack(c.k_codes).float() * c.k_step.float()
-    v = c.v_lo.float() + _unpack(c.v_codes).float() * c.v_step.float()
-    return torch.stack((k, v), -4).to(dtype or c.dtype)
+    out = torch.empty(c.shape, dtype=torch.float32, device=c.k_codes.device)
+    return decompress_into(c, out).to(dtype or c.dtype)
+
+
+def decompress_rows_into(rows: torch.Tensor, like: CompressedPages, lead: tuple,
+                         out: torch.Tensor) -> torch.Tensor:
+    """``rows_of``' bytes ``[prod(lead), compressed_bytes]`` (any device) decompressed into
+    ``out`` (fp32 ``[*lead, 2, heads, tokens, head_dim]``, any strides) -> ``out``: what
+    ``decompress_into(from_rows(rows, like), out)`` gives, with the K and V codes split into
+    nibbles together and the four fp16 group tensors widened together (they lie back to back in
+    a row: ``FIELDS``)."""
+    codes_n = like.k_codes.numel() + like.v_codes.numel()
+    groups = rows[:, codes_n:]
+    if rows.stride(0) % 2 or codes_n % 2 or rows.storage_offset() % 2:
+        groups = groups.contiguous()
+    groups = groups.view(torch.float16).float()
+    codes = rows[:, :codes_n]
+    low, high = codes & 0x0F, codes >> 4
+    parts, at = {}, 0
+    for f in ("k_codes", "v_codes"):  # bytes of the codes region
+        size, shape = getattr(like, f).numel(), getattr(like, f).shape
+        parts[f] = (low[:, at:at + size].reshape(*lead, *shape),
+                    high[:, at:at + size].reshape(*lead, *shape))
+        at += size
+    at = 0
+    for f in ("k_lo", "k_step", "v_lo", "v_step"):  # fp16 elements of the groups region
+        size, shape = getattr(like, f).numel(), getattr(like, f).shape
+        parts[f] = groups[:, at:at + size].reshape(*lead, *shape)
+        at += size
+    for i, (kind, per_channel) in enumerate((("k", True), ("v", False))):
+        part = out.select(-4, i)
+        lo_q, hi_q = parts[f"{kind}_codes"]
+        step = parts[f"{kind}_step"]
+        even, odd = (step[..., 0::2], step[..., 1::2]) if per_channel else (step, step)
+        torch.mul(lo_q, even, out=part[..., 0::2])
+        torch.mul(hi_q, odd, out=part[..., 1::2])
+        part.add_(parts[f"{kind}_lo"])  # lo + q * step
+    return out
+
+
+def decompress_into(c: CompressedPages, out: torch.Tensor) -> torch.Tensor:
+    """Decompress into ``out`` (fp32, ``c.shape``, any strides: e.g. a permuted view of the
+    keys-and-values layout attention reads) -> ``out``. Each element is ``lo + q * step``
+    computed in fp32 as ``decompress_pages`` defines it, with no unpacked copy of the codes: the
+    low nibbles fill the even channels, the high nibbles the odd ones."""
+    for i, (codes, lo, step, per_channel) in enumerate(((c.k_codes, c.k_lo, c.k_step, True),
+                                                        (c.v_codes, c.v_lo, c.v_step, False))):
+        part = out.select(-4, i)
+        s = step.float()
+        even, odd = (s[..., 0::2], s[..., 1::2]) if per_channel else (s, s)
+        torch.mul(codes & 0x0F, even, out=part[..., 0::2])
+        torch.mul(codes >> 4, odd, out=part[..., 1::2])
+        part.add_(lo.float())  # lo + q * step
+    return out
 
 
 def round_trip_bound(pages: torch.Tensor) -> torch.Tensor:

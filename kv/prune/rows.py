@@ -31,6 +31,10 @@ MAX_UNIT = 4096
 
 
 class HostRows:
+    MOVE_DEVICES = ("cuda",)
+    """Devices whose kernels move pages within the buffer (``_move_on_device``); a test adds
+    "cpu" to run the same index arithmetic on the CPU."""
+
     def __init__(self, row_bytes: int, batch: int, device: torch.device):
         self.row_bytes = int(row_bytes)
         self.batch = int(batch)
@@ -45,6 +49,9 @@ class HostRows:
         self._view_failed = False
         self._units = 1
         self._unit_ar: torch.Tensor | None = None
+        self._pending = False         # page moves the GPU may still be writing into ``buf``
+        self._moves_checked = False   # the GPU's first page move was read back and matched
+        self._moves_failed = False    # ... or did not: page moves stay on the host
 
     # --- accounting ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -65,7 +72,15 @@ class HostRows:
         return self.batch * self.row_bytes
 
     # --- writes -------------------------------------------------------------------------------
+    def _wait(self) -> None:
+        """Before the host reads or rewrites ``buf``: the GPU's page moves into it are done."""
+        if self._pending:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self._pending = False
+
     def _resize(self, capacity: int) -> None:
+        self._wait()
         live = len(self.pages) * self.batch
         if capacity == 0:
             self.buf = None
@@ -86,6 +101,8 @@ class HostRows:
         if need > self.capacity:
             self._resize(max(need, 2 * self.capacity))
         b = self.batch
+        if rows.device.type == "cpu":
+            self._wait()
         self.buf[n * b:need * b].copy_(rows.reshape(-1, self.row_bytes),
                                        non_blocking=self.pinned and rows.device.type == "cuda")
         for i, pg in enumerate(pages):
@@ -94,19 +111,69 @@ class HostRows:
         self.version += 1
 
     def remove(self, pages) -> None:
-        """Pages ``pages`` leave; the last pages move into the freed slots."""
-        b = self.batch
-        for slot in sorted((self.slot.pop(pg) for pg in pages), reverse=True):
-            last = len(self.pages) - 1
+        """Pages ``pages`` leave; the last pages move into the freed slots (freed slots taken from
+        the highest down, each filled by the page then last), in one indexed copy of the pages
+        that move."""
+        gone = sorted((self.slot.pop(pg) for pg in pages), reverse=True)
+        if not gone:
+            return
+        src = list(range(len(self.pages)))  # slot -> the slot its page comes from
+        for slot in gone:
+            last = len(src) - 1
             if slot != last:
-                self.buf[slot * b:(slot + 1) * b].copy_(self.buf[last * b:(last + 1) * b])
-                moved = self.pages[last]
-                self.pages[slot] = moved
-                self.slot[moved] = slot
-            self.pages.pop()
+                src[slot] = src[last]
+            src.pop()
+        moves = [(dst, s) for dst, s in enumerate(src) if dst != s]
+        if moves:
+            dst_i = torch.tensor([d for d, _ in moves], dtype=torch.int64)
+            src_i = torch.tensor([s for _, s in moves], dtype=torch.int64)
+            if not self._move_on_device(dst_i, src_i):
+                self._wait()
+                per_page = self.buf.view(-1, self.batch * self.row_bytes)
+                per_page.index_copy_(0, dst_i, per_page.index_select(0, src_i))
+        self.pages = [self.pages[s] for s in src]
+        for dst, _ in moves:
+            self.slot[self.pages[dst]] = dst
         if len(self.pages) * 4 <= self.capacity:
             self._resize(2 * len(self.pages))
         self.version += 1
+
+    def _move_on_device(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Copy pages ``src`` onto pages ``dst`` (slots, disjoint) of the page-locked buffer with
+        the GPU, which reads and writes it at its host address (``_device_rows``' view): no host
+        memcpy, ordered on the current stream (``_wait`` before the host touches the buffer).
+        The buffer's first such move is read back and compared; where it differs, or no view can
+        be made, -> False (the host moves them, now and from then on)."""
+        if self.device.type not in self.MOVE_DEVICES or self._moves_failed:
+            return False
+        view = self._device_rows()
+        if view is None:
+            return False
+        per_page = self.buf.view(-1, self.batch * self.row_bytes)
+        check = None
+        if not self._moves_checked:
+            self._wait()
+            check = per_page[int(src[0])].clone()
+        n = self.batch * self._units  # the view's pieces per page
+        ar = torch.arange(n, dtype=torch.int64)
+        to = (dst[:, None] * n + ar).flatten().to(self.device, non_blocking=False)
+        fro = (src[:, None] * n + ar).flatten().to(self.device, non_blocking=False)
+        try:
+            view.index_copy_(0, to, view.index_select(0, fro))
+        except RuntimeError as exc:
+            log.warning("demoted pages move on the host (%s)", exc)
+            self._moves_failed = True
+            return False
+        self._pending = True
+        if check is not None:
+            self._wait()
+            if not torch.equal(per_page[int(dst[0])], check):
+                log.warning("the device's page moves in host memory did not land; demoted "
+                            "pages move on the host")
+                self._moves_failed = True
+                return False
+            self._moves_checked = True
+        return True
 
     # --- reads --------------------------------------------------------------------------------
     def ids(self) -> torch.Tensor:
@@ -121,6 +188,7 @@ class HostRows:
         (a copy)."""
         b = self.batch
         slots = torch.tensor([self.slot[pg] for pg in pages], dtype=torch.int64)
+        self._wait()
         return self.buf.view(-1, b * self.row_bytes).index_select(0, slots).view(-1, self.row_bytes)
 
     def fetch(self, pages: list[int]) -> torch.Tensor:
@@ -152,6 +220,7 @@ class HostRows:
             return self._view
         if self._view_failed:
             return None
+        self._wait()
         unit = math.gcd(self.row_bytes, MAX_UNIT)
         self._units = self.row_bytes // unit
         wide = next(t for w, t in ((8, torch.int64), (4, torch.int32), (2, torch.int16),
@@ -186,5 +255,6 @@ class HostRows:
                 self._unit_ar = torch.arange(units, dtype=torch.int64, device=rows.device)
             idx = (rows[:, None] * units + self._unit_ar).flatten()
             return view.index_select(0, idx).view(torch.uint8).view(-1, self.row_bytes)
+        self._wait()
         got = self.buf.index_select(0, rows.cpu())  # the fallback: one host sync, one copy
         return got.to(self.device)

@@ -218,7 +218,8 @@ class TokenStats:
         if self.n + t > self.capacity:
             self._grow(b, h, self.n + t, keys.device)
         end = self.n + t
-        kv = torch.stack((keys.float().norm(dim=-1), values.float().norm(dim=-1)))  # [2, b, h, t]
+        kv = torch.linalg.vector_norm(torch.stack((keys, values)), dim=-1,
+                                      dtype=torch.float32)  # [2, b, h, t]
         self._norms[self.n:end].copy_(kv.permute(3, 0, 1, 2),
                                       non_blocking=keys.device.type == "cuda")
         self.n = end  # mass, last, observed of the new slots: zeros since the buffer was made
@@ -231,13 +232,12 @@ class TokenStats:
         rel = probs.float() * n
         if cols is None:
             cols = torch.arange(n, device=probs.device).expand(b, n)
-        mass, last, observed = self.mass, self.last, self.observed
-        seen = torch.gather(observed, 1, cols)
-        old = torch.gather(mass, 1, cols)
+        # mass, last and observed of the slots in one gather and one scatter (a slot is attended
+        # once per step: no index repeats)
+        idx = cols.expand(3, b, n)
+        old, _, seen = torch.gather(self._f, 2, idx)
         new = torch.where(seen > 0, old + self.alpha * (rel - old), rel)
-        mass.scatter_(1, cols, new)
-        last.scatter_(1, cols, rel)
-        observed.scatter_add_(1, cols, torch.ones_like(rel))
+        self._f.scatter_(2, idx, torch.stack((new, rel, seen + 1)))
 
     def input(self, layer: int, num_layers: int, start: int, stop: int, length: int) -> ScoreInput:
         """The ``ScoreInput`` of slots ``start .. stop - 1`` (their norms copied to the device:
@@ -275,5 +275,7 @@ def attention_probs(query: torch.Tensor, keys: torch.Tensor, scale: float,
         logits = logits.masked_fill(~allowed[None, None], -math.inf)
     if valid is not None:
         logits = logits.masked_fill(~valid[:, None, None, :], -math.inf)
-    probs = logits.softmax(-1).nan_to_num_(0.0)
+    probs = logits.softmax(-1)
+    if causal_offset is not None or valid is not None:
+        probs = probs.nan_to_num_(0.0)  # a query that sees no key
     return probs.mean(dim=2).sum(1) / h

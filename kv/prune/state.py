@@ -13,14 +13,10 @@ A page lives in exactly one place:
   ``host_bytes``, ``spilled[page]`` -- the same bytes in a spill file (kv/spill.py: the tiered
   cache's NVMe path, crc32c per page), oldest pages first (``TieredCache._prune_spill``).
 
-A page of level 2 or 3 is attended when the step recalls it: every such page when ``top_k_pages``
-is None (lossless recall) or in a dense layer or a prefill -- one copy per store -- else the best
-``top_k_pages`` of them (a fraction: of the demoted pages), split over the stores by their sizes,
-by the Quest bound (the layer's page summaries) -- one gather per store, indices on the device, no
-host sync. A recalled page is on the device for the step (a level-3 page as int4, decompressed
-there) and dropped after it; a page that keeps drawing attention comes back to level 1 at the next
-evaluation (within ``prune_device_tokens``). ``counters["recall_bytes"]`` and
-``["recall_copies"]`` count what the recalls moved.
+A page of level 2 or 3 is attended when the step recalls it (kv/prune/recall.py, ``Recall``);
+a page that keeps drawing attention comes back to level 1 at the next evaluation (within
+``prune_device_tokens``). Evaluations run after a step's last layer (``evaluate_due``).
+``counters["recall_bytes"]`` and ``["recall_copies"]`` count what the recalls moved.
 """
 from __future__ import annotations
 
@@ -28,9 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compress import compress_pages, compressed_bytes, decompress_pages, from_rows, like_page, rows_of
+from .compress import compress_pages, compressed_bytes, like_page, rows_of
 from .offsets import OffsetMatcher, check_offsets
 from .policy import adjust_scores, next_levels, page_offsets, page_scores
+from .recall import Recall, split_k  # noqa: F401 - split_k: part of this module's interface
 from .rows import HostRows
 from .scorers import TokenStats, attention_probs
 
@@ -82,7 +79,7 @@ def validate_prune(threshold, scorer, offsets, tokenizer, compensate, every, win
         bad("prune_device_tokens", device_tokens, "null (unbounded) or an integer >= 0")
 
 
-class LayerPrune:
+class LayerPrune(Recall):
     """The pruning state of one ``TieredLayer`` (``layer``: a weak proxy is fine)."""
 
     def __init__(self, layer, settings: PruneSettings):
@@ -97,9 +94,12 @@ class LayerPrune:
         self.spilled: dict[int, tuple] = {}   # page -> (SpilledChunk, row)
         self.lost: set[int] = set()           # spilled pages whose bytes failed their crc (graceful)
         self._like = None                     # a compressed page of one sequence: the row's shapes
-        self._l1_cols = None                  # (l1_pages, slots [1, n * page_tokens]) cached
+        self._cols = None                     # (levels' key, slots of all but the recent window)
+        self._recalled_stores = []            # the store of each part ``_recall`` returned
+        self._slots = None                    # the step's attended slots, new tokens' last
         self._ahead = None                    # a lossless recall's rows copied ahead (prefetch)
         self.steps = 0
+        self.due = False                      # an evaluation is due at the end of the step
         self.counters = {"demotions": 0, "promotions": 0, "recalls": 0, "evaluations": 0,
                          "recall_bytes": 0, "recall_copies": 0}
 
@@ -122,8 +122,12 @@ class LayerPrune:
         return [int((self.level == lv).sum()) for lv in (1, 2, 3)]
 
     def gpu_bytes(self) -> int:
-        kv = 0 if self.l1_k is None else 2 * self.l1_k.numel() * self.l1_k.element_size()
-        return kv + self.stats.nbytes()
+        """KV bytes of level 1 on the device (the scorer's statistics: ``scorer_gpu_bytes``)."""
+        return 0 if self.l1_k is None else 2 * self.l1_k.numel() * self.l1_k.element_size()
+
+    def scorer_gpu_bytes(self) -> int:
+        """The scorer's per-token attention statistics on the device (not KV)."""
+        return self.stats.nbytes()
 
     def host_bytes(self) -> int:
         rows = 0 if self.l2 is None else self.l2.nbytes() + self.l3.nbytes()
@@ -178,15 +182,6 @@ class LayerPrune:
         leaving = [self.l1_pages[pos] for pos in out]
         self.l1_pages = [self.l1_pages[pos] for pos in keep]
         return leaving, pages
-
-    def _full(self, rows: torch.Tensor, lead: tuple) -> torch.Tensor:
-        """Level-2 rows (uint8) -> pages ``[*lead, 2, h, p, d]`` of the layer's dtype (a view)."""
-        return rows.view(self.layer.dtype).view(*lead, *self.layer._cache.layout.shape)
-
-    def _decompressed(self, rows: torch.Tensor, lead: tuple) -> torch.Tensor:
-        """Level-3 rows (uint8, on the device) -> pages ``[*lead, 2, h, p, d]``."""
-        c = from_rows(rows, self._like)
-        return decompress_pages(c, self.layer.dtype).view(*lead, *self.layer._cache.layout.shape)
 
     def _pages_to_device(self, pages: list[int]) -> torch.Tensor:
         """Demoted ``pages`` (named on the host: an evaluation's promotions) on the device,
@@ -263,74 +258,44 @@ class LayerPrune:
     def _versions(self) -> tuple[int, int]:
         return (self.l2.version, self.l3.version)
 
-    def prefetch(self) -> None:
-        """Copy every level-2 and level-3 row of this layer to the device ahead of its step
-        (called by the layer before, during a decode step, when this one recalls losslessly): on
-        a GPU on the cache's copy stream, so the copy overlaps the layer before's compute. Used
-        by ``_recall`` when the stores did not change in between; else dropped."""
-        if self.l2 is None or not (len(self.l2) or len(self.l3)):
-            return
-        key = self._versions()
-        if self._ahead is not None and self._ahead[0] == key:
-            return
-        dev = self.layer.device
-        grab = lambda store: store.all() if len(store) else None  # noqa: E731
-        if dev.type != "cuda":
-            self._ahead = (key, None, grab(self.l2), grab(self.l3))
-            return
-        cache = self.layer._cache
-        if cache._copy_stream is None:
-            cache._copy_stream = torch.cuda.Stream(dev)
-        stream = cache._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(dev))  # after the rows were written
-        with torch.cuda.stream(stream):
-            r2, r3 = grab(self.l2), grab(self.l3)
-            done = torch.cuda.Event()
-            done.record(stream)
-        self._ahead = (key, done, r2, r3)
+    def _apply(self, old: torch.Tensor, new: torch.Tensor, comp_rows=None) -> None:
+        """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``): the device
+        side (``_begin``), one wait for the device, the host side (``_finish``)."""
+        st = self._begin(old, new, comp_rows)
+        if st is not None:
+            self._sync()  # the gathers read the rows the removals move
+            self._finish(st)
 
-    def _take_ahead(self):
-        """The rows ``prefetch`` copied -> ``{store: rows}``, or None (none, or stale)."""
-        entry, self._ahead = self._ahead, None
-        if entry is None or entry[0] != self._versions():
-            if entry is not None and entry[1] is not None:
-                entry[1].synchronize()
+    def _begin(self, old: torch.Tensor, new: torch.Tensor, comp_rows=None):
+        """The device side of moving the pages whose level changes from ``old`` to ``new``:
+        the pages joining level 1 gathered to the device (one copy per level), those going
+        2 -> 3 compressed (``comp_rows``: their int4 rows in page order when the caller
+        compressed them already -- ``compress_moving``, every layer's at once), those leaving
+        level 1 taken out of its run -> what ``_finish`` needs, or None (nothing moves). No host
+        row changes here; the caller waits for the device before ``_finish``. A host read of
+        the rows here (spill files, the no-view fallback) follows the evaluation's own wait for
+        the device (the scores' copy to the host)."""
+        moved = new != old
+        if not bool(moved.any()):
             return None
-        key, done, r2, r3 = entry
-        if done is not None:
-            current = torch.cuda.current_stream(self.layer.device)
-            current.wait_event(done)
-            for t in (r2, r3):
-                if t is not None:
-                    t.record_stream(current)
-        return {id(self.l2): r2, id(self.l3): r3}
-
-    def _drop_ahead(self) -> None:
-        """Before the stores change: no copy of them may still be running."""
-        entry, self._ahead = self._ahead, None
-        if entry is not None and entry[1] is not None:
-            entry[1].synchronize()
-
-    def _apply(self, old: torch.Tensor, new: torch.Tensor) -> None:
-        """Move the pages whose level changes from ``old`` to ``new`` (int8 ``[n]``): the reads
-        first (one copy per level), then the removals, then the writes."""
-        changed = torch.nonzero(new != old).flatten().tolist()
-        if not changed:
-            return
         self._stores()
         self._drop_ahead()
-        self._sync()
-        b = self.layer.batch
-        leaving = [pg for pg in changed if int(old[pg]) == 1]                           # 1 -> 2
-        compressing = [pg for pg in changed if int(old[pg]) == 2 and int(new[pg]) == 3]  # 2 -> 3
-        joining = [pg for pg in changed if int(new[pg]) == 1]                           # -> 1
+        pages_of = lambda mask: torch.nonzero(mask).flatten().tolist()  # noqa: E731
+        leaving = pages_of(moved & (old == 1))                    # 1 -> 2
+        compressing = pages_of(moved & (old == 2) & (new == 3))   # 2 -> 3
+        joining = pages_of(moved & (new == 1))                    # -> 1
         got = self._pages_to_device(joining) if joining else None
-        comp_rows = None
-        if compressing:
-            full = self._full(self.l2.fetch(compressing), (len(compressing) * b,))
-            comp_rows = rows_of(compress_pages(full))
-        if joining or compressing:
-            self._sync()  # the gathers above read the rows the removals below move
+        if compressing and comp_rows is None:
+            comp_rows = rows_of(compress_pages(self._to_compress(compressing)))
+        left = None
+        if leaving:
+            leaving, left = self._leave_l1(set(leaving))  # [n, b, 2, h, p, d] on the device
+        return leaving, compressing, joining, got, comp_rows, left
+
+    def _finish(self, st) -> None:
+        """The host side of ``_begin``'s moves: removals from the host rows first, then the
+        writes (asynchronous from a GPU, ordered on its stream)."""
+        leaving, compressing, joining, got, comp_rows, left = st
         self.l2.remove([pg for pg in compressing + joining if pg in self.l2])
         self.l3.remove([pg for pg in joining if pg in self.l3])
         for pg in joining:
@@ -339,125 +304,17 @@ class LayerPrune:
         if comp_rows is not None:
             self.l3.put(compressing, comp_rows)
         if leaving:
-            leaving, pages = self._leave_l1(set(leaving))  # [n, b, 2, h, p, d] on the device
-            self.l2.put(leaving, pages.view(torch.uint8))
+            self.l2.put(leaving, left.view(torch.uint8))
         if joining:
             self._join_l1(joining, got)
 
     # --- a step ---------------------------------------------------------------------------------
-    def past(self, query: torch.Tensor, recall_all: bool):
-        """Parts (slot order not required) and slot indices ``[b, n]`` of the committed tokens to
-        attend: sinks, level-1 pages, recalled pages, recent window."""
-        layer, cache = self.layer, self.layer._cache
-        p, s, b, dev = cache.page_tokens, layer.sinks, layer.batch, layer.device
-        ar = torch.arange(p, device=dev)
-        k_parts, v_parts, cols = [layer.sink_k], [layer.sink_v], [torch.arange(s, device=dev)
-                                                                  .expand(b, s)]
-        if self.l1_pages:
-            k_parts.append(self.l1_k)
-            v_parts.append(self.l1_v)
-            if self._l1_cols is None or self._l1_cols[0] != self.l1_pages:
-                idx = torch.tensor(self.l1_pages, device=dev)
-                self._l1_cols = (list(self.l1_pages), (s + idx[:, None] * p + ar).reshape(1, -1))
-            cols.append(self._l1_cols[1].expand(b, -1))
-        if self.l2 is not None:
-            for k, v, c in self._recall(query, recall_all):
-                k_parts.append(k)
-                v_parts.append(v)
-                cols.append(c)
-        if query.shape[2] <= cache.select_max_queries:  # a decode step
-            nxt = cache.layers[(layer.index + 1) % len(cache.layers)]
-            if nxt.prune is not None and (cache.top_k_pages is None or nxt.dense):
-                nxt.prune.prefetch()  # the next layer's lossless recall, copied during this one
-        k_parts.append(layer.recent_k)
-        v_parts.append(layer.recent_v)
-        n_rec = layer.recent_k.shape[2]
-        cols.append(torch.arange(layer.length - n_rec, layer.length, device=dev).expand(b, -1))
-        return k_parts, v_parts, torch.cat(cols, 1)
-
-    def _recall(self, query: torch.Tensor, recall_all: bool):
-        """The demoted pages this step attends, per store (level 2, level 3, level 3 on disk):
-        keys, values ``[b, h, k * p, d]`` and their slots ``[b, k * p]``. Lossless (``recall_all``
-        or no ``top_k_pages``): every page, one copy per store. Top-K: the budget split over the
-        stores by their sizes (``split_k``), the best pages of each by the layer's page scores,
-        one gather per store with the indices on the device."""
-        from ..layout import unpack_pages
-        from ..select import resolve_top_k
-
-        layer, cache = self.layer, self.layer._cache
-        p, s, b, dev = cache.page_tokens, layer.sinks, layer.batch, layer.device
-        ar = torch.arange(p, device=dev)
-        disk = [pg for pg in self.spilled if pg not in self.lost]
-        sizes = [len(self.l2), len(self.l3), len(disk)]
-        total = sum(sizes)
-        if total == 0:
-            return []
-        k = None if recall_all else resolve_top_k(cache.top_k_pages, total)
-        scores = None
-        if k is not None:
-            scores = layer.summaries.scores(query, cache.scale, cache.score, cache.window_pages)
-        ahead = self._take_ahead() if k is None else None
-        out = []
-        for store, n, kg in zip((self.l2, self.l3, None), sizes,
-                                [None] * 3 if k is None else split_k(k, sizes)):
-            if n == 0 or kg == 0:
-                continue
-            if store is None:
-                pages, kv = self._recall_disk(disk, scores, kg)
-            elif kg is None:  # every page of the store, the same for every sequence
-                rows = ahead[id(store)] if ahead is not None else store.all()
-                got = (self._full(rows, (n, b)) if store is self.l2
-                       else self._decompressed(rows, (n, b)))
-                kv = unpack_pages(got)
-                pages = store.ids().expand(b, n)
-            else:
-                ids = store.ids()
-                slots = scores.index_select(1, ids).topk(kg, dim=-1).indices.sort(-1).values
-                rows = store.gather((slots * b + torch.arange(b, device=dev)[:, None]).flatten())
-                got = (self._full(rows, (b, kg)) if store is self.l2
-                       else self._decompressed(rows, (b, kg)))
-                kv = unpack_pages(got.transpose(0, 1))
-                pages = ids[slots]
-            if store is not None:
-                self.counters["recall_bytes"] += rows.numel()
-                self.counters["recall_copies"] += 1
-            m = pages.shape[1]
-            self.counters["recalls"] += b * m
-            cache.counters["pages_fetched"] += b * m
-            out.append((kv[0], kv[1], (s + pages[:, :, None] * p + ar).reshape(b, -1)))
-        return out
-
-    def _recall_disk(self, disk: list[int], scores, k):
-        """Spilled level-3 pages to attend: all of ``disk`` (``k`` None) or the best ``k`` per
-        sequence (the indices come to the host: pages on disk are read one by one anyway) ->
-        slots' pages ``[b, m]`` and keys, values."""
-        from ..layout import unpack_pages
-
-        layer = self.layer
-        b, dev = layer.batch, layer.device
-        if k is None:
-            rows = [disk] * b
-        else:
-            ids = torch.tensor(disk, device=dev)
-            best = scores.index_select(1, ids).topk(k, dim=-1).indices.sort(-1).values
-            rows = ids[best].cpu().tolist()
-        wanted = sorted({pg for r in rows for pg in r})
-        read = {pg: self._read_spilled(pg) for pg in wanted}  # [b, row_bytes] each
-        m = len(rows[0])
-        got = torch.stack([torch.stack([read[pg][r] for pg in rows[r]]) for r in range(b)])
-        self.counters["recall_bytes"] += got.numel()
-        self.counters["recall_copies"] += len(wanted)
-        pages = self._decompressed(got.view(b * m, -1).to(dev), (b, m))  # [b, m, 2, h, p, d]
-        return torch.tensor(rows, device=dev), unpack_pages(pages.transpose(0, 1))
-
-    def shares(self, query, k_parts, k_new, cols, pad_mask, scale, q_len):
+    def shares(self, query, keys, cols, pad_mask, scale, q_len):
         """The attention share ``[b, n]`` of the attended slots (committed ``cols`` and the new
-        tokens) for the last ``observe_queries`` queries, and those slots ``[b, n]``."""
+        tokens; ``keys``: theirs, as the attention concatenated them) for the last
+        ``observe_queries`` queries, and those slots ``[b, n]``."""
         layer = self.layer
-        keys = torch.cat((*k_parts, k_new), 2)
-        b = keys.shape[0]
-        new_slots = torch.arange(layer.length, layer.length + q_len, device=keys.device)
-        slots = torch.cat((cols, new_slots.expand(b, -1)), 1)
+        slots = self._slots  # ``past``: ``cols`` and then the new tokens' slots
         valid = None
         if pad_mask is not None:
             valid = torch.gather(pad_mask[:, :layer.length + q_len].to(torch.bool), 1, slots)
@@ -473,16 +330,25 @@ class LayerPrune:
         self.stats.append(k_new, v_new)
         self.stats.observe(probs, slots)
         if q_len > self.layer._cache.select_max_queries:
-            self.evaluate()
+            self.due = True
             self.steps = 0
-            return
-        self.steps += 1
-        if self.steps % self.s.every == 0:
-            self.evaluate()
+        else:
+            self.steps += 1
+            if self.steps % self.s.every == 0:
+                self.due = True
+        cache = self.layer._cache
+        if self.layer.index == len(cache.layers) - 1:
+            evaluate_due(cache.layers)
 
     def page_scores(self) -> torch.Tensor:
-        """Scores ``[n_pages]`` (CPU) of the layer's pages: the scorer's token scores, averaged
-        per page, times the compensation, plus the pattern offsets (kv/prune/policy.py)."""
+        """Scores ``[n_pages]`` (CPU) of the layer's pages (``device_page_scores``, brought to
+        the host)."""
+        return self.device_page_scores().cpu()
+
+    def device_page_scores(self) -> torch.Tensor:
+        """Scores ``[n_pages]`` of the layer's pages, on its device: the scorer's token scores,
+        averaged per page, times the compensation, plus the pattern offsets
+        (kv/prune/policy.py)."""
         layer, cache = self.layer, self.layer._cache
         s, p = layer.sinks, cache.page_tokens
         inp = self.stats.input(layer.index, cache.num_layers, s, s + self.n_pages * p,
@@ -492,7 +358,7 @@ class LayerPrune:
         off = page_offsets(tok_off, p) if tok_off is not None else None
         l1, l2, _ = self.level_pages()
         n_active = layer.sinks + layer.recent_k.shape[2] + (l1 + l2) * p
-        return adjust_scores(raw, n_active, off, compensate=self.s.compensate).cpu()
+        return adjust_scores(raw, n_active, off, compensate=self.s.compensate)
 
     def l1_cap(self) -> int | None:
         """Level-1 pages the layer may hold: what ``device_tokens`` leaves after the sinks and
@@ -503,15 +369,32 @@ class LayerPrune:
         left = self.s.device_tokens - cache.sink_tokens - cache.gpu_tokens
         return max(0, left) // cache.page_tokens
 
-    def evaluate(self) -> None:
-        if self.n_pages == 0:
-            return
-        scores = self.page_scores()
+    def _to_compress(self, pages: list[int]) -> torch.Tensor:
+        """Level-2 ``pages`` on the device, ``[len(pages) * b, 2, h, p, d]`` (one gather)."""
+        return self._full(self.l2.fetch(pages), (len(pages) * self.layer.batch,))
+
+    def plan(self, scores: torch.Tensor):
+        """The levels ``scores`` (CPU ``[n_pages]``) give -> new levels, promoted, demoted
+        (``next_levels``); nothing moves yet."""
         if self.lost:  # a lost page has no bytes to come back with: it stays at level 3
             scores[torch.tensor(sorted(self.lost))] = -1.0
-        new, promoted, demoted = next_levels(self.level, scores, self.s.threshold,
-                                             self.l1_cap())
-        self._apply(self.level, new)
+        return next_levels(self.level, scores, self.s.threshold, self.l1_cap())
+
+    def evaluate(self, scores: torch.Tensor | None = None, planned=None,
+                 comp_rows=None) -> None:
+        """Move the pages to their levels by ``scores`` (CPU ``[n_pages]``; None: scored now) or
+        by ``planned`` (``plan``'s result; ``comp_rows``: see ``_apply``)."""
+        self.due = False
+        if self.n_pages == 0:
+            return
+        if planned is None:
+            planned = self.plan(scores if scores is not None else self.page_scores())
+        self._apply(self.level, planned[0], comp_rows)
+        self._planned(planned)
+
+    def _planned(self, planned) -> None:
+        """After the pages moved: the new levels, the counters, the spill check."""
+        new, promoted, demoted = planned
         self.level = new
         self.counters["promotions"] += int(promoted.sum())
         self.counters["demotions"] += int(demoted.sum())
@@ -519,22 +402,102 @@ class LayerPrune:
         self.layer._cache._prune_spill()
 
 
-def split_k(k: int, sizes: list[int]) -> list[int]:
-    """A top-K budget of ``k`` pages over stores of ``sizes`` pages: proportional to the sizes
-    (largest remainders first, ties: the earlier store), each at most its size, ``k`` in all
-    (when the stores hold that many)."""
-    total = sum(sizes)
-    k = min(k, total)
-    share = [k * n // total if total else 0 for n in sizes]
-    rest = sorted(range(len(sizes)), key=lambda i: (-(k * sizes[i] % total) if total else 0, i))
-    left = k - sum(share)
-    for i in rest:
-        if left == 0:
-            break
-        if share[i] < sizes[i]:
-            share[i] += 1
-            left -= 1
-    return share
+def evaluate_due(layers) -> None:
+    """After a step's last layer: evaluate every layer that is due (``LayerPrune.due``), their
+    page scores computed on the device first and brought to the host together (one sync for the
+    step, not one per layer), every layer's 2 -> 3 pages compressed together, every layer's
+    device side of the moves launched, one wait for the device, then every layer's host side
+    (kv/prune/policy.py)."""
+    due = [layer.prune for layer in layers
+           if layer.prune is not None and layer.prune.due and layer.prune.n_pages]
+    for layer in layers:
+        if layer.prune is not None:
+            layer.prune.due = False
+    if not due:
+        return
+    plans = [p.plan(sc) for p, sc in zip(due, score_layers(due))]
+    # every layer's device side, one wait for each device, then every layer's host side
+    begun = [p._begin(p.level, plan[0], rows)
+             for p, plan, rows in zip(due, plans, compress_moving(due, plans))]
+    waited = set()
+    for p, st in zip(due, begun):
+        if st is not None and p.layer.device not in waited:
+            p._sync()
+            waited.add(p.layer.device)
+    for p, plan, st in zip(due, plans, begun):
+        if st is not None:
+            p._finish(st)
+        p._planned(plan)
+
+
+def compress_moving(prunes, plans) -> list:
+    """The int4 rows of every layer's pages going 2 -> 3 by ``plans``, compressed in one
+    ``compress_pages`` call for all the layers (int4 groups are per page: the same bytes as layer
+    by layer) -> per layer its rows (page order) or None (nothing to compress, or layers on
+    several devices: each compresses its own)."""
+    pages = [torch.nonzero((p.level == 2) & (new == 3)).flatten().tolist()
+             for p, (new, _, _) in zip(prunes, plans)]
+    moving = [(p, pg) for p, pg in zip(prunes, pages) if pg]
+    if len(moving) < 2 or len({p.layer.device for p, _ in moving}) > 1:
+        return [None] * len(prunes)
+    fulls = [p._to_compress(pg) for p, pg in moving]
+    rows = rows_of(compress_pages(torch.cat(fulls))).split([f.shape[0] for f in fulls])
+    got = {id(p): r for (p, _), r in zip(moving, rows)}
+    return [got.get(id(p)) for p in prunes]
+
+
+def score_layers(prunes) -> list[torch.Tensor]:
+    """Page scores of each layer in ``prunes`` (``LayerPrune.device_page_scores``), on the host:
+    computed on the device first -- for the built-in attention scorer every layer at once
+    (``attention_scores_together``) -- one copy to the host for all of them."""
+    scores = attention_scores_together(prunes)
+    if scores is None:
+        scores = [p.device_page_scores() for p in prunes]
+    host = torch.cat([t.float() for t in scores]).cpu().split([t.numel() for t in scores])
+    return [t.clone() for t in host]
+
+
+def attention_scores_together(prunes) -> list[torch.Tensor] | None:
+    """``device_page_scores`` of every layer in ``prunes`` in one set of tensor operations, not
+    one per layer, where that gives the same numbers: every layer scored by the built-in
+    ``"attention"`` scorer, no pattern offsets, the same paged slots, batch and device (the usual
+    case: every layer of a cache holds the same tokens); else None."""
+    from .scorers import ATTENTION_HALF, KEY_NORM_WEIGHT, _zscore, attention_scorer
+    from .policy import compensation
+
+    if len(prunes) < 2:
+        return None
+    first = prunes[0]
+    cache = first.layer._cache
+    key = (first.layer.sinks, first.n_pages, first.layer.batch, first.layer.device)
+    if getattr(cache, "_matchers", None) or any(
+            q.s.scorer is not attention_scorer or q.stats._f is None
+            or (q.layer.sinks, q.n_pages, q.layer.batch, q.layer.device) != key for q in prunes):
+        return None
+    s, n_pages, b, dev = key
+    p = cache.page_tokens
+    stop = s + n_pages * p
+    f = torch.stack([q.stats._f[:, :, s:stop] for q in prunes])        # [L, 3, b, n]
+    norms = torch.empty((len(prunes), stop - s, *first.stats._norms.shape[1:]),
+                        dtype=torch.float32, device=dev)
+    for i, q in enumerate(prunes):  # the host's norms of the scored slots: one copy per layer
+        norms[i].copy_(q.stats._norms[s:stop], non_blocking=dev.type == "cuda")
+    knorm = norms[:, :, 0].permute(0, 2, 3, 1)                          # [L, b, h, n]
+    # attention_scorer, for every layer at once
+    z = _zscore(knorm).mean(2)
+    x = f[:, 0].clamp(min=0) * torch.exp(-KEY_NORM_WEIGHT * z)
+    score = x / (ATTENTION_HALF + x)
+    tok = torch.where(f[:, 2] > 0, score, torch.full_like(score, 0.5))
+    # page_scores and adjust_scores (kv/prune/policy.py), per layer's row
+    raw = tok.float().clamp(0.0, 1.0).view(len(prunes), b, n_pages, p).mean(3).amax(1)
+    factors = []
+    for q in prunes:
+        l1, l2, _ = q.level_pages()
+        n_active = q.layer.sinks + q.layer.recent_k.shape[2] + (l1 + l2) * p
+        factors.append(compensation(n_active, q.s.compensate))
+    if any(c != 1.0 for c in factors):
+        raw = raw * torch.tensor(factors, dtype=raw.dtype, device=dev)[:, None]
+    return list(raw.clamp(0.0, 1.0).unbind(0))
 
 
 def offset_values(matchers: list[OffsetMatcher], start: int, stop: int,

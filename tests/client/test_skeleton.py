@@ -56,216 +56,144 @@ def test_skeleton_has_meta_parameters_and_real_buffers():
     assert model.model.embed_tokens.weight.data_ptr() == embed.data_ptr()   # a view, not a copy
 
 
-def test_prefetch_imports_reads_ahead_sources_and_this_interpreters_compiled_modules(tmp_path,
-                                                                                   monkeypatch):
-    import sys
-
-    from deepseek_flash.client.skeleton import prefetch_imports
-
-    pkg = tmp_path / "flash_prefetch_pkg"
-    for rel in ("__init__.py", "a.py", "sub/__init__.py", "sub/b.py", "tests/t.py", ".hidden/h.py",
-                "notes.txt", f"__pycache__/a.{sys.implementation.cache_tag}.pyc",
-                "__pycache__/a.other-99.pyc", f"sub/__pycache__/b.{sys.implementation.cache_tag}.pyc"):
-        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / rel).write_text("x = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("DEEPSEEK_FLASH_CACHE_DIR", str(tmp_path / "cache"))    # no manifest
-    # Four sources and this interpreter's two compiled modules; not the tests, hidden
-    # directories, other files or another interpreter's bytecode. A missing package is skipped.
-    assert prefetch_imports(("flash_prefetch_pkg", "no_such_package_here"), threads=3) == 6
-    assert prefetch_imports(("no_such_package_here",)) == 0
+# The real Mistral-7B shape (32 layers, 32k vocabulary): 291 parameters, 7,241,732,096 weights.
+MISTRAL_7B = dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=128, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, torch_dtype="bfloat16")
 
 
-def test_prefetch_reads_every_byte_where_the_kernel_ignores_read_ahead_advice(tmp_path,
-                                                                              monkeypatch):
-    """gVisor (the GPU machines' sandbox) accepts POSIX_FADV_WILLNEED and does nothing: the
-    prefetch must read the files themselves, all of them, to the last byte."""
-    import os
-
-    from deepseek_flash.client import skeleton
-
-    pkg = tmp_path / "flash_prefetch_bytes"
-    sizes = {"__init__.py": 10, "a.py": 3 * skeleton.PREFETCH_CHUNK + 17, "sub/b.py": 0,
-             "sub/__init__.py": skeleton.PREFETCH_CHUNK}
-    for rel, size in sizes.items():
-        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / rel).write_bytes(b"#" * size)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("DEEPSEEK_FLASH_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(os, "posix_fadvise", lambda *a: None)      # advice ignored
-    read = {}
-    real_readv = os.readv
-
-    def counting_readv(fd, buffers):
-        n = real_readv(fd, buffers)
-        path = os.readlink(f"/proc/self/fd/{fd}")
-        read[path] = read.get(path, 0) + n
-        return n
-
-    monkeypatch.setattr(os, "readv", counting_readv)
-    seen = []
-    assert skeleton.prefetch_imports(("flash_prefetch_bytes",), threads=2, seen=seen) == 4
-    assert sorted(seen) == sorted(str(pkg / rel) for rel in sizes)
-    assert read == {str(pkg / rel): size for rel, size in sizes.items()}
-
-
-def test_the_read_ahead_process_reads_every_file_and_only_under_a_python_executable(tmp_path,
-                                                                                   monkeypatch):
-    import subprocess
-    import sys
-
-    from deepseek_flash.client import skeleton
-
-    pkg = tmp_path / "flash_prefetch_proc"
-    for rel in ("__init__.py", "a.py", "sub/__init__.py", "tests/t.py"):
-        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / rel).write_text("x = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("DEEPSEEK_FLASH_CACHE_DIR", str(tmp_path / "cache"))    # no manifest
-    ra = skeleton.start_read_ahead(("flash_prefetch_proc",), threads=2)
-    assert ra.wait(60) == 3 and ra.proc.returncode == 0 and ra.seconds > 0
-    assert skeleton.start_read_ahead(("no_such_package_here",)) is None
-    # Embedded in a host whose executable is not Python: nothing is started.
-    started = []
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
-    monkeypatch.setattr(sys, "executable", "/usr/bin/uwsgi")
-    assert skeleton.start_read_ahead(("flash_prefetch_proc",)) is None and started == []
-
-
-def test_the_next_fresh_process_reads_ahead_every_file_the_skeleton_imports(tmp_path, monkeypatch):
-    """A skeleton build in a fresh process records what it imported; the next fresh process's
-    prefetch reads all of it (whatever packages the environment's transformers pulls in) plus the
-    model sources transformers reads as text, before any of it is imported."""
+def test_a_real_size_skeleton_holds_no_weight_memory_and_builds_in_milliseconds():
+    """In a fresh process, the 7B skeleton: every parameter on meta (none allocated, none
+    initialised: the process's peak resident memory grows by no weight's worth), the buffers
+    only the rotary table; the first build is the imports, a second build (the model class
+    imported) takes milliseconds -- the skeleton phase of a cold load is its imports, nothing
+    proportional to the model's bytes."""
     import json
-    import os
     import subprocess
     import sys
 
-    env = dict(os.environ, DEEPSEEK_FLASH_CACHE_DIR=str(tmp_path / "cache"))
-    build = """
-import json, os, sys
-from transformers import LlamaConfig
-from deepseek_flash.client import skeleton
-seen = []
-files = skeleton.prefetch_imports(seen=seen)
-before = set(sys.modules)
-skeleton.build_skeleton(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2).to_dict())
-imported = set(skeleton._module_files([m for m in sys.modules if m not in before]))
-print(json.dumps({"files": files, "missed": sorted(imported - set(seen)),
-                  "imported": len(imported), "manifest": skeleton.imports_manifest_path().is_file(),
-                  "bert_source": any(p.endswith("models/bert/modeling_bert.py") for p in seen)}))
-"""
-    runs = []
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True,
-                             timeout=300, env=env)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    first, second = runs
-    assert first["manifest"] and first["imported"] > 100
-    assert second["missed"] == [] and second["bert_source"]
-    # In import order (a read-ahead beside the imports stays ahead of them): modeling_utils
-    # before the model that subclasses its PreTrainedModel (alphabetically it would be after).
-    from deepseek_flash.client import skeleton
-
-    monkeypatch.setenv("DEEPSEEK_FLASH_CACHE_DIR", env["DEEPSEEK_FLASH_CACHE_DIR"])
-    listed = skeleton.imports_manifest_path().read_text().split("\n")
-
-    def at(suffix):
-        return next(i for i, p in enumerate(listed) if p.endswith(suffix))
-
-    assert at(f"transformers/__pycache__/modeling_utils.{sys.implementation.cache_tag}.pyc") < at(
-        f"llama/__pycache__/modeling_llama.{sys.implementation.cache_tag}.pyc")
-
-
-def test_a_fresh_process_attaches_first_and_reads_the_imports_ahead_beside_the_load(tmp_path):
-    """In a process that has not imported the model's transformers module, load_model attaches
-    first (the load's disk reads start at once), then starts a process of its own that reads the
-    module files ahead while this one imports them; nothing of transformers is imported before
-    the attach (the decode engine's import comes after it)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from deepseek_flash.store import pack
-    from deepseek_flash.testing import make_tiny_model
-
-    store = pack(make_tiny_model(tmp_path / "src", "llama", num_layers=2), tmp_path / "store")
     script = f"""
-import json, os, sys, importlib.util
-from deepseek_flash.client import Client
-from deepseek_flash.client.skeleton import imports_cached
-# The page cache loses the files the imports start with (as after a drop of the caches).
-root = list(importlib.util.find_spec("transformers").submodule_search_locations)[0]
-for rel in ("models/llama/modeling_llama.py", "modeling_utils.py"):
-    fd = os.open(os.path.join(root, rel), os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
-assert not imports_cached({{"model_type": "llama"}})
-from deepseek_flash.client.model import load_model
-import subprocess
-seen, events = [], []
-real_popen = subprocess.Popen
-def popen_spy(args, *a, **k):
-    if any(str(x).endswith("imports_readahead.py") for x in args):
-        events.append("read-ahead started")
-    return real_popen(args, *a, **k)
-subprocess.Popen = popen_spy
-with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
-    attach = client.attach
-    def spy(*a, **k):
-        seen.append(sorted(m for m in sys.modules if m.startswith("transformers")))
-        events.append("attach")
-        return attach(*a, **k)
-    client.attach = spy
-    model = load_model({str(store)!r}, device="cpu", client=client)
-    read = model.flash.read_ahead.wait(120)
-    print(json.dumps({{"timings": list(model.flash.timings), "before_attach": seen[0],
-                      "events": events, "read": read,
-                      "cached_after": imports_cached({{"model_type": "llama"}})}}))
-    model.flash.close()
-    # Another load in the same process: the module is imported, nothing is read ahead.
-    again = load_model({str(store)!r}, device="cpu", client=client)
-    print(json.dumps({{"timings": list(again.flash.timings)}}))
-    again.flash.close()
-"""
-    env = dict(os.environ, DEEPSEEK_FLASH_CACHE_DIR=str(tmp_path / "cache"))    # no manifest
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    first, again = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
-    assert first["timings"] == ["open_model_ms", "attach_ms", "prefetch_imports_ms", "skeleton_ms",
-                                "device_memory_ms", "bind_ms", "total_ms"]
-    assert first["events"] == ["attach", "read-ahead started"]
-    assert first["before_attach"] == [] and first["cached_after"] is True
-    # No manifest yet: the package walk, thousands of module files (transformers' sources alone).
-    assert first["read"] > 1000
-    assert again["timings"] == ["open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms",
-                                "bind_ms", "total_ms"]
-
-
-def test_a_fresh_process_with_the_files_cached_reads_nothing_ahead(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    from deepseek_flash.store import pack
-    from deepseek_flash.testing import make_tiny_model
-
-    store = pack(make_tiny_model(tmp_path / "src", "llama", num_layers=2), tmp_path / "store")
-    script = f"""
-import json
-from deepseek_flash.client import Client
-from deepseek_flash.client.model import load_model
-with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
-    model = load_model({str(store)!r}, device="cpu", client=client)
-    print(json.dumps(list(model.flash.timings)))
-    model.flash.close()
+import json, resource, sys, time
+import torch
+from deepseek_flash.client.skeleton import build_skeleton, start_imports
+config = {MISTRAL_7B!r}
+rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+t = time.perf_counter()
+imports = start_imports(config)
+fresh_module_before = imports is not None and imports.module in sys.modules
+model = build_skeleton(config, imports)
+first_s = time.perf_counter() - t
+peak = rss()
+t = time.perf_counter()
+again = build_skeleton(config, start_imports(config))
+second_s = time.perf_counter() - t
+params = list(model.named_parameters())
+print(json.dumps({{"first_s": first_s, "second_s": second_s, "rss_growth": rss() - peak,
+    "n_params": len(params), "numel": sum(p.numel() for _, p in params),
+    "meta": all(p.is_meta for _, p in params) and all(p.is_meta for p in again.parameters()),
+    "dtype": sorted({{str(p.dtype) for _, p in params}}),
+    "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers() if not b.is_meta),
+    "buffers": sorted(n for n, _ in model.named_buffers()),
+    "ahead": imports is not None, "imports_s": imports and imports.seconds,
+    "fresh_module_before": fresh_module_before}}))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    # make_tiny_model just imported (and so cached) the same files in this process.
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [
-        "open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms", "bind_ms", "total_ms"]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["n_params"] == 32 * 9 + 3 and res["numel"] == 7_241_732_096
+    assert res["meta"] and res["dtype"] == ["torch.bfloat16"]
+    assert res["buffers"] == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    assert 0 < res["buffer_bytes"] <= 1024
+    # One layer's MLP alone is 352 MB; the whole model 14.5 GB.
+    assert res["rss_growth"] < 64 << 20
+    assert res["ahead"] and res["imports_s"] > 0 and not res["fresh_module_before"]
+    assert res["second_s"] < min(1.0, res["first_s"] / 4), res
+
+
+def test_start_imports_is_none_once_the_module_is_imported_and_errors_surface_in_the_build():
+    from deepseek_flash.client.skeleton import build_skeleton, skeleton_imported, start_imports
+
+    config = {"model_type": "llama"}
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    assert skeleton_imported(config) and start_imports(config) is None
+    missing = start_imports({"model_type": "no_such_arch"})
+    missing.wait()
+    assert missing.seconds is not None          # the thread's error is not raised there ...
+    with pytest.raises((ValueError, KeyError), match="no_such_arch"):
+        build_skeleton({"model_type": "no_such_arch"}, missing)    # ... but by the build
+
+
+def test_a_fresh_process_imports_on_a_thread_while_it_attaches(tmp_path):
+    """In a process that has not imported the model's transformers module, load_model starts the
+    skeleton's imports on a thread right after open_model: they are under way while the attach
+    runs (``imports_ms`` is what is left of them after it); a second load in the same process
+    imports nothing."""
+    import json
+    import subprocess
+    import sys
+
+    from deepseek_flash.store import pack
+    from deepseek_flash.testing import make_tiny_model
+
+    store = pack(make_tiny_model(tmp_path / "src", "llama", num_layers=2), tmp_path / "store")
+    script = f"""
+import json, sys, threading
+from deepseek_flash.client import Client
+from deepseek_flash.client.model import load_model
+seen = []
+with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
+    attach = client.attach
+    def spy(*a, **k):
+        seen.append(sorted(t.name for t in threading.enumerate()
+                           if t.name == "flash-skeleton-imports"))
+        return attach(*a, **k)
+    client.attach = spy
+    model = load_model({str(store)!r}, device="cpu", client=client)
+    print(json.dumps({{"timings": list(model.flash.timings), "at_attach": seen[0],
+                      "imports_s": model.flash.imports.seconds}}))
+    model.flash.close()
+    again = load_model({str(store)!r}, device="cpu", client=client)
+    print(json.dumps({{"timings": list(again.flash.timings), "imports": again.flash.imports}}))
+    again.flash.close()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, again = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
+    assert first["timings"] == ["open_model_ms", "attach_ms", "imports_ms", "skeleton_ms",
+                                "device_memory_ms", "bind_ms", "total_ms"]
+    assert first["at_attach"] == ["flash-skeleton-imports"] and first["imports_s"] > 0
+    assert again["timings"] == ["open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms",
+                                "bind_ms", "total_ms"]
+    assert again["imports"] is None
+
+
+def test_a_failed_load_model_returns_only_after_its_imports(tmp_path):
+    """load_model that fails after starting the skeleton's imports (here: a budget below the
+    model's minimum) returns its error only once that thread is done, so the caller's own
+    imports of transformers never run beside it."""
+    import json
+    import subprocess
+    import sys
+
+    from deepseek_flash.store import pack
+    from deepseek_flash.testing import make_tiny_model
+
+    store = pack(make_tiny_model(tmp_path / "src", "llama", num_layers=2), tmp_path / "store")
+    script = f"""
+import json, threading
+from deepseek_flash.client import Client
+from deepseek_flash.client.model import load_model
+from deepseek_flash.errors import BudgetTooSmall
+with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
+    try:
+        load_model({str(store)!r}, device="cpu", client=client, weight_budget=1)
+    except BudgetTooSmall as exc:
+        print(json.dumps({{"error": type(exc).__name__, "threads": sorted(
+            t.name for t in threading.enumerate() if t.name == "flash-skeleton-imports")}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"error": "BudgetTooSmall",
+                                                                "threads": []}

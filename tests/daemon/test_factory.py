@@ -53,3 +53,35 @@ def test_embedded_mode_has_the_daemons_parts(tiny_store):
 def test_restart_only_keys_are_marked_in_the_key_table():
     assert set(RESTART_ONLY) == {"host_cache_bytes", "devices", "socket_mode", "max_frame_bytes",
                                  "unified_memory_ratio"}
+
+
+def test_the_daemon_serves_before_torch_is_imported(tmp_path):
+    """Starting the controller and publishing its first status import no torch (the fabric's
+    preparation imports it on its own thread where a driver is present): the socket and the
+    status tree came ~3.4 s late on the GPU machines while the quant package and the snapshot's
+    CUDA probe imported it first."""
+    import json
+    import subprocess
+    import sys
+
+    script = """
+import json, sys
+from unittest import mock
+import deepseek_flash.daemon.app
+from deepseek_flash.daemon import fabric
+from deepseek_flash.daemon.factory import build_controller
+after_import = "torch" in sys.modules
+# As on a GPU machine whose CUDA is still starting: a driver is present, nothing prepared yet.
+with mock.patch.object(fabric, "nvidia_driver_present", return_value=True), \\
+        mock.patch.object(fabric.Fabric, "prepare", return_value=None):
+    controller = build_controller({"host_cache_bytes": "16MiB"}, use_udev=False)
+    state = controller.snapshot()["status"]["unified_memory_fabric"]
+print(json.dumps({"after_import": after_import, "after_snapshot": "torch" in sys.modules,
+                  "fabric": state}))
+controller.close()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "after_import": False, "after_snapshot": False, "fabric": "ENABLED"}

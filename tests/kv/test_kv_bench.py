@@ -24,10 +24,17 @@ def test_kv_bench_smoke(tmp_path):
     assert r["lossless_bytes_per_token"] == pages * 4 * 32 * 256
     assert r["topk25_pages_per_token"] > 0
     assert r["topk25_one_gather_layers"] == 2  # 4 layers, the first 2 dense
-    for key in ("dynamic_tok_s", "topk25_tok_s", "lossless_tok_s", "ttft_dynamic_s", "ttft_tiered_s"):
+    for key in ("dynamic_tok_s", "dynamic_nocudnn_tok_s", "topk25_tok_s", "lossless_tok_s",
+                "ttft_dynamic_s", "ttft_dynamic_nocudnn_s", "ttft_tiered_s", "ttft_tiered_first_s"):
         assert r[key] > 0
-    for key in ("dynamic_host_share", "topk25_host_share", "lossless_host_share"):
+    for key in ("dynamic_host_share", "dynamic_nocudnn_host_share", "topk25_host_share",
+                "lossless_host_share"):
         assert 0 < r[key] <= 1.0
+    # the ratios are against the faster DynamicCache of the two
+    assert r["dynamic_best_tok_s"] == max(r["dynamic_tok_s"], r["dynamic_nocudnn_tok_s"])
+    assert r["dynamic_baseline"] in ("dynamic", "dynamic_nocudnn")
+    assert r["topk25_vs_dynamic"] == round(r["topk25_tok_s"] / r["dynamic_best_tok_s"], 3)
+    assert r["ttft_dynamic_best_s"] == min(r["ttft_dynamic_s"], r["ttft_dynamic_nocudnn_s"])
     assert result["dynamic_floor_tok_s"] > 0 and result["warmup_s"] > 0
 
 
@@ -54,6 +61,13 @@ def test_kv_prune_show_smoke(tmp_path):
     assert pruned[0] > pruned[1] > 0
     assert r["pruned_topk25"]["recall_ops_per_step"] <= 2 * 4  # one per level and layer at most
     assert "pruned_vs_tiered_lossless_tok_s" in r and "pruned_topk25_vs_tiered_topk25_tok_s" in r
+    # each timed step's ms; pruning's evaluations (every 8 steps: the 8th and 16th of the 22
+    # decoded, the first 2 untimed) apart from the median of the other steps
+    for name in ("tiered_lossless", "pruned"):
+        assert len(r[name]["step_ms"]) == 20 and r[name]["median_step_ms"] > 0
+    assert "evaluation_steps" not in r["tiered_lossless"]
+    assert r["pruned"]["evaluation_steps"] == 2 and r["pruned"]["evaluation_step_ms"] > 0
+    assert r["pruned"]["scorer_gpu_bytes"] == 4 * 768 * 3 * 4  # 722 tokens: 12 chunks of 64
     assert r["dynamic"]["gpu_kv_bytes"] == (700 + 2 + 20) * 4 * 256
     demoted = r["pruned_all_demoted"]
     # threshold 1.0: every page is demoted at the prefill's evaluation and in int4 two later

@@ -35,7 +35,12 @@ def test_lossless_on_cuda_matches_dynamic_cache(batch):
     assert (logits - want_logits).abs().max().item() <= 1e-4
     assert cache.pinned and len(cache.layers[0].chunks) > 1  # several chunks, one call
     assert pages._FOREACH == [True]  # torch took the host->device _foreach_copy_
-    assert cache.stats()["pages_fetched"] > 0
+    s = cache.stats()
+    assert s["pages_fetched"] > 0
+    # the two dense layers' pages are on the device as well (kv/mirror.py, the CUDA default):
+    # only the third layer's are copied
+    assert s["mirrored_pages"] == 2 * s["pages"] // 3
+    assert [layer.mirror is not None for layer in cache.layers] == [True, True, False]
     cache.close()
 
 
@@ -79,3 +84,34 @@ def test_topk_captured_graphs_equal_the_eager_steps(caplog):
     assert "not captured" not in caplog.text and "failed to replay" not in caplog.text
     (t1, l1), (t2, l2) = runs
     assert torch.equal(t1, t2) and torch.equal(l1, l2)
+
+
+def test_topk_dense_layers_copied_ahead_equal_their_pages_copied_when_due():
+    # a top-K step copies its dense layers' pages for the next step on the copy stream while
+    # its top-K layers compute (kv/cache.py, next_to_prefetch): the same tokens and logits as
+    # copying them when each dense layer is due, and the copies made ahead are the ones used
+    model = tiny_model(layers=4).cuda()
+    ids, mask = _prompt(1)
+    runs, used = [], []
+    for ahead in (True, False):
+        cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
+                                      top_k_pages=0.25, dense_layers=2, dense_on_device=False)
+        took = []
+
+        def take(layer, take=cache._take_prefetched):
+            got = take(layer)
+            took.append((layer.index, got is not None))
+            return got
+
+        cache._take_prefetched = take
+        if not ahead:
+            cache._prefetch_next = lambda layer: None
+        runs.append(greedy(model, ids, mask, cache, 40))
+        used.append(took)
+        cache.close()
+    (t1, l1), (t2, l2) = runs
+    assert torch.equal(t1, t2) and torch.equal(l1, l2)
+    # 39 decode steps after the prefill, the two dense layers each: every copy made ahead used
+    # but the first step's layer 0 (nothing was ahead of it yet)
+    assert len(used[0]) == len(used[1]) == 2 * 39
+    assert [i for i, hit in used[0] if not hit] == [0] and not any(h for _, h in used[1])

@@ -43,13 +43,13 @@ def test_threshold_zero_keeps_every_page_on_the_device_and_is_exact(model3):
     n = s["tokens"]
     assert n == 131 and s["level_tokens"] == [[n, 0, 0]] * 3
     assert s["demotions"] == s["promotions"] == s["recalls"] == 0
-    # gpu_bytes: every token's K and V (fp32, 2 heads x 16) and the scorer's attention
-    # statistics (3 floats per token) for 192 tokens (whole chunks of 64); no page summaries:
-    # lossless recall ranks no page. The host: the key and value norms (2 per head), no page
+    # gpu_bytes: every token's K and V (fp32, 2 heads x 16), nothing else: no page summaries
+    # (lossless recall ranks no page); the scorer's attention statistics (3 floats per token,
+    # for 192 tokens: whole chunks of 64) apart. The host: the key and value norms (2 per head)
     kv = 2 * 2 * 16 * 4
     assert s["host_bytes"] == 3 * 192 * 2 * (2 * 2) * 4
-    per_layer = n * 2 * kv + 192 * 2 * 3 * 4
-    assert s["gpu_bytes"] == 3 * per_layer
+    assert s["gpu_bytes"] == 3 * n * 2 * kv
+    assert s["scorer_gpu_bytes"] == 3 * 192 * 2 * 3 * 4
 
 
 def test_threshold_one_demotes_to_int4_and_recalls_everything(model3):
@@ -110,11 +110,12 @@ def test_device_tokens_bound_level_one_and_the_rest_waits_at_level_two(model3):
         recent = n - 4 - (n - 4 - 64) // 16 * 16
         assert (l1, l2, l3) == (4 + recent + 32, n - 4 - recent - 32, 0)
     assert s["promotions"] == 0 and s["demotions"] > 0
-    # on the device: sinks, recent window and two pages of K and V (fp32, 2 heads x 16) per
-    # layer and sequence, plus the scorer's attention statistics (3 floats per token) for 256
-    # tokens (whole chunks of 64)
+    # KV on the device: sinks, recent window and two pages of K and V (fp32, 2 heads x 16) per
+    # layer and sequence; the scorer's attention statistics (3 floats per token, 256 tokens:
+    # whole chunks of 64) apart
     kv = 2 * 2 * 16 * 4
-    assert s["gpu_bytes"] == 3 * ((4 + recent + 32) * 2 * kv + 256 * 2 * 3 * 4)
+    assert s["gpu_bytes"] == 3 * (4 + recent + 32) * 2 * kv
+    assert s["scorer_gpu_bytes"] == 3 * 256 * 2 * 3 * 4
 
 
 def test_top_k_recall_and_promotion(model3):

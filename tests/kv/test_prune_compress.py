@@ -74,3 +74,32 @@ def test_a_batch_compresses_page_by_page_and_stacks_back():
         assert page.nbytes == one[i].nbytes == compressed_bytes(2, 16, 8)
         assert page.k_codes.untyped_storage().nbytes() == page.k_codes.numel()  # its own copy
     assert torch.equal(decompress_pages(stack_compressed(one)), decompress_pages(batch))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_decompress_straight_into_the_attention_layout_bit_for_bit(dtype):
+    """Level 3's recall: rows of int4 pages decompressed straight into the keys-and-values
+    layout (any strides) give exactly what decompress_pages gives, in either row order, and from
+    rows at an odd byte offset (the fp16 groups then copied once to align)."""
+    from deepseek_flash.kv.prune.compress import decompress_rows_into, like_page, rows_of
+
+    gen = torch.Generator().manual_seed(3)
+    n, b, h, p, d = 3, 2, 2, 8, 16
+    pages = (torch.randn(n, b, 2, h, p, d, generator=gen) * 4).to(dtype)
+    c = compress_pages(pages)
+    want = decompress_pages(c)                                  # [n, b, 2, h, p, d]
+    rows = rows_of(c)                                           # page-major: [n * b, bytes]
+    like = like_page(h, p, d, dtype)
+    out = torch.empty((2, b, h, n, p, d))
+    decompress_rows_into(rows, like, (n, b), out.permute(3, 1, 0, 2, 4, 5))
+    assert torch.equal(out.to(dtype), want.permute(2, 1, 3, 0, 4, 5))
+    seq = rows.view(n, b, -1).transpose(0, 1).reshape(n * b, -1)  # sequence-major
+    out2 = torch.empty((2, b, h, n, p, d))
+    decompress_rows_into(seq, like, (b, n), out2.permute(1, 3, 0, 2, 4, 5))
+    assert torch.equal(out2, out)
+    shifted = torch.empty(rows.numel() + 1, dtype=torch.uint8)[1:].view_as(rows)
+    shifted.copy_(rows)
+    assert shifted.storage_offset() % 2 == 1
+    out3 = torch.empty((2, b, h, n, p, d))
+    decompress_rows_into(shifted, like, (n, b), out3.permute(3, 1, 0, 2, 4, 5))
+    assert torch.equal(out3, out)

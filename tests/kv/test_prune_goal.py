@@ -52,8 +52,8 @@ def test_default_threshold_accuracy_and_baselines(result):
 def test_default_threshold_saves_3x_gpu_kv(result):
     goal = result["goal_at_default_threshold"]
     prune = next(r for r in result["rows"] if r["kind"] == "prune")
-    # gpu_bytes_mean: every KV byte on the device (sinks, recent window, level-1 pages, the
-    # scorer's statistics), the mean over the decoded steps
+    # gpu_bytes_mean: every KV byte on the device (sinks, recent window, level-1 pages; the
+    # scorer's statistics are not KV), the mean over the decoded steps
     assert prune["memory_ratio"] == goal["memory_ratio"]
     assert prune["full_bytes"] / prune["gpu_bytes_mean"] >= 3.0, goal
     assert goal["memory_ratio_ge_3"], goal

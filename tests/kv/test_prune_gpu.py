@@ -63,3 +63,28 @@ def test_level_two_lossless_on_cuda_matches_the_tiered_cache():
     s = cache.stats()
     assert all(lv[2] == 0 for lv in s["level_tokens"]) and s["recall_bytes"] > 0
     cache.close()
+
+
+def test_page_moves_in_the_page_locked_rows_run_on_the_gpu_and_keep_every_byte():
+    """An evaluation's compaction of a level's host rows runs as one GPU kernel over the
+    page-locked buffer (no host memcpy): after any removals every page keeps its bytes and slot
+    order, and the first move was read back and matched (no fallback to the host)."""
+    gen = torch.Generator().manual_seed(1)
+    rows = HostRows(row_bytes=4096 * 3, batch=2, device=torch.device("cuda"))
+    data = {pg: torch.randint(0, 255, (2, 4096 * 3), generator=gen, dtype=torch.uint8)
+            for pg in range(120)}
+    order, nxt = [], 0
+    for _ in range(12):
+        new = list(range(nxt, nxt + 10))
+        nxt += 10
+        rows.put(new, torch.cat([data[pg] for pg in new]).cuda())
+        order += new
+        gone = [order[i] for i in torch.randperm(len(order), generator=gen)[:len(order) // 2]]
+        rows.remove(gone)
+        for slot in sorted((order.index(pg) for pg in gone), reverse=True):
+            last = order.pop()
+            if slot < len(order):
+                order[slot] = last
+        assert rows.pages == order
+        assert torch.equal(rows.all().cpu(), torch.cat([data[pg] for pg in order]))
+    assert rows._moves_checked and not rows._moves_failed

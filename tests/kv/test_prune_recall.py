@@ -209,3 +209,78 @@ def test_lossless_recall_rows_copied_ahead_are_used_and_change_nothing(model3, m
     assert torch.equal(ahead, plain)
     assert (s_ahead["recall_bytes"], s_ahead["recalls"]) == (s_plain["recall_bytes"],
                                                              s_plain["recalls"])
+
+
+def test_an_evaluation_runs_as_many_tensor_operations_at_any_context(model3):
+    """An evaluation step (every layer's levels moved: pages compressed 2 -> 3 and new pages
+    1 -> 2) runs the same tensor operations and host reads of a scalar at 6 and at 30 demoted
+    pages per layer: the pages to move are found with one mask each, not one read per page, the
+    host rows move in one indexed copy, and the layers' scores come to the host together."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for pages in (6, 30):
+        prompt = 4 + 64 + pages * PAGE
+        cache = TieredCache.for_model(model3, prune_threshold=1.0, page_tokens=PAGE,
+                                      prune_every=4, dense_layers=1)
+        ids = ids_of(prompt + 4, seed=3)
+        with torch.no_grad():
+            model3(ids[:, :prompt], cache=cache)  # evaluation: every page 1 -> 2
+            for t in range(prompt, prompt + 3):
+                model3(ids[:, t:t + 1], cache=cache)
+            assert all(len(x.prune.l2) == pages and not len(x.prune.l3) for x in cache.layers)
+            with Count() as c:  # the 4th step evaluates: every level-2 page -> 3
+                model3(ids[:, prompt + 3:prompt + 4], cache=cache)
+            assert all(len(x.prune.l3) == pages for x in cache.layers)
+        counts.append(c.ops)
+    assert counts[0] == counts[1]
+    assert counts[0]["aten::_local_scalar_dense"] <= 3 * 6, counts[0]
+
+
+@pytest.mark.parametrize("moves", ["host", "device"])
+def test_host_rows_remove_keeps_every_page_and_the_slot_order(moves):
+    """Removals of any pages keep every other page's bytes, and the slots follow the rule (freed
+    slots from the highest down, each filled by the page then last) -- what lossless recall's
+    column order, and so the logits, depend on. ``device``: the pages moved by the kernels'
+    path (on a GPU over the page-locked buffer; here its index arithmetic on the CPU), the first
+    move read back and checked."""
+    gen = torch.Generator().manual_seed(0)
+    rows = HostRows(row_bytes=8, batch=2, device=torch.device("cpu"))
+    if moves == "device":
+        rows.MOVE_DEVICES = ("cpu",)
+    data = {pg: torch.randint(0, 255, (2, 8), generator=gen, dtype=torch.uint8)
+            for pg in range(200)}
+    order, nxt = [], 0
+    for _ in range(30):
+        n_put = int(torch.randint(1, 12, (), generator=gen))
+        new = list(range(nxt, nxt + n_put))
+        nxt += n_put
+        rows.put(new, torch.cat([data[pg] for pg in new]))
+        order += new
+        k = int(torch.randint(0, len(order) + 1, (), generator=gen))
+        gone = [order[i] for i in torch.randperm(len(order), generator=gen)[:k].tolist()]
+        rows.remove(gone)
+        for slot in sorted((order.index(pg) for pg in gone), reverse=True):  # the rule
+            last = order.pop()
+            if slot < len(order):
+                order[slot] = last
+        assert rows.pages == order and rows.slot == {pg: i for i, pg in enumerate(order)}
+        if order:
+            assert torch.equal(rows.all(), torch.cat([data[pg] for pg in order]))
+            assert rows._moves_failed is False
+            assert rows.capacity < 4 * len(order)  # a quarter or less in use: it halved
+        else:
+            assert rows.capacity == 0 and rows.buf is None
+    assert rows._moves_checked is (moves == "device")

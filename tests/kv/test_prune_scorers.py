@@ -136,3 +136,34 @@ def test_eviction_baselines(policy):
         layer = small.layers[0]
         assert torch.equal(layer.keys[:, :, :4], big.layers[0].keys[:, :, :4])
     model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("options", [{}, {"gpu_tokens": 0, "prune_threshold": 1.0}])
+def test_every_layer_scored_at_once_gives_each_layer_s_scores_exactly(options):
+    """An evaluation scores every layer with the built-in attention scorer in one set of
+    operations; the page scores are those of scoring layer by layer, to the bit (with the
+    compensation acting too: fewer than 32 active tokens). A callable scorer or pattern offsets
+    go layer by layer (None)."""
+    from deepseek_flash.kv import TieredCache
+    from deepseek_flash.kv.prune.state import attention_scores_together
+
+    from kvmodels import tiny_model
+
+    model = tiny_model("llama", layers=3, seed=4)
+    ids = torch.randint(1, 250, (2, 300), generator=torch.Generator().manual_seed(2))
+    kw = {"prune_threshold": 0.15, "page_tokens": 16, **options}
+    cache = TieredCache.for_model(model, **kw)
+    with torch.no_grad():
+        model(ids[:, :290], cache=cache)
+        for t in range(290, 300):
+            model(ids[:, t:t + 1], cache=cache)
+    prunes = [layer.prune for layer in cache.layers]
+    together = attention_scores_together(prunes)
+    apart = [p.device_page_scores() for p in prunes]
+    assert len(together) == 3 and all(torch.equal(a, b) for a, b in zip(together, apart))
+    if options:  # fewer than 32 active tokens (levels 1 and 2): the compensation acts
+        assert all(l1 + l2 < 32 for l1, l2, _ in cache.stats()["level_tokens"])
+    custom = TieredCache.for_model(model, prune_scorer=lambda inp: inp.mass.clamp(0, 1), **kw)
+    with torch.no_grad():
+        model(ids[:, :290], cache=custom)
+    assert attention_scores_together([layer.prune for layer in custom.layers]) is None

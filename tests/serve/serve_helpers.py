@@ -6,7 +6,7 @@ import torch
 
 def greedy(model, prompt_ids, n):
     """The model's own greedy continuation of ``prompt_ids``: ``n`` tokens, alone, no batching."""
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False)
     return out[0, len(prompt_ids):].tolist()

@@ -292,6 +292,77 @@ def test_l0_arriving_under_load_waits_for_at_most_the_forward_in_flight(tiny_ref
     eng.close(timeout=0)
 
 
+def test_l0_arriving_during_other_prompts_chunk_is_prefilled_between_two_of_its_layers(tiny_reference,
+                                                                                       tiny_tokenizer):
+    # The L0 request arrives as the long prompt's chunk begins: its prefill runs nested in that
+    # forward (before its first layer), not after it; both requests' tokens stay the greedy ones.
+    eng, running, long_prompt = loaded_engine(tiny_reference, tiny_tokenizer)
+    boundary(eng)
+    l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    inner, log, depth = eng.runner.forward, [], [0]
+
+    def forward(rows, ids, positions, kv_len):
+        log.append((depth[0], list(rows), ids.shape[1]))
+        if len(log) == 1:
+            assert eng.submit(l0).admitted
+        depth[0] += 1
+        try:
+            return inner(rows, ids, positions, kv_len)
+        finally:
+            depth[0] -= 1
+    eng.runner.forward = forward
+    with torch.inference_mode():
+        eng._step()
+    assert log[:2] == [(0, [long_prompt.row], 8), (1, [l0.row], 5)]
+    assert len(l0.output_ids) == 2 and long_prompt.prefilled == 8       # first token, then the decode
+    eng.runner.forward = inner
+    drive(eng, done(l0, long_prompt))
+    for g in (l0, long_prompt):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
+
+
+def test_an_l0_request_cutting_in_on_a_full_batch_preempts_a_row_the_forward_does_not_write(tiny_reference,
+                                                                                             tiny_tokenizer):
+    # Three rows, all busy: two L1 requests decoding, a third whose 40-token prompt is being
+    # prefilled. An L0 request arriving during that chunk preempts the other L1 request that
+    # started last -- never the prompt the forward is writing -- and is prefilled nested in it.
+    eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=3, l0_reserve=0.0), max_batch=3,
+                 prefill_chunk=8)
+    a, b = generation([3, 4, 5], 20), generation([4, 5, 6], 20)
+    for g in (a, b):
+        assert eng.submit(g).admitted
+    boundary(eng)
+    with torch.inference_mode():
+        eng._step()
+    c = generation([(11 * j) % 250 + 2 for j in range(40)], 10)
+    assert eng.submit(c).admitted
+    boundary(eng)
+    l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    inner, log, depth = eng.runner.forward, [], [0]
+
+    def forward(rows, ids, positions, kv_len):
+        log.append((depth[0], list(rows), ids.shape[1]))
+        if len(log) == 1:
+            assert eng.submit(l0).admitted
+        depth[0] += 1
+        try:
+            return inner(rows, ids, positions, kv_len)
+        finally:
+            depth[0] -= 1
+    eng.runner.forward = forward
+    with torch.inference_mode():
+        eng._step()
+    assert b.sched.preempted == 1 and a.sched.preempted == 0 and c.sched.preempted == 0
+    assert log[:2] == [(0, [c.row], 8), (1, [l0.row], 5)] and l0.row != c.row
+    eng.runner.forward = inner
+    drive(eng, done(a, b, c, l0))
+    for g in (a, b, c, l0):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+        assert [d["token"] for k, d in g.on_event.events if k == "token"] == g.output_ids
+    eng.close(timeout=0)
+
+
 @pytest.mark.parametrize("cls, expected", [("L0", 4), ("L1", 3), ("L2", 2)])
 def test_the_class_of_a_request_is_the_priority_of_the_reads_it_causes(tiny_tokenizer, streamed_store, cls,
                                                                         expected):

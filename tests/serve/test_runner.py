@@ -44,5 +44,5 @@ def test_cudnn_attention_is_left_out_of_the_kernels_a_cuda_forward_may_use(tiny_
     assert "CUDNN_ATTENTION" not in SDPA_BACKENDS and "MATH" in SDPA_BACKENDS
     assert all(isinstance(getattr(SDPBackend, name), SDPBackend) for name in SDPA_BACKENDS)
     runner = RowRunner(tiny_reference, rows=1, max_len=64)
-    assert runner.sdpa is None                           # on the CPU the model's choice stands
+    assert runner.sdpa is False                          # on the CPU the model's choice stands
     assert runner.cache.keys[0].shape[:1] == (1,) and runner.cache.max_len == 64

@@ -371,6 +371,21 @@ def test_an_l0_request_finding_every_slot_taken_preempts(running, victims):
             assert r.started == firsts[r.id]
 
 
+@pytest.mark.parametrize("protect, victim", [((), "c"), (("c",), "b"), (("c", "b"), "a"), (("a", "b", "c"), None)])
+def test_protected_requests_are_never_preempted(protect, victim):
+    # The engine protects the requests of the forward an L0 prefill is nested in.
+    clock = Clock()
+    s = FlashScheduler(slots=3, l0_reserve=0.0, clock=clock)
+    for rid in "abc":
+        clock.t += 1
+        admit(s, req(rid, "L1"))
+        assert ids(s.dispatch()) == [rid]
+    admit(s, req("x", "L0"))
+    joined = s.dispatch(protect=[r for r in s.running if r.id in protect])
+    assert ids(s.take_preempted()) == ([victim] if victim else [])
+    assert ids(joined) == (["x"] if victim else [])
+
+
 def test_a_preempted_l1_request_keeps_its_finish_tag_and_rejoins_before_later_ones():
     clock = Clock()
     s = FlashScheduler(slots=1, l0_reserve=0.0, clock=clock)

@@ -1,0 +1,129 @@
+"""The batch's fixed-shape decode step (``serve/graphs.py``): every row in one forward, rows with
+nothing to decode at the scratch slot; CUDA graphs of it on a CUDA device, the eager decode with the
+reason logged where they cannot be captured."""
+import copy
+import logging
+
+import pytest
+import torch
+from serve_helpers import greedy
+
+from deepseek_flash.serve.engine import Engine
+from deepseek_flash.serve.runner import RowRunner, prompt_sizes
+from deepseek_flash.serve.scheduler import FlashScheduler
+from test_engine import generation, streamed_store  # noqa: F401 -- a fixture
+
+PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((3, 21, 9, 30, 1, 12, 5))]
+TOKENS = [6, 14, 9, 5, 70, 11, 3]
+
+
+def run_batch(model, tokenizer, device=None, **kw):
+    """Seven requests through three rows (rows reused, joining mid-decode, prompts over several
+    chunks); returns each one's tokens and the engine."""
+    eng = Engine(model, tokenizer, FlashScheduler(slots=3, l0_reserve=0.0), max_batch=3, prefill_chunk=8,
+                 max_model_len=160, device=device, **kw).start()
+    try:
+        gens = [generation(p, t) for p, t in zip(PROMPTS, TOKENS)]
+        for g in gens:
+            assert eng.submit(g).admitted
+        for g in gens:
+            assert g.on_event.result()[0] == "done"
+        return [g.output_ids for g in gens], eng
+    finally:
+        eng.close(timeout=5)
+
+
+def test_the_fixed_shape_step_gives_the_tokens_of_the_request_alone(tiny_reference, tiny_tokenizer):
+    outputs, eng = run_batch(tiny_reference, tiny_tokenizer, decode="static", warm=True)
+    assert outputs == [greedy(tiny_reference, p, t) for p, t in zip(PROMPTS, TOKENS)]
+    stats = eng.runner.decode_stats()
+    assert stats["mode"] == "static" and stats["graphs"] == 0 and stats["reason"] is None
+    # every decode went through it (warm-up: one per width, 64, 128, 160)
+    assert stats["static_steps"] == eng.stats["decode_steps"] + 3
+    assert eng.stats["batch_rows_sum"] > eng.stats["decode_steps"]           # it really batched
+    # The scratch slot is the cache's last, one past what any width reads.
+    cache = eng.runner.cache
+    assert cache.keys[0].shape[2] == cache.max_len + 1 == cache.scratch + 1
+
+
+def test_on_the_cpu_the_decode_is_eager_and_says_why(tiny_reference, tiny_tokenizer, caplog):
+    with caplog.at_level(logging.INFO, logger="deepseek_flash.serve"):
+        runner = RowRunner(tiny_reference, rows=2, max_len=64)
+    assert runner.decode_mode == "eager" and runner.static is None
+    reason = "CUDA graphs need a CUDA device (the model is on cpu)"
+    assert runner.decode_stats() == {"mode": "eager", "reason": reason}
+    assert reason in caplog.text
+    assert RowRunner(tiny_reference, rows=2, max_len=64, decode="eager").decode_reason == "decode='eager'"
+    with pytest.raises(ValueError, match="graphs"):
+        RowRunner(tiny_reference, rows=2, max_len=64, decode="graphs")
+
+
+def test_a_step_that_cannot_run_falls_back_to_the_eager_decode_for_good(tiny_reference, tiny_tokenizer):
+    # A capture that fails mid-serving: the step returns None with its reason, the runner decodes
+    # eagerly from then on -- the request's tokens unchanged.
+    eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=2), max_batch=2, max_model_len=96,
+                 decode="static").start()
+    try:
+        static = eng.runner.static
+
+        def fail(*args):
+            static.reason = "capture failed: test"
+            return None
+        static.run = fail
+        g = generation(PROMPTS[1], 12)
+        assert eng.submit(g).admitted
+        assert g.on_event.result()[0] == "done"
+        assert g.output_ids == greedy(tiny_reference, PROMPTS[1], 12)
+        assert eng.runner.decode_stats() == {"mode": "eager", "reason": "capture failed: test"}
+    finally:
+        eng.close(timeout=5)
+
+
+def test_the_warm_up_runs_prompts_of_every_size_class():
+    assert prompt_sizes(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
+    assert prompt_sizes(512)[-3:] == [256, 384, 512] and prompt_sizes(1) == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_decode_the_tokens_of_the_eager_step(tiny_reference, tiny_tokenizer, dtype):
+    model = copy.deepcopy(tiny_reference).to("cuda:0", dtype)
+    graphs, eng = run_batch(model, tiny_tokenizer, device="cuda:0")
+    stats = eng.runner.decode_stats()
+    assert stats["mode"] == "graphs" and stats["reason"] is None, stats
+    assert stats["graphs"] == 3 and stats["replays"] == eng.stats["decode_steps"] > 0
+    # The same fixed-shape step run eagerly (the same kernels): the same tokens, in any dtype.
+    static, eng_static = run_batch(model, tiny_tokenizer, device="cuda:0", decode="static")
+    assert eng_static.runner.decode_stats()["static_steps"] > 0
+    assert graphs == static
+    if dtype == torch.float32:
+        # The eager decode over the gathered rows, and transformers' generate alone.
+        eager, eng_eager = run_batch(model, tiny_tokenizer, device="cuda:0", decode="eager")
+        assert eng_eager.runner.decode_mode == "eager"
+        assert graphs == eager
+        assert graphs == [greedy(model, p, t) for p, t in zip(PROMPTS, TOKENS)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_loaded_model_decodes_in_graphs_resident_and_eagerly_streamed(tiny_tokenizer, streamed_store):
+    # load_model's gates (a pre-hook per layer until the load is in) are waited out, not taken for
+    # hooks that stay; a streamed model's layer ring is: its steps run eagerly, and say why.
+    from deepseek_flash.client.model import load_model
+    from deepseek_flash.testing import load_reference
+
+    src, store, budget = streamed_store
+    want = [greedy(load_reference(src), p, t) for p, t in zip(PROMPTS, TOKENS)]
+    for weight_budget in (None, budget):
+        model = load_model(str(store), device="cuda:0", weight_budget=weight_budget, embedded=True)
+        try:
+            outputs, eng = run_batch(model, tiny_tokenizer, device="cuda:0")
+            stats = eng.runner.decode_stats()
+            if weight_budget is None:
+                assert stats["mode"] == "graphs" and stats["replays"] > 0, stats
+            else:
+                assert stats["mode"] == "eager" and "hooks" in stats["reason"], stats
+            assert outputs == want
+        finally:
+            model.flash.close()
