@@ -278,10 +278,12 @@ def worst_l0(recs, forwards, n=3) -> list:
         # The forward running when it arrived began before it: take from the last one before.
         before = [f for f in forwards if f[3] < lo][-1:]
         during = before + [f for f in forwards if lo <= f[3] <= hi]
+        # A request that waited seconds (FIFO) saw thousands: the first and the last 20 are kept.
+        kept = during if len(during) <= 40 else during[:20] + during[-20:]
         out.append({"ttft_ms": ms(r["ttft"]), "server_ttft_ms": r["server_ttft_ms"], "queue_ms": r["queue_ms"],
-                    "forwards_ms": round(sum(f[4] for f in during), 3),
+                    "forwards_ms": round(sum(f[4] for f in during), 3), "forwards_count": len(during),
                     "forwards": [{"at_ms": round((f[3] - lo) * 1e3, 2), "kind": f[0], "rows": f[1],
-                                  "tokens": f[2], "kv": f[6], "ms": f[4], "launch_ms": f[5]} for f in during]})
+                                  "tokens": f[2], "kv": f[6], "ms": f[4], "launch_ms": f[5]} for f in kept]})
     return out
 
 

@@ -61,7 +61,8 @@ class Engine:
                                      cfg.max_position_embeddings))
         self.prefill_chunk = int(prefill_chunk)
         # The batch's decode: CUDA graphs where they can be captured (``RowRunner(decode=)``).
-        self.runner = RowRunner(model, self.max_batch, self.max_model_len, device, decode=decode)
+        self.runner = RowRunner(model, self.max_batch, self.max_model_len, device, decode=decode,
+                                prefill_chunk=self.prefill_chunk)
         self.eos_ids = frozenset(self._eos_ids(model))
         self.flash = getattr(model, "flash", None)
         self.stream = getattr(self.flash, "stream", None)
@@ -138,6 +139,9 @@ class Engine:
         import gc
 
         if self.warm and self.warm_s is None:
+            # Frozen first too: each CUDA graph capture of the warm-up starts with a collection.
+            gc.collect()
+            gc.freeze()
             self.warm_s = self.runner.warm(self.prefill_chunk)
             log.info("engine warm: %d attention widths in %.2f s, decode %s", len(self.runner.kv_seen),
                      self.warm_s, self.runner.decode_stats())

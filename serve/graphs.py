@@ -51,6 +51,8 @@ class StaticDecode:
     """One fixed-shape decode step over all rows of ``runner.cache``; CUDA graphs per width when
     ``capture`` (see the module's doc)."""
 
+    what = "decode steps"
+
     def __init__(self, runner, capture: bool = True):
         torch = runner.torch
         self.torch = torch
@@ -130,10 +132,8 @@ class StaticDecode:
             return self._give_up(reason)
         t0 = time.perf_counter()
         with torch.cuda.device(self.device):
-            saved = self.inputs.clone()
-            # Inputs of the capture runs: every row at the scratch slot (nothing real is written).
-            self.inputs[0].zero_()
-            self.inputs[1].fill_(self.cache.scratch)
+            saved = self._inputs(kv_len).clone()
+            self._quiet(kv_len)
             side = torch.cuda.Stream(device=self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             try:
@@ -145,10 +145,10 @@ class StaticDecode:
                     self.pool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
                 # No collection inside the capture (a cycle freed there may release CUDA resources,
-                # illegal while capturing); thread_local: the process's other threads' CUDA calls
-                # neither join nor invalidate it.
+                # illegal while capturing; ``torch.cuda.graph`` collects once as it starts -- fast
+                # after ``Engine.start``'s ``gc.freeze``); thread_local: the process's other
+                # threads' CUDA calls neither join nor invalidate it.
                 gc_was_enabled = gc.isenabled()
-                gc.collect()
                 gc.disable()
                 try:
                     with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
@@ -160,11 +160,11 @@ class StaticDecode:
             except Exception as exc:   # noqa: BLE001 -- any capture failure: eager, with the reason
                 try:
                     torch.cuda.synchronize(self.device)
-                    self.inputs.copy_(saved)
+                    self._inputs(kv_len).copy_(saved)
                 except Exception:      # noqa: BLE001 -- the error is the capture's, reported below
                     pass
                 return self._give_up(f"capture failed: {type(exc).__name__}: {exc}".splitlines()[0][:300])
-            self.inputs.copy_(saved)
+            self._inputs(kv_len).copy_(saved)
         if differs is not None:
             return self._give_up(differs)
         self.graphs[kv_len] = graph
@@ -177,10 +177,7 @@ class StaticDecode:
         when ``idle``, a position of its own within the width) and run the same step eagerly: the
         logits must agree."""
         torch = self.torch
-        rows = torch.arange(self.rows, device=self.device)
-        self.inputs[0].copy_((rows * 7 + 3)[:, None] % self.logits.shape[1])
-        if idle:
-            self.inputs[1].copy_((kv_len - 1 - rows % kv_len)[:, None])
+        self._varied(kv_len, idle)
         graph.replay()
         replayed = self.logits.clone()
         self._step(kv_len)
@@ -194,12 +191,143 @@ class StaticDecode:
                     f"(relative error {error:.3g})")
         return None
 
+    def _inputs(self, key):
+        """The static input buffer the graph of ``key`` reads."""
+        return self.inputs
+
+    def _quiet(self, key) -> None:
+        """Inputs of the capture runs: every row at the scratch slot (nothing real is written)."""
+        self.inputs[0].zero_()
+        self.inputs[1].fill_(self.cache.scratch)
+
+    def _varied(self, kv_len, idle: bool) -> None:
+        """Inputs of the check: a token of its own per row and, when ``idle``, a position too."""
+        torch = self.torch
+        rows = torch.arange(self.rows, device=self.device)
+        self.inputs[0].copy_((rows * 7 + 3)[:, None] % self.logits.shape[1])
+        if idle:
+            self.inputs[1].copy_((kv_len - 1 - rows % kv_len)[:, None])
+
     def _give_up(self, reason: str):
         self.reason = reason
         self.graphs.clear()
-        log.warning("serve decode steps run eagerly: %s", reason)
+        log.warning("serve %s run eagerly: %s", self.what, reason)
         return None
 
     def stats(self) -> dict:
         return {"mode": "graphs" if self.capture and self.reason is None else "static",
                 "reason": self.reason, "graphs": len(self.graphs), **self.counters}
+
+
+# The prompt forwards captured at start-up: up to 4 rows (padded with rows that write at the scratch
+# slot), prompt chunks padded on the left to one of these widths (a longer chunk runs eagerly: its
+# launch overhead matters less beside its compute, and each width costs captures at start-up).
+PREFILL_ROWS = (1, 2, 4)
+PREFILL_WIDTHS = (16, 32, 64, 128)
+
+
+class StaticPrefill(StaticDecode):
+    """Prompt forwards of fixed shapes -- (rows, width, attention width), captured at start-up
+    (``capture_all``) for rows 1, 2, 4 and widths 16, 32, 64, 128 (attention over the width's
+    64-key bucket and the next one); a prompt forward of another shape runs eagerly. The host pads the
+    rows on the left with the row's next position (as the eager forward does) and adds rows at
+    the scratch slot up to the bucket. An eager prefill is launch-bound like the decode, and under
+    load it also waits for the server's other thread to let it hold the interpreter: ~14 ms
+    unloaded, 27-32 ms under load on the H200."""
+
+    what = "prompt forwards"
+
+    def __init__(self, runner, capture: bool = True, chunk: int = 512):
+        super().__init__(runner, capture)
+        self.inputs = None
+        self.buffers: dict[tuple, object] = {}
+        self.row_buckets = [r for r in PREFILL_ROWS if r <= self.rows]
+        self.set_chunk(chunk)
+        self.logits = self.logits[: max(self.row_buckets)]
+
+    def set_chunk(self, chunk: int) -> None:
+        """Widths up to the engine's prefill chunk (and the cache's length)."""
+        limit = min(chunk, self.cache.max_len)
+        self.widths = [w for w in PREFILL_WIDTHS if w <= limit] or [limit]
+
+    def keys(self) -> list:
+        """The (rows, width, attention width) captured at start-up."""
+        out = []
+        for n in self.row_buckets:
+            for w in self.widths:
+                for k in sorted({self.runner.bucket(w), self.runner.bucket(w + 1)}):
+                    out.append((n, w, k))
+        return out
+
+    def _inputs(self, key):
+        n, w, _ = key
+        buf = self.buffers.get((n, w))
+        if buf is None:
+            # Per row: its cache row, then ``w`` token ids, then ``w`` positions.
+            buf = self.buffers[(n, w)] = self.torch.zeros((n, 1 + 2 * w), dtype=self.torch.long,
+                                                          device=self.device)
+            buf[:, 1 + w:] = self.cache.scratch
+        return buf
+
+    def _step(self, key) -> None:
+        torch = self.torch
+        n, w, kv_len = key
+        buf = self._inputs(key)
+        rows, ids, positions = buf[:, 0], buf[:, 1:1 + w], buf[:, 1 + w:]
+        self.cache.bind(rows, positions, kv_len)
+        allowed = self.key_slots[None, None, None, :kv_len] <= positions[:, None, :, None]
+        mask = torch.zeros(allowed.shape, dtype=self.runner.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.runner.dtype).min)
+        out = self.runner.call_model(ids, positions, mask)
+        self.logits[:n].copy_(out.logits[:, -1, :])
+
+    def _quiet(self, key) -> None:
+        buf = self._inputs(key)
+        w = key[1]
+        buf[:, : 1 + w].zero_()
+        buf[:, 1 + w:] = self.cache.scratch
+
+    def _varied(self, key, idle: bool) -> None:
+        torch = self.torch
+        n, w, kv_len = key
+        buf = self._inputs(key)
+        rows = torch.arange(n, device=self.device)
+        buf[:, 0] = rows
+        buf[:, 1:1 + w] = (rows[:, None] * 7 + torch.arange(w, device=self.device)[None, :] + 3) % self.logits.shape[1]
+        if idle:
+            buf[:, 1 + w:] = torch.arange(w, device=self.device)[None, :] % kv_len
+
+    def capture_all(self, widths=None) -> float:
+        return super().capture_all(self.keys())
+
+    def run(self, rows: list, ids: list, positions: list, kv_len: int):
+        """Logits at the last position of each of ``rows`` after ``ids`` at ``positions`` (lists
+        per row, of equal length; ``kv_len`` a ``KV_BUCKET`` multiple) from a captured graph; None
+        when no graph has this shape (the caller runs the forward eagerly)."""
+        torch = self.torch
+        width = len(ids[0])
+        n = next((r for r in self.row_buckets if r >= len(rows)), None)
+        w = next((x for x in self.widths if x >= width), None)
+        if n is None or w is None or self.reason is not None:
+            return None
+        key = (n, w, kv_len)
+        graph = self.graphs.get(key)
+        if self.capture and graph is None:
+            return None
+        host = []
+        for i in range(n):
+            if i < len(rows):
+                pad = w - width
+                nxt = min(positions[i][-1] + 1, self.cache.scratch)
+                host.append([rows[i]] + [0] * pad + list(ids[i]) + [nxt] * pad + list(positions[i]))
+            else:
+                host.append([rows[0]] + [0] * w + [self.cache.scratch] * w)
+        self._inputs(key).copy_(torch.tensor(host, dtype=torch.long))
+        if self.capture:
+            with torch.cuda.device(self.device):
+                graph.replay()
+            self.counters["replays"] += 1
+        else:
+            self._step(key)
+            self.counters["static_steps"] += 1
+        return self.logits[: len(rows)]

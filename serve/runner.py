@@ -95,7 +95,8 @@ class RowRunner:
     """Forwards of ``model`` over rows of its ``RowCache`` (``prefill``, ``decode``), and over a
     request's own tiered KV cache (``solo``); each timed for ``profile``."""
 
-    def __init__(self, model, rows: int, max_len: int, device=None, decode: str = "auto"):
+    def __init__(self, model, rows: int, max_len: int, device=None, decode: str = "auto",
+                 prefill_chunk: int = 512):
         import torch
 
         self.torch = torch
@@ -117,7 +118,8 @@ class RowRunner:
         self._profile: list = []
         # Attention widths (``KV_BUCKET`` multiples) that a forward has met: see ``warm``.
         self.kv_seen: set = set()
-        self.static = None
+        self.static = self.static_prefill = None
+        self.prefill_chunk = int(prefill_chunk)
         self.decode_reason = self._decode_setup(decode)
         if self.decode_reason is not None:
             log.info("serve decode steps run eagerly: %s", self.decode_reason)
@@ -127,7 +129,7 @@ class RowRunner:
         step (``graphs.StaticDecode``) where they can be captured, else the eager decode over the
         gathered rows; ``"eager"`` always that; ``"static"`` the fixed-shape step run eagerly.
         Returns why the decode is eager (None: it is not)."""
-        from .graphs import StaticDecode, graphs_blocker
+        from .graphs import StaticDecode, StaticPrefill, graphs_blocker
 
         if decode not in DECODE_MODES:
             raise ValueError(f"decode {decode!r} is not one of {DECODE_MODES}")
@@ -135,10 +137,12 @@ class RowRunner:
             return "decode='eager'"
         if decode == "static":
             self.static = StaticDecode(self, capture=False)
+            self.static_prefill = StaticPrefill(self, capture=False, chunk=self.prefill_chunk)
             return None
         reason = graphs_blocker(self)
         if reason is None:
             self.static = StaticDecode(self, capture=True)
+            self.static_prefill = StaticPrefill(self, capture=True, chunk=self.prefill_chunk)
         return reason
 
     @property
@@ -150,9 +154,10 @@ class RowRunner:
 
     def decode_stats(self) -> dict:
         """How the batch decodes: mode, why eager (``reason``), graphs captured, replays."""
+        prefill = None if self.static_prefill is None else self.static_prefill.stats()
         if self.static is None:
-            return {"mode": "eager", "reason": self.decode_reason}
-        return self.static.stats()
+            return {"mode": "eager", "reason": self.decode_reason, "prefill": prefill}
+        return self.static.stats() | {"prefill": prefill}
 
     def _kwargs(self, cache) -> dict:
         kwargs = {self._cache_kw: cache, "use_cache": True}
@@ -197,9 +202,13 @@ class RowRunner:
                  self._kv_last) = saved
         return keep()
 
+    def bucket(self, kv_len: int) -> int:
+        """``kv_len`` rounded up to a ``KV_BUCKET`` multiple, at most the cache's length."""
+        return min(self.cache.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)
+
     def _width(self, kv_len: int) -> int:
         """``kv_len`` rounded up to a ``KV_BUCKET`` multiple (at most the cache's length), noted."""
-        kv_len = min(self.cache.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)
+        kv_len = self.bucket(kv_len)
         self.kv_seen.add(kv_len)
         self._kv_last = kv_len
         return kv_len
@@ -209,8 +218,12 @@ class RowRunner:
         returns (logits, seconds until the forward was done on the device)."""
         torch = self.torch
         began = time.perf_counter()
-        logits = self.forward(rows, torch.tensor(ids, device=self.device),
-                              torch.tensor(positions, device=self.device), kv_len)
+        logits = None
+        if self.static_prefill is not None:     # a captured shape (CUDA graphs) or the static test mode
+            logits = self.static_prefill.run(rows, ids, positions, self._width(kv_len))
+        if logits is None:
+            logits = self.forward(rows, torch.tensor(ids, device=self.device),
+                                  torch.tensor(positions, device=self.device), kv_len)
         launched = time.perf_counter() - began
         self._sync()                # the cost of this forward, not of the next one that waits
         spent = time.perf_counter() - began
@@ -305,6 +318,12 @@ class RowRunner:
             elif self.static is not None:
                 for kv_len in widths:
                     self.static.run([0], [0], [kv_len - 1], kv_len)
+            if self.static_prefill is not None and self.static_prefill.capture:
+                self.static_prefill.capture_all()
+                for kv_len in {k for _, _, k in self.static_prefill.keys()}:
+                    self.kv_seen.add(kv_len)
+                if self.static_prefill.reason is not None:
+                    self.static_prefill = None
             for kv_len in widths if self.static is None else ():
                 last = kv_len - 1
                 for group in (list(range(rows)), [0, rows - 1] if rows > 2 else None):

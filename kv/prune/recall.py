@@ -100,6 +100,12 @@ class Recall:
         recall: every step)."""
         layer, cache = self.layer, self.layer._cache
         p, s, b, dev = cache.page_tokens, layer.sinks, layer.batch, layer.device
+        if query.shape[2] <= cache.select_max_queries:  # a decode step
+            nxt = cache.layers[(layer.index + 1) % len(cache.layers)]
+            if nxt.prune is not None and (cache.top_k_pages is None or nxt.dense):
+                # the next layer's lossless recall, copied during this one -- queued before this
+                # layer's own recall work, so the copy engine goes on from this layer's copy
+                nxt.prune.prefetch()
         k_parts, v_parts = [layer.sink_k], [layer.sink_v]
         if self.l1_pages:
             k_parts.append(self.l1_k)
@@ -108,10 +114,6 @@ class Recall:
         for k, v, _ in recalled:
             k_parts.append(k)
             v_parts.append(v)
-        if query.shape[2] <= cache.select_max_queries:  # a decode step
-            nxt = cache.layers[(layer.index + 1) % len(cache.layers)]
-            if nxt.prune is not None and (cache.top_k_pages is None or nxt.dense):
-                nxt.prune.prefetch()  # the next layer's lossless recall, copied during this one
         k_parts.append(layer.recent_k)
         v_parts.append(layer.recent_v)
         n_rec = layer.recent_k.shape[2]

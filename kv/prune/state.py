@@ -112,6 +112,8 @@ class LayerPrune(Recall):
         self._like = like_page(h, p, d, layer.dtype)
         self.l2 = HostRows(cache.layout.page_bytes, layer.batch, layer.device)
         self.l3 = HostRows(compressed_bytes(h, p, d), layer.batch, layer.device)
+        if self.l3.pinned:  # int4 room for every page now (the first evaluation), not in decode
+            self.l3.reserve(self.n_pages)
 
     # --- accounting ------------------------------------------------------------------------------
     @property

@@ -53,7 +53,7 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
         assert any(f["kind"] == "prefill" for f in worst[0]["forwards"])       # its own prefill at least
         # How the batch decoded (eager on the CPU, and why), how often L2's rule let it join.
         assert summary["decode"] == result["engine_decode"][mode] == {
-            "mode": "eager", "reason": "CUDA graphs need a CUDA device (the model is on cpu)"}
+            "mode": "eager", "reason": "CUDA graphs need a CUDA device (the model is on cpu)", "prefill": None}
         assert 0.0 <= summary["l2_open_step_fraction"] <= 1.0
     assert result["fifo"]["degrade_steps"] == {"temperature": 0, "top_p": 0, "max_new_tokens": 0}
     assert result["throughput"]["one"]["tokens"] == 8 and result["throughput"]["full"]["tokens"] == 4 * 8

@@ -19,13 +19,15 @@ TOKENS = [6, 14, 9, 5, 70, 11, 3]
 
 def run_batch(model, tokenizer, device=None, **kw):
     """Seven requests through three rows (rows reused, joining mid-decode, prompts over several
-    chunks); returns each one's tokens and the engine."""
+    chunks), every forward's rows the same from run to run (in bfloat16 a prompt packed with
+    another gets other rounding); returns each one's tokens and the engine."""
     eng = Engine(model, tokenizer, FlashScheduler(slots=3, l0_reserve=0.0), max_batch=3, prefill_chunk=8,
                  max_model_len=160, device=device, **kw).start()
     try:
         gens = [generation(p, t) for p, t in zip(PROMPTS, TOKENS)]
-        for g in gens:
-            assert eng.submit(g).admitted
+        with eng._lock:         # all queued before the first step boundary: the same batches each run
+            for g in gens:
+                assert eng.submit(g).admitted
         for g in gens:
             assert g.on_event.result()[0] == "done"
         return [g.output_ids for g in gens], eng
@@ -38,6 +40,8 @@ def test_the_fixed_shape_step_gives_the_tokens_of_the_request_alone(tiny_referen
     assert outputs == [greedy(tiny_reference, p, t) for p, t in zip(PROMPTS, TOKENS)]
     stats = eng.runner.decode_stats()
     assert stats["mode"] == "static" and stats["graphs"] == 0 and stats["reason"] is None
+    # every prompt chunk through the fixed-shape prompt forward (rows and width padded)
+    assert stats["prefill"]["static_steps"] == eng.stats["prefill_forwards"] > 0
     # every decode went through it (warm-up: one per width, 64, 128, 160)
     assert stats["static_steps"] == eng.stats["decode_steps"] + 3
     assert eng.stats["batch_rows_sum"] > eng.stats["decode_steps"]           # it really batched
@@ -51,7 +55,7 @@ def test_on_the_cpu_the_decode_is_eager_and_says_why(tiny_reference, tiny_tokeni
         runner = RowRunner(tiny_reference, rows=2, max_len=64)
     assert runner.decode_mode == "eager" and runner.static is None
     reason = "CUDA graphs need a CUDA device (the model is on cpu)"
-    assert runner.decode_stats() == {"mode": "eager", "reason": reason}
+    assert runner.decode_stats() == {"mode": "eager", "reason": reason, "prefill": None}
     assert reason in caplog.text
     assert RowRunner(tiny_reference, rows=2, max_len=64, decode="eager").decode_reason == "decode='eager'"
     with pytest.raises(ValueError, match="graphs"):
@@ -74,7 +78,8 @@ def test_a_step_that_cannot_run_falls_back_to_the_eager_decode_for_good(tiny_ref
         assert eng.submit(g).admitted
         assert g.on_event.result()[0] == "done"
         assert g.output_ids == greedy(tiny_reference, PROMPTS[1], 12)
-        assert eng.runner.decode_stats() == {"mode": "eager", "reason": "capture failed: test"}
+        assert eng.runner.decode_stats()["mode"] == "eager"
+        assert eng.runner.decode_stats()["reason"] == "capture failed: test"
     finally:
         eng.close(timeout=5)
 
@@ -93,6 +98,9 @@ def test_cuda_graphs_decode_the_tokens_of_the_eager_step(tiny_reference, tiny_to
     stats = eng.runner.decode_stats()
     assert stats["mode"] == "graphs" and stats["reason"] is None, stats
     assert stats["graphs"] == 3 and stats["replays"] == eng.stats["decode_steps"] > 0
+    # Prompt forwards of 1 and 2 rows (of the 3) at width 8 (the chunk), attention over 64 keys.
+    assert stats["prefill"]["mode"] == "graphs" and stats["prefill"]["graphs"] == 2, stats
+    assert 0 < stats["prefill"]["replays"] <= eng.stats["prefill_forwards"]
     # The same fixed-shape step run eagerly (the same kernels): the same tokens, in any dtype.
     static, eng_static = run_batch(model, tiny_tokenizer, device="cuda:0", decode="static")
     assert eng_static.runner.decode_stats()["static_steps"] > 0
