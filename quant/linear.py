@@ -5,6 +5,10 @@ Its codes and scales are the views ``store.views.block_tensors`` gives (host are
 streaming slot): nothing is copied at bind time. The matmul is chosen per call by the number of
 rows ``M`` of the input (tokens x batch), the same way for every layer wherever its bytes live:
 
+* decode rows on CUDA when ``gemv.choose`` says so (M <= ``gemv.INT4_MAX_M`` / ``INT8_MAX_M``;
+  both 0, off, by default: measured slower than the kernels below): our Triton GEMV kernels
+  (``quant.gemv``) -- int4 on the tile layout (as bound, or derived as below), int8 on the stored
+  rows; everything below is for the other cases;
 * int4 that the host tier holds in torch's CUDA tile layout (``quant.host_tier.TiledStore``;
   ``layout`` ``int4_cuda_tiles``): on CUDA with bfloat16 activations, every M runs
   ``_weight_int4pack_mm`` on the bound bytes -- nothing derived, kept or synced, so the call is
@@ -27,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import int4pack, kernels
+from . import gemv, int4pack, kernels
 from .codec import QuantizedTensor, dequantize
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,8 @@ class QuantLinear(nn.Module):
         # Tile layout: (inner_k_tiles, group) of torch's CUDA int4 kernel, whose operands the
         # codes and scales already are.
         self._tiles_group = quantized.kernel[1] if quantized.layout != "rows" else 0
+        # inner_k_tiles of the tile layout ([N/8, K/(16 inner), 32, inner/2] int32)
+        self.layout_inner = quantized.data.shape[-1] * 2 if self._tiles_group else None
         self.register_buffer("codes", quantized.data, persistent=False)
         self.register_buffer("scales", quantized.scales, persistent=False)
         self.fixed = fixed
@@ -115,7 +121,14 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         K, N = self.in_features, self.out_features
+        M = x.numel() // K if K else 0
         if self._tiles_group:
+            if gemv.choose(x.device.type, x.dtype, 4, M, N, K, self._tiles_group,
+                           self.layout_inner) is None:
+                # Decode rows: our kernel on the bound tiles (capturable, nothing derived).
+                y = gemv.int4_tiles_matmul(x.reshape(-1, K), self.codes, self.scales,
+                                           self._tiles_group, N, K).view(*x.shape[:-1], N)
+                return y if self.bias is None else y + self.bias
             if x.is_cuda and x.dtype == torch.bfloat16:
                 # The host tier's tile layout: the kernel's operands as bound, nothing derived, no
                 # host sync, output shaped by x alone (capturable in a CUDA graph).
@@ -128,9 +141,18 @@ class QuantLinear(nn.Module):
             kernel = self._int4_kernel(x)
             if kernel is not None:
                 packed, sz, group = kernel
-                y = int4pack.matmul(x.reshape(-1, K).contiguous(), packed, sz, group)
+                if gemv.choose(x.device.type, x.dtype, 4, M, N, K, group,
+                               packed.shape[-1] * 2 if x.is_cuda else None) is None:
+                    y = gemv.int4_tiles_matmul(x.reshape(-1, K), packed, sz, group, N, K)
+                else:
+                    y = int4pack.matmul(x.reshape(-1, K).contiguous(), packed, sz, group)
                 y = y.view(*x.shape[:-1], N)
                 return y if self.bias is None else y + self.bias
+        if self.spec.bits == 8 and gemv.choose(x.device.type, x.dtype, 8, M, N, K,
+                                               self.spec.group_size) is None:
+            y = gemv.int8_rows_matmul(x.reshape(-1, K), self.codes, self.scales,
+                                      self.spec.group_size, N, K).view(*x.shape[:-1], N)
+            return y if self.bias is None else y + self.bias
         if kernels.supports(x, K, self.spec.group_size):
             y = kernels.quant_matmul(x.reshape(-1, K), self.codes, self.scales, self.spec.bits,
                                      self.spec.group_size, N, K).view(*x.shape[:-1], N)

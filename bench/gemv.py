@@ -1,0 +1,278 @@
+"""Decode-sized weight-only matmuls on CUDA: our int4/int8 GEMV kernels (``quant.gemv``) against
+torch's int4 kernel (tinygemm), the Triton int8 kernel (``quant.kernels``), a bfloat16 matmul and
+the device-to-device copy rate, all measured in the same run; plus a correctness check of every
+shape against the dequantize + matmul reference.
+
+For each 8B llama layer shape (N x K) and batch M in 1/4/8: microseconds per call (median of graph
+replays of many calls, rotating over enough weight copies that they never sit in L2) and the bytes
+read per second (weights + scales), also as a fraction of the measured copy rate. ``--sweep`` times
+a set of tile shapes per kernel as well (to choose ``gemv.int4_config``/``int8_config``). The
+kernels are off by default in the layers (``gemv.INT4_MAX_M``): this is where they are measured.
+
+  python bench/gemv.py --output OUT.json [--sweep] [--shapes 14336x4096,...] [--ms 1,4,8] [--int8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES_8B = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]   # q/o, k/v, gate/up, down
+
+
+def copy_rate(dev) -> float:
+    """Device-to-device copy, bytes read + written per second (1 GiB each way)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(10):
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    return 2 * (1 << 30) / sorted(ts)[len(ts) // 2]
+
+
+def time_calls(fns, reps: int = 5) -> float:
+    """Seconds per call: the calls ``fns`` (one per weight copy) captured once in a graph,
+    ``rounds`` times over, replayed; median of ``reps`` replays."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    rounds = max(1, 64 // len(fns))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(rounds):
+            for f in fns:
+                f()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(reps):
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    return sorted(ts)[len(ts) // 2] / (rounds * len(fns))
+
+
+def make_int4(N, K, group, copies, dev):
+    from deepseek_flash.quant import int4pack
+    from deepseek_flash.quant.scheme import QuantSpec
+    spec = QuantSpec("int4_symmetric", "per_block", group)
+    out = []
+    for _ in range(copies):
+        codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=dev)
+        scales = (torch.rand(N, K // group, device=dev) * 0.02 + 0.001).to(torch.float16)
+        out.append((codes, int4pack.cuda_layout(codes, 8),
+                    int4pack.scales_and_zeros(scales, spec, (N, K), group, torch.bfloat16), spec))
+    return out
+
+
+def check(y, x, W):
+    """(relative error vs float64 x @ W.T with W exact, max |error| over its allowance): half a
+    bfloat16 unit in the last place of the reference, its own rounding of each weight to bfloat16,
+    and 2^-14 of sum |x||W| for float32 summation order (tests/quant/test_gemv.py holds the kernels
+    to <= 1)."""
+    ref = x.double() @ W.double().t()
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.to(torch.bfloat16).double().abs().clamp_min(1e-30)))
+                  - 7)
+    allowance = (0.5 * ulp + x.double().abs() @ (W.double() - W.to(torch.bfloat16).double()).abs().t()
+                 + 2.0 ** -14 * (x.double().abs() @ W.double().abs().t()))
+    return rel, round(((y.double() - ref).abs() / allowance).max().item(), 3)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-shapes", default="14336x4096,4096x14336")
+    ap.add_argument("--sweep-ms", default="1,8")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES_8B))
+    ap.add_argument("--ms", default="1,4,8")
+    ap.add_argument("--int8", action="store_true", help="also int8 (row layout) kernels")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--int8-sweep", action="store_true")
+    args = ap.parse_args()
+    from deepseek_flash.quant import gemv, kernels
+    from deepseek_flash.quant.codec import dequantize
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    res = {"benchmark": "gemv", "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "group": args.group, "rows": []}
+    t0 = time.time()
+    bw = copy_rate(dev)
+    res["copy_bandwidth_gbps"] = round(bw / 1e9, 1)
+    out = Path(args.output)
+
+    def save():
+        out.write_text(json.dumps(res, indent=1))
+
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(v) for v in args.ms.split(",")]
+    for N, K in shapes:
+        wbytes = N * K // 2 + (K // args.group) * N * 4          # codes + bf16 (scale, zero) pairs
+        copies = max(2, math.ceil(400e6 / wbytes))
+        mats = make_int4(N, K, args.group, copies, dev)
+        bf = [torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+              for _ in range(max(2, math.ceil(400e6 / (N * K * 2))))]
+        codes0, words0, sz0, spec = mats[0]
+        W = dequantize(codes0, sz0[..., 0].t().float(), spec, (N, K), torch.float32)
+        for M in ms:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            row = {"N": N, "K": K, "M": M, "int4_bytes": wbytes}
+            # correctness of the default config
+            y = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K)
+            torch.cuda.synchronize()
+            row["int4_check"] = check(y, x, W)
+            yt = torch.ops.aten._weight_int4pack_mm(x, words0, args.group, sz0)
+            row["tinygemm_check"] = check(yt, x, W)
+            cfg = gemv.int4_config(M, N, K)
+            row["int4_config"] = cfg
+            t = time_calls([lambda w=w, s=s: gemv.int4_tiles_matmul(x, w, s, args.group, N, K)
+                            for _, w, s, _ in mats])
+            row["int4_us"] = round(t * 1e6, 2)
+            row["int4_frac"] = round(wbytes / t / bw, 3)
+            t = time_calls([lambda w=w, s=s: torch.ops.aten._weight_int4pack_mm(x, w, args.group, s)
+                            for _, w, s, _ in mats])
+            row["tinygemm_us"] = round(t * 1e6, 2)
+            row["tinygemm_frac"] = round(wbytes / t / bw, 3)
+            t = time_calls([lambda b=b: torch.nn.functional.linear(x, b) for b in bf])
+            row["bf16_us"] = round(t * 1e6, 2)
+            row["bf16_frac"] = round(N * K * 2 / t / bw, 3)
+            res["rows"].append(row)
+            save()
+            sweep = (args.sweep and f"{N}x{K}" in args.sweep_shapes.split(",")
+                     and str(M) in args.sweep_ms.split(","))
+            if sweep:
+                sw = []
+                variants = []
+                chunks = K // 128
+                shapes_ = []
+                if M == 1:
+                    variants = [gemv.rows_config(N, K, bn, bc, ctas, st)
+                                for bn in (16, 32) for bc in (4, 8) for ctas in (264, 528)
+                                for st in (1, 3)]
+                    variants += [gemv.rows_config(N, K, 64, 4, 528, 1),
+                                 gemv.rows_config(N, K, 16, 4, 1056, 1),
+                                 gemv.rows_config(N, K, 16, 2, 1056, 1)]
+                    variants = [dict(t) for t in dict.fromkeys(tuple(sorted(v.items()))
+                                                               for v in variants)]
+                else:
+                    shapes_ = [(128, 1, 4, 3), (64, 1, 4, 3)]
+                seen = set()
+                for bn, bc, nw, st in shapes_:
+                    for target in (132, 264, 528):
+                        sp = 1
+                        while (-(-N // bn)) * sp < target and chunks % (sp * 2 * bc) == 0 \
+                                and chunks // (sp * 2) >= 4:
+                            sp *= 2
+                        key = (bn, bc, nw, st, sp)
+                        if key not in seen:
+                            seen.add(key)
+                            variants.append(dict(kernel="dot", BLOCK_N=bn, BLOCK_C=bc, SPLIT=sp,
+                                                 num_warps=nw, stages=st))
+                for v in variants:
+                    if chunks % (v["SPLIT"] * v["BLOCK_C"]):
+                        continue
+                    try:
+                        yv = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K, v)
+                        torch.cuda.synchronize()
+                        c = check(yv, x, W)
+                        t = time_calls([lambda w=w, s=s, v=v: gemv.int4_tiles_matmul(
+                            x, w, s, args.group, N, K, v) for _, w, s, _ in mats], reps=3)
+                        sw.append({**v, "us": round(t * 1e6, 2), "frac": round(wbytes / t / bw, 3),
+                                   "check": c[1], "rel": c[0]})
+                    except Exception as exc:           # a config the compiler refuses
+                        sw.append({**v, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                row["int4_sweep"] = sw
+            if args.int8 and M == 1:
+                i8 = [(torch.randint(-128, 128, (N, K), dtype=torch.int8, device=dev),
+                       (torch.rand(N, K // args.group, device=dev) * 0.02 + 0.001).half())
+                      for _ in range(max(2, math.ceil(400e6 / (N * K))))]
+                from deepseek_flash.quant.scheme import QuantSpec
+                spec8 = QuantSpec("int8_symmetric", "per_block", args.group)
+                W8 = dequantize(i8[0][0], i8[0][1], spec8, (N, K), torch.float32)
+                b8 = N * K + N * (K // args.group) * 2
+                y8 = gemv.int8_rows_matmul(x, i8[0][0], i8[0][1], args.group, N, K)
+                torch.cuda.synchronize()
+                row["int8_check"] = check(y8, x, W8)
+                row["int8_config"] = gemv.int8_config(M, N, K)
+                t = time_calls([lambda c=c, s=s: gemv.int8_rows_matmul(x, c, s, args.group, N, K)
+                                for c, s in i8])
+                row["int8_us"] = round(t * 1e6, 2)
+                row["int8_frac"] = round(b8 / t / bw, 3)
+                t = time_calls([lambda c=c, s=s: kernels.quant_matmul(x, c, s, 8, args.group, N, K)
+                                for c, s in i8])
+                row["int8_old_us"] = round(t * 1e6, 2)
+                row["int8_old_frac"] = round(b8 / t / bw, 3)
+                if sweep and M == 1 and args.int8_sweep:
+                    sw = []
+                    seen = set()
+                    words = K // 4
+                    for bn, bwd, nw, st in [(16, 64, 4, 4), (8, 64, 4, 4), (8, 128, 4, 4),
+                                            (8, 64, 8, 4)]:
+                        for target in (132, 264, 528):
+                            sp = 1
+                            while (-(-N // bn)) * sp < target and words % (sp * 2 * bwd) == 0 \
+                                    and words // (sp * 2) >= 4 * bwd:
+                                sp *= 2
+                            if (bn, bwd, nw, st, sp) in seen:
+                                continue
+                            seen.add((bn, bwd, nw, st, sp))
+                            v = dict(BLOCK_N=bn, BLOCK_W=bwd, SPLIT=sp, num_warps=nw, stages=st)
+                            try:
+                                t = time_calls([lambda c=c, s=s, v=v: gemv.int8_rows_matmul(
+                                    x, c, s, args.group, N, K, v) for c, s in i8], reps=3)
+                                sw.append({**v, "us": round(t * 1e6, 2),
+                                           "frac": round(b8 / t / bw, 3)})
+                            except Exception as exc:
+                                sw.append({**v, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                    row["int8_sweep"] = sw
+                del i8
+            save()
+            print(json.dumps({k: v for k, v in row.items() if not k.endswith("sweep")}), flush=True)
+        del mats, bf
+        torch.cuda.empty_cache()
+    res["seconds"] = round(time.time() - t0, 1)
+    save()
+    print(f"copy {res['copy_bandwidth_gbps']} GB/s")
+    print(f"{'N':>6} {'K':>6} {'M':>2} | {'int4 us':>8} {'frac':>5} | {'tiny us':>8} {'frac':>5} | "
+          f"{'bf16 us':>8} | {'int8 us':>8} {'frac':>5} {'old us':>8} | chk4 tiny chk8")
+    for r in res["rows"]:
+        print(f"{r['N']:>6} {r['K']:>6} {r['M']:>2} | {r['int4_us']:>8} {r['int4_frac']:>5} | "
+              f"{r['tinygemm_us']:>8} {r['tinygemm_frac']:>5} | {r['bf16_us']:>8} | "
+              f"{r.get('int8_us', '-'):>8} {r.get('int8_frac', '-'):>5} {r.get('int8_old_us', '-'):>8}"
+              f" | {r['int4_check'][1]:.2f} {r['tinygemm_check'][1]:.2f} "
+              f"{r.get('int8_check', [0, 0])[1]:.2f}")
+    for r in res["rows"]:
+        for key in ("int4_sweep", "int8_sweep"):
+            if key in r:
+                best = sorted((v for v in r[key] if "us" in v), key=lambda v: v["us"])[:3]
+                print(r["N"], r["K"], r["M"], key, [(v.get("kernel", ""), v["BLOCK_N"],
+                      v.get("BLOCK_C", v.get("BLOCK_W")), v["SPLIT"], v.get("ROWS"),
+                      v.get("stages"), v["us"], v["frac"]) for v in best])
+
+
+if __name__ == "__main__":
+    main()

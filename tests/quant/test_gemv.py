@@ -1,0 +1,291 @@
+"""quant.gemv: the decode-sized int4/int8 kernels. CPU: which layers take them (``choose``) and that
+``QuantLinear`` routes decode rows to them with the operands they read; CUDA (marked gpu): every
+output against dequantize + matmul, the split-K fix-up, and the layer inside a CUDA graph."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepseek_flash.quant import QuantSpec, quantize
+from deepseek_flash.quant import gemv, int4pack
+from deepseek_flash.quant.codec import QuantizedTensor, dequantize
+from deepseek_flash.quant.linear import QuantLinear
+
+CUDA = torch.cuda.is_available()
+BF16 = torch.bfloat16
+ROOT = Path(__file__).parents[2]
+
+# Triton's interpreter (CPU, numpy) runs the kernels against the reference: every layout, split-K
+# fix-up and scale group at small shapes. Its bfloat16 dot is wrong, so "dot" is left to CUDA.
+_INTERPRETED = r"""
+import torch
+from deepseek_flash.quant import gemv, int4pack, QuantSpec
+from deepseek_flash.quant.codec import dequantize
+torch.manual_seed(0)
+def ulps(y, x, W):
+    ref = x.double() @ W.double().t()
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.to(torch.bfloat16).double().abs().clamp_min(1e-30))) - 7)
+    return round(((y.double() - ref).abs() / ulp).max().item(), 3)
+out = []
+for M, N, K, g, cfg in [(1, 72, 1024, 64, dict(kernel="rows", BLOCK_N=16, BLOCK_C=2, SPLIT=4,
+                                                ROWS=48)),
+                        (1, 40, 768, 32, dict(kernel="rows", BLOCK_N=8, BLOCK_C=2, SPLIT=3,
+                                              ROWS=2048)),
+                        (1, 40, 512, 128, dict(kernel="rows", BLOCK_N=8, BLOCK_C=4, SPLIT=1,
+                                               ROWS=16)),
+                        (1, 64, 2048, 128, None)]:
+    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)
+    spec = QuantSpec("int4_symmetric", "per_block", g)
+    sz = int4pack.scales_and_zeros((torch.rand(N, K // g) * 0.02 + 1e-3).half(), spec, (N, K), g,
+                                   torch.bfloat16)
+    W = dequantize(codes, sz[..., 0].t().float(), spec, (N, K), torch.float32)
+    x = torch.randn(M, K).to(torch.bfloat16)
+    y = gemv.int4_tiles_matmul(x, int4pack.cuda_layout(codes, 8), sz, g, N, K, cfg)
+    out.append(ulps(y, x, W))
+for M, N, K, g, cfg in [(1, 40, 1024, 0, dict(BLOCK_N=32, BLOCK_W=64, SPLIT=2)),
+                        (1, 24, 512, 32, None),
+                        (1, 24, 1024, 128, dict(BLOCK_N=8, BLOCK_W=32, SPLIT=2))]:
+    codes = torch.randint(-128, 128, (N, K), dtype=torch.int8)
+    spec = QuantSpec("int8_symmetric", "per_block" if g else "per_tensor", g or 128)
+    scales = ((torch.rand(N, K // g) if g else torch.rand(1)) * 0.02 + 1e-3).half()
+    W = dequantize(codes, scales, spec, (N, K), torch.float32)
+    x = torch.randn(M, K).to(torch.bfloat16)
+    out.append(ulps(gemv.int8_rows_matmul(x, codes, scales, g, N, K, cfg), x, W))
+print(out)
+"""
+
+
+def test_choose_takes_decode_rows_on_cuda_only(monkeypatch):
+    monkeypatch.setattr(gemv, "INT4_MAX_M", 8)
+    monkeypatch.setattr(gemv, "INT8_MAX_M", 1)
+    assert gemv.choose("cuda", BF16, 4, 1, 4096, 4096, 128, 8) is None
+    assert gemv.choose("cuda", BF16, 4, 8, 1024, 14336, 32, 8) is None
+    assert gemv.choose("cuda", BF16, 8, 1, 4096, 4096, 0) is None           # int8 per tensor
+    assert gemv.choose("cuda", torch.float16, 8, 1, 4096, 4096, 64) is None
+    assert gemv.choose("cpu", BF16, 4, 1, 4096, 4096, 128, 8) == "device type cpu"
+    assert gemv.choose("cuda", BF16, 4, 9, 4096, 4096, 128, 8) == "M = 9 rows > 8"
+    assert gemv.choose("cuda", BF16, 8, 2, 4096, 4096, 128) == "M = 2 rows > 1"
+    assert gemv.choose("cuda", torch.float16, 4, 1, 4096, 4096, 128, 8) == \
+        "torch.float16 activations"
+    assert gemv.choose("cuda", torch.float32, 8, 1, 4096, 4096, 128) == "torch.float32 activations"
+    assert gemv.choose("cuda", BF16, 4, 1, 4096, 4096, 128, 4) == \
+        "int4 tile layout with inner_k_tiles 4 (the kernel reads 8)"
+    assert gemv.choose("cuda", BF16, 4, 1, 4096, 4160, 64, 8) == \
+        "K = 4160 input features, not a multiple of 128"
+    assert gemv.choose("cuda", BF16, 8, 1, 4096, 4160, 64) == \
+        "K = 4160 input features, not a multiple of 128"
+    monkeypatch.setattr(gemv, "INT4_MAX_M", 0)
+    assert gemv.choose("cuda", BF16, 4, 1, 4096, 4096, 128, 8) == \
+        "off (slower than the default kernels)"
+
+
+def test_configs_are_a_function_of_the_shape_and_cover_k():
+    for N, K in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (256, 128),
+                 (264, 1152)):
+        rows = gemv.int4_config(1, N, K)
+        assert rows == gemv.int4_config(1, N, K) and rows["kernel"] == "rows"
+        assert rows["BLOCK_C"] * rows["SPLIT"] == K // 128            # the slices cover K
+        assert rows["BLOCK_C"] & (rows["BLOCK_C"] - 1) == 0 and rows["ROWS"] % rows["BLOCK_N"] == 0
+        for M in range(2, 9):
+            dot = gemv.int4_config(M, N, K)
+            assert dot["kernel"] == "dot" and (K // 128) % dot["SPLIT"] == 0
+        c8 = gemv.int8_config(1, N, K)
+        assert (K // 4) % (c8["SPLIT"] * c8["BLOCK_W"]) == 0
+
+
+def test_kernels_match_the_reference_in_the_interpreter():
+    """Every output within one unit in the last bfloat16 place of float64 dequantize + matmul (the
+    interpreter's float32 -> bfloat16 conversion truncates; on CUDA it rounds to nearest and the
+    gpu tests below hold it to half a unit): int4 gemv/fma with split-K, groups 32/64/128; int8
+    per block and per tensor."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    worst = eval(proc.stdout.strip().splitlines()[-1])
+    assert len(worst) == 7 and max(worst) <= 1.01, worst
+
+
+def test_kernels_compile_for_the_h200_at_the_8b_shapes():
+    """Triton's compiler with its bundled ptxas, sm_90: the default configurations of the 8B
+    layer shapes; the int4 batch-1 kernel loads its weights 16 bytes at a time."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    common = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+              "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32"}
+    seen = set()
+    for M, N, K in ((1, 4096, 4096), (1, 14336, 4096), (1, 4096, 14336), (8, 1024, 4096)):
+        for bits in ((4, 8) if M == 1 else (4,)):
+            cfg = (gemv.int4_config if bits == 4 else gemv.int8_config)(M, N, K)
+            fn = {(4, "rows"): gemv._int4_tiles_gemv_rows, (4, "dot"): gemv._int4_tiles_dot,
+                  (8, None): gemv._int8_rows_gemv}[(bits, cfg.get("kernel"))]
+            block = ("BLOCK_C", cfg["BLOCK_C"]) if bits == 4 else ("BLOCK_W", cfg["BLOCK_W"])
+            key = (fn, M, cfg["BLOCK_N"], block, cfg["SPLIT"] > 1)
+            if key in seen:
+                continue
+            seen.add(key)
+            sig = dict(common, s_ptr="*bf16" if bits == 4 else "*fp16",
+                       **{("chunks_per_split" if bits == 4 else "words_per_split"): "i32"})
+            sig["magic"] = "i32"
+            consts = {"GROUP": 128, "BLOCK_M": 16 if M > 1 else 1,
+                      "BLOCK_N": cfg["BLOCK_N"], block[0]: block[1], "SPLIT": cfg["SPLIT"]}
+            if fn is not gemv._int4_tiles_dot:
+                consts["STAGES"] = cfg["stages"]
+            if fn is gemv._int4_tiles_gemv_rows:
+                sig["rows_per_group"] = "i32"
+            sig.update({k: "constexpr" for k in consts})
+            attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 10)}
+            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                                    target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": cfg["num_warps"]})
+            assert ".entry" in kernel.asm["ptx"]
+            if fn is gemv._int4_tiles_gemv_rows:
+                assert "ld.global.v4" in kernel.asm["ptx"]           # 16-byte weight loads
+    assert len(seen) >= 3
+
+
+def _layer(N, K, spec, tiles: bool, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(BF16)
+    qt = quantize(w, spec)
+    if tiles:
+        group = spec.group_size
+        qt = QuantizedTensor(spec, (N, K), int4pack.cuda_layout(qt.data, 8),
+                             int4pack.scales_and_zeros(qt.scales, spec, (N, K), group, BF16),
+                             BF16, "int4_cuda_tiles", (8, group))
+    return QuantLinear(K, N, qt)
+
+
+@pytest.mark.parametrize("bits,tiles", [(4, True), (4, False), (8, False)])
+def test_layer_routes_decode_rows_to_the_kernel(monkeypatch, bits, tiles):
+    """With ``choose`` saying yes (as it does on CUDA), decode rows reach the kernel with the
+    operands it reads: the tile layout and its scales (int4), the stored codes (int8)."""
+    spec = QuantSpec("int4_symmetric" if bits == 4 else "int8_symmetric", "per_block", 64)
+    lin = _layer(16, 256, spec, tiles)
+    calls = []
+
+    def fake(x, w, s, group, N, K, cfg=None):
+        calls.append((x.shape, w, s, group, N, K))
+        return torch.zeros(x.shape[0], N, dtype=x.dtype)
+
+    monkeypatch.setattr(gemv, "choose", lambda *a, **k: None)
+    monkeypatch.setattr(gemv, "int4_tiles_matmul", fake)
+    monkeypatch.setattr(gemv, "int8_rows_matmul", fake)
+    x = torch.randn(2, 3, 256).to(BF16)
+    y = lin(x)
+    assert y.shape == (2, 3, 16) and len(calls) == 1
+    shape, w, s, group, N, K = calls[0]
+    assert (tuple(shape), group, N, K) == ((6, 256), 64, 16, 256)
+    if bits == 8:
+        assert w is lin.codes and s is lin.scales
+    elif tiles:
+        assert w is lin.codes and s is lin.scales
+    else:       # the layout derived once and kept (on the CPU: the CPU kernel's)
+        assert w is lin._int4[(x.device, x.dtype)][2] and s is lin._int4[(x.device, x.dtype)][3]
+
+
+def test_layer_on_cpu_never_takes_the_kernel(monkeypatch):
+    """CPU activations keep their paths (torch's CPU int4 kernel, dequantize)."""
+    def boom(*a, **k):
+        raise AssertionError("gemv kernel called on the CPU")
+
+    monkeypatch.setattr(gemv, "int4_tiles_matmul", boom)
+    monkeypatch.setattr(gemv, "int8_rows_matmul", boom)
+    for scheme in ("int4_symmetric", "int8_symmetric"):
+        lin = _layer(16, 256, QuantSpec(scheme, "per_block", 128), False)
+        x = torch.randn(1, 256).to(BF16)
+        ref = x.float() @ lin.dequantized_weight(torch.float32).t()
+        assert ((lin(x).float() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+def _check(y, x, W):
+    """Max |y - ref| over its allowance: half a bfloat16 unit in the last place of ``ref`` (the
+    output's one rounding), the reference's own rounding of each weight to bfloat16 (a kernel may
+    round them as dequantize does, or not), and 2^-14 of sum |x||W| (float32 sums in another
+    order: an output near zero by cancellation has a tiny last place). ``ref``: float64
+    x @ W.T with W exact."""
+    ref = x.double() @ W.double().t()
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.to(BF16).double().abs().clamp_min(1e-30))) - 7)
+    rounding = x.double().abs() @ (W.double() - W.to(BF16).double()).abs().t()
+    allowance = 0.5 * ulp + rounding + 2.0 ** -14 * (x.double().abs() @ W.double().abs().t())
+    return ((y.double() - ref).abs() / allowance).max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("group", (32, 64, 128))
+def test_int4_kernels_match_the_reference(group):
+    torch.manual_seed(group)
+    spec = QuantSpec("int4_symmetric", "per_block", group)
+    for N, K in ((4096, 4096), (1024, 14336), (264, 1152)):
+        codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda")
+        scales = (torch.rand(N, K // group, device="cuda") * 0.02 + 1e-3).half()
+        words = int4pack.cuda_layout(codes, 8)
+        sz = int4pack.scales_and_zeros(scales, spec, (N, K), group, BF16)
+        W = dequantize(codes, sz[..., 0].t().float(), spec, (N, K), torch.float32)
+        for M in (1, 2, 5, 8):
+            x = torch.randn(M, K, device="cuda").to(BF16)
+            cfgs = [None]
+            if M == 1:
+                cfgs += [gemv.rows_config(N, K, 32, 8, 264, 3), gemv.rows_config(N, K, 16, 1, 132)]
+            else:
+                cfgs += [dict(kernel="dot", BLOCK_N=64, BLOCK_C=1, SPLIT=3 if K == 1152 else 4)]
+            for cfg in cfgs:
+                y = gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg)
+                assert y.dtype == BF16 and _check(y, x, W) <= 1, (N, K, M, cfg)
+                # again: the same bits (no atomics on data, the counters back at zero)
+                assert torch.equal(y, gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("granularity,group", [("per_block", 128), ("per_block", 32),
+                                               ("per_tensor", 0)])
+def test_int8_kernel_matches_the_reference(granularity, group):
+    torch.manual_seed(group)
+    spec = QuantSpec("int8_symmetric", granularity, group or 128)
+    for N, K in ((4096, 4096), (1024, 14336)):
+        codes = torch.randint(-128, 128, (N, K), dtype=torch.int8, device="cuda")
+        scales = ((torch.rand(N, K // group, device="cuda") if group else
+                   torch.rand(1, device="cuda")) * 0.02 + 1e-3).half()
+        W = dequantize(codes, scales, spec, (N, K), torch.float32)
+        for dtype in (BF16, torch.float16):
+            x = torch.randn(1, K, device="cuda").to(dtype)
+            y = gemv.int8_rows_matmul(x, codes, scales, group, N, K)
+            assert y.dtype == dtype and _check(y, x, W) <= 1, (N, K, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_layer_in_a_cuda_graph_matches_eager_and_tinygemm(monkeypatch):
+    """With the kernel on (it is off by default), a tile-layout layer's batch-1 call takes it,
+    replays from a graph with the same bits, and agrees with torch's int4 kernel within bf16
+    rounding."""
+    monkeypatch.setattr(gemv, "INT4_MAX_M", 1)
+    spec = QuantSpec("int4_symmetric", "per_block", 128)
+    lin = _layer(4096, 4096, spec, True).cuda()
+    x = torch.randn(1, 4096, device="cuda").to(BF16)
+    eager = lin(x)
+    tiny = torch.ops.aten._weight_int4pack_mm(x, lin.codes, 128, lin.scales)
+    assert not torch.equal(eager, tiny)          # a different kernel ran
+    assert ((eager.float() - tiny.float()).abs().max() / tiny.float().abs().max()) < 1e-2
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        lin(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = lin(x)
+    x.copy_(torch.randn(1, 4096, device="cuda").to(BF16))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, lin(x))
