@@ -18,8 +18,9 @@ Default configuration everywhere except the host cache size (the machine's sizin
   process's and the daemon's CPU, the daemon's own load time (its log); then, no load running,
   the skeleton built in a fresh interpreter (``skeleton_alone``: the imports' own time on this
   machine; ``skeleton_alone_cold``: the same after dropping the page cache); with
-  ``--diagnose`` also again beside ``dd`` reading the model's file (``skeleton_beside_dd``) and the cold load again after a fresh daemon start with the class
-  imported (``model_class_imported``: the disk -> GPU path alone).
+  ``--diagnose`` also again beside ``dd`` reading the model's file (``skeleton_beside_dd``) and
+  the cold load again after a fresh daemon start with the class imported
+  (``model_class_imported``: the disk -> GPU path alone).
 
     python bench/paths.py --arch llama --dir /var/tmp/flash-bench --output paths.json
 """
