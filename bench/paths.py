@@ -17,9 +17,10 @@ Default configuration everywhere except the host cache size (the machine's sizin
   class (the user's fresh process; the goal). Where the time went: the load's phases, this
   process's and the daemon's CPU, the daemon's own load time (its log); then, no load running,
   the skeleton built in a fresh interpreter (``skeleton_alone``: the imports' own time on this
-  machine); with ``--diagnose`` also again beside ``dd`` reading the model's file
-  (``skeleton_beside_dd``) and the cold load again after a fresh daemon start with the class
-  imported (``model_class_imported``: the disk -> GPU path alone).
+  machine; ``skeleton_alone_cold``: the same after dropping the page cache); with
+  ``--diagnose`` also again beside ``dd`` reading the model's file (``skeleton_beside_dd``) and
+  the cold load again after a fresh daemon start with the class imported
+  (``model_class_imported``: the disk -> GPU path alone).
 
     python bench/paths.py --arch llama --dir /var/tmp/flash-bench --output paths.json
 """
@@ -302,6 +303,11 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
         out["works"] = True
         save(res, args.output)
         out["skeleton_alone"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
+        save(res, args.output)
+        # The same with the page cache dropped first, no load running: how much of the imports'
+        # time beside the cold load is the cold cache, how much the load beside them.
+        out["skeleton_alone_cold"] = {"cache_dropped": drop_caches(),
+                                      **run_script(SKELETON_ALONE_SCRIPT, store_dir)}
         save(res, args.output)
         if not args.diagnose:
             return
