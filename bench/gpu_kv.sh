@@ -15,10 +15,8 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU";
-  $py -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)';
-  git log --oneline -1 2>/dev/null || true; } > "$out/machine.txt" 2>&1
-cat "$out/machine.txt"
+source bench/_machine.sh
+machine_info "$out" "$py"
 status=0
 flags=()
 if [ "$smoke" = "--smoke" ]; then

@@ -1,5 +1,6 @@
 """Helpers of the serve tests (a module of its own: ``conftest`` is a name every test folder has)."""
 import threading
+import time
 
 import torch
 
@@ -31,3 +32,25 @@ class Collector:
     def result(self, timeout=60.0):
         assert self.done.wait(timeout), "generation did not finish"
         return self.events[-1]
+
+
+def serve_in_thread(app):
+    """``app`` served by uvicorn on 127.0.0.1 (a free port) in a daemon thread, once it listens:
+    ``(base_url, server, thread)``; stop it with ``stop_server``."""
+    from deepseek_flash.serve.cli import listen, server
+
+    sock = listen("127.0.0.1", 0)
+    srv = server(app, sock, "warning")
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", srv, thread
+
+
+def stop_server(srv, thread):
+    srv.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()

@@ -292,13 +292,9 @@ def test_l0_arriving_under_load_waits_for_at_most_the_forward_in_flight(tiny_ref
     eng.close(timeout=0)
 
 
-def test_l0_arriving_during_other_prompts_chunk_is_prefilled_between_two_of_its_layers(tiny_reference,
-                                                                                       tiny_tokenizer):
-    # The L0 request arrives as the long prompt's chunk begins: its prefill runs nested in that
-    # forward (before its first layer), not after it; both requests' tokens stay the greedy ones.
-    eng, running, long_prompt = loaded_engine(tiny_reference, tiny_tokenizer)
-    boundary(eng)
-    l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
+def step_with_cut_in(eng, l0):
+    """One engine step during whose first forward ``l0`` is submitted: the forwards it ran, as
+    ``(nesting depth, rows, tokens)``."""
     inner, log, depth = eng.runner.forward, [], [0]
 
     def forward(rows, ids, positions, kv_len):
@@ -311,11 +307,24 @@ def test_l0_arriving_during_other_prompts_chunk_is_prefilled_between_two_of_its_
         finally:
             depth[0] -= 1
     eng.runner.forward = forward
-    with torch.inference_mode():
-        eng._step()
+    try:
+        with torch.inference_mode():
+            eng._step()
+    finally:
+        eng.runner.forward = inner
+    return log
+
+
+def test_l0_arriving_during_other_prompts_chunk_is_prefilled_between_two_of_its_layers(tiny_reference,
+                                                                                       tiny_tokenizer):
+    # The L0 request arrives as the long prompt's chunk begins: its prefill runs nested in that
+    # forward (before its first layer), not after it; both requests' tokens stay the greedy ones.
+    eng, running, long_prompt = loaded_engine(tiny_reference, tiny_tokenizer)
+    boundary(eng)
+    l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    log = step_with_cut_in(eng, l0)
     assert log[:2] == [(0, [long_prompt.row], 8), (1, [l0.row], 5)]
     assert len(l0.output_ids) == 2 and long_prompt.prefilled == 8       # first token, then the decode
-    eng.runner.forward = inner
     drive(eng, done(l0, long_prompt))
     for g in (l0, long_prompt):
         assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
@@ -339,23 +348,9 @@ def test_an_l0_request_cutting_in_on_a_full_batch_preempts_a_row_the_forward_doe
     assert eng.submit(c).admitted
     boundary(eng)
     l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
-    inner, log, depth = eng.runner.forward, [], [0]
-
-    def forward(rows, ids, positions, kv_len):
-        log.append((depth[0], list(rows), ids.shape[1]))
-        if len(log) == 1:
-            assert eng.submit(l0).admitted
-        depth[0] += 1
-        try:
-            return inner(rows, ids, positions, kv_len)
-        finally:
-            depth[0] -= 1
-    eng.runner.forward = forward
-    with torch.inference_mode():
-        eng._step()
+    log = step_with_cut_in(eng, l0)
     assert b.sched.preempted == 1 and a.sched.preempted == 0 and c.sched.preempted == 0
     assert log[:2] == [(0, [c.row], 8), (1, [l0.row], 5)] and l0.row != c.row
-    eng.runner.forward = inner
     drive(eng, done(a, b, c, l0))
     for g in (a, b, c, l0):
         assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)

@@ -2,7 +2,6 @@
 embedded controller): completions and chat, streamed and not, extensions, error shapes, concurrency,
 a client leaving mid-stream, overload."""
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,11 +10,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_helpers import greedy
+from serve_helpers import greedy, serve_in_thread, stop_server
 
 from deepseek_flash.daemon.config import KEYS as CONFIG_KEYS
 from deepseek_flash.serve.app import DEFAULT_CHAT_TEMPLATE
-from deepseek_flash.serve.cli import build, listen, server
+from deepseek_flash.serve.cli import build
 
 MAX_LEN = 96
 
@@ -28,19 +27,9 @@ def served(tiny_checkpoint, tmp_path_factory):
     spill_root = tmp_path_factory.mktemp("spill-root")
     app, state = build(str(store), device="cpu", max_batch=4, max_model_len=MAX_LEN, embedded=True,
                        kv_spill_root=str(spill_root))
-    sock = listen("127.0.0.1", 0)
-    srv = server(app, sock, "warning")
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    base, srv, thread = serve_in_thread(app)
     yield base, state
-    srv.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive()
+    stop_server(srv, thread)
     assert state.engine.scheduler.draining            # the lifespan shutdown closed the engine
 
 

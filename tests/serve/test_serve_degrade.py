@@ -1,14 +1,15 @@
 """L2's degrade steps seen over HTTP: a real server (tiny model, CPU), the official ``openai``
 client; an elastic request running when L1 demand takes every slot is degraded step by step, and
 its response and the server's metrics say so."""
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 
-from deepseek_flash.serve.cli import build, listen, server
+from serve_helpers import serve_in_thread, stop_server
+
+from deepseek_flash.serve.cli import build
 
 
 def start(store):
@@ -17,15 +18,8 @@ def start(store):
     app, state = build(str(store), device="cpu", max_batch=2, max_model_len=512, embedded=True)
     sched = state.engine.scheduler
     sched.idle_window, sched.degrade_interval = 1e-3, 0.0
-    sock = listen("127.0.0.1", 0)
-    srv = server(app, sock, "warning")
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", state, srv, thread
+    base, srv, thread = serve_in_thread(app)
+    return base, state, srv, thread
 
 
 def test_an_l2_request_under_l1_pressure_is_degraded_in_order_and_says_so(tiny_checkpoint, tmp_path):
@@ -69,5 +63,4 @@ def test_an_l2_request_under_l1_pressure_is_degraded_in_order_and_says_so(tiny_c
             'deepseek_flash_serve_degrade_steps_total{step="max_new_tokens"} 1',
             "deepseek_flash_serve_degraded_requests_total 1"]
     finally:
-        srv.should_exit = True
-        thread.join(30)
+        stop_server(srv, thread)
