@@ -526,18 +526,8 @@ def capture_blocker(model, hooks_ok=()) -> str | None:
     """Why a CUDA graph of ``model``'s forward would not do what the forward does (None: it
     would): forward hooks (a graph runs them once, at capture), other than those of the modules
     whose ids are in ``hooks_ok``."""
-    import torch
-
-    hooks = torch.nn.modules.module
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-        return "global forward hooks are registered (a graph would run them once)"
-    for name, module in model.named_modules():
-        if id(module) in hooks_ok:
-            continue
-        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
-            name = name or type(module).__name__
-            return f"module {name} has forward hooks (a graph would run them once)"
-    return None
+    hooked = fusion.hooked_module(model, hooks_ok)
+    return None if hooked is None else f"{hooked} (a graph would run them once)"
 
 
 def enable(model, capacity: int | None = None, graphs: bool = True, **options) -> GraphDecoder:
