@@ -138,10 +138,9 @@ def test_host_rows_put_remove_gather_and_bounded_capacity():
     assert rows.capacity == 0 and rows.nbytes() == 0 and rows.buf is None
 
 
-@pytest.mark.parametrize("top_k", [None, 0.25])
-def test_a_decode_step_runs_as_many_tensor_operations_at_any_context(model3, top_k):
-    """The tensor operations of one decode step (between evaluations) do not grow with the number
-    of demoted pages: no loop over pages anywhere in the step."""
+def op_counter():
+    """A dispatch mode counting the tensor operations run under it by name (``.ops``), views
+    apart: they move nothing (and slice or alias by the shapes)."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -152,10 +151,17 @@ def test_a_decode_step_runs_as_many_tensor_operations_at_any_context(model3, top
             self.ops = Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:  # views move nothing (and slice or alias by the shapes)
+            if not func.is_view:
                 self.ops[str(func)] += 1
             return func(*args, **(kwargs or {}))
 
+    return Count()
+
+
+@pytest.mark.parametrize("top_k", [None, 0.25])
+def test_a_decode_step_runs_as_many_tensor_operations_at_any_context(model3, top_k):
+    """The tensor operations of one decode step (between evaluations) do not grow with the number
+    of demoted pages: no loop over pages anywhere in the step."""
     counts = []
     for pages in (6, 30):
         prompt = 4 + 64 + pages * PAGE
@@ -167,7 +173,7 @@ def test_a_decode_step_runs_as_many_tensor_operations_at_any_context(model3, top
             for t in range(prompt, prompt + 5):  # the 4th step's evaluation compresses to int4
                 model3(ids[:, t:t + 1], cache=cache)
             assert all(len(x.prune.l3) == pages for x in cache.layers)
-            with Count() as c:
+            with op_counter() as c:
                 model3(ids[:, prompt + 5:prompt + 6], cache=cache)
         counts.append(c.ops)
     assert counts[0] == counts[1]
@@ -216,20 +222,6 @@ def test_an_evaluation_runs_as_many_tensor_operations_at_any_context(model3):
     1 -> 2) runs the same tensor operations and host reads of a scalar at 6 and at 30 demoted
     pages per layer: the pages to move are found with one mask each, not one read per page, the
     host rows move in one indexed copy, and the layers' scores come to the host together."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.ops[str(func)] += 1
-            return func(*args, **(kwargs or {}))
-
     counts = []
     for pages in (6, 30):
         prompt = 4 + 64 + pages * PAGE
@@ -241,7 +233,7 @@ def test_an_evaluation_runs_as_many_tensor_operations_at_any_context(model3):
             for t in range(prompt, prompt + 3):
                 model3(ids[:, t:t + 1], cache=cache)
             assert all(len(x.prune.l2) == pages and not len(x.prune.l3) for x in cache.layers)
-            with Count() as c:  # the 4th step evaluates: every level-2 page -> 3
+            with op_counter() as c:  # the 4th step evaluates: every level-2 page -> 3
                 model3(ids[:, prompt + 3:prompt + 4], cache=cache)
             assert all(len(x.prune.l3) == pages for x in cache.layers)
         counts.append(c.ops)

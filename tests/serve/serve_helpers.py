@@ -54,3 +54,17 @@ def stop_server(srv, thread):
     srv.should_exit = True
     thread.join(30)
     assert not thread.is_alive()
+
+
+DEGRADED_ONCE = ['deepseek_flash_serve_degrade_steps_total{step="temperature"} 1',
+                 'deepseek_flash_serve_degrade_steps_total{step="top_p"} 1',
+                 'deepseek_flash_serve_degrade_steps_total{step="max_new_tokens"} 1',
+                 "deepseek_flash_serve_degraded_requests_total 1"]
+
+
+def degrade_metrics(text: str) -> list:
+    """The degrade counters' lines of a ``/metrics`` text (``DEGRADED_ONCE``: one request through
+    the three steps)."""
+    return [line for line in text.splitlines()
+            if line.startswith(("deepseek_flash_serve_degrade_steps_total{",
+                                "deepseek_flash_serve_degraded_requests_total "))]
