@@ -470,3 +470,30 @@ def assert_eventually_true(predicate, timeout=10.0):
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def test_the_window_a_client_opened_with_reaches_its_attach_plan(controller, tiny_store):
+    """``flash_context={"prefetch_window": 1}`` on open: the attach (which re-opens the model
+    inside the controller) plans a ring of two; another client's default open plans three."""
+    from deepseek_flash.daemon.planner import plan_residency, resident_minimum
+
+    manager, arena = controller
+    attachments = Attachments(manager, Loader(manager, arena, None), None)
+    one, default = manager.connect({"name": "one"}), manager.connect({"name": "default"})
+    info = manager.open_model(one, str(tiny_store), {"prefetch_window": 1})
+    assert info.flash_config["prefetch_window"] == 1
+    assert manager.open_model(default, info.name).flash_config["prefetch_window"] == "auto"
+    smallest = resident_minimum(info.blocks)
+    budget = smallest + plan_residency(info.blocks, smallest, 1).slot_bytes   # room for a third slot
+    plans = {}
+    for cid in (one, default):
+        out = attachments.attach(cid, info.name, "cpu", weight_budget=budget)
+        out = out.result(timeout=30) if hasattr(out, "result") else out
+        plans[cid] = out["plan"]
+    assert (plans[one]["window"], plans[one]["n_slots"]) == (1, 2)
+    assert (plans[default]["window"], plans[default]["n_slots"]) == (2, 3)
+    # The handle kept its context through the attach's re-open.
+    assert manager.open_model(one, info.name).flash_config["prefetch_window"] == 1
+    for cid in (one, default):
+        attachments.loader.detach(cid)
+    assert manager.stats()["active_leases"] == 0
