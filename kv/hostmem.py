@@ -34,6 +34,11 @@ class OwnMemory:
     def alloc(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
 
+    def device_readable(self) -> bool:
+        """Whether kernels may read the chunks at their host addresses (kv/span.py): torch's
+        page-locked memory is mapped for the device at its host address."""
+        return self.pinned
+
     def free(self, tensor) -> None:
         pass
 
@@ -51,6 +56,7 @@ class ArenaMemory:
         self.counters = counters
         self.own = OwnMemory(pinned)
         self.regions: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, client generation)
+        self._readable: bool | None = None
 
     def alloc(self, shape, dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -65,6 +71,22 @@ class ArenaMemory:
         tensor = base[offset:offset + nbytes].view(dtype).view(shape)
         self.regions[tensor.data_ptr()] = (offset, self.client.generation)
         return tensor
+
+    def device_readable(self) -> bool:
+        """Whether kernels may read the chunks at their host addresses (kv/span.py): the arena
+        is page-locked and mapped for the device at the same addresses, first to last byte
+        (asked once; the arena's own chunks and the fallback chunks of torch's page-locked
+        memory are both readable then)."""
+        if self._readable is None:
+            from deepseek_flash.cuda import device_address
+
+            self._readable = False
+            if self.pinned:
+                base = self.client.host_tensor(pinned=True)
+                first, last = base.data_ptr(), base.data_ptr() + base.numel() - 1
+                self._readable = (device_address(first) == first
+                                  and device_address(last) == last)
+        return self._readable
 
     def free(self, tensor) -> None:
         region = self.regions.pop(tensor.data_ptr(), None)
