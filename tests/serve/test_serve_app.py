@@ -56,8 +56,10 @@ def test_models_and_health(served, client):
 def test_completion_is_the_greedy_continuation_with_flash_fields(served, client, tiny_reference, tiny_tokenizer):
     prompt = [72, 101, 108, 108, 111]
     want = greedy(tiny_reference, prompt, 8)
+    before = time.monotonic()
     resp = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, temperature=0,
                                      extra_body={"flash_context": {"priority_class": "L0"}, "priority": 3})
+    after = time.monotonic()
     assert (resp.choices[0].text, 8) == expected_text(tiny_tokenizer, want)
     assert resp.choices[0].finish_reason == "length"
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (5, 8)
@@ -68,6 +70,15 @@ def test_completion_is_the_greedy_continuation_with_flash_fields(served, client,
     assert flash["queue_ms"] >= 0 and flash["ttft_ms"] >= flash["queue_ms"]
     assert flash["kv"] == {"tokens": 13, "cache": "rows", "bytes": 13 * served[1].engine.runner.cache.bytes_per_token}
     assert (flash["bytes_streamed"], flash["prefetch_hit_rate"]) == (0, None)    # fully resident
+    # Where its time went, on the server's monotonic clock (this process's): the handler had it,
+    # the scheduler took it, it joined the batch, its first token; no stream, so no first write.
+    timing = flash["timing"]
+    assert set(timing) == {"received_at", "queued_ms", "admitted_ms", "first_token_ms", "first_write_ms"}
+    assert before <= timing["received_at"] <= after
+    assert 0 <= timing["queued_ms"] <= timing["admitted_ms"] <= timing["first_token_ms"] <= (after - before) * 1e3
+    assert timing["admitted_ms"] - timing["queued_ms"] == pytest.approx(flash["queue_ms"], abs=0.01)
+    assert timing["first_token_ms"] - timing["queued_ms"] == pytest.approx(flash["ttft_ms"], abs=0.01)
+    assert timing["first_write_ms"] is None
 
 
 def test_streamed_completion_equals_the_plain_one(client):
@@ -79,6 +90,9 @@ def test_streamed_completion_equals_the_plain_one(client):
     last = [c for c in chunks if c.choices][-1]
     assert last.choices[0].finish_reason == "length"
     assert last.model_extra["flash"]["class"] == "L1" and last.model_extra["degraded"] is False
+    # A stream's first token went to the HTTP server to write after the step that made it.
+    timing = last.model_extra["flash"]["timing"]
+    assert 0 <= timing["queued_ms"] <= timing["admitted_ms"] <= timing["first_token_ms"] <= timing["first_write_ms"]
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
 
 
