@@ -72,16 +72,17 @@ def _field(body: dict, name: str, kind, default=None, *, minimum=None, maximum=N
 class Delivery:
     """Engine events into the event loop's queues with one wake-up for all that arrive together: a
     step's tokens for every row of the batch cost the loop one wake-up (and the engine thread one
-    ``call_soon_threadsafe``), not one per row."""
+    ``call_soon_threadsafe``), not one per row. ``urgent`` events (an L0 request's) are put first,
+    so their streams resume -- and write -- ahead of the rest of the step's."""
 
     def __init__(self, loop):
         self.loop = loop
         self._lock = threading.Lock()
         self._pending: list = []
 
-    def __call__(self, queue, item) -> None:
+    def __call__(self, queue, item, urgent: bool = False) -> None:
         with self._lock:
-            self._pending.append((queue, item))
+            self._pending.append((not urgent, queue, item))
             if len(self._pending) > 1:
                 return                      # a wake-up is already on its way
         self.loop.call_soon_threadsafe(self._drain)
@@ -89,7 +90,8 @@ class Delivery:
     def _drain(self) -> None:
         with self._lock:
             items, self._pending = self._pending, []
-        for queue, item in items:
+        items.sort(key=lambda x: x[0])          # stable: urgent first, each in its order
+        for _, queue, item in items:
             queue.put_nowait(item)
 
 
@@ -268,10 +270,11 @@ class ServeState:
         queue: asyncio.Queue = asyncio.Queue()
         stream = opts["stream"]
         deliver = self.delivery(asyncio.get_running_loop())
+        urgent = opts["priority_class"] == "L0"
 
         def on_event(kind, data):
             if stream or kind != "token":
-                deliver(queue, (kind, data))
+                deliver(queue, (kind, data), urgent)
 
         req = SchedRequest(id=uuid.uuid4().hex, priority_class=opts["priority_class"], max_new_tokens=max_new,
                            temperature=opts["temperature"], top_p=opts["top_p"], priority=opts["priority"])

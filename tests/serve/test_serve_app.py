@@ -303,3 +303,29 @@ def test_events_of_one_step_wake_the_event_loop_once():
     assert queues[3].get_nowait() == ("token", 3) and queues[3].get_nowait() == ("done", {})
     deliver(queues[0], ("token", 99))               # after the drain: a new wake-up
     assert len(loop.calls) == 2
+
+
+def test_an_l0_requests_events_resume_its_stream_first():
+    # One step's tokens arrive in row order; the L0 request's (urgent) is put first, so its stream
+    # resumes -- and writes -- before the other rows' of the same step, which keep their order.
+    import asyncio
+
+    from deepseek_flash.serve.app import Delivery
+
+    async def main():
+        deliver = Delivery(asyncio.get_running_loop())
+        queues = {name: asyncio.Queue() for name in ("a", "b", "l0", "c")}
+        resumed = []
+
+        async def stream(name):
+            item = await queues[name].get()
+            resumed.append((name, item))
+        tasks = [asyncio.create_task(stream(n)) for n in queues]
+        await asyncio.sleep(0)                        # every stream waits on its queue
+        for name in queues:                           # the engine thread's order: row order
+            deliver(queues[name], ("token", name), urgent=name == "l0")
+        await asyncio.gather(*tasks)
+        return resumed
+
+    assert asyncio.run(main()) == [("l0", ("token", "l0")), ("a", ("token", "a")), ("b", ("token", "b")),
+                                   ("c", ("token", "c"))]
