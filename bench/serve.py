@@ -24,8 +24,13 @@ rows, time to the result on the host and the host's launch time -- which says wh
 bound by the device or by Python -- and the seconds each phase ended at (``phase_s``).
 
 Every request is streamed over HTTP (the server runs in this process on 127.0.0.1 with uvicorn;
-the load generator is an asyncio client in a child process, so its parsing does not take the
-server's interpreter lock); TTFT is the first server-sent event, latency the last.
+the clients are asyncio clients in child processes, so their parsing does not take the server's
+interpreter lock): in the load phases the L0 stream is sent by a probe process of its own and the
+L1/L2 load by ``--load-procs`` (2) others, so an L0 request's time to first token is not the load
+generator's event-loop backlog. TTFT is the first server-sent event, latency the last. Each class
+also reports where its TTFT went (``ttft_breakdown``: to the server, parse, queue, compute, hand-off
+to the event loop and socket, to the client -- ``stages``, from the response's ``flash.timing``;
+per request in ``worst_l0``), and so does the unloaded phase.
 Checks printed beside the results: L0 P99 TTFT <= 2x unloaded P99 and < 150 ms (and FIFO's ratio), L1
 completion time per token by weight (fairness), L2 degrade rate < 5 %, 16 concurrent >= 8x one
 request, nothing lost (every request answered or refused with a status). JSON to ``--output``, a
@@ -110,7 +115,7 @@ async def one(http, base, model, cls, max_tokens, prompt, t0, rec=None):
             "flash_context": {"priority_class": cls}}
     rec = {} if rec is None else rec
     rec.update({"class": cls, "max_tokens": max_tokens, "status": None, "ttft": None, "latency": None,
-                "tokens": 0, "degraded": False, "server_ttft_ms": None, "queue_ms": None})
+                "tokens": 0, "degraded": False, "server_ttft_ms": None, "queue_ms": None, "timing": None})
     start = time.perf_counter()
     rec["sent_at"] = start          # the clock the server's forwards are stamped with (monotonic)
     try:
@@ -136,6 +141,7 @@ async def one(http, base, model, cls, max_tokens, prompt, t0, rec=None):
                     rec["degraded"] = chunk["degraded"]
                     rec["server_ttft_ms"] = chunk["flash"]["ttft_ms"]
                     rec["queue_ms"] = chunk["flash"]["queue_ms"]
+                    rec["timing"] = chunk["flash"].get("timing")
         rec["latency"] = time.perf_counter() - start
     except Exception as exc:  # noqa: BLE001 -- a lost request is a result, recorded as such
         rec["status"] = f"lost: {type(exc).__name__}: {exc}"
@@ -178,7 +184,7 @@ async def unloaded(base, model, n, prompt_len):
     async with httpx.AsyncClient(timeout=600) as http:
         recs = [await one(http, base, model, "L0", UNLOADED_TOKENS, prompt(i, prompt_len), 0) for i in range(n)]
     ttft = [r["ttft"] for r in recs]
-    return {"requests": n, **ttft_stats(ttft), "ttft_ms": [ms(t) for t in ttft]}
+    return {"requests": n, **ttft_stats(ttft), "ttft_ms": [ms(t) for t in ttft], "ttft_breakdown": breakdown(recs)}
 
 
 async def throughput(base, model, concurrency, tokens, prompt_len):
@@ -239,30 +245,116 @@ def schedule(capacity_rps: dict, load, wave_s, scale, seed):
     return sorted(arrivals)
 
 
-async def run_load(base, model, arrivals, prompt_len, drain_s):
-    """Send ``arrivals`` on schedule; requests still running ``drain_s`` after the last arrival are
-    closed by the client and recorded as ``unfinished`` (the bench's time limit, not the server's
-    answer)."""
+async def run_load(base, model, indexed, prompt_len, start_at, stop_at):
+    """Send ``indexed`` -- (index, (at, class, max_tokens)) -- each at ``start_at + at`` (the
+    ``perf_counter`` clock, CLOCK_MONOTONIC: one clock for every process of the host); requests
+    still running at ``stop_at`` are closed by the client and recorded as ``unfinished`` (the
+    bench's time limit, not the server's answer). Returns [(index, record)] and when the last
+    ended."""
     import httpx
 
-    async with httpx.AsyncClient(timeout=drain_s + 600, limits=httpx.Limits(max_connections=None)) as http:
-        t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=stop_at - start_at + 600,
+                                 limits=httpx.Limits(max_connections=None)) as http:
         tasks, records = [], []
-        for i, (at, cls, tokens) in enumerate(arrivals):
-            delay = at - (time.perf_counter() - t0)
+        for i, (at, cls, tokens) in indexed:
+            delay = start_at + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             rec = {}
-            records.append(rec)
-            tasks.append(asyncio.create_task(one(http, base, model, cls, tokens, prompt(i, prompt_len), t0, rec)))
-        done, pending = await asyncio.wait(tasks, timeout=drain_s)
+            records.append((i, rec))
+            tasks.append(asyncio.create_task(one(http, base, model, cls, tokens, prompt(i, prompt_len), start_at, rec)))
+        pending = ()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, stop_at - time.perf_counter()))
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    for rec, task in zip(records, tasks):
+    for (_, rec), task in zip(records, tasks):
         if task in pending:
             rec["status"] = "unfinished"
-    return records, time.perf_counter() - t0
+    return records, time.perf_counter()
+
+
+def split_arrivals(arrivals, load_procs: int) -> list:
+    """The client processes' shares of the schedule, as (index, arrival) lists: every L0 arrival to
+    the first (the probe, whose event loop carries nothing else, so an L0 request's time to first
+    token is not the load generator's own backlog), the others in turn over ``load_procs``."""
+    parts = [[] for _ in range(1 + max(1, load_procs))]
+    k = 0
+    for i, arrival in enumerate(arrivals):
+        if arrival[1] == "L0":
+            parts[0].append((i, arrival))
+        else:
+            parts[1 + k % (len(parts) - 1)].append((i, arrival))
+            k += 1
+    return parts
+
+
+# The client processes start sending this long after the schedule is handed out.
+START_LEAD_S = 1.0
+
+
+def load_phase(pool, base, model, arrivals, prompt_len, drain_s, load_procs):
+    """One load phase over the client processes (``split_arrivals``), all on one start time: the
+    records in schedule order and the phase's wall time (start to the last answer)."""
+    start_at = time.perf_counter() + START_LEAD_S
+    stop_at = start_at + (arrivals[-1][0] if arrivals else 0.0) + drain_s
+    futures = [pool.submit(_run_async, run_load, base, model, part, prompt_len, start_at, stop_at)
+               for part in split_arrivals(arrivals, load_procs) if part]
+    records, ended = [None] * len(arrivals), start_at
+    for future in futures:
+        part, last = future.result()
+        ended = max(ended, last)
+        for i, rec in part:
+            records[i] = rec
+    return records, ended - start_at
+
+
+def _ready(seconds):
+    import httpx  # noqa: F401 -- imported once per client process, before any phase is timed
+
+    time.sleep(seconds)
+    return 0
+
+
+STAGES = ("to_server", "parse", "queue", "compute", "hand_off", "to_client")
+
+
+def stages(rec) -> dict | None:
+    """Where one request's time to first token went, ms, summing to it: ``to_server`` (sent by the
+    client -> the server's HTTP handler has it: the client's and the server's event loops and the
+    socket), ``parse`` (-> the scheduler took it: body, JSON, tokenizer, route), ``queue`` (-> it
+    joined the batch), ``compute`` (-> the step that made its first token ended), ``hand_off``
+    (-> that token's chunk handed to the HTTP server to write: the engine thread to the server's
+    event loop and its backlog), ``to_client`` (-> the client read it: the server's write, the
+    socket and the client's event loop).
+    From the response's ``flash.timing`` (the server's monotonic clock, the client's too)."""
+    t = rec.get("timing")
+    if not t or rec.get("ttft") is None or t.get("received_at") is None or None in (
+            t.get("queued_ms"), t.get("admitted_ms"), t.get("first_token_ms"), t.get("first_write_ms")):
+        return None
+    received = (t["received_at"] - rec["sent_at"]) * 1e3
+    marks = [0.0, received, received + t["queued_ms"], received + t["admitted_ms"],
+             received + t["first_token_ms"], received + t["first_write_ms"], rec["ttft"] * 1e3]
+    return {name: round(b - a, 3) for name, a, b in zip(STAGES, marks, marks[1:])}
+
+
+def breakdown(recs) -> dict:
+    """p50 and p99 of each stage (``stages``) over ``recs``, and the stages' mean over the slowest
+    1 % (at least one) by time to first token: where the tail's time went."""
+    rows = [(r["ttft"], s) for r in recs if (s := stages(r)) is not None]
+    if not rows:
+        return {"requests": 0}
+    rows.sort(key=lambda x: x[0])
+    tail = rows[-max(1, len(rows) // 100):]
+    out = {"requests": len(rows)}
+    for name in STAGES:
+        values = [s[name] for _, s in rows]
+        out[name] = {"p50": quantile(values, 0.5), "p99": quantile(values, 0.99),
+                     "tail_mean": round(sum(s[name] for _, s in tail) / len(tail), 3)}
+    out["tail_requests"] = len(tail)
+    out["tail_ttft_ms_mean"] = round(sum(t for t, _ in tail) / len(tail) * 1e3, 3)
+    return out
 
 
 def worst_l0(recs, forwards, n=3) -> list:
@@ -281,6 +373,7 @@ def worst_l0(recs, forwards, n=3) -> list:
         # A request that waited seconds (FIFO) saw thousands: the first and the last 20 are kept.
         kept = during if len(during) <= 40 else during[:20] + during[-20:]
         out.append({"ttft_ms": ms(r["ttft"]), "server_ttft_ms": r["server_ttft_ms"], "queue_ms": r["queue_ms"],
+                    "stages_ms": stages(r),
                     "forwards_ms": round(sum(f[4] for f in during), 3), "forwards_count": len(during),
                     "forwards": [{"at_ms": round((f[3] - lo) * 1e3, 2), "kind": f[0], "rows": f[1],
                                   "tokens": f[2], "kv": f[6], "ms": f[4], "launch_ms": f[5]} for f in kept]})
@@ -303,6 +396,7 @@ def summarize(recs, unloaded_p99_ms):
                  "latency_p50_ms": ms(quantile([r["latency"] for r in ok], 0.5)),
                  "latency_p99_ms": ms(quantile([r["latency"] for r in ok], 0.99)),
                  "degraded": sum(1 for r in ok if r["degraded"]),
+                 "ttft_breakdown": breakdown(ok),
                  "lost_examples": [r["status"] for r in lost[:3]]}
         if cls == "L1":
             by_size = {}
@@ -373,6 +467,8 @@ def main(argv=None) -> int:
                         help="after the last arrival, how long requests may still run before the "
                              "client closes them (recorded as unfinished; default 4x --wave-seconds, "
                              "at least 30)")
+    parser.add_argument("--load-procs", type=int, default=2,
+                        help="client processes sending the L1/L2 load; the L0 stream has one of its own")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model on the CPU, max_tokens / 16, short waves: the bench's own test")
     parser.add_argument("--seed", type=int, default=0)
@@ -417,7 +513,14 @@ def main(argv=None) -> int:
     phase("model")
     # Requests still running this long after the last arrival are cut (recorded as unfinished).
     drain = args.drain_seconds if args.drain_seconds is not None else max(30.0, 4 * args.wave_seconds)
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    # The client processes: the L0 probe and ``--load-procs`` load generators (``split_arrivals``),
+    # each started and with httpx imported before anything is timed; the phases before the load
+    # run in one of them.
+    procs = 1 + max(1, args.load_procs)
+    result["client_processes"] = {"l0_probe": 1, "load": procs - 1}
+    pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
+    for f in [pool.submit(_ready, 0.5) for _ in range(procs)]:
+        f.result()
     try:
         for mode in ("flash", "fifo"):
             state = make_state(model, tokenizer, max_batch=args.max_batch, max_model_len=max_len, scheduler=mode)
@@ -467,7 +570,7 @@ def main(argv=None) -> int:
                     save(result, args.output)
                 state.engine.runner.profile(reset=True)
                 steps0, open0 = state.engine.stats["steps"], state.engine.stats["l2_open_steps"]
-                recs, wall = client(pool, run_load, base, name, arrivals, args.prompt_len, drain)
+                recs, wall = load_phase(pool, base, name, arrivals, args.prompt_len, drain, args.load_procs)
                 steps = state.engine.stats["steps"] - steps0
                 forwards = state.engine.runner.forwards()
                 profiles[mode] = state.engine.runner.profile(reset=True)

@@ -1,5 +1,6 @@
-"""Where the host tier's chunks live: the process's own memory (page-locked when CUDA is present),
-or, for a model from ``load_model``, the controller's host arena -- the memory the daemon (or the
+"""Where the host tier's chunks live: the process's own memory (page-locked when CUDA is present:
+ranges of this process's ``HostPool``, deepseek_flash/hostpool.py, page-locked once and reused by
+every later cache), or, for a model from ``load_model``, the controller's host arena -- the memory the daemon (or the
 embedded controller) shares with its clients and accounts for.
 
 ``ArenaMemory`` asks the controller for a region per chunk (``kv_alloc``: the daemon makes room
@@ -19,20 +20,41 @@ import math
 import torch
 
 from deepseek_flash.errors import FlashError, OutOfMemory
+from deepseek_flash.hostpool import HostPool, process_pool
 
 log = logging.getLogger("deepseek_flash.kv.cache")
 
+POOL_REGION_BYTES = 64 << 20
+
 
 class OwnMemory:
-    """Chunks in this process's memory."""
+    """Chunks in this process's memory: page-locked ones from a ``HostPool``
+    (deepseek_flash/hostpool.py; this process's unless one is given), so that a cache reuses what
+    an earlier one page-locked -- the tiered cache's chunks and pruning's row buffers alike."""
 
     arena = False
 
-    def __init__(self, pinned: bool):
+    def __init__(self, pinned: bool, pool: HostPool | None = None):
         self.pinned = pinned
+        self._pool = pool
+
+    def pool(self) -> HostPool | None:
+        """Where page-locked buffers of this cache come from (None: pageable memory)."""
+        if not self.pinned:
+            return None
+        if self._pool is None:
+            self._pool = process_pool()
+        return self._pool
 
     def alloc(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
+        if not self.pinned:
+            return torch.empty(shape, dtype=dtype)
+        return self.pool().tensor(shape, dtype)
+
+    def device_readable(self) -> bool:
+        """Whether kernels may read the chunks at their host addresses (kv/span.py): page-locked
+        ones are (the pool's slabs, as kv/span.py has read them from the start)."""
+        return self.pinned
 
     def free(self, tensor) -> None:
         pass
@@ -51,6 +73,19 @@ class ArenaMemory:
         self.counters = counters
         self.own = OwnMemory(pinned)
         self.regions: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, client generation)
+        self._readable: bool | None = None
+        self._pool: HostPool | None = None
+
+    def pool(self) -> HostPool | None:
+        """Page-locked buffers of this cache other than its chunks (pruning's rows) as ranges of
+        arena regions taken ``POOL_REGION_BYTES`` at a time, given back with the cache
+        (``close``); None without CUDA (pageable buffers of this process)."""
+        if not self.pinned:
+            return None
+        if self._pool is None:
+            self._pool = HostPool(POOL_REGION_BYTES,
+                                  lambda n: (self.alloc((n,), torch.uint8), None))
+        return self._pool
 
     def alloc(self, shape, dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -65,6 +100,22 @@ class ArenaMemory:
         tensor = base[offset:offset + nbytes].view(dtype).view(shape)
         self.regions[tensor.data_ptr()] = (offset, self.client.generation)
         return tensor
+
+    def device_readable(self) -> bool:
+        """Whether kernels may read the chunks at their host addresses (kv/span.py): the arena
+        is page-locked and mapped for the device at the same addresses, first to last byte
+        (asked once; the arena's chunks and the fallback chunks of this process's page-locked
+        memory are both readable then)."""
+        if self._readable is None:
+            from deepseek_flash.cuda import device_address
+
+            self._readable = False
+            if self.pinned:
+                base = self.client.host_tensor(pinned=True)
+                first, last = base.data_ptr(), base.data_ptr() + base.numel() - 1
+                self._readable = (device_address(first) == first
+                                  and device_address(last) == last)
+        return self._readable
 
     def free(self, tensor) -> None:
         region = self.regions.pop(tensor.data_ptr(), None)

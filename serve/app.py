@@ -72,16 +72,17 @@ def _field(body: dict, name: str, kind, default=None, *, minimum=None, maximum=N
 class Delivery:
     """Engine events into the event loop's queues with one wake-up for all that arrive together: a
     step's tokens for every row of the batch cost the loop one wake-up (and the engine thread one
-    ``call_soon_threadsafe``), not one per row."""
+    ``call_soon_threadsafe``), not one per row. ``urgent`` events (an L0 request's) are put first,
+    so their streams resume -- and write -- ahead of the rest of the step's."""
 
     def __init__(self, loop):
         self.loop = loop
         self._lock = threading.Lock()
         self._pending: list = []
 
-    def __call__(self, queue, item) -> None:
+    def __call__(self, queue, item, urgent: bool = False) -> None:
         with self._lock:
-            self._pending.append((queue, item))
+            self._pending.append((not urgent, queue, item))
             if len(self._pending) > 1:
                 return                      # a wake-up is already on its way
         self.loop.call_soon_threadsafe(self._drain)
@@ -89,7 +90,8 @@ class Delivery:
     def _drain(self) -> None:
         with self._lock:
             items, self._pending = self._pending, []
-        for queue, item in items:
+        items.sort(key=lambda x: x[0])          # stable: urgent first, each in its order
+        for _, queue, item in items:
             queue.put_nowait(item)
 
 
@@ -260,23 +262,27 @@ class ServeState:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- running ----------------------------------------------------------------------------------
-    def submit(self, prompt_ids: list, max_new: int, opts: dict):
+    def submit(self, prompt_ids: list, max_new: int, opts: dict, received: float | None = None):
         """Queue a generation; returns (generation, asyncio queue of engine events). Without
-        ``opts["stream"]`` only the last event (done or error) is queued."""
+        ``opts["stream"]`` only the last event (done or error) is queued. ``received``: when the
+        HTTP handler had the request (``time.monotonic``), the start of the response's
+        ``flash.timing``."""
         queue: asyncio.Queue = asyncio.Queue()
         stream = opts["stream"]
         deliver = self.delivery(asyncio.get_running_loop())
+        urgent = opts["priority_class"] == "L0"
 
         def on_event(kind, data):
             if stream or kind != "token":
-                deliver(queue, (kind, data))
+                deliver(queue, (kind, data), urgent)
 
         req = SchedRequest(id=uuid.uuid4().hex, priority_class=opts["priority_class"], max_new_tokens=max_new,
                            temperature=opts["temperature"], top_p=opts["top_p"], priority=opts["priority"])
         eos = self.tokenizer.eos_token_id
         gen = Generation(req, prompt_ids, on_event, stop_strings=opts["stops"], seed=opts["seed"],
                          prefetch_window=opts["prefetch_window"], kv_options=opts["kv_options"],
-                         stop_ids=frozenset() if eos is None else frozenset({eos}))
+                         stop_ids=frozenset() if eos is None else frozenset({eos}),
+                         received_at=received)
         route = self.engine.submit(gen)
         if not route.admitted:
             overloaded = route.status == 429
@@ -292,6 +298,22 @@ class ServeState:
         if current is None or current.loop is not loop:
             current = self._delivery = Delivery(loop)
         return current
+
+    @staticmethod
+    def timing(gen: Generation) -> dict:
+        """``flash.timing``: where the request's time to first token went on the server, in ms
+        from ``received_at`` (the HTTP handler had it; ``time.monotonic`` seconds, the clock of
+        every stamp): ``queued`` (the scheduler took it), ``admitted`` (it joined the batch),
+        ``first_token`` (the step that made its first token ended), ``first_write`` (the event loop
+        had that token's chunk and handed it to the server to write; streams only). ``null`` for a stage not reached."""
+        t0 = gen.received_at
+        req = gen.sched
+
+        def rel(t):
+            return None if t is None or t0 is None else round((t - t0) * 1e3, 3)
+        return {"received_at": None if t0 is None else round(t0, 6), "queued_ms": rel(req.arrival or None),
+                "admitted_ms": rel(req.started), "first_token_ms": rel(gen.first_token_at),
+                "first_write_ms": rel(gen.first_write_at)}
 
     def usage(self, gen: Generation) -> dict:
         return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.output_ids),
@@ -429,6 +451,7 @@ def create_app(state: ServeState):
                                             "max_model_len": state.engine.max_model_len}]}
 
     async def run(request: Request, chat: bool):
+        received = time.monotonic()
         body = await read_json(request)
         opts = state.parse_common(body)
         if chat:
@@ -437,7 +460,7 @@ def create_app(state: ServeState):
         else:
             prompt = state.completion_prompt(body)
             max_new = state.max_tokens(body, len(prompt), default=16)
-        gen, queue = state.submit(prompt, max_new, opts)
+        gen, queue = state.submit(prompt, max_new, opts, received)
         ident = ("chatcmpl-" if chat else "cmpl-") + gen.sched.id
         created = int(time.time())
         if opts["stream"]:
@@ -458,7 +481,7 @@ def create_app(state: ServeState):
             choice["text"] = gen.text
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": state.model_name, "choices": [choice], "usage": state.usage(gen),
-                "degraded": bool(gen.sched.degraded), "flash": data}
+                "degraded": bool(gen.sched.degraded), "flash": {**data, "timing": state.timing(gen)}}
 
     async def wait_done(request: Request, gen, queue):
         """The last engine event, watching for the client going away meanwhile (frees the row)."""
@@ -515,12 +538,15 @@ def create_app(state: ServeState):
                             break
                         out.append(chunk(held[1]["text"]))
                         held = None
+                    if gen.first_write_at is None:
+                        gen.first_write_at = time.monotonic()
                     yield "".join(out)
                 elif kind == "error":
                     yield f"data: {json.dumps(to_api_error(data).body())}\n\n"
                     return
                 else:
-                    yield chunk("", gen.finish_reason, {"degraded": bool(gen.sched.degraded), "flash": data})
+                    yield chunk("", gen.finish_reason, {"degraded": bool(gen.sched.degraded),
+                                                        "flash": {**data, "timing": state.timing(gen)}})
                     if include_usage:
                         usage = {"id": ident, "object": obj, "created": created, "model": state.model_name,
                                  "choices": [], "usage": state.usage(gen)}

@@ -32,6 +32,8 @@ class Generation:
     finish_reason: str | None = None
     cancelled: bool = False
     first_token_at: float | None = None
+    received_at: float | None = None    # the HTTP handler had the request (time.monotonic)
+    first_write_at: float | None = None  # its first token's chunk went to the HTTP server to write
     bytes_streamed_at_start: int = 0
     generator: object = None
     kv_options: dict | None = None      # for_model arguments: runs on a TieredCache of its own

@@ -15,9 +15,11 @@ filled by the last page), each page ``batch`` rows of ``row_bytes`` bytes (one r
 
 The buffer grows to twice its capacity when full. A pageable buffer (no CUDA) halves when three
 quarters are free, so ``nbytes()`` (what it holds, counted in ``host_bytes``) stays within twice
-what its pages need (none when empty); a page-locked one is never shrunk: page-locking costs
-~30 ms per 36 MB on an H200 host, and resizes inside evaluations cost ~0.9 s per evaluation at
-32K (32 layers), so it keeps what it once needed (and ``reserve`` sizes it ahead). A write on the host side (a removal's row move, a resize) must not race a copy
+what its pages need (none when empty). A page-locked one comes from a ``HostPool``
+(deepseek_flash/hostpool.py: page-locking costs ~30 ms per 36 MB on an H200 host, so the pool
+page-locks its slabs once per process and a buffer given up -- by a resize, or with its cache --
+goes back to it for the next) and is never shrunk (a resize inside an evaluation is a copy of the
+rows: it keeps what it once needed, and ``reserve`` sizes it ahead). A write on the host side (a removal's row move, a resize) must not race a copy
 still reading the buffer: the caller synchronises the device first (``LayerPrune._apply``).
 """
 from __future__ import annotations
@@ -26,6 +28,8 @@ import logging
 import math
 
 import torch
+
+from deepseek_flash.hostpool import process_pool
 
 log = logging.getLogger("deepseek_flash.kv.cache")
 
@@ -37,11 +41,14 @@ class HostRows:
     """Devices whose kernels move pages within the buffer (``_move_on_device``); a test adds
     "cpu" to run the same index arithmetic on the CPU."""
 
-    def __init__(self, row_bytes: int, batch: int, device: torch.device):
+    def __init__(self, row_bytes: int, batch: int, device: torch.device, pool=None):
         self.row_bytes = int(row_bytes)
         self.batch = int(batch)
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
+        # page-locked buffers come from a pool (deepseek_flash/hostpool.py): page-locking once
+        # per process, not at each resize nor for each cache
+        self.pool = pool if pool is not None or not self.pinned else process_pool()
         self.buf: torch.Tensor | None = None  # uint8 [capacity * batch, row_bytes]
         self.pages: list[int] = []            # slot -> page
         self.slot: dict[int, int] = {}        # page -> slot
@@ -87,8 +94,9 @@ class HostRows:
         if capacity == 0:
             self.buf = None
         else:
-            new = torch.empty((capacity * self.batch, self.row_bytes), dtype=torch.uint8,
-                              pin_memory=self.pinned)
+            shape = (capacity * self.batch, self.row_bytes)
+            new = (self.pool.tensor(shape, torch.uint8) if self.pool is not None
+                   else torch.empty(shape, dtype=torch.uint8))
             if live:
                 new[:live].copy_(self.buf[:live])
             self.buf = new

@@ -110,8 +110,9 @@ class LayerPrune(Recall):
         layer, cache = self.layer, self.layer._cache
         h, p, d = cache.kv_heads, cache.page_tokens, cache.head_dim
         self._like = like_page(h, p, d, layer.dtype)
-        self.l2 = HostRows(cache.layout.page_bytes, layer.batch, layer.device)
-        self.l3 = HostRows(compressed_bytes(h, p, d), layer.batch, layer.device)
+        pool = cache.host_memory.pool()
+        self.l2 = HostRows(cache.layout.page_bytes, layer.batch, layer.device, pool)
+        self.l3 = HostRows(compressed_bytes(h, p, d), layer.batch, layer.device, pool)
         if self.l3.pinned:  # int4 room for every page now (the first evaluation), not in decode
             self.l3.reserve(self.n_pages)
 

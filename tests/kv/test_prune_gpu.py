@@ -88,3 +88,33 @@ def test_page_moves_in_the_page_locked_rows_run_on_the_gpu_and_keep_every_byte()
         assert rows.pages == order
         assert torch.equal(rows.all().cpu(), torch.cat([data[pg] for pg in order]))
     assert rows._moves_checked and not rows._moves_failed
+
+
+def test_the_pool_page_locks_once_and_a_second_pruned_cache_reuses_it():
+    """Level 2 and 3 rows and the tiered cache's chunks come from this process's page-locked
+    pool (deepseek_flash/hostpool.py): its slabs are page-locked (kernels read them at their host
+    address), and a second cache of the same shape page-locks nothing new, with the same logits."""
+    from deepseek_flash.hostpool import pinned_slab, process_pool
+
+    slab, release = pinned_slab(1 << 20)
+    assert release is not None and slab.is_pinned()
+    del slab
+    release()
+    model = tiny_model(layers=3).cuda()
+    ids, mask = _prompt(2)
+    pool = process_pool()
+    runs = []
+    for _ in range(2):
+        cache = TieredCache.for_model(model, prune_threshold=1.0, page_tokens=32,
+                                      prune_every=4, dense_layers=1)
+        runs.append(greedy(model, ids, mask, cache, 12))
+        rows = cache.layers[1].prune.l2
+        assert rows.pool is pool and rows.buf.is_pinned()
+        cache.close()
+        del cache, rows
+        import gc
+        gc.collect()
+        if len(runs) == 1:
+            slabs = pool.stats()["slab_allocs"]
+    assert pool.stats()["slab_allocs"] == slabs
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

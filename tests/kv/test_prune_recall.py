@@ -241,15 +241,27 @@ def test_an_evaluation_runs_as_many_tensor_operations_at_any_context(model3):
     assert counts[0]["aten::_local_scalar_dense"] <= 3 * 6, counts[0]
 
 
-@pytest.mark.parametrize("moves", ["host", "device"])
+@pytest.mark.parametrize("moves", ["host", "device", "pool"])
 def test_host_rows_remove_keeps_every_page_and_the_slot_order(moves):
     """Removals of any pages keep every other page's bytes, and the slots follow the rule (freed
     slots from the highest down, each filled by the page then last) -- what lossless recall's
     column order, and so the logits, depend on. ``device``: the pages moved by the kernels'
     path (on a GPU over the page-locked buffer; here its index arithmetic on the CPU), the first
-    move read back and checked."""
+    move read back and checked. ``pool``: the buffers from a ``HostPool`` (as page-locked ones
+    are) shared with a second store that churns beside it: every resize takes a recycled range
+    (pre-filled with other bytes), and neither store sees the other's."""
     gen = torch.Generator().manual_seed(0)
-    rows = HostRows(row_bytes=8, batch=2, device=torch.device("cpu"))
+    pool = other = None
+    if moves == "pool":
+        from deepseek_flash.hostpool import HostPool, pageable_slab
+
+        def garbage(n):
+            t, release = pageable_slab(n)
+            return t.fill_(0xEE), release
+
+        pool = HostPool(4096, garbage, sync=lambda: None)
+        other = HostRows(row_bytes=8, batch=2, device=torch.device("cpu"), pool=pool)
+    rows = HostRows(row_bytes=8, batch=2, device=torch.device("cpu"), pool=pool)
     if moves == "device":
         rows.MOVE_DEVICES = ("cpu",)
     data = {pg: torch.randint(0, 255, (2, 8), generator=gen, dtype=torch.uint8)
@@ -261,6 +273,10 @@ def test_host_rows_remove_keeps_every_page_and_the_slot_order(moves):
         nxt += n_put
         rows.put(new, torch.cat([data[pg] for pg in new]))
         order += new
+        if other is not None:  # the other store grows and shrinks through the same pool
+            other.put([nxt], torch.full((2, 8), 0x55, dtype=torch.uint8))
+            if len(other) > 5:
+                other.remove(list(other.pages[:4]))
         k = int(torch.randint(0, len(order) + 1, (), generator=gen))
         gone = [order[i] for i in torch.randperm(len(order), generator=gen)[:k].tolist()]
         rows.remove(gone)
@@ -276,3 +292,6 @@ def test_host_rows_remove_keeps_every_page_and_the_slot_order(moves):
         else:
             assert rows.capacity == 0 and rows.buf is None
     assert rows._moves_checked is (moves == "device")
+    if pool is not None:
+        assert torch.equal(other.all(), torch.full((len(other) * 2, 8), 0x55, dtype=torch.uint8))
+        assert pool.stats()["syncs"] > 0  # ranges given up by resizes were taken again

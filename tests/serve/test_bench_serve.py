@@ -33,6 +33,9 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
     assert unloaded["ttft_p50_ms"] <= unloaded["ttft_p90_ms"] <= unloaded["ttft_p99_ms"] <= unloaded["ttft_max_ms"]
     # The counted requests' forwards apart from the warm-up's: 3 prefills each way.
     assert [result["engine_profile"][k]["prefill"]["forwards"] for k in ("unloaded_warmup", "unloaded")] == [3, 3]
+    # The L0 stream from a probe process of its own, the rest from two load processes.
+    assert result["client_processes"] == {"l0_probe": 1, "load": 2}
+    assert unloaded["ttft_breakdown"]["requests"] == 3
     assert list(result["phase_s"]) == ["model", "warm-up", "unloaded", "one", "full", "capacity", "load flash", "load fifo"]
     for mode in ("flash", "fifo"):
         summary = result[mode]
@@ -51,6 +54,14 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
         assert worst and worst[0]["ttft_ms"] == summary["L0"]["ttft_max_ms"]
         assert all(f["kind"] in ("prefill", "decode") and f["ms"] > 0 for w in worst for f in w["forwards"])
         assert any(f["kind"] == "prefill" for f in worst[0]["forwards"])       # its own prefill at least
+        # Where its time to first token went: the stages add up to it (each rounded to 1 us).
+        stages = worst[0]["stages_ms"]
+        assert list(stages) == list(bench.STAGES)
+        assert sum(stages.values()) == pytest.approx(worst[0]["ttft_ms"], abs=0.02)
+        assert all(stages[k] >= 0 for k in ("parse", "queue", "compute", "hand_off"))
+        l0 = summary["L0"]["ttft_breakdown"]
+        assert l0["requests"] == summary["L0"]["answered"] and l0["tail_requests"] >= 1
+        assert all(l0[k]["p50"] <= l0[k]["p99"] for k in bench.STAGES)
         # How the batch decoded (eager on the CPU, and why), how often L2's rule let it join.
         assert summary["decode"] == result["engine_decode"][mode] == {
             "mode": "eager", "reason": "CUDA graphs need a CUDA device (the model is on cpu)", "prefill": None}
@@ -61,4 +72,24 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
     assert pngs == ["serve-cdf-L0.png", "serve-cdf-L1.png", "serve-cdf-L2.png"]
     for p in result["png"]:
         assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sys.modules.pop("serve", None)
+
+
+def test_the_l0_stream_has_a_client_process_of_its_own(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("serve", None)
+    import serve as bench
+
+    arrivals = [(0.0, "L1", 32), (0.1, "L0", 16), (0.2, "L2", 32), (0.3, "L1", 128), (0.4, "L0", 16), (0.5, "L1", 8)]
+    assert bench.split_arrivals(arrivals, 2) == [
+        [(1, arrivals[1]), (4, arrivals[4])],
+        [(0, arrivals[0]), (3, arrivals[3])],
+        [(2, arrivals[2]), (5, arrivals[5])]]
+    assert bench.split_arrivals(arrivals, 1)[1] == [(i, arrivals[i]) for i in (0, 2, 3, 5)]
+    # Stages from the response's timing: sent at 10.000 s, the handler at 10.002 s, first read 12 ms.
+    rec = {"sent_at": 10.0, "ttft": 0.012, "timing": {"received_at": 10.002, "queued_ms": 0.5, "admitted_ms": 1.5,
+                                                     "first_token_ms": 6.5, "first_write_ms": 9.0}}
+    assert bench.stages(rec) == pytest.approx({"to_server": 2.0, "parse": 0.5, "queue": 1.0, "compute": 5.0,
+                                               "hand_off": 2.5, "to_client": 1.0})
+    assert bench.stages(dict(rec, timing=dict(rec["timing"], first_write_ms=None))) is None
     sys.modules.pop("serve", None)

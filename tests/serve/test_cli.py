@@ -44,3 +44,33 @@ def test_the_serve_verb_notifies_ready_serves_and_stops_on_sigterm(tiny_checkpoi
         output = proc.communicate()[0]
         notify.close()
     assert "Traceback" not in output, output
+
+
+def test_every_accepted_connection_has_nagle_off():
+    """The listening socket names IPPROTO_TCP, so that asyncio (uvicorn's loop) sets TCP_NODELAY on
+    each connection it accepts: a streamed token written after the headers goes out at once instead
+    of waiting for the client's delayed ACK (~40 ms). A socket made without it does not get it."""
+    import asyncio
+
+    from deepseek_flash.serve.cli import listen
+
+    async def accepted_nodelay(sock):
+        seen = asyncio.get_running_loop().create_future()
+
+        def on_connection(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+        server = await asyncio.start_server(on_connection, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        try:
+            return await asyncio.wait_for(seen, 20)
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay(listen("127.0.0.1", 0))) != 0
+    plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    plain.bind(("127.0.0.1", 0))
+    plain.listen(8)
+    assert asyncio.run(accepted_nodelay(plain)) == 0

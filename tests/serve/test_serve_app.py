@@ -56,8 +56,10 @@ def test_models_and_health(served, client):
 def test_completion_is_the_greedy_continuation_with_flash_fields(served, client, tiny_reference, tiny_tokenizer):
     prompt = [72, 101, 108, 108, 111]
     want = greedy(tiny_reference, prompt, 8)
+    before = time.monotonic()
     resp = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, temperature=0,
                                      extra_body={"flash_context": {"priority_class": "L0"}, "priority": 3})
+    after = time.monotonic()
     assert (resp.choices[0].text, 8) == expected_text(tiny_tokenizer, want)
     assert resp.choices[0].finish_reason == "length"
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (5, 8)
@@ -68,6 +70,15 @@ def test_completion_is_the_greedy_continuation_with_flash_fields(served, client,
     assert flash["queue_ms"] >= 0 and flash["ttft_ms"] >= flash["queue_ms"]
     assert flash["kv"] == {"tokens": 13, "cache": "rows", "bytes": 13 * served[1].engine.runner.cache.bytes_per_token}
     assert (flash["bytes_streamed"], flash["prefetch_hit_rate"]) == (0, None)    # fully resident
+    # Where its time went, on the server's monotonic clock (this process's): the handler had it,
+    # the scheduler took it, it joined the batch, its first token; no stream, so no first write.
+    timing = flash["timing"]
+    assert set(timing) == {"received_at", "queued_ms", "admitted_ms", "first_token_ms", "first_write_ms"}
+    assert before <= timing["received_at"] <= after
+    assert 0 <= timing["queued_ms"] <= timing["admitted_ms"] <= timing["first_token_ms"] <= (after - before) * 1e3
+    assert timing["admitted_ms"] - timing["queued_ms"] == pytest.approx(flash["queue_ms"], abs=0.01)
+    assert timing["first_token_ms"] - timing["queued_ms"] == pytest.approx(flash["ttft_ms"], abs=0.01)
+    assert timing["first_write_ms"] is None
 
 
 def test_streamed_completion_equals_the_plain_one(client):
@@ -79,6 +90,9 @@ def test_streamed_completion_equals_the_plain_one(client):
     last = [c for c in chunks if c.choices][-1]
     assert last.choices[0].finish_reason == "length"
     assert last.model_extra["flash"]["class"] == "L1" and last.model_extra["degraded"] is False
+    # A stream's first token went to the HTTP server to write after the step that made it.
+    timing = last.model_extra["flash"]["timing"]
+    assert 0 <= timing["queued_ms"] <= timing["admitted_ms"] <= timing["first_token_ms"] <= timing["first_write_ms"]
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
 
 
@@ -289,3 +303,29 @@ def test_events_of_one_step_wake_the_event_loop_once():
     assert queues[3].get_nowait() == ("token", 3) and queues[3].get_nowait() == ("done", {})
     deliver(queues[0], ("token", 99))               # after the drain: a new wake-up
     assert len(loop.calls) == 2
+
+
+def test_an_l0_requests_events_resume_its_stream_first():
+    # One step's tokens arrive in row order; the L0 request's (urgent) is put first, so its stream
+    # resumes -- and writes -- before the other rows' of the same step, which keep their order.
+    import asyncio
+
+    from deepseek_flash.serve.app import Delivery
+
+    async def main():
+        deliver = Delivery(asyncio.get_running_loop())
+        queues = {name: asyncio.Queue() for name in ("a", "b", "l0", "c")}
+        resumed = []
+
+        async def stream(name):
+            item = await queues[name].get()
+            resumed.append((name, item))
+        tasks = [asyncio.create_task(stream(n)) for n in queues]
+        await asyncio.sleep(0)                        # every stream waits on its queue
+        for name in queues:                           # the engine thread's order: row order
+            deliver(queues[name], ("token", name), urgent=name == "l0")
+        await asyncio.gather(*tasks)
+        return resumed
+
+    assert asyncio.run(main()) == [("l0", ("token", "l0")), ("a", ("token", "a")), ("b", ("token", "b")),
+                                   ("c", ("token", "c"))]
