@@ -22,6 +22,10 @@ holds the model, the one size a user sets for their machine). In one run:
   (``gpu_device_used_peak_bytes``, what ``nvidia-smi`` shows), the weights' arena and the KV's
   share; the goal line ``gpu_peak_le_goal``.
 
+``--quantize int8_symmetric --budget none`` is a second row, lossy and not the default: the same
+model packed as int8 (per block of 128; +0.02 % perplexity on the trained model,
+docs/benchmarks.md), resident (8.6 GB), the KV tiered the same way.
+
 ``--smoke`` runs a tiny model on the CPU with everything scaled down (budget, recent window,
 prompt, chunk) and checks the plumbing: layers streamed, pages on the host, top-K fetching fewer
 pages than lossless, and the lossless greedy tokens identical to the resident model's with a
@@ -104,7 +108,9 @@ class GpuMemory:
 
 
 def prepare(args, work: Path):
-    """The source checkpoint and its packed store under ``work`` (written once)."""
+    """The source checkpoint and its packed store under ``work`` (written once; with
+    ``--quantize``, a store of its own)."""
+    from deepseek_flash.quant import QuantSpec
     from deepseek_flash.store import pack
 
     if args.smoke:
@@ -118,8 +124,12 @@ def prepare(args, work: Path):
     else:
         src = write_finite_model(work / args.arch / "src", args.arch)
         store_dir = work / args.arch / "store"
+    quant = None
+    if args.quantize:
+        quant = QuantSpec(args.quantize, "per_block", 32 if args.smoke else 128)
+        store_dir = store_dir.with_name(f"{store_dir.name}-{args.quantize}")
     if not (store_dir / "flash_metadata.bin").exists():
-        pack(src, store_dir)
+        pack(src, store_dir, quant=quant)
     return src, store_dir
 
 
@@ -179,12 +189,18 @@ def decode(model, cache, tok, steps: int, warmup: int, sync):
 def timed_mode(name, model, cache, runtime, tok, args, sync, h2d, res):
     """Decode in the cache's current mode; tok/s and the bytes a token moved over PCIe (weights
     streamed + KV pages fetched) against the bound they allow at ``h2d`` GB/s."""
-    s0, r0 = cache.stats(), runtime.stats()
+    def streamed():
+        if runtime is None:  # resident weights: none cross the link
+            return 0, 0
+        r = runtime.stats()
+        return r["bytes_streamed"], r["passes"]
+
+    s0, r0 = cache.stats(), streamed()
     tok, tok_s, tokens = decode(model, cache, tok, args.decode, args.warmup, sync)
-    s1, r1 = cache.stats(), runtime.stats()
+    s1, r1 = cache.stats(), streamed()
     steps = args.decode + args.warmup
     pages = (s1["pages_fetched"] - s0["pages_fetched"]) / steps
-    weights = (r1["bytes_streamed"] - r0["bytes_streamed"]) / max(1, r1["passes"] - r0["passes"])
+    weights = (r1[0] - r0[0]) / max(1, r1[1] - r0[1])
     kv = pages * s1["page_bytes"]
     res[f"{name}_tok_s"] = round(tok_s, 3)
     res[f"{name}_kv_pages_per_token"] = pages
@@ -222,7 +238,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="/var/tmp/flash-bench", help="where the store is written")
     add_arch_argument(ap)
     ap.add_argument("--context", type=int, default=131072, help="prompt tokens")
-    ap.add_argument("--budget", default="10GiB", help="weight budget on the GPU")
+    ap.add_argument("--budget", default="10GiB",
+                    help="weight budget on the GPU; 'none': the whole model resident")
+    ap.add_argument("--quantize", choices=("int8_symmetric", "int4_symmetric"), default=None,
+                    help="lossy, not the default: a quantized store (per_block, groups of 128; 32 with --smoke)")
     ap.add_argument("--gpu-goal", default="16GiB", help="what the process may hold on the GPU")
     ap.add_argument("--host-cache", default="20GiB", help="the controller's host cache")
     ap.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill forward")
@@ -261,15 +280,20 @@ def main(argv=None) -> int:
     work = Path(args.dir)
     src, store_dir = prepare(args, work)
     store = Store.open(store_dir)
-    budget = smoke_budget(store) if args.smoke else parse_size("budget", args.budget)
+    if args.budget.lower() == "none":
+        budget = None
+    else:
+        budget = smoke_budget(store) if args.smoke else parse_size("budget", args.budget)
     goal = parse_size("gpu-goal", args.gpu_goal)
     res = {"bench": "kv_16g", "arch": args.arch, "smoke": args.smoke,
            "date": datetime.date.today().isoformat(), "machine": platform.node(),
            "gpu": torch.cuda.get_device_name(0) if cuda else None, "torch": torch.__version__,
-           "transformers": transformers.__version__, "model_bytes": store.total_bytes,
+           "transformers": transformers.__version__, "quantize": args.quantize,
+           "model_bytes": store.total_bytes,
            "budget_bytes": budget, "context": args.context, "prefill_chunk": args.prefill_chunk,
            "decode_steps": args.decode, "prepare_s": round(time.perf_counter() - started, 1)}
-    log(started, f"store ready: {store.total_bytes / GIB:.2f} GiB, budget {budget / GIB:.2f} GiB")
+    log(started, f"store ready: {store.total_bytes / GIB:.2f} GiB, budget "
+                 + ("none (resident)" if budget is None else f"{budget / GIB:.2f} GiB"))
     h2d = pinned_h2d(1 << 30) if cuda else 0.0
     res["pinned_h2d_gbps"] = h2d
     memory = GpuMemory(device, goal) if cuda else None
@@ -285,19 +309,20 @@ def main(argv=None) -> int:
         if cuda:
             client._backend.fabric.pin_host()  # the host arena page-locked, as a server has it
         res["load_s"] = round(time.perf_counter() - t, 1)
-        runtime = model.flash.stream
-        if runtime is None:
-            raise SystemExit(f"bench/kv_16g.py: budget {budget} holds the whole model: "
-                             f"nothing streams")
-        plan = runtime.plan
-        res["plan"] = {"streamed_layers": len(plan.streamed_layers), "slots": plan.n_slots,
-                       "slot_bytes": plan.slot_bytes, "resident_bytes": plan.resident_bytes,
-                       "budget_used_bytes": plan.resident_bytes + plan.n_slots * plan.slot_bytes}
+        runtime = model.flash.stream  # None: the whole model resident
+        if runtime is not None:
+            plan = runtime.plan
+            res["plan"] = {"streamed_layers": len(plan.streamed_layers), "slots": plan.n_slots,
+                           "slot_bytes": plan.slot_bytes, "resident_bytes": plan.resident_bytes,
+                           "budget_used_bytes": plan.resident_bytes
+                           + plan.n_slots * plan.slot_bytes}
+        else:
+            res["plan"] = {"streamed_layers": 0, "resident_bytes": store.total_bytes}
         if memory is not None:
             res["gpu_used_after_load_bytes"] = memory.used()
         save(res, args.output)
-        log(started, f"loaded in {res['load_s']} s: {len(plan.streamed_layers)} of "
-                     f"{store.num_layers} layers streamed through {plan.n_slots} slots"
+        log(started, f"loaded in {res['load_s']} s: {res['plan']['streamed_layers']} of "
+                     f"{store.num_layers} layers streamed"
                      + (f", GPU used {memory.used() / GIB:.2f} GiB" if memory else ""))
         vocab = model.config.vocab_size
         gen = torch.Generator().manual_seed(args.context)
@@ -350,7 +375,8 @@ def main(argv=None) -> int:
         res["kv_gpu_bytes"] = s["gpu_bytes"]
         res["kv_host_bytes"] = s["host_bytes"]
         res["kv_arena_fallbacks"] = s["arena_fallbacks"]
-        res["runtime"] = {k: v for k, v in runtime.stats().items() if k != "decisions"}
+        if runtime is not None:
+            res["runtime"] = {k: v for k, v in runtime.stats().items() if k != "decisions"}
         if args.smoke:
             phase = "parity"
             # lossless from the start, on a new cache: the tokens of the resident model
@@ -373,7 +399,10 @@ def main(argv=None) -> int:
         raise_after = exc
     finally:
         if memory is not None:
-            res.update(memory.report())
+            try:
+                res.update(memory.report())
+            except Exception as exc:  # a CUDA error left the context unusable
+                res["gpu_report_error"] = f"{type(exc).__name__}: {exc}"
             memory.close()
         if "gpu_process_peak_bytes" in res:
             res["goals"] = {"gpu_peak_le_goal": res["gpu_process_peak_bytes"] <= goal
@@ -381,12 +410,12 @@ def main(argv=None) -> int:
                             and "error" not in res}
         res["total_s"] = round(time.perf_counter() - started, 1)
         save(res, args.output)
-    if cache is not None:
-        cache.close()
-    if model is not None:
-        model.flash.close()
-    if client is not None:
-        client.close()
+    for what in (cache, model and model.flash, client):
+        if what is not None:
+            try:
+                what.close()
+            except Exception as exc:  # after a failure: what was measured is written already
+                log(started, f"closing {type(what).__name__}: {exc}")
     print(json.dumps(res, indent=1))
     if raise_after is not None:
         raise raise_after

@@ -109,6 +109,7 @@ class ServeState:
         self.responses: dict[int, int] = {}
         self.closer = closer
         self._delivery = None
+        self.event_loop: str | None = None       # the server's event loop class, once it runs
         import os
 
         self.kv_spill_root = None if kv_spill_root is None else os.path.realpath(kv_spill_root)
@@ -373,6 +374,8 @@ def create_app(state: ServeState):
 
     @asynccontextmanager
     async def lifespan(app):
+        loop = type(asyncio.get_running_loop())
+        state.event_loop = f"{loop.__module__}.{loop.__qualname__}"
         yield
         # Shutting down: refuse new requests (503), let the batch finish, free the model.
         await asyncio.get_running_loop().run_in_executor(None, state.engine.close)

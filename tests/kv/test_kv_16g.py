@@ -68,6 +68,20 @@ def test_smoke_bench_streams_weights_and_pages_kv(tmp_path):
     assert r["topk25_tok_s"] > 0 and r["lossless_tok_s"] > 0 and r["ttft_s"] > 0
 
 
+def test_smoke_bench_int8_resident_row(tmp_path):
+    """The lossy second row: the model packed as int8 and resident, no weights over the link."""
+    bench = bench_module()
+    out = tmp_path / "kv16-int8.json"
+    assert bench.main(["--smoke", "--dir", str(tmp_path), "--budget", "none", "--quantize",
+                       "int8_symmetric", "--decode", "2", "--output", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert "error" not in r and r["quantize"] == "int8_symmetric" and r["budget_bytes"] is None
+    assert r["plan"] == {"streamed_layers": 0, "resident_bytes": r["model_bytes"]}
+    assert "runtime" not in r
+    assert r["topk25_weight_bytes_per_token"] == r["lossless_weight_bytes_per_token"] == 0
+    assert r["lossless_kv_pages_per_token"] == 40 and r["topk25_kv_pages_per_token"] == 26
+
+
 def test_generate_with_prefill_chunks_on_a_streamed_model(streamed_store):
     """What a user runs: ``generate`` with transformers' ``prefill_chunk_size`` on a model whose
     layers stream, into a tiered cache -- the resident model's greedy tokens (fp32)."""

@@ -49,6 +49,8 @@ def wait_for(predicate, timeout=20.0):
 def test_models_and_health(served, client):
     base, state = served
     assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+    # The serve extra's C event loop (uvicorn takes it when installed).
+    assert state.event_loop == "uvloop.Loop"
     health = httpx.get(base + "/healthz").json()
     assert health == {"status": "ok", "model": "tiny-chat", "running": 0, "queued": 0, "slots": 4}
 
