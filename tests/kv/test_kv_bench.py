@@ -43,6 +43,7 @@ def test_kv_bench_smoke(tmp_path):
     assert r["topk25_vs_dynamic"] == round(r["topk25_tok_s"] / r["dynamic_best_tok_s"], 3)
     assert r["ttft_dynamic_best_s"] == min(r["ttft_dynamic_s"], r["ttft_dynamic_nocudnn_s"])
     assert result["dynamic_floor_tok_s"] > 0 and result["warmup_s"] > 0
+    assert r["dynamic_floor_before_tok_s"] == result["dynamic_floor_tok_s"]  # the first context
 
 
 def test_kv_prune_show_smoke(tmp_path):
