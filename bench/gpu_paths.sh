@@ -4,8 +4,11 @@
 #   bash bench/gpu_paths.sh OUTDIR 2   build, qwen2 and mistral: stream (batch 1, 8)
 #   bash bench/gpu_paths.sh OUTDIR cold      mistral: a cold load right after a default daemon
 #                                            starts (~110 s on a fresh machine)
-#   bash bench/gpu_paths.sh OUTDIR window1   mistral: stream batch 1, 8 with a two-slot ring
-#                                            (prefetch_window 1, an experiment) vs accelerate
+#   bash bench/gpu_paths.sh OUTDIR windows [ARCH...]   per arch (default llama qwen2 mistral),
+#         one process: stream batch 1, 8 with the default window and with prefetch_window 1 (a
+#         ring of two, an experiment), accelerate each token timed (median, spread); ~100 s an
+#         arch on a fresh machine (write + pack ~35 s); PATHS_BUDGET_S=N skips an arch that would
+#         start after N - 100 s; an arch's files are deleted before the next when the disk is short
 # Each step writes its JSON under OUTDIR as it goes; a short table comes last.
 set -u -o pipefail
 out=${1:-/tmp/flash-paths}
@@ -27,7 +30,7 @@ logs=/tmp/flash-paths-logs   # at most 8 files come back: the JSON, run.log, bui
 mkdir -p $logs
 stream() {  # arch
   python3 bench/stream.py --arch "$1" --dir $work --batches 1,8 --tokens 8 --skip-ttft \
-    --accelerate-tokens 3 --host-cache 20GiB --output "$out/stream-$1.json" > "$logs/stream-$1.log" 2>&1
+    --host-cache 20GiB --output "$out/stream-$1.json" > "$logs/stream-$1.log" 2>&1
   rc=$?; echo "stream $1: rc $rc at $(( $(date +%s) - t0 )) s"
   [ $rc = 0 ] || tail -25 "$logs/stream-$1.log"
 }
@@ -37,12 +40,21 @@ if [ "$part" = cold ]; then
   python3 bench/paths.py --arch mistral --dir $work --only shared_gpu_cold \
     --output "$out/paths-mistral.json" > "$out/cold.log" 2>&1
   rc=$?; echo "cold: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$out/cold.log"
-elif [ "$part" = window1 ]; then
-  python3 bench/stream.py --arch mistral --dir $work --prepare-only > "$logs/prep-mistral.txt" 2>&1
-  python3 bench/stream.py --arch mistral --dir $work --batches 1,8 --tokens 8 --skip-ttft \
-    --accelerate-tokens 3 --host-cache 20GiB --prefetch-window 1 \
-    --output "$out/stream-mistral-w1.json" > "$out/stream-w1.log" 2>&1
-  rc=$?; echo "stream mistral window 1: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$out/stream-w1.log"
+elif [ "$part" = windows ]; then
+  archs=${*:3}
+  for a in ${archs:-llama qwen2 mistral}; do
+    el=$(( $(date +%s) - t0 ))
+    if [ "${PATHS_BUDGET_S:-0}" -gt 0 ] && [ $(( el + 100 )) -gt "$PATHS_BUDGET_S" ]; then
+      echo "windows $a: not started at $el s (PATHS_BUDGET_S=$PATHS_BUDGET_S)"; continue
+    fi
+    # A 7-8B checkpoint and its store take ~30 GB: make room by deleting the other archs'.
+    if [ "$(df --output=avail -B1G /var/tmp | tail -1)" -lt 36 ]; then
+      for o in llama qwen2 mistral; do [ "$o" = "$a" ] || rm -rf "$work/$o"; done
+    fi
+    python3 bench/stream.py --arch "$a" --dir $work --batches 1,8 --tokens 8 --skip-ttft \
+      --windows default,1 --host-cache 20GiB --output "$out/stream-$a.json" > "$logs/stream-$a.log" 2>&1
+    rc=$?; echo "windows $a: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$logs/stream-$a.log"
+  done
 elif [ "$part" = 1 ]; then
   timeout 110 python3 -m pytest -q -x -m gpu tests/client/test_load_model.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests: rc $? $(tail -1 "$out/gpu_tests.log") at $(( $(date +%s) - t0 )) s"
@@ -71,7 +83,16 @@ for p in sorted(out.glob("stream-*.json")):
           f"tok/s {d.get('streamed_tok_s')} vs_bound {d.get('vs_bound')} resident {d.get('resident_tok_s')} "
           f"accelerate {d.get('accelerate_tok_s')} x{d.get('vs_accelerate')} hit {d.get('steady_prefetch_hit_rate')} "
           f"same_tokens {d.get('tokens_identical_to_resident')} decisions {d.get('window_decisions_by_batch')} "
-          f"accelerate_gpu {d.get('accelerate_gpu_weight_bytes')} + peak {d.get('accelerate_gpu_peak_above_weights_bytes')}")
+          f"accelerate_gpu {d.get('accelerate_gpu_weight_bytes')} + peak {d.get('accelerate_gpu_peak_above_weights_bytes')} "
+          f"phase_s {d.get('phase_s')}")
+    acc = d.get("accelerate") or {}
+    if acc:
+        print(f"  accelerate median {acc.get('median_tok_s')} mean {acc.get('mean_tok_s')} "
+              f"fastest {acc.get('fastest_tok_s')} slowest {acc.get('slowest_tok_s')} ms {acc.get('token_ms')}")
+    for w, r in (d.get("windows") or {}).items():
+        print(f"  window {w}: plan {r.get('plan')} tok/s {r.get('streamed_tok_s')} vs_bound {r.get('vs_bound')} "
+              f"x{r.get('vs_accelerate')} range {r.get('vs_accelerate_range')} hit {r.get('steady_prefetch_hit_rate')} "
+              f"same_tokens {r.get('tokens_identical_to_resident')} decisions {r.get('window_decisions_by_batch')}")
 for p in sorted(out.glob("paths-*.json")):
     d = json.loads(p.read_text())
     for cache, e in d.get("attach", {}).items():

@@ -175,6 +175,8 @@ class Registry:
                            f"store_roots {config.store_roots}", model=text)
 
     def open_model(self, client_id: int, name_or_path, flash_context: dict | None = None) -> ModelInfo:
+        """Open (or re-open) a model for a client with per-open ``flash_context`` overrides; None
+        keeps the context of the client's open handle on it (a re-open from the controller)."""
         from ..store import Store
 
         s = self.s
@@ -222,7 +224,13 @@ class Registry:
                     hook(opened.name, opened.path)
                 except Exception:   # device discovery is advisory: the model still serves
                     log.exception("open hook %r failed for model %s", hook, opened.name)
-        context = dict(flash_context or {})
+        if flash_context is None:
+            # A re-open from inside the controller (attach, read-ahead, load) keeps the context
+            # the client opened the model with: its window must reach the attach's plan.
+            with s.lock:
+                held = s.client(client_id).handles.get(model.name)
+            flash_context = held.context if held is not None and held.model is model else {}
+        context = dict(flash_context)
         handle_config = model.config.override(context, scope="model")
         check_served(model.store.quant, handle_config.quantization_scheme,
                      handle_config.quantization_granularity, model.name, quantized_at(model.store))

@@ -126,6 +126,8 @@ def test_streamed_under_budget_is_bit_exact(stores, daemon, device, window, mode
         runtime = model.flash.stream
         # The minimum budget holds exactly two slots, whatever the window asks for.
         assert runtime is not None and runtime.m == 4 and runtime.n == 2
+        # The window asked for reached the plan (capped by the ring's two slots).
+        assert runtime.plan.window == min(window, 1)
         assert_same_as_reference(model, ref, device)
         assert runtime.stats()["passes"] > 0
         models = client.list_models()

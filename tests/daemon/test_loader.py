@@ -392,7 +392,7 @@ def test_devices_outside_the_configuration_are_refused(monkeypatch):
 
 def test_read_ahead_starts_the_first_blocks_in_forward_order(controller, tiny_store):
     """Before the device is ready (CUDA starting in the daemon), a first attach reads the model's
-    first blocks, up to half the host arena, so the load finds them read or in flight."""
+    first blocks into the free host arena, so the load finds them read or in flight."""
     manager, arena = controller
     cid = manager.connect({"name": "t"})
     info = manager.open_model(cid, str(tiny_store))
@@ -400,7 +400,7 @@ def test_read_ahead_starts_the_first_blocks_in_forward_order(controller, tiny_st
     started = attachments.read_ahead(cid, info.name)
     order = [b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage]
     length = {b.id: b.length for b in info.blocks}
-    fits, room = 0, arena.size // 2
+    fits, room = 0, arena.size
     for bid in order:
         room -= length[bid]
         if room < 0:
@@ -470,3 +470,70 @@ def assert_eventually_true(predicate, timeout=10.0):
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def test_the_window_a_client_opened_with_reaches_its_attach_plan(controller, tiny_store):
+    """``flash_context={"prefetch_window": 1}`` on open: the attach (which re-opens the model
+    inside the controller) plans a ring of two; another client's default open plans three."""
+    from deepseek_flash.daemon.planner import plan_residency, resident_minimum
+
+    manager, arena = controller
+    attachments = Attachments(manager, Loader(manager, arena, None), None)
+    one, default = manager.connect({"name": "one"}), manager.connect({"name": "default"})
+    info = manager.open_model(one, str(tiny_store), {"prefetch_window": 1})
+    assert info.flash_config["prefetch_window"] == 1
+    assert manager.open_model(default, info.name).flash_config["prefetch_window"] == "auto"
+    smallest = resident_minimum(info.blocks)
+    budget = smallest + plan_residency(info.blocks, smallest, 1).slot_bytes   # room for a third slot
+    plans = {}
+    for cid in (one, default):
+        out = attachments.attach(cid, info.name, "cpu", weight_budget=budget)
+        out = out.result(timeout=30) if hasattr(out, "result") else out
+        plans[cid] = out["plan"]
+    assert (plans[one]["window"], plans[one]["n_slots"]) == (1, 2)
+    assert (plans[default]["window"], plans[default]["n_slots"]) == (2, 3)
+    # The handle kept its context through the attach's re-open.
+    assert manager.open_model(one, info.name).flash_config["prefetch_window"] == 1
+    for cid in (one, default):
+        attachments.loader.detach(cid)
+    assert manager.stats()["active_leases"] == 0
+
+
+def test_read_ahead_fills_the_free_host_arena_and_the_load_reads_nothing_twice(wide_store):
+    """While CUDA starts, a first attach reads ahead into all of the free host arena (more than
+    the half a GPU load keeps in flight); the load then takes those blocks as they are -- none
+    is evicted before use and re-read -- and reads only the rest."""
+    from deepseek_flash.daemon.host_state import aligned
+
+    arena = _core.HostArena(3 << 20)                  # ~3 of wide's ~964 KiB layers
+    engine = _core.IOEngine()
+    manager = BlockManager(FlashConfig({"host_cache_bytes": 3 << 20}), arena, engine)
+    fabric = _SlowFirstFabric(64 << 20)
+    attachments = Attachments(manager, Loader(manager, arena, fabric), fabric)
+    try:
+        cid = manager.connect({"name": "first"})
+        info = manager.open_model(cid, str(wide_store))
+        order = [b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage]
+        size = {b.id: aligned(b.length) for b in info.blocks}
+        fits, room = 0, arena.size
+        for bid in order:
+            room -= size[bid]
+            if room < 0:
+                break
+            fits += 1
+        assert sum(size[b] for b in order[:fits]) > arena.size // 2 and fits < len(order)
+        pending = attachments.attach(cid, info.name, 0)
+        assert_eventually_true(lambda: manager.stats()["loading_blocks"] == 0)
+        assert manager.stats()["prefetch_issued"] == fits
+        fabric.opened.set()
+        pending.result(timeout=30)
+        load = next(iter(attachments.loader.loads()))
+        load.finished.result(timeout=30)
+        assert (load.gates == GATE_READY).all()
+        stats = manager.stats()
+        assert stats["prefetch_used"] == fits
+        assert stats["bytes_read_nvme"] == sum(b.length for b in info.blocks)
+    finally:
+        attachments.loader.close()
+        manager.close()
+        engine.close()
