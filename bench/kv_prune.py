@@ -405,7 +405,8 @@ def _evaluations(cache) -> int:
 
 def _decode_until(kv, model, cache, tok, steps, device, deadline, min_steps=1):
     """Greedy decode of up to ``steps`` timed steps (after 2 untimed), stopping at ``deadline``
-    (perf_counter) once ``min_steps`` are timed, each step synchronised (as a generation loop that reads its token does):
+    (perf_counter) once ``min_steps`` are timed, each step synchronised (as a generation loop
+    that reads its token does):
     the next token, the steps timed, tok/s, each step's ms and whether pruning evaluated the
     levels in it."""
     from deepseek_flash.kv import cache_kwargs as kw
