@@ -91,7 +91,8 @@ for p in sorted(out.glob("stream-*.json")):
               f"fastest {acc.get('fastest_tok_s')} slowest {acc.get('slowest_tok_s')} ms {acc.get('token_ms')}")
     for w, r in (d.get("windows") or {}).items():
         print(f"  window {w}: plan {r.get('plan')} tok/s {r.get('streamed_tok_s')} vs_bound {r.get('vs_bound')} "
-              f"x{r.get('vs_accelerate')} range {r.get('vs_accelerate_range')} hit {r.get('steady_prefetch_hit_rate')} "
+              f"x{r.get('vs_accelerate')} range {r.get('vs_accelerate_range')} medians x{r.get('vs_accelerate_median_tokens')} "
+              f"b1 tokens ms {(r.get('batch1_tokens') or {}).get('token_ms')} hit {r.get('steady_prefetch_hit_rate')} "
               f"same_tokens {r.get('tokens_identical_to_resident')} decisions {r.get('window_decisions_by_batch')}")
 for p in sorted(out.glob("paths-*.json")):
     d = json.loads(p.read_text())

@@ -105,6 +105,8 @@ def start_server(state):
         if not thread.is_alive():
             raise RuntimeError("the server did not start")
         time.sleep(0.01)
+    # What serves HTTP: uvicorn's protocol (httptools or h11) and event loop (uvloop or asyncio).
+    state.http_server = {"protocol": srv.config.http_protocol_class.__name__, "loop": state.event_loop}
     return srv, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
@@ -529,6 +531,7 @@ def main(argv=None) -> int:
             # How the batch decodes (CUDA graphs, or eager and why), graphs captured.
             result.setdefault("engine_decode", {})[mode] = state.engine.runner.decode_stats()
             srv, thread, base = start_server(state)
+            result["http_server"] = state.http_server
             try:
                 name = state.model_name
                 if mode == "flash":

@@ -22,7 +22,7 @@ from ..errors import BudgetTooSmall, ConfigError, DeviceMapError, FlashIOError
 from ..sizes import parse_size
 from ..store.views import block_tensors
 from ..wire import GATE_FAILED, GATE_PENDING, GATE_READY, SLOT_ALIGNMENT, Plan, control_views
-from .skeleton import bind_parameters, build_skeleton, decoder_parts, start_imports
+from .skeleton import bind_parameters, build_skeleton, decoder_parts, local_config, start_imports
 from .placement import block_sizes, resolve
 from .stream import StreamGroup, start_reports, start_streaming
 
@@ -275,13 +275,16 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
 
     handle = imports = None
     try:
+        # A fresh process: the skeleton's imports (seconds) start now, on a thread of their own,
+        # and run while the open and attach round trips and the load's first reads are under
+        # way -- from the store's own config.json where this process can read it, else once
+        # open_model has answered with the config.
+        imports = start_imports(local_config(name_or_path))
         if tp is not None:
             info = client.shard(name_or_path, tp[1], tp[2], flash_context)
         else:
             info = client.open_model(name_or_path, flash_context)
-        # A fresh process: the skeleton's imports (seconds) start now, on a thread of their own,
-        # and run while the attach's round trip and the load's first reads are under way.
-        imports = start_imports(info.config)
+        imports = start_imports(info.config, imports)
         if device_map is not None:
             _, reason = resolve_decode_mode(decode, None, split=True)
             if reason is not None:

@@ -105,6 +105,50 @@ def register_host_range(address: int, size: int) -> bool:
     return code == 0
 
 
+@functools.lru_cache(maxsize=None)
+def _cudart_library():
+    """The CUDA runtime library this process has loaded (torch's), found in its mappings; None
+    where there is none (no CUDA, or a runtime linked statically)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and "/libcudart.so" in fields[5]:
+                    lib = ctypes.CDLL(fields[5].strip())
+                    lib.cudaPointerGetAttributes.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+                    return lib
+    except OSError as exc:
+        log.debug("no CUDA runtime library to ask about host pointers: %s", exc)
+    return None
+
+
+def device_address(address: int) -> int | None:
+    """The address kernels read the page-locked host memory at ``address`` through
+    (``cudaPointerGetAttributes``' device pointer), or None: memory not page-locked or not mapped
+    for the device, no CUDA, or no runtime library to ask. Host memory that a kernel reads where
+    it is not mapped is a fatal error for the whole CUDA context, so a caller that lets kernels
+    read host memory asks here first."""
+    import ctypes
+
+    if not cuda_available():
+        return None
+    lib = _cudart_library()
+    if lib is None:
+        return None
+    # cudaPointerAttributes: type (int), device (int), devicePointer, hostPointer (+ room for more)
+    attrs = (ctypes.c_uint8 * 64)()
+    if lib.cudaPointerGetAttributes(ctypes.addressof(attrs), address) != 0:
+        clear = getattr(lib, "cudaGetLastError", None)
+        if clear is not None:
+            clear()
+        return None
+    memory_type = int.from_bytes(bytes(attrs[0:4]), "little")
+    pointer = int.from_bytes(bytes(attrs[8:16]), "little")
+    return pointer if memory_type != 0 and pointer else None  # 0: cudaMemoryTypeUnregistered
+
+
 def unregister_host_memory(address: int) -> None:
     import torch
 

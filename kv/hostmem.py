@@ -51,6 +51,11 @@ class OwnMemory:
             return torch.empty(shape, dtype=dtype)
         return self.pool().tensor(shape, dtype)
 
+    def device_readable(self) -> bool:
+        """Whether kernels may read the chunks at their host addresses (kv/span.py): page-locked
+        ones are (the pool's slabs, as kv/span.py has read them from the start)."""
+        return self.pinned
+
     def free(self, tensor) -> None:
         pass
 
@@ -68,6 +73,7 @@ class ArenaMemory:
         self.counters = counters
         self.own = OwnMemory(pinned)
         self.regions: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, client generation)
+        self._readable: bool | None = None
         self._pool: HostPool | None = None
 
     def pool(self) -> HostPool | None:
@@ -94,6 +100,22 @@ class ArenaMemory:
         tensor = base[offset:offset + nbytes].view(dtype).view(shape)
         self.regions[tensor.data_ptr()] = (offset, self.client.generation)
         return tensor
+
+    def device_readable(self) -> bool:
+        """Whether kernels may read the chunks at their host addresses (kv/span.py): the arena
+        is page-locked and mapped for the device at the same addresses, first to last byte
+        (asked once; the arena's chunks and the fallback chunks of this process's page-locked
+        memory are both readable then)."""
+        if self._readable is None:
+            from deepseek_flash.cuda import device_address
+
+            self._readable = False
+            if self.pinned:
+                base = self.client.host_tensor(pinned=True)
+                first, last = base.data_ptr(), base.data_ptr() + base.numel() - 1
+                self._readable = (device_address(first) == first
+                                  and device_address(last) == last)
+        return self._readable
 
     def free(self, tensor) -> None:
         region = self.regions.pop(tensor.data_ptr(), None)

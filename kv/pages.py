@@ -226,13 +226,14 @@ class LayerPages:
 
     def span(self) -> HostSpan | None:
         """The one-gather view of this layer's host chunks, or None where it cannot be used: a
-        chunk spilled, or (on a GPU) chunks in the controller's arena, or the view failed."""
+        chunk spilled, or (on a GPU) chunks that kernels cannot read where they lie (not
+        page-locked, or an arena not mapped for the device), or the view failed."""
         if self._span is not None:
             return self._span
         cache = self._cache
         if self._span_failed or not self.chunks or not self.all_on_host():
             return None
-        if self.device.type == "cuda" and (not cache.pinned or cache.host_memory.arena):
+        if self.device.type == "cuda" and not cache.host_memory.device_readable():
             return None
         try:
             self._span = HostSpan(self.chunks, self.batch, cache.layout, self.device)

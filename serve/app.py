@@ -30,8 +30,8 @@ DEFAULT_CHAT_TEMPLATE = (
 
 # The keys of the tiered KV cache (deepseek_flash.kv): a request that gives any of them runs on a
 # TieredCache of its own, built with ``TieredCache.for_model(model, gpu_tokens=..., ...)``.
-KV_KEYS = ("kv_gpu_tokens", "kv_sink_tokens", "kv_page_tokens", "kv_top_k_pages", "kv_host_bytes",
-           "kv_spill_dir")
+KV_KEYS = ("kv_gpu_tokens", "kv_sink_tokens", "kv_page_tokens", "kv_top_k_pages", "kv_page_cache",
+           "kv_host_bytes", "kv_spill_dir")
 # Named by the design; served once the controller's configuration knows them (KV pruning:
 # ``TieredCache.for_model(..., prune_threshold=...)``), refused by name until then.
 KV_KEYS_PENDING = ("kv_prune_threshold",)
@@ -72,16 +72,17 @@ def _field(body: dict, name: str, kind, default=None, *, minimum=None, maximum=N
 class Delivery:
     """Engine events into the event loop's queues with one wake-up for all that arrive together: a
     step's tokens for every row of the batch cost the loop one wake-up (and the engine thread one
-    ``call_soon_threadsafe``), not one per row."""
+    ``call_soon_threadsafe``), not one per row. ``urgent`` events (an L0 request's) are put first,
+    so their streams resume -- and write -- ahead of the rest of the step's."""
 
     def __init__(self, loop):
         self.loop = loop
         self._lock = threading.Lock()
         self._pending: list = []
 
-    def __call__(self, queue, item) -> None:
+    def __call__(self, queue, item, urgent: bool = False) -> None:
         with self._lock:
-            self._pending.append((queue, item))
+            self._pending.append((not urgent, queue, item))
             if len(self._pending) > 1:
                 return                      # a wake-up is already on its way
         self.loop.call_soon_threadsafe(self._drain)
@@ -89,7 +90,8 @@ class Delivery:
     def _drain(self) -> None:
         with self._lock:
             items, self._pending = self._pending, []
-        for queue, item in items:
+        items.sort(key=lambda x: x[0])          # stable: urgent first, each in its order
+        for _, queue, item in items:
             queue.put_nowait(item)
 
 
@@ -107,6 +109,7 @@ class ServeState:
         self.responses: dict[int, int] = {}
         self.closer = closer
         self._delivery = None
+        self.event_loop: str | None = None       # the server's event loop class, once it runs
         import os
 
         self.kv_spill_root = None if kv_spill_root is None else os.path.realpath(kv_spill_root)
@@ -268,10 +271,11 @@ class ServeState:
         queue: asyncio.Queue = asyncio.Queue()
         stream = opts["stream"]
         deliver = self.delivery(asyncio.get_running_loop())
+        urgent = opts["priority_class"] == "L0"
 
         def on_event(kind, data):
             if stream or kind != "token":
-                deliver(queue, (kind, data))
+                deliver(queue, (kind, data), urgent)
 
         req = SchedRequest(id=uuid.uuid4().hex, priority_class=opts["priority_class"], max_new_tokens=max_new,
                            temperature=opts["temperature"], top_p=opts["top_p"], priority=opts["priority"])
@@ -370,6 +374,8 @@ def create_app(state: ServeState):
 
     @asynccontextmanager
     async def lifespan(app):
+        loop = type(asyncio.get_running_loop())
+        state.event_loop = f"{loop.__module__}.{loop.__qualname__}"
         yield
         # Shutting down: refuse new requests (503), let the batch finish, free the model.
         await asyncio.get_running_loop().run_in_executor(None, state.engine.close)

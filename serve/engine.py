@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 
@@ -29,6 +30,13 @@ log = logging.getLogger("deepseek_flash.serve")
 # highest class among its rows: an L0 request's layers go to the disk before another model's
 # load and before the reads of L1/L2 forwards; L2 yields to everyone.
 READ_PRIORITY_BY_CLASS = {"L0": 1, "L1": 0, "L2": -1}
+
+# The interpreter's switch interval while an engine runs (CPython's default: 5 ms). The engine
+# thread and the event loop share one interpreter lock; a thread that wants it back from a busy
+# holder -- the engine after each forward's wait on the device, the event loop to read a new
+# request or write a token -- waits up to this long, and an L0 request's first token meets
+# several such hand-offs on its way.
+SWITCH_INTERVAL_S = 0.0005
 
 
 def prefill_budget(chunk: int, decode_s: float | None, per_token_s: float | None, l0_recent: bool,
@@ -49,7 +57,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, scheduler: FlashScheduler | None = None, *, max_batch: int = 8,
                  max_model_len: int | None = None, prefill_chunk: int = 512, device=None,
-                 warm: bool | None = None, decode: str = "auto"):
+                 warm: bool | None = None, decode: str = "auto", switch_interval_s: float | None = SWITCH_INTERVAL_S):
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = int(max_batch)
@@ -73,6 +81,9 @@ class Engine:
         # minutes for a large model).
         self.warm = (self.runner.device.type == "cuda" and self.stream is None) if warm is None else bool(warm)
         self.warm_s: float | None = None
+        # The interpreter's switch interval while the engine runs (``start``; None: left as is).
+        self.switch_interval_s = switch_interval_s
+        self._saved_switch: float | None = None
         self._lock = threading.Condition()
         self._gens: dict[int, Generation] = {}        # id(SchedRequest) -> Generation
         self._rows: list[Generation | None] = [None] * self.max_batch
@@ -147,6 +158,9 @@ class Engine:
                      self.warm_s, self.runner.decode_stats())
         gc.collect()
         gc.freeze()
+        if self.switch_interval_s is not None and self._saved_switch is None:
+            self._saved_switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._saved_switch, self.switch_interval_s))
         self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
         self._thread.start()
         return self
@@ -168,6 +182,9 @@ class Engine:
         with self._lock:
             for gen in list(self._gens.values()):
                 self._retire(gen, None, ShuttingDown("the server is shutting down"))
+        if self._saved_switch is not None:
+            sys.setswitchinterval(self._saved_switch)
+            self._saved_switch = None
 
     def _run(self) -> None:
         import torch

@@ -127,9 +127,9 @@ def test_start_imports_is_none_once_the_module_is_imported_and_errors_surface_in
 
 def test_a_fresh_process_imports_on_a_thread_while_it_attaches(tmp_path):
     """In a process that has not imported the model's transformers module, load_model starts the
-    skeleton's imports on a thread right after open_model: they are under way while the attach
-    runs (``imports_ms`` is what is left of them after it); a second load in the same process
-    imports nothing."""
+    skeleton's imports on a thread from the store's config.json, before its open_model round
+    trip: they are under way while the open and the attach run (``imports_ms`` is what is left of
+    them after it); a second load in the same process imports nothing."""
     import json
     import subprocess
     import sys
@@ -144,14 +144,15 @@ from deepseek_flash.client import Client
 from deepseek_flash.client.model import load_model
 seen = []
 with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
-    attach = client.attach
-    def spy(*a, **k):
-        seen.append(sorted(t.name for t in threading.enumerate()
-                           if t.name == "flash-skeleton-imports"))
-        return attach(*a, **k)
-    client.attach = spy
+    def spy(call):
+        def wrapped(*a, **k):
+            seen.append(sorted(t.name for t in threading.enumerate()
+                               if t.name == "flash-skeleton-imports"))
+            return call(*a, **k)
+        return wrapped
+    client.open_model, client.attach = spy(client.open_model), spy(client.attach)
     model = load_model({str(store)!r}, device="cpu", client=client)
-    print(json.dumps({{"timings": list(model.flash.timings), "at_attach": seen[0],
+    print(json.dumps({{"timings": list(model.flash.timings), "at_open": seen[0], "at_attach": seen[1],
                       "imports_s": model.flash.imports.seconds}}))
     model.flash.close()
     again = load_model({str(store)!r}, device="cpu", client=client)
@@ -163,7 +164,8 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
     first, again = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
     assert first["timings"] == ["open_model_ms", "attach_ms", "imports_ms", "skeleton_ms",
                                 "device_memory_ms", "bind_ms", "total_ms"]
-    assert first["at_attach"] == ["flash-skeleton-imports"] and first["imports_s"] > 0
+    assert first["at_open"] == first["at_attach"] == ["flash-skeleton-imports"]
+    assert first["imports_s"] > 0
     assert again["timings"] == ["open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms",
                                 "bind_ms", "total_ms"]
     assert again["imports"] is None
@@ -197,3 +199,27 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"error": "BudgetTooSmall",
                                                                 "threads": []}
+
+
+def test_local_config_and_imports_begun_from_it(tmp_path):
+    """``local_config``: a readable store directory's config.json, else None; imports begun from
+    it are kept when open_model's config names the same architecture."""
+    import json
+
+    from deepseek_flash.client.skeleton import local_config, start_imports
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    assert local_config(tmp_path) == {"model_type": "llama", "hidden_size": 8}
+    assert local_config(str(tmp_path)) == local_config(tmp_path)
+    assert local_config("a-registered-name") is None
+    (tmp_path / "config.json").write_text("{not json")
+    assert local_config(tmp_path) is None
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert local_config(tmp_path) is None
+    assert start_imports(None) is None
+    begun = start_imports({"model_type": "no_such_arch_a"})
+    assert start_imports({"model_type": "no_such_arch_a"}, begun) is begun
+    other = start_imports({"model_type": "no_such_arch_b"}, begun)
+    assert begun.seconds is not None               # joined before the other one started
+    assert other is not begun and other.module.endswith("modeling_no_such_arch_b")
+    other.wait()

@@ -23,6 +23,13 @@ def test_kv_bench_smoke(tmp_path):
     pages = (tokens + 4 + 2 * 2 - 4 - 512) // 32  # after the lossless warm-up and steps
     assert r["lossless_bytes_per_token"] == pages * 4 * 32 * 256
     assert r["topk25_pages_per_token"] > 0
+    # the page cache (on by default with top-K): fewer pages cross than without it, its slots
+    # counted in top-K's GPU bytes (above the lossless figure), both published
+    assert r["topk25_nocache_pages_per_token"] > r["topk25_pages_per_token"]
+    assert 0 < r["topk25_page_cache_hit_rate"] <= 1
+    assert r["topk25_gpu_bytes"] == r["tiered_gpu_bytes"] + r["topk25_page_cache_bytes"]
+    assert r["topk25_gpu_kv_ratio"] == round(r["topk25_gpu_bytes"] / r["dynamic_kv_bytes"], 4)
+    assert r["topk25_nocache_tok_s"] > 0
     assert r["topk25_one_gather_layers"] == 2  # 4 layers, the first 2 dense
     for key in ("dynamic_tok_s", "dynamic_nocudnn_tok_s", "topk25_tok_s", "lossless_tok_s",
                 "ttft_dynamic_s", "ttft_dynamic_nocudnn_s", "ttft_tiered_s", "ttft_tiered_first_s"):
@@ -36,6 +43,7 @@ def test_kv_bench_smoke(tmp_path):
     assert r["topk25_vs_dynamic"] == round(r["topk25_tok_s"] / r["dynamic_best_tok_s"], 3)
     assert r["ttft_dynamic_best_s"] == min(r["ttft_dynamic_s"], r["ttft_dynamic_nocudnn_s"])
     assert result["dynamic_floor_tok_s"] > 0 and result["warmup_s"] > 0
+    assert r["dynamic_floor_before_tok_s"] == result["dynamic_floor_tok_s"]  # the first context
 
 
 def test_kv_prune_show_smoke(tmp_path):

@@ -35,6 +35,8 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
     assert [result["engine_profile"][k]["prefill"]["forwards"] for k in ("unloaded_warmup", "unloaded")] == [3, 3]
     # The L0 stream from a probe process of its own, the rest from two load processes.
     assert result["client_processes"] == {"l0_probe": 1, "load": 2}
+    # What served HTTP: the serve extra's C parser and event loop.
+    assert result["http_server"] == {"protocol": "HttpToolsProtocol", "loop": "uvloop.Loop"}
     assert unloaded["ttft_breakdown"]["requests"] == 3
     assert list(result["phase_s"]) == ["model", "warm-up", "unloaded", "one", "full", "capacity", "load flash", "load fifo"]
     for mode in ("flash", "fifo"):

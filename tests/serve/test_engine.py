@@ -536,3 +536,30 @@ def test_a_warmed_engine_has_met_every_attention_width_before_its_first_request(
     assert kind == "done" and g.output_ids == greedy(tiny_reference, prompt, len(g.output_ids))
     assert len(prompt) + len(g.output_ids) > 3 * KV_BUCKET      # it reached the last width
     assert eng.runner.kv_seen == widths                  # and met none the warm-up had not
+
+
+def test_a_running_engine_shortens_the_interpreter_switch_interval(tiny_reference, tiny_tokenizer):
+    # The engine thread and the event loop share the interpreter lock: while the engine runs, a
+    # thread waiting for it from a busy holder waits 0.5 ms at most, not CPython's 5 ms; closing
+    # the engine gives the process its own value back. A longer interval asked is not imposed.
+    import sys
+
+    from deepseek_flash.serve.engine import SWITCH_INTERVAL_S
+
+    saved = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        eng = Engine(tiny_reference, tiny_tokenizer, max_batch=2).start()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S, abs=5e-6) == pytest.approx(0.0005, abs=5e-6)
+        eng.close(timeout=5)
+        assert sys.getswitchinterval() == pytest.approx(0.005, abs=5e-6)
+        sys.setswitchinterval(0.0002)
+        eng = Engine(tiny_reference, tiny_tokenizer, max_batch=2).start()
+        assert sys.getswitchinterval() == pytest.approx(0.0002, abs=5e-6)
+        eng.close(timeout=5)
+        sys.setswitchinterval(0.005)
+        eng = Engine(tiny_reference, tiny_tokenizer, max_batch=2, switch_interval_s=None).start()
+        assert sys.getswitchinterval() == pytest.approx(0.005, abs=5e-6)
+        eng.close(timeout=5)
+    finally:
+        sys.setswitchinterval(saved)

@@ -49,6 +49,8 @@ def wait_for(predicate, timeout=20.0):
 def test_models_and_health(served, client):
     base, state = served
     assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+    # The serve extra's C event loop (uvicorn takes it when installed).
+    assert state.event_loop == "uvloop.Loop"
     health = httpx.get(base + "/healthz").json()
     assert health == {"status": "ok", "model": "tiny-chat", "running": 0, "queued": 0, "slots": 4}
 
@@ -223,6 +225,7 @@ KV_REFUSED = [
     ({"kv_top_k_pages": 0}, "flash_context.kv_top_k_pages", "invalid_value", "null (every page: lossless)"),
     ({"kv_top_k_pages": 1.5}, "flash_context.kv_top_k_pages", "invalid_value", "1.5"),
     ({"kv_page_tokens": 24}, "flash_context.kv_page_tokens", "invalid_value", "16, 32, 64 or 128"),
+    ({"kv_page_cache": 0.5}, "flash_context.kv_page_cache", "invalid_value", "multiple >= 1"),
     ({"kv_gpu_tokens": -1}, "flash_context.kv_gpu_tokens", "invalid_value", "kv_gpu_tokens"),
     ({"kv_sink_tokens": "4"}, "flash_context.kv_sink_tokens", "invalid_value", "kv_sink_tokens"),
     ({"kv_host_bytes": "lots"}, "flash_context.kv_host_bytes", "invalid_value", "kv_host_bytes"),
@@ -303,3 +306,29 @@ def test_events_of_one_step_wake_the_event_loop_once():
     assert queues[3].get_nowait() == ("token", 3) and queues[3].get_nowait() == ("done", {})
     deliver(queues[0], ("token", 99))               # after the drain: a new wake-up
     assert len(loop.calls) == 2
+
+
+def test_an_l0_requests_events_resume_its_stream_first():
+    # One step's tokens arrive in row order; the L0 request's (urgent) is put first, so its stream
+    # resumes -- and writes -- before the other rows' of the same step, which keep their order.
+    import asyncio
+
+    from deepseek_flash.serve.app import Delivery
+
+    async def main():
+        deliver = Delivery(asyncio.get_running_loop())
+        queues = {name: asyncio.Queue() for name in ("a", "b", "l0", "c")}
+        resumed = []
+
+        async def stream(name):
+            item = await queues[name].get()
+            resumed.append((name, item))
+        tasks = [asyncio.create_task(stream(n)) for n in queues]
+        await asyncio.sleep(0)                        # every stream waits on its queue
+        for name in queues:                           # the engine thread's order: row order
+            deliver(queues[name], ("token", name), urgent=name == "l0")
+        await asyncio.gather(*tasks)
+        return resumed
+
+    assert asyncio.run(main()) == [("l0", ("token", "l0")), ("a", ("token", "a")), ("b", ("token", "b")),
+                                   ("c", ("token", "c"))]
