@@ -573,6 +573,7 @@ def main(argv=None) -> int:
                     save(result, args.output)
                 state.engine.runner.profile(reset=True)
                 steps0, open0 = state.engine.stats["steps"], state.engine.stats["l2_open_steps"]
+                beside0 = state.engine.stats["l0_beside_decode"]
                 recs, wall = load_phase(pool, base, name, arrivals, args.prompt_len, drain, args.load_procs)
                 steps = state.engine.stats["steps"] - steps0
                 forwards = state.engine.runner.forwards()
@@ -589,7 +590,11 @@ def main(argv=None) -> int:
                                                            "l2_open_step_fraction": round(
                                                                (state.engine.stats["l2_open_steps"] - open0)
                                                                / max(1, steps), 4),
-                                                           "decode": state.engine.runner.decode_stats()}
+                                                           "decode": state.engine.runner.decode_stats(),
+                                                           # L0 prompt forwards run beside the
+                                                           # batch's decode graph
+                                                           "l0_beside_decode": state.engine.stats[
+                                                               "l0_beside_decode"] - beside0}
                 result["engine_profile"] = profiles
                 save(result, args.output)
             finally:
@@ -625,7 +630,12 @@ def main(argv=None) -> int:
     print(f"throughput {args.max_batch} vs 1: {result['throughput']['ratio']}x")
     for mode in ("flash", "fifo"):
         print(f"{mode} decode: {result[mode]['decode']}; steps with L2's rule open: "
-              f"{result[mode]['l2_open_step_fraction']}; L2 ttft p50 {result[mode]['L2']['ttft_p50_ms']} ms")
+              f"{result[mode]['l2_open_step_fraction']}; L2 ttft p50 {result[mode]['L2']['ttft_p50_ms']} ms; "
+              f"L0 prompts beside the decode: {result[mode]['l0_beside_decode']}")
+        b = result[mode]["L0"]["ttft_breakdown"]
+        if b.get("requests"):
+            print(f"{mode} L0 ttft stages p50/p99/tail-mean ms: " + ", ".join(
+                f"{k} {b[k]['p50']}/{b[k]['p99']}/{b[k]['tail_mean']}" for k in STAGES))
     for name in ("one", "full"):
         for key, p in profiles.get(name, {}).items():
             if key.startswith("decode"):

@@ -30,8 +30,8 @@ DEFAULT_CHAT_TEMPLATE = (
 
 # The keys of the tiered KV cache (deepseek_flash.kv): a request that gives any of them runs on a
 # TieredCache of its own, built with ``TieredCache.for_model(model, gpu_tokens=..., ...)``.
-KV_KEYS = ("kv_gpu_tokens", "kv_sink_tokens", "kv_page_tokens", "kv_top_k_pages", "kv_host_bytes",
-           "kv_spill_dir")
+KV_KEYS = ("kv_gpu_tokens", "kv_sink_tokens", "kv_page_tokens", "kv_top_k_pages", "kv_page_cache",
+           "kv_host_bytes", "kv_spill_dir")
 # Named by the design; served once the controller's configuration knows them (KV pruning:
 # ``TieredCache.for_model(..., prune_threshold=...)``), refused by name until then.
 KV_KEYS_PENDING = ("kv_prune_threshold",)

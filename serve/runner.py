@@ -119,6 +119,8 @@ class RowRunner:
         # Attention widths (``KV_BUCKET`` multiples) that a forward has met: see ``warm``.
         self.kv_seen: set = set()
         self.static = self.static_prefill = None
+        self._side = None                       # ``side_stream``'s CUDA stream, once used
+        self._side_active = False
         self.prefill_chunk = int(prefill_chunk)
         self.decode_reason = self._decode_setup(decode)
         if self.decode_reason is not None:
@@ -230,9 +232,12 @@ class RowRunner:
         self._record("prefill", len(rows), len(ids[0]), launched, spent, began)
         return logits, spent
 
-    def decode(self, gens, rows: list, last: list, lengths: list):
+    def decode(self, gens, rows: list, last: list, lengths: list, meanwhile=None):
         """One batched decode: each row's ``last`` token at its position ``lengths``; returns (the
-        next token of each of ``gens``, seconds until they were on the host)."""
+        next token of each of ``gens``, seconds until they were on the host). With the fixed-shape
+        step (graphs), ``meanwhile(issued)`` is called once the step is issued, before its result
+        is waited for: ``issued`` is a CUDA event recorded after it (None off CUDA, where the step
+        ran as it was issued); ``side_stream`` runs work beside it."""
         torch = self.torch
         began = time.perf_counter()
         logits = None
@@ -241,6 +246,12 @@ class RowRunner:
             logits = self.static.run(rows, last, lengths, kv_len)
             if logits is None:                  # capture failed: eager from now on, logged
                 self.decode_reason, self.static = self.static.reason, None
+            elif meanwhile is not None:
+                issued = None
+                if self.device.type == "cuda":
+                    issued = torch.cuda.Event()
+                    issued.record(torch.cuda.current_stream(self.device))
+                meanwhile(issued)
         if logits is None:
             ids = torch.tensor([[t] for t in last], device=self.device)
             positions = torch.tensor(lengths, device=self.device)[:, None]
@@ -291,7 +302,33 @@ class RowRunner:
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
+            if self._side_active:               # not the batch's decode that runs beside it
+                self.torch.cuda.current_stream(self.device).synchronize()
+            else:
+                self.torch.cuda.synchronize(self.device)
+
+    def side_stream(self):
+        """A ``with`` under which forwards go to a CUDA stream of their own, beside the batch's
+        decode in flight on the main one, and wait only for themselves (a no-op off CUDA)."""
+        import contextlib
+
+        torch = self.torch
+
+        @contextlib.contextmanager
+        def side():
+            if self.device.type != "cuda":
+                yield
+                return
+            if self._side is None:
+                self._side = torch.cuda.Stream(device=self.device)
+            self._side_active = True
+            try:
+                with torch.cuda.stream(self._side):
+                    yield
+                self._side.synchronize()
+            finally:
+                self._side_active = False
+        return side()
 
     def warm(self, prefill_chunk: int = 512) -> float:
         """Meet, before any request does, every shape a forward can have. The batch's decode at
