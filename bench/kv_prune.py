@@ -315,11 +315,15 @@ def show(args) -> dict:
         t0 = time.perf_counter()
         cache = None
         try:
+            cuda = device.startswith("cuda")
+            base = torch.cuda.memory_allocated() if cuda else 0
             with attention():
                 cache = new()
                 tok, ttft = kv.prefill(model, ids, cache, device)
                 dynamic = name.startswith("dynamic")
                 before = cache.stats() if not dynamic else None
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
                 t_dec = time.perf_counter()
                 tok, steps, tps, step_ms, evaluated = _decode_until(
                     kv, model, cache, tok, args.decode, device, deadline, args.min_steps)
@@ -327,6 +331,11 @@ def show(args) -> dict:
             kv_bytes = kv.dynamic_kv_bytes(cache) if dynamic else cache.stats()["gpu_bytes"]
             pool_now = pool.stats()
             out[name] = {"gpu_kv_bytes": kv_bytes, "tok_s": round(tps, 3),
+                         # the most GPU memory the decode held above what was allocated before
+                         # the cache (the weights): KV held, pages recalled or fetched for a step
+                         # (gpu_kv_bytes leaves those out), the step's activations
+                         "decode_peak_bytes": ((torch.cuda.max_memory_allocated() - base)
+                                               if cuda else None),
                          "ttft_s": round(ttft, 3), "decode_steps": steps,
                          "decode_s": round(decode_s, 2),
                          # page-locked memory this configuration added to the process's pool
@@ -458,7 +467,8 @@ def print_show(r: dict) -> None:
               f"{x.get('scorer_ms_per_step', float('nan')):15.3f} "
               f"{x.get('median_step_ms', float('nan')):15.2f} "
               f"{x.get('evaluation_step_ms', float('nan')):13.2f} ttft {x['ttft_s']:.2f} s, "
-              f"page-locked {x['pool_new_bytes'] / 2**20:.0f} MiB new", file=sys.stderr)
+              f"page-locked {x['pool_new_bytes'] / 2**20:.0f} MiB new, decode peak "
+              f"{(x['decode_peak_bytes'] or 0) / 2**20:.0f} MiB", file=sys.stderr)
     if "dynamic_baseline" in r:
         print(f"DynamicCache baseline: {r['dynamic_baseline']} ({r['dynamic_best_tok_s']} tok/s)",
               file=sys.stderr)
