@@ -293,6 +293,7 @@ def run_context(model, T, args, device, h2d, record=True):
     misses = s["page_cache_misses"] - before["page_cache_misses"]
     r["topk25_page_cache_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
     r["topk25_page_cache_bytes"] = s["page_cache_bytes"]
+    r["topk25_last_step_fetched_bytes"] = s["page_cache_step_fetched_bytes"]
     # what a top-K step must move over PCIe (the chosen pages of the top-K layers, every page of
     # the dense ones) and the rate that allows at the host->GPU rate of this run: the most top-K
     # can reach with its pages on the host, however well the copies overlap

@@ -358,7 +358,7 @@ class TieredCache(Cache):
 
     def _release_page_cache(self, layer: TieredLayer) -> None:
         """Free ``layer``'s page cache (top-K turned off); its counts join the cache's."""
-        hits, misses = layer.page_cache.counts()
+        hits, misses, _ = layer.page_cache.counts()
         self.counters["page_cache_hits"] += hits
         self.counters["page_cache_misses"] += misses
         self.counters["pages_fetched"] += misses

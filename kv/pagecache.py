@@ -73,7 +73,7 @@ class PageCache:
         self.last_used: torch.Tensor | None = None  # [b, capacity + 1]; last column: scratch
         self.seq_base: torch.Tensor | None = None  # [b, 1]: b * capacity
         self.step = None  # [1] int64, the layer's step count (the stamps of last_used)
-        self.hits = self.misses = None  # [1] int64 device counters
+        self.hits = self.misses = self.last_misses = None  # [1] int64 device counters
         self._span = None
         self._span_key = None
         self.refused = False  # a view was refused (logged once)
@@ -95,6 +95,7 @@ class PageCache:
             self.step = torch.zeros(1, dtype=torch.int64, device=dev)
             self.hits = torch.zeros(1, dtype=torch.int64, device=dev)
             self.misses = torch.zeros(1, dtype=torch.int64, device=dev)
+            self.last_misses = torch.zeros(1, dtype=torch.int64, device=dev)  # the last step's
         if self.capacity < math.ceil(self.multiple * k):
             cap = capacity_for(k, self.multiple)
             shape = layer._cache.layout.shape
@@ -173,7 +174,8 @@ class PageCache:
         self.last_used.scatter_(1, new_slot, self.step.expand(b, k))
         self.step.add_(1)
         self.hits.add_(hit.sum())
-        self.misses.add_(miss.sum())
+        self.last_misses.copy_(miss.sum())
+        self.misses.add_(self.last_misses)
         slot_start = (self.seq_base + new_slot) * span.units_per_page  # in the slots' rows
         start = torch.where(hit, slot_start + span.extra_row, span.table.gather(1, chosen))
         torch.index_select(span.rows, 0, span.rows_at(start), out=out_rows)
@@ -190,14 +192,16 @@ class PageCache:
     def snapshot(self):
         """The device counters now (a graph's capture step runs the step twice: kv/graphs.py
         puts them back after the second run)."""
-        return self.hits.clone(), self.misses.clone()
+        return self.hits.clone(), self.misses.clone(), self.last_misses.clone()
 
     def restore(self, snap) -> None:
         self.hits.copy_(snap[0])
         self.misses.copy_(snap[1])
+        self.last_misses.copy_(snap[2])
 
-    def counts(self) -> tuple[int, int]:
-        """(hits, misses) so far (a host sync)."""
+    def counts(self) -> tuple[int, int, int]:
+        """(hits, misses) so far and the misses of the last step (a host sync)."""
         if self.hits is None:
-            return 0, 0
-        return int(self.hits.item()), int(self.misses.item())
+            return 0, 0, 0
+        both = torch.cat((self.hits, self.misses, self.last_misses)).tolist()
+        return both[0], both[1], both[2]

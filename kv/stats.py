@@ -19,11 +19,12 @@ def collect(cache) -> dict:
     batch = layers[0].batch if layers and layers[0].is_initialized else 0
     token_bytes = cache.layout.token_bytes if cache.layout else 0
     counters = dict(cache.counters)
-    page_cache_bytes = 0
+    page_cache_bytes = last_misses = 0
     for layer in layers:  # the live page caches' device counters (kv/pagecache.py)
         pc = getattr(layer, "page_cache", None)
         if pc is not None:
-            hits, misses = pc.counts()
+            hits, misses, last = pc.counts()
+            last_misses += last
             counters["page_cache_hits"] += hits
             counters["page_cache_misses"] += misses
             counters["pages_fetched"] += misses  # what crossed to the device: the misses
@@ -47,6 +48,8 @@ def collect(cache) -> dict:
         # top-K's page caches on the device (in gpu_bytes) and the bytes their misses fetched
         "page_cache_bytes": page_cache_bytes,
         "page_cache_fetched_bytes": counters["page_cache_misses"] * page_bytes,
+        # what the misses of each layer's last step through its page cache moved, all layers
+        "page_cache_step_fetched_bytes": last_misses * page_bytes,
         **_prune_stats(cache),
     }
 

@@ -60,7 +60,9 @@ def test_page_cache_keeps_recent_choices_and_fetches_only_new_pages(monkeypatch)
             after = cache.stats()
             fetched.append(after["pages_fetched"] - before["pages_fetched"])
             if multiple:
-                assert after["page_cache_hits"] - before["page_cache_hits"] == b * HITS[len(outs) - 1]
+                hits = HITS[len(outs) - 1]
+                assert after["page_cache_hits"] - before["page_cache_hits"] == b * hits
+                assert after["page_cache_step_fetched_bytes"] == b * (2 - hits) * after["page_bytes"]
         runs[multiple] = (outs, fetched, cache, layer)
     (plain, plain_fetched, plain_cache, _), (cached, cached_fetched, cache, layer) = runs[0], runs[1.5]
     for a, c in zip(plain, cached):
