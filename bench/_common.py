@@ -136,22 +136,17 @@ def write_finite_llama(path, *, dtype: str = "bfloat16", seed: int = 0, **shape)
     path = Path(path)
     if (path / "config.json").exists():
         return path
-    write_random_llama(path, dtype=dtype, seed=seed, shard_bytes=4 << 30, **shape)
-    # Random bits make NaNs and huge values; keep sign and mantissa, pin the exponent near 2^-6.
+    # Random bits make NaNs and huge values; keep sign and mantissa, pin the exponent near 2^-6
+    # -- on each tensor's bytes before they are written (no second pass over the files).
     exponent_mask, exponent = {"bfloat16": (0x807F, 0x3C00), "float16": (0x83FF, 0x2000)}[dtype]
-    for shard in sorted(path.glob("*.safetensors")):
-        with open(shard, "r+b") as f:
-            header = int.from_bytes(f.read(8), "little")
-            mm = mmap.mmap(f.fileno(), 0)
-            body = np.frombuffer(mm, dtype=np.uint16, offset=8 + header)
-            step = 1 << 26
-            for start in range(0, body.size, step):
-                part = body[start:start + step]
-                np.bitwise_and(part, exponent_mask, out=part)
-                np.bitwise_or(part, exponent, out=part)
-            del body, part
-            mm.flush()
-            mm.close()
+
+    def pin_exponent(data):
+        words = data.view(np.uint16)
+        np.bitwise_and(words, exponent_mask, out=words)
+        np.bitwise_or(words, exponent, out=words)
+
+    write_random_llama(path, dtype=dtype, seed=seed, shard_bytes=4 << 30, transform=pin_exponent,
+                       **shape)
     return path
 
 

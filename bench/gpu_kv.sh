@@ -8,9 +8,11 @@
 #    transformers' offload, PCIe bound, TTFT, host share per mode, and a profiler table of two
 #    steps per mode at 32K only (OUTDIR/kv.<mode>-32768.txt).
 # CONTEXTS default "32768 8192" (the goals' context first; ~100 s on an H200 with the tests);
-# --smoke: the CPU with a tiny model.
+# --smoke: the CPU with a tiny model. PROFILE_AT (default "32768"): the contexts profiled;
+# NO_TESTS=1: the bench alone (a second call at 131072, say).
 set -u -o pipefail
 out=${1:-/tmp/flash-kv}; arch=${2:-llama}; contexts=${3:-32768 8192}; smoke=${4:-}
+profile_at=${PROFILE_AT:-32768}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -21,13 +23,13 @@ status=0
 flags=()
 if [ "$smoke" = "--smoke" ]; then
   flags=(--smoke --decode 2)
-else
+elif [ -z "${NO_TESTS:-}" ]; then
   $py -m pytest -q -m gpu tests/kv -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1 || status=1
   echo "gpu tests: $(tail -1 "$out/gpu_tests.log")"
   grep -E "^(FAILED|ERROR)|^E  " "$out/gpu_tests.log" | head -20
 fi
 # shellcheck disable=SC2086
-$py bench/kv.py --arch "$arch" --contexts $contexts --profile "${flags[@]}" \
+$py bench/kv.py --arch "$arch" --contexts $contexts --profile --profile-at $profile_at "${flags[@]}" \
   --output "$out/kv.json" > "$out/kv.out" 2> "$out/kv.log" || status=1
 sed -n '/^dynamic floor/,/^goals:/p' "$out/kv.log"
 exit $status

@@ -8,7 +8,9 @@
 #         one process: stream batch 1, 8 with the default window and with prefetch_window 1 (a
 #         ring of two, an experiment), accelerate each token timed (median, spread); ~100 s an
 #         arch on a fresh machine (write + pack ~35 s); PATHS_BUDGET_S=N skips an arch that would
-#         start after N - 100 s; an arch's files are deleted before the next when the disk is short
+#         start after N - PATHS_ARCH_S (default 100) s; an arch's files are deleted before the next when the disk is short;
+#         PATHS_STREAM_ARGS: more bench/stream.py flags, e.g. "--skip-accelerate --skip-resident"
+#         (the windows' bound check alone, ~65 s an arch)
 # Each step writes its JSON under OUTDIR as it goes; a short table comes last.
 set -u -o pipefail
 out=${1:-/tmp/flash-paths}
@@ -44,7 +46,7 @@ elif [ "$part" = windows ]; then
   archs=${*:3}
   for a in ${archs:-llama qwen2 mistral}; do
     el=$(( $(date +%s) - t0 ))
-    if [ "${PATHS_BUDGET_S:-0}" -gt 0 ] && [ $(( el + 100 )) -gt "$PATHS_BUDGET_S" ]; then
+    if [ "${PATHS_BUDGET_S:-0}" -gt 0 ] && [ $(( el + ${PATHS_ARCH_S:-100} )) -gt "$PATHS_BUDGET_S" ]; then
       echo "windows $a: not started at $el s (PATHS_BUDGET_S=$PATHS_BUDGET_S)"; continue
     fi
     # A 7-8B checkpoint and its store take ~30 GB: make room by deleting the other archs'.
@@ -52,7 +54,7 @@ elif [ "$part" = windows ]; then
       for o in llama qwen2 mistral; do [ "$o" = "$a" ] || rm -rf "$work/$o"; done
     fi
     python3 bench/stream.py --arch "$a" --dir $work --batches 1,8 --tokens 8 --skip-ttft \
-      --windows default,1 --host-cache 20GiB --output "$out/stream-$a.json" > "$logs/stream-$a.log" 2>&1
+      --windows default,1 --host-cache 20GiB ${PATHS_STREAM_ARGS:-} --output "$out/stream-$a.json" > "$logs/stream-$a.log" 2>&1
     rc=$?; echo "windows $a: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$logs/stream-$a.log"
   done
 elif [ "$part" = 1 ]; then

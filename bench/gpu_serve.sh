@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# bench/serve.py on a CUDA machine in one go: the serve extra's wheels (FastAPI, uvicorn and the
-# pydantic stack, carried in .whl/ since the machine has no network -- docs/benchmarks.md, "serve"),
+# bench/serve.py on a CUDA machine in one go: the serve extra's wheels (FastAPI, uvicorn, uvloop,
+# httptools and the pydantic stack, carried in .whl/ since the machine has no network -- docs/benchmarks.md, "serve"),
 # the C++ core, the GPU tests of the decode step's CUDA graphs, then the bench against the scheduler
 # and FIFO. About 2.5 minutes on the H200 (the bench itself is limited to 160 s -- ~115 s expected:
 # the model ~20 s, 200 unloaded requests ~10 s, the two load phases ~35-40 s each with 10 s waves,
@@ -20,6 +20,7 @@ fi
 python3 -c 'import fastapi, uvicorn' || { echo "FastAPI/uvicorn missing: carry .whl/ (docs/benchmarks.md, serve)"; exit 1; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, transformers, fastapi, uvicorn; print("torch", torch.__version__, "transformers", transformers.__version__, "fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__)'
+  python3 -c 'import importlib.util as u; print("uvloop", u.find_spec("uvloop") is not None, "httptools", u.find_spec("httptools") is not None)'
   nproc; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 # The C++ core: built here unless this tree's build is already there and newer than its sources

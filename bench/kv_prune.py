@@ -28,7 +28,11 @@ attention holds at the same instants (``full_bytes``), both sampled every 8 deco
 1): GPU KV bytes and decode tok/s of ``DynamicCache``, the tiered cache alone (lossless and top-K
 25 %), pruning at the defaults (threshold 0.15, lossless recall), pruning with top-K 25 % recall,
 and with every page demoted (threshold 1.0: the recall-bound end), the MiB each moved to the device
-per step and the scorer's cost per step in ms; the whole run bounded by ``--budget-s`` (45 s). Random weights attend almost uniformly, so what they
+per step and the scorer's cost per step in ms. ``DynamicCache`` runs twice, as bench/kv.py runs it
+(``dynamic_variants``: torch's kernel choice, cuDNN included, and cuDNN left out); the stronger is
+``dynamic_baseline``. Every configuration runs and times at least ``--min-steps`` (8) decode
+steps; ``--budget-s`` (100 s, model build included) bounds the steps past those (up to
+``--decode``). Random weights attend almost uniformly, so what they
 demote is not what a trained model demotes: the memory a trained model saves is the CPU bench's
 figure; the H200 run measures speed and the cost of the levels. ``--show --smoke`` runs that path
 on a tiny CPU model.
@@ -38,6 +42,7 @@ on a tiny CPU model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -259,13 +264,15 @@ def _bench_kv():
 
 
 def show(args) -> dict:
-    """8B shape, one context: GPU KV bytes and decode tok/s of DynamicCache, the tiered cache
-    alone (lossless and top-K 25 %), pruning at the defaults (lossless recall) and with top-K 25 % recall, and
-    every page demoted; the scorer's cost per decode step. Bounded by ``--budget-s``: a
-    configuration that would start past it is skipped (``"skipped"``), a decode that runs past it
-    stops early at its share of the time left (``decode_steps`` says how many steps were timed)."""
+    """8B shape, one context: GPU KV bytes and decode tok/s of DynamicCache (with and without
+    cuDNN), the tiered cache alone (lossless and top-K 25 %), pruning at the defaults (lossless
+    recall) and with top-K 25 % recall, and every page demoted; the scorer's cost per decode
+    step. Each configuration times ``--min-steps`` decode steps, then more up to ``--decode``
+    while its share of ``--budget-s`` lasts (``decode_steps`` says how many were timed); one
+    that fails is reported as ``"failed"`` with its error, the others still measured."""
     from transformers import DynamicCache
 
+    from deepseek_flash.hostpool import process_pool
     from deepseek_flash.kv import TieredCache
 
     kv = _bench_kv()
@@ -276,42 +283,66 @@ def show(args) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
     out = {"context": ctx, "decode_steps": args.decode, "budget_s": args.budget_s,
            "build_s": round(time.perf_counter() - t_start, 1)}
+    plain = contextlib.nullcontext
+    # name -> (a new cache, the attention kernels it runs under)
     caches = {
-        "dynamic": lambda: DynamicCache(config=model.config),
+        # DynamicCache as a default user gets it and with cuDNN left out (bench/kv.py's
+        # dynamic_variants: the stronger one is the baseline)
+        **{name: (lambda: DynamicCache(config=model.config), ctx)
+           for name, ctx in kv.dynamic_variants()},
         # the tiered cache alone, lossless (every page each step) and top-K 25 %
-        "tiered_lossless": lambda: TieredCache.for_model(model),
-        "tiered_topk25": lambda: TieredCache.for_model(model, top_k_pages=0.25),
+        "tiered_lossless": (lambda: TieredCache.for_model(model), plain),
+        "tiered_topk25": (lambda: TieredCache.for_model(model, top_k_pages=0.25), plain),
         # pruning as a user gets it: threshold 0.15, lossless recall of the demoted pages
-        "pruned": lambda: TieredCache.for_model(model, prune_threshold=DEFAULT_THRESHOLD),
-        "pruned_topk25": lambda: TieredCache.for_model(model, top_k_pages=0.25,
-                                                       prune_threshold=DEFAULT_THRESHOLD),
+        "pruned": (lambda: TieredCache.for_model(model, prune_threshold=DEFAULT_THRESHOLD), plain),
+        "pruned_topk25": (lambda: TieredCache.for_model(model, top_k_pages=0.25,
+                                                        prune_threshold=DEFAULT_THRESHOLD), plain),
         # every page demoted (to int4 after two evaluations): the recall-bound end of pruning
-        "pruned_all_demoted": lambda: TieredCache.for_model(model, top_k_pages=0.25,
-                                                            prune_threshold=1.0),
+        "pruned_all_demoted": (lambda: TieredCache.for_model(model, top_k_pages=0.25,
+                                                             prune_threshold=1.0), plain),
     }
-    for i, (name, new) in enumerate(caches.items()):
+    pool = process_pool()
+    for i, (name, (new, attention)) in enumerate(caches.items()):
         # what each configuration does after its decode (stats, scorer timing, freeing) is
         # kept out of the decode's share, so the whole run stays inside the budget
         left = args.budget_s - (time.perf_counter() - t_start) - TAIL_S * (len(caches) - i)
-        # each configuration's decode stops at its share of what is left
-        deadline = time.perf_counter() + left / (len(caches) - i)
-        if left < 4:
-            out[name] = {"skipped": f"budget of {args.budget_s} s spent"}
-            continue
-        if name == "dynamic":
+        # each configuration's decode stops at its share of what is left, after at least
+        # --min-steps timed steps: every configuration runs, the budget bounds the steps past those
+        deadline = time.perf_counter() + max(0.0, left) / (len(caches) - i)
+        if name.startswith("dynamic"):
             model.set_attn_implementation("sdpa")
+        pool_before = pool.stats()
         t0 = time.perf_counter()
         cache = None
         try:
-            cache = new()
-            tok, ttft = kv.prefill(model, ids, cache, device)
-            before = cache.stats() if name != "dynamic" else None
-            tok, steps, tps, step_ms, evaluated = _decode_until(kv, model, cache, tok,
-                                                                args.decode, device, deadline)
-            kv_bytes = (kv.dynamic_kv_bytes(cache) if name == "dynamic"
-                        else cache.stats()["gpu_bytes"])
+            cuda = device.startswith("cuda")
+            base = torch.cuda.memory_allocated() if cuda else 0
+            with attention():
+                cache = new()
+                tok, ttft = kv.prefill(model, ids, cache, device)
+                dynamic = name.startswith("dynamic")
+                before = cache.stats() if not dynamic else None
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                t_dec = time.perf_counter()
+                tok, steps, tps, step_ms, evaluated = _decode_until(
+                    kv, model, cache, tok, args.decode, device, deadline, args.min_steps)
+                decode_s = time.perf_counter() - t_dec
+            kv_bytes = kv.dynamic_kv_bytes(cache) if dynamic else cache.stats()["gpu_bytes"]
+            pool_now = pool.stats()
             out[name] = {"gpu_kv_bytes": kv_bytes, "tok_s": round(tps, 3),
+                         # the most GPU memory the decode held above what was allocated before
+                         # the cache (the weights): KV held, pages recalled or fetched for a step
+                         # (gpu_kv_bytes leaves those out), the step's activations
+                         "decode_peak_bytes": ((torch.cuda.max_memory_allocated() - base)
+                                               if cuda else None),
                          "ttft_s": round(ttft, 3), "decode_steps": steps,
+                         "decode_s": round(decode_s, 2),
+                         # page-locked memory this configuration added to the process's pool
+                         # (deepseek_flash/hostpool.py): 0 when it reused what an earlier one left
+                         "pool_new_bytes": pool_now["reserved_bytes"]
+                         - pool_before["reserved_bytes"],
+                         "pool_reserved_bytes": pool_now["reserved_bytes"],
                          **_step_split(step_ms, evaluated)}
             if name.startswith("pruned"):
                 st = cache.stats()
@@ -337,19 +368,28 @@ def show(args) -> dict:
                     out[name]["profile"] = profile_steps(
                         model, cache, tok, device,
                         Path(args.profile_dir) / f"kv_prune.{name}-{ctx}.txt", steps=left)
-            elif name != "dynamic":
+            elif not dynamic:
                 st = cache.stats()
                 out[name]["fetched_bytes_per_step"] = round(
                     (st["pages_fetched"] - before["pages_fetched"]) * st["page_bytes"]
                     / (steps + 2))
         except Exception as exc:  # one configuration failing leaves the others' figures
             out[name] = {"failed": f"{type(exc).__name__}: {exc}"[:500]}
-        out[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        t_free = time.perf_counter()
         del cache
         kv.free(device)
+        out[name]["free_s"] = round(time.perf_counter() - t_free, 2)
+        out[name]["seconds"] = round(time.perf_counter() - t0, 1)
     out["total_s"] = round(time.perf_counter() - t_start, 1)
+    timed = {n: out[n]["tok_s"] for n, _ in kv.dynamic_variants() if "tok_s" in out[n]}
+    if timed:
+        best = kv.stronger_dynamic(timed)
+        out["dynamic_baseline"], out["dynamic_best_tok_s"] = best, timed[best]
+        for name in SHOW_ROWS[2:]:
+            if "tok_s" in out[name]:
+                out[f"{name}_vs_dynamic_best_tok_s"] = round(out[name]["tok_s"] / timed[best], 3)
     dyn = out["dynamic"].get("gpu_kv_bytes")
-    for name in SHOW_ROWS[1:]:
+    for name in SHOW_ROWS[2:]:
         if dyn and "gpu_kv_bytes" in out[name]:
             out[f"{name}_vs_dynamic_gpu_bytes"] = round(out[name]["gpu_kv_bytes"] / dyn, 4)
     # pruning against the tiered cache alone in the same recall mode
@@ -360,7 +400,8 @@ def show(args) -> dict:
     return out
 
 
-SHOW_ROWS = ("dynamic", "tiered_lossless", "tiered_topk25", "pruned", "pruned_topk25",
+SHOW_ROWS = ("dynamic", "dynamic_nocudnn", "tiered_lossless", "tiered_topk25", "pruned",
+             "pruned_topk25",
              "pruned_all_demoted")
 TAIL_S = 1.0
 """Seconds the Show keeps per configuration for what follows its decode (stats, scorer timing)."""
@@ -371,9 +412,10 @@ def _evaluations(cache) -> int:
     return prune.counters["evaluations"] if prune else 0
 
 
-def _decode_until(kv, model, cache, tok, steps, device, deadline):
+def _decode_until(kv, model, cache, tok, steps, device, deadline, min_steps=1):
     """Greedy decode of up to ``steps`` timed steps (after 2 untimed), stopping at ``deadline``
-    (perf_counter), each step synchronised (as a generation loop that reads its token does):
+    (perf_counter) once ``min_steps`` are timed, each step synchronised (as a generation loop
+    that reads its token does):
     the next token, the steps timed, tok/s, each step's ms and whether pruning evaluated the
     levels in it."""
     from deepseek_flash.kv import cache_kwargs as kw
@@ -384,7 +426,7 @@ def _decode_until(kv, model, cache, tok, steps, device, deadline):
         kv.sync(device)
         t = time.perf_counter()
         done, step_ms, evaluated = 0, [], []
-        while done < steps and (done == 0 or time.perf_counter() < deadline):
+        while done < steps and (done < min_steps or time.perf_counter() < deadline):
             t_step, ev = time.perf_counter(), _evaluations(cache)
             tok = model(tok, **kw(model, cache)).logits[:, -1:].argmax(-1)
             kv.sync(device)
@@ -414,9 +456,8 @@ def print_show(r: dict) -> None:
     dyn = r["dynamic"].get("gpu_kv_bytes")
     for name in SHOW_ROWS:
         x = r[name]
-        if "skipped" in x or "failed" in x:
-            print(f"{name:28} {'skipped' if 'skipped' in x else 'failed'} "
-                  f"({x.get('skipped') or x.get('failed')})", file=sys.stderr)
+        if "failed" in x:
+            print(f"{name:28} failed ({x['failed']})", file=sys.stderr)
             continue
         ratio = x["gpu_kv_bytes"] / dyn if dyn else float("nan")
         moved = x.get("recall_bytes_per_step", x.get("fetched_bytes_per_step", float("nan")))
@@ -425,7 +466,12 @@ def print_show(r: dict) -> None:
               f"{x['decode_steps']:6d} {moved:15.1f} "
               f"{x.get('scorer_ms_per_step', float('nan')):15.3f} "
               f"{x.get('median_step_ms', float('nan')):15.2f} "
-              f"{x.get('evaluation_step_ms', float('nan')):13.2f}", file=sys.stderr)
+              f"{x.get('evaluation_step_ms', float('nan')):13.2f} ttft {x['ttft_s']:.2f} s, "
+              f"page-locked {x['pool_new_bytes'] / 2**20:.0f} MiB new, decode peak "
+              f"{(x['decode_peak_bytes'] or 0) / 2**20:.0f} MiB", file=sys.stderr)
+    if "dynamic_baseline" in r:
+        print(f"DynamicCache baseline: {r['dynamic_baseline']} ({r['dynamic_best_tok_s']} tok/s)",
+              file=sys.stderr)
     print(f"total {r['total_s']} s (budget {r['budget_s']} s)", file=sys.stderr)
 
 
@@ -506,8 +552,10 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--show-context", type=int, default=32768)
     ap.add_argument("--decode", type=int, default=16)
-    ap.add_argument("--budget-s", type=float, default=45.0,
+    ap.add_argument("--budget-s", type=float, default=100.0,
                     help="with --show: wall-clock bound of the whole run, model build included")
+    ap.add_argument("--min-steps", type=int, default=8,
+                    help="with --show: decode steps every configuration times, budget or not")
     args = ap.parse_args(argv)
     threads = args.threads if args.threads is not None else (None if args.show else 1)
     if threads:

@@ -17,7 +17,9 @@ Default configuration everywhere except the host cache size (the machine's sizin
   class (the user's fresh process; the goal). Where the time went: the load's phases, this
   process's and the daemon's CPU, the daemon's own load time (its log); then, no load running,
   the skeleton built in a fresh interpreter (``skeleton_alone``: the imports' own time on this
-  machine; ``skeleton_alone_cold``: the same after dropping the page cache); with
+  machine; ``skeleton_alone_cold``: the same after dropping the page cache;
+  ``skeleton_beside_engine``: the same beside a process reading the model's file with the IO
+  engine at each ``--beside-engine`` depth x request size, 32 x 1 MiB being the daemon's); with
   ``--diagnose`` also again beside ``dd`` reading the model's file (``skeleton_beside_dd``) and
   the cold load again after a fresh daemon start with the class imported
   (``model_class_imported``: the disk -> GPU path alone).
@@ -189,6 +191,62 @@ print(json.dumps({"skeleton_s": round(time.perf_counter() - t, 3),
                   "skeleton_cpu_s": round(time.thread_time() - c, 3), "profile": sampler.report()}))
 """
 
+# Reads one file again and again with the daemon's IO engine at a given depth and request size,
+# until SIGTERM; prints its rate. Beside a skeleton build: does the engine's read pattern (not the
+# disk's rate alone: dd beside it did not slow the imports) slow the client's imports?
+ENGINE_READER_SCRIPT = r"""
+import json, os, signal, sys, time
+from deepseek_flash import _core
+path, depth, request = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+EXTENT, DEST = 32 << 20, 256 << 20
+size = os.path.getsize(path) // EXTENT * EXTENT
+dest = _core.HostArena(DEST, "bench-reader")
+dest.populate()
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+total, t = 0, time.perf_counter()
+with _core.IOEngine("auto", depth, request) as engine:
+    print("reading", engine.backend, flush=True)
+    while not stop:
+        for start in range(0, size, 32 * EXTENT):
+            n = min(32, (size - start) // EXTENT)
+            reqs = [_core.ReadRequest(path, start + i * EXTENT, EXTENT, dest, (i * EXTENT) % DEST,
+                                      block_id=i) for i in range(n)]
+            total += sum(c.bytes for c in engine.wait(engine.submit(reqs)))
+            if stop:
+                break
+    backend = engine.backend
+print(json.dumps({"gbps": round(total / (time.perf_counter() - t) / 1e9, 3), "backend": backend,
+                  "queue_depth": depth, "request_size": request}), flush=True)
+"""
+
+
+def skeleton_beside_engine(store_dir, data, depth: int, request: int) -> dict:
+    """The skeleton built in a fresh interpreter (page cache dropped first) while a process reads
+    the model's file with the IO engine at ``depth`` x ``request``."""
+    drop_caches()
+    reader = subprocess.Popen([sys.executable, "-c", ENGINE_READER_SCRIPT, str(data), str(depth),
+                               str(request)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        first = reader.stdout.readline().split()
+        if first[:1] != ["reading"]:
+            return {"error": reader.stderr.read()[-2000:]}
+        out = run_script(SKELETON_ALONE_SCRIPT, store_dir)
+        out.pop("profile", None)
+        out["reader_still_reading"] = reader.poll() is None
+    finally:
+        reader.terminate()
+        try:
+            tail, _ = reader.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            reader.kill()
+            tail, _ = reader.communicate()
+    lines = [ln for ln in tail.strip().splitlines() if ln.startswith("{")]
+    out["reader"] = json.loads(lines[-1]) if lines else None
+    return out
+
+
 DONE_LINE = re.compile(r"load of \S+ onto \S+ done: (\d+) bytes in ([0-9.]+) s")
 
 
@@ -309,6 +367,11 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
         out["skeleton_alone_cold"] = {"cache_dropped": drop_caches(),
                                       **run_script(SKELETON_ALONE_SCRIPT, store_dir)}
         save(res, args.output)
+        for spec in filter(None, args.beside_engine.split(",")):
+            depth, _, request = spec.partition("x")
+            out.setdefault("skeleton_beside_engine", {})[spec] = skeleton_beside_engine(
+                store_dir, data, int(depth), parse_size("request", request))
+            save(res, args.output)
         if not args.diagnose:
             return
         # The same beside a plain reader of the model's file (dd, no daemon): whether any disk
@@ -358,6 +421,10 @@ def main(argv=None) -> int:
     parser.add_argument("--diagnose", action="store_true",
                         help="shared_gpu_cold: also the skeleton beside dd and a second cold load "
                              "with the model class imported (~40 s more)")
+    parser.add_argument("--beside-engine", default="32x1MiB,4x4MiB",
+                        help="shared_gpu_cold: the skeleton (cache dropped) beside a process reading "
+                             "the model's file with the IO engine at DEPTHxREQUEST, for each "
+                             "(32x1MiB: the daemon's engine); '' to skip (~12 s each)")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
 

@@ -105,6 +105,8 @@ def start_server(state):
         if not thread.is_alive():
             raise RuntimeError("the server did not start")
         time.sleep(0.01)
+    # What serves HTTP: uvicorn's protocol (httptools or h11) and event loop (uvloop or asyncio).
+    state.http_server = {"protocol": srv.config.http_protocol_class.__name__, "loop": state.event_loop}
     return srv, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
@@ -529,6 +531,7 @@ def main(argv=None) -> int:
             # How the batch decodes (CUDA graphs, or eager and why), graphs captured.
             result.setdefault("engine_decode", {})[mode] = state.engine.runner.decode_stats()
             srv, thread, base = start_server(state)
+            result["http_server"] = state.http_server
             try:
                 name = state.model_name
                 if mode == "flash":
@@ -570,6 +573,7 @@ def main(argv=None) -> int:
                     save(result, args.output)
                 state.engine.runner.profile(reset=True)
                 steps0, open0 = state.engine.stats["steps"], state.engine.stats["l2_open_steps"]
+                beside0 = state.engine.stats["l0_beside"]
                 recs, wall = load_phase(pool, base, name, arrivals, args.prompt_len, drain, args.load_procs)
                 steps = state.engine.stats["steps"] - steps0
                 forwards = state.engine.runner.forwards()
@@ -586,7 +590,11 @@ def main(argv=None) -> int:
                                                            "l2_open_step_fraction": round(
                                                                (state.engine.stats["l2_open_steps"] - open0)
                                                                / max(1, steps), 4),
-                                                           "decode": state.engine.runner.decode_stats()}
+                                                           "decode": state.engine.runner.decode_stats(),
+                                                           # L0 prompt forwards run beside the
+                                                           # batch's decode graph
+                                                           "l0_beside": state.engine.stats[
+                                                               "l0_beside"] - beside0}
                 result["engine_profile"] = profiles
                 save(result, args.output)
             finally:
@@ -622,7 +630,12 @@ def main(argv=None) -> int:
     print(f"throughput {args.max_batch} vs 1: {result['throughput']['ratio']}x")
     for mode in ("flash", "fifo"):
         print(f"{mode} decode: {result[mode]['decode']}; steps with L2's rule open: "
-              f"{result[mode]['l2_open_step_fraction']}; L2 ttft p50 {result[mode]['L2']['ttft_p50_ms']} ms")
+              f"{result[mode]['l2_open_step_fraction']}; L2 ttft p50 {result[mode]['L2']['ttft_p50_ms']} ms; "
+              f"L0 prompts beside a graph forward: {result[mode]['l0_beside']}")
+        b = result[mode]["L0"]["ttft_breakdown"]
+        if b.get("requests"):
+            print(f"{mode} L0 ttft stages p50/p99/tail-mean ms: " + ", ".join(
+                f"{k} {b[k]['p50']}/{b[k]['p99']}/{b[k]['tail_mean']}" for k in STAGES))
     for name in ("one", "full"):
         for key, p in profiles.get(name, {}).items():
             if key.startswith("decode"):

@@ -1,10 +1,9 @@
 """Page-locked host memory allocated once and reused: ``HostPool`` hands out byte ranges of large
 slabs and takes a range back when the last tensor viewing it is gone.
 
-Why: page-locking is slow (~30 ms per 36 MB on an H200 host, cudaHostAlloc or cudaHostRegister
-alike), so a buffer page-locked inside a prefill or a decode step costs that step its time. A
-pool page-locks its slabs once (``chunk_bytes`` at a time, more for a larger request) and
-recycles their ranges between buffers, caches and requests: a cache built after another reuses
+Why: page-locking is slow (~30 ms per 36 MB on an H200 host), so a buffer page-locked inside a
+prefill or a decode step costs that step its time. A pool page-locks its slabs once
+(``chunk_bytes`` at a time, more for a larger request) and recycles their ranges between buffers, caches and requests: a cache built after another reuses
 its memory without page-locking anything.
 
 * ``take(nbytes)`` / ``tensor(shape, dtype)``: a CPU tensor over a range no live tensor of the
@@ -15,15 +14,15 @@ its memory without page-locking anything.
   a gather over the page-locked memory): returned ranges wait, and are reused only after
   ``sync`` (by default every CUDA device this process started is synchronised), which the pool
   calls at most once per request that the free ranges cannot serve -- before growing.
-* ``trim()`` gives wholly free slabs back (unregistered, unmapped); nothing else shrinks the pool.
+* ``trim()`` gives wholly free slabs back (to torch's page-locked cache, or unmapped); nothing
+  else shrinks the pool.
 
-Slabs come from ``slab_source(nbytes) -> (uint8 tensor, release or None)``: by default an
-anonymous mapping page-locked with ``cudaHostRegister`` (pageable where CUDA is absent or
-refuses; the ranges work either way). A cache whose host chunks live in
-the controller's host arena (kv/hostmem.py) gives a source that takes its slabs from the arena
-(already page-locked). ``process_pool()`` is the one pool of this process (created at first use,
-as torch keeps one caching host allocator per process), which kv/ uses unless a caller passes its
-own.
+Slabs come from ``slab_source(nbytes) -> (uint8 tensor, release or None)``: by default
+page-locked memory from torch (pageable where CUDA is absent; the ranges work either way). A
+cache whose host chunks live in the controller's host arena (kv/hostmem.py) gives a source
+that takes its slabs from the arena (already page-locked). ``process_pool()`` is the one pool of
+this process (created at first use, as torch keeps one caching host allocator per process),
+which kv/ uses unless a caller passes its own.
 """
 from __future__ import annotations
 
@@ -51,15 +50,13 @@ def pageable_slab(nbytes: int):
 
 
 def pinned_slab(nbytes: int):
-    """``pageable_slab`` page-locked for the GPU (cudaHostRegister) where it can be: (tensor,
-    release -- None where it stayed pageable)."""
-    from .cuda import register_host_range, unregister_host_memory
-
-    tensor, _ = pageable_slab(nbytes)
-    address = tensor.data_ptr()
-    if not register_host_range(address, nbytes):
-        return tensor, None
-    return tensor, lambda: unregister_host_memory(address)
+    """``nbytes`` of page-locked memory (torch's cudaHostAlloc, as every page-locked buffer of
+    kv/ was before the pool: kernels read it at its host address, kv/span.py) where CUDA is
+    present, else ``pageable_slab``: (uint8 tensor, None -- torch keeps the memory it page-locked
+    for its own later use once the pool drops it)."""
+    if not torch.cuda.is_available():
+        return pageable_slab(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
 
 
 def sync_devices() -> None:

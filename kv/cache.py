@@ -27,6 +27,7 @@ from .layout import PageLayout, auto_page_tokens
 from .hostmem import ArenaMemory, OwnMemory
 from .report import Reporter, client_of
 from .pages import CHUNK_BYTES, FIRST_CHUNK_PAGES, Chunk
+from .pagecache import PAGE_CACHE_DEFAULT
 from .prune.state import PRUNE_GPU_TOKENS, offset_values, prune_settings
 from .spill import SpillStore
 
@@ -53,7 +54,8 @@ class TieredCache(Cache):
                  host_arena: bool = True, prune_threshold: float | None = None,
                  prune_scorer="attention", prune_offsets=None, prune_tokenizer=None,
                  prune_compensation: bool = True, prune_every: int = 8, prune_window: int = 32,
-                 prune_device_tokens: int | None = 512, dense_on_device: bool | None = None):
+                 prune_device_tokens: int | None = 512, dense_on_device: bool | None = None,
+                 page_cache: float | None = PAGE_CACHE_DEFAULT):
         if report_interval is not None and (isinstance(report_interval, bool) or not isinstance(
                 report_interval, (int, float)) or report_interval < 0):
             from deepseek_flash.errors import ConfigError
@@ -63,7 +65,8 @@ class TieredCache(Cache):
         validate(gpu_tokens=gpu_tokens, sink_tokens=sink_tokens, page_tokens=page_tokens,
                   top_k_pages=top_k_pages, host_bytes=host_bytes, spill_dir=spill_dir,
                   dense_layers=dense_layers, score=score, window_pages=window_pages,
-                  error_recovery_mode=error_recovery_mode, prefill_chunk=prefill_chunk)
+                  error_recovery_mode=error_recovery_mode, prefill_chunk=prefill_chunk,
+                  page_cache=page_cache)
         self.prune = prune_settings(prune_threshold, prune_scorer, prune_offsets, prune_tokenizer,
                                     prune_compensation, prune_every, prune_window,
                                     prune_device_tokens)
@@ -80,6 +83,9 @@ class TieredCache(Cache):
         self.dense_layers = dense_layers
         # the dense layers' pages on the device as well (kv/mirror.py): None = on a CUDA device
         self.dense_on_device = dense_on_device
+        # top-K: each top-K layer keeps its chosen pages on the device (kv/pagecache.py), this
+        # multiple of its k in slots; 0 / None: off. Pruning's recall has its own levels.
+        self.page_cache = float(page_cache or 0) if prune_threshold is None else 0.0
         self.score = score
         self.window_pages = window_pages
         self.select_max_queries = select_max_queries
@@ -119,12 +125,17 @@ class TieredCache(Cache):
                   page_tokens: int | str = "auto", top_k_pages: int | float | None = None,
                   host_bytes: int | None = None, spill_dir=None,
                   prune_threshold: float | None = None, prune_scorer="attention",
-                  prune_offsets=None, **options) -> "TieredCache":
+                  prune_offsets=None, page_cache: float | None = PAGE_CACHE_DEFAULT,
+                  **options) -> "TieredCache":
         """Install the tiered attention function on ``model`` and return a new cache for one
         generation: ``model.generate(ids, cache=cache)``. Options: ``dense_layers``
         (2), ``score`` ("hybrid" | "quest" | "windowed" | "mass" | "mass_max"), ``window_pages`` (64), ``error_recovery_mode``
         ("strict" | "graceful"), ``prefill_chunk`` (4096 queries), ``dense_on_device`` (None: on
         a CUDA device the dense layers keep their pages on the device as well, kv/mirror.py).
+        ``page_cache`` (1.5): with ``top_k_pages``, each top-K layer keeps the pages it chose in
+        the last steps on the device, in slots for this multiple of its top-K page count (only
+        the newly chosen pages are fetched; the least recently chosen leave first;
+        kv/pagecache.py); 0 or None: off (every chosen page fetched every step).
 
         Importance pruning (off by default; docs/kv.md): ``prune_threshold`` (the seed's 0.15),
         ``prune_scorer`` ("attention" | "mlp" | a scorer file | a callable), ``prune_offsets``
@@ -144,7 +155,7 @@ class TieredCache(Cache):
         compat.require_transformers()
         given = dict(gpu_tokens=gpu_tokens, sink_tokens=sink_tokens, page_tokens=page_tokens,
                      top_k_pages=top_k_pages, host_bytes=host_bytes, spill_dir=spill_dir,
-                     prune_threshold=prune_threshold)
+                     prune_threshold=prune_threshold, page_cache=page_cache)
         args = {**flash_kv_settings(model), **explicit_args(given)}
         for key, value in given.items():
             args.setdefault(key, value)
@@ -345,6 +356,15 @@ class TieredCache(Cache):
         v.record_stream(current)
         return k, v
 
+    def _release_page_cache(self, layer: TieredLayer) -> None:
+        """Free ``layer``'s page cache (top-K turned off); its counts join the cache's."""
+        hits, misses, _ = layer.page_cache.counts()
+        self.counters["page_cache_hits"] += hits
+        self.counters["page_cache_misses"] += misses
+        self.counters["pages_fetched"] += misses
+        layer.page_cache = None
+        layer.graphs = LayerGraphs()  # its graphs wrote into the slots
+
     def _staging(self, n_pages: int) -> torch.Tensor:
         """A new host buffer of ``n_pages`` pages. Fresh every time: torch's pinned-memory cache
         reuses a block only after the copies that read it have completed."""
@@ -481,6 +501,8 @@ class TieredCache(Cache):
             self._write_stream.synchronize()  # no write into a chunk given back
         self._select_out = SharedOut()
         for layer in self.layers:
+            if layer.page_cache is not None:
+                self._release_page_cache(layer)
             layer.graphs = LayerGraphs()  # the graphs read the host pages freed below
             layer.pages.clear()
         if self.spill is not None:

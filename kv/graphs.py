@@ -56,9 +56,11 @@ class SharedOut:
 class SelectGraph:
     """The captured choice + gather of one layer for fixed shapes and buffers (``key``)."""
 
-    def __init__(self, key, summaries, span, query, k, scale, window_pages, out_rows, pool):
+    def __init__(self, key, summaries, span, query, k, scale, window_pages, out_rows, pool,
+                 page_cache=None):
         self.key = key
         self.summaries, self.span = summaries, span
+        self.page_cache = page_cache  # kv/pagecache.py: hits from the device slots
         self.k, self.scale, self.window_pages = k, scale, window_pages
         self.out_rows = out_rows
         self.query = torch.empty_like(query)
@@ -67,6 +69,11 @@ class SelectGraph:
         side.wait_stream(torch.cuda.current_stream(query.device))
         with torch.cuda.stream(side):
             self._run()  # once eagerly: lazy initialisations (cuBLAS handles, ...) happen here
+            # with a page cache that eager run was this step's (its counts stand; the replay that
+            # follows finds every page in the slots: counted again, then put back; the snapshot
+            # is kept with the graph, never freed while the compute stream may still read it)
+            self.counted = page_cache.snapshot() if page_cache is not None else None
+            self.restore_after_replay = page_cache is not None
             self.graph = new_graph(self)
             self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
@@ -77,13 +84,19 @@ class SelectGraph:
 
     def _run(self) -> torch.Tensor:
         chosen = self.summaries._choose_hybrid(self.query, self.k, self.scale, self.window_pages)
-        self.span.gather_into(chosen, self.out_rows)
+        if self.page_cache is not None:
+            self.page_cache.gather_into(self.span, chosen, self.out_rows)
+        else:
+            self.span.gather_into(chosen, self.out_rows)
         return chosen
 
     def replay(self, query):
         """-> chosen ``[b, k]``, keys, values ``[b, kv_heads, k * page_tokens, head_dim]``."""
         self.query.copy_(query)
         self.graph.replay()
+        if self.restore_after_replay:
+            self.page_cache.restore(self.counted)
+            self.restore_after_replay = False
         return (self.chosen, *self.span.unpack(self.out_rows, self.chosen.shape[0], self.k))
 
 
@@ -96,22 +109,24 @@ class LayerGraphs:
         self.failed = False
         self.captures = 0
 
-    def select(self, cache, layer, span, query, k):
+    def select(self, cache, layer, span, query, k, page_cache=None):
         """Chosen pages and their keys and values through the graph, or None (use the eager
-        path)."""
+        path). With ``page_cache`` (kv/pagecache.py) ``span`` is its view of host pages and
+        slots, and the graph keeps the chosen pages in the slots."""
         if self.failed:
             return None
         summaries = layer.summaries
         b = query.shape[0]
         out = cache._select_out.get(span, b, k, query.device)
         key = (summaries.n, k, id(span), summaries.minmax.data_ptr(), out.data_ptr(),
-               tuple(query.shape), query.dtype, cache.scale, cache.window_pages)
+               tuple(query.shape), query.dtype, cache.scale, cache.window_pages,
+               page_cache.key() if page_cache is not None else None)
         if self.graph is None or self.graph.key != key:
             self.graph = None
             self.captures += 1
             try:
                 self.graph = SelectGraph(key, summaries, span, query, k, cache.scale,
-                                         cache.window_pages, out, cache._graph_pool())
+                                         cache.window_pages, out, cache._graph_pool(), page_cache)
             except Exception as exc:  # refused by torch or the driver: eager from now on
                 self.failed = True
                 log.warning("layer %d: top-K choice and gather not captured as a CUDA graph "

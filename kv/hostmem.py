@@ -1,7 +1,7 @@
 """Where the host tier's chunks live: the process's own memory (page-locked when CUDA is present:
-ranges of this process's ``HostPool``, deepseek_flash/hostpool.py, page-locked once and reused by
-every later cache), or, for a model from ``load_model``, the controller's host arena -- the memory the daemon (or the
-embedded controller) shares with its clients and accounts for.
+ranges of this process's ``HostPool``, deepseek_flash/hostpool.py, page-locked once and reused
+by every later cache), or, for a model from ``load_model``, the controller's host arena -- the
+memory the daemon (or the embedded controller) shares with its clients and accounts for.
 
 ``ArenaMemory`` asks the controller for a region per chunk (``kv_alloc``: the daemon makes room
 as for a demand load, and counts it in ``host_bytes_used`` and ``kv_arena_bytes``), views it

@@ -25,6 +25,7 @@ from . import graphs
 from .graphs import LayerGraphs
 from .layout import pack_pages
 from .mirror import DenseMirror
+from .pagecache import PageCache
 from .pages import LayerPages
 from .prune.state import LayerPrune
 from .select import resolve_top_k
@@ -55,6 +56,7 @@ class TieredLayer(CacheLayerMixin):
         self.pages = LayerPages(self._cache, index)
         self.graphs = LayerGraphs()  # CUDA: the top-K choice and gather as one graph
         self.mirror: DenseMirror | None = None  # a dense layer's pages on the device as well
+        self.page_cache: PageCache | None = None  # top-K: chosen pages kept on the device
         self.prune = LayerPrune(self, cache.prune) if cache.prune is not None else None
 
     # --- the page store's state, as the layer's ------------------------------------------------
@@ -155,6 +157,8 @@ class TieredLayer(CacheLayerMixin):
         total = sum(t.numel() * t.element_size() for t in tensors) + self.summaries.gpu_bytes()
         if self.mirror is not None:
             total += self.mirror.nbytes()
+        if self.page_cache is not None:
+            total += self.page_cache.nbytes()
         return total + (self.prune.gpu_bytes() if self.prune is not None else 0)
 
     def host_bytes(self) -> int:
@@ -225,6 +229,8 @@ class TieredLayer(CacheLayerMixin):
         cache = self._cache
         if cache.pinned:
             self.pages.before_read()  # the host pages written last are there
+        if self.page_cache is not None and (cache.top_k_pages is None or not cache.page_cache):
+            cache._release_page_cache(self)  # lossless, or the page cache off: slots not read
         k = resolve_top_k(cache.top_k_pages, self.n_pages) if self.n_pages else None
         if k is None or self.dense or q_len > cache.select_max_queries:
             if self.n_pages == 0:
@@ -243,18 +249,35 @@ class TieredLayer(CacheLayerMixin):
                 cache._drop_prefetched(self)
             cache._prefetch_next(self)
         got = None
+        pc, span = None, None
+        if (cache.page_cache and not (self.page_cache is not None and self.page_cache.refused)
+                and self.pages.span() is not None):
+            # the chosen pages kept on the device (kv/pagecache.py); only where the host pages
+            # have one view (not with a spilled chunk, nor the controller's arena on a GPU)
+            if self.page_cache is None:
+                self.page_cache = PageCache(cache.page_cache)
+            self.page_cache.ensure(self, k)
+            span = self.page_cache.span(self)
+            pc = self.page_cache if span is not None else None
+        elif (cache.page_cache and self.page_cache is not None
+              and not self.page_cache.refused):
+            self.page_cache.refuse()  # a chunk was spilled: no single view any more
         if (cache.select_graphs and graphs.applies(self.device) and cache.score == "hybrid"
                 and not self.lost_pages):
-            span = self.pages.span()
+            span = span if pc is not None else self.pages.span()
             if span is not None:
-                got = self.graphs.select(cache, self, span, query, k)
+                got = self.graphs.select(cache, self, span, query, k, pc)
         if got is not None:
             chosen, pk, pv = got
-            cache.counters["pages_fetched"] += self.batch * k
+            if pc is None:  # with the page cache its misses are the pages fetched (stats)
+                cache.counters["pages_fetched"] += self.batch * k
         else:
             chosen = self.summaries.choose(query, k, scale=cache.scale, score=cache.score,
                                            window_pages=cache.window_pages, lost=self.lost_pages)
-            pk, pv = self.pages.fetch_selected(chosen)
+            if pc is not None:
+                pk, pv = pc.gather(span, chosen)
+            else:
+                pk, pv = self.pages.fetch_selected(chosen)
         if not need_cols:
             return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], None
         p, s, b = cache.page_tokens, self.sinks, self.batch

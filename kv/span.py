@@ -49,17 +49,26 @@ def raw_view(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
 
 class HostSpan:
     """The rows of one layer's host chunks, the page table and the row offsets of a page's head
-    blocks. Built for a fixed set of chunks; rebuilt when a chunk is added or leaves the host."""
+    blocks. Built for a fixed set of chunks; rebuilt when a chunk is added or leaves the host.
 
-    def __init__(self, chunks, batch: int, layout, device: torch.device):
+    ``extra``: a tensor of pages in the same BICL layout (kv/pagecache.py's slots on the device)
+    inside the same view, from row ``extra_row``: with unified addressing one ``index_select``
+    reads some pages from the host and others from device memory (only the rows indexed are ever
+    touched; the view spans the addresses between)."""
+
+    def __init__(self, chunks, batch: int, layout, device: torch.device, extra=None):
         elem = layout.elem_bytes
         head_bytes = layout.page_tokens * layout.head_dim * elem
         bases = [c.tensor.data_ptr() for c in chunks]
-        unit = math.gcd(head_bytes, MAX_UNIT, *bases)
+        ends = [b + c.tensor.numel() * elem for b, c in zip(bases, chunks)]
+        if extra is not None:
+            ends.append(extra.data_ptr() + extra.numel() * elem)
+        starts = bases + ([extra.data_ptr()] if extra is not None else [])
+        unit = math.gcd(head_bytes, MAX_UNIT, *starts)
         if unit % elem:
             raise RuntimeError(f"host chunks not aligned to their {elem}-byte elements")
-        lo = min(bases)
-        hi = max(b + c.tensor.numel() * elem for b, c in zip(bases, chunks))
+        lo = min(starts)
+        hi = max(ends)
         view = raw_view(lo, hi - lo, device)
         # [(hi - lo) / unit, unit / 8] as int64 where it divides: 8-byte loads per thread (a GPU
         # reading host memory moves it in larger transactions); viewed back after the gather
@@ -67,6 +76,8 @@ class HostSpan:
         self.rows = view.view(-1, unit).view(torch.int64 if unit % 8 == 0 else layout.dtype)
         per_page = layout.page_bytes // unit
         self.units_per_head = head_bytes // unit
+        self.units_per_page = per_page
+        self.extra_row = (extra.data_ptr() - lo) // unit if extra is not None else None
         # table[b, page]: the row where page `page` of sequence `b` starts
         starts = []
         for base, c in zip(bases, chunks):
@@ -81,6 +92,13 @@ class HostSpan:
                                                           layout.head_dim)
         self.pages = sum(c.capacity for c in chunks)
         self._check(chunks[0], batch, layout, device)
+        if extra is not None:
+            rows = torch.arange(self.extra_row, self.extra_row + per_page, device=device)
+            got = self.rows.index_select(0, rows).view(torch.uint8).flatten()
+            if not torch.equal(got, extra[0].view(torch.uint8).flatten()):
+                raise RuntimeError("the slots read through the view differ from the slots")
+            # the same rows as a tensor of the slots alone (writes go there, not through the view)
+            self.extra_rows = extra.view(torch.uint8).view(-1, unit).view(self.rows.dtype)
 
     def _check(self, chunk, batch, layout, device) -> None:
         """Once per view: the first page of every sequence through the view equals the
@@ -100,8 +118,12 @@ class HostSpan:
 
     def indices(self, chosen: torch.Tensor) -> torch.Tensor:
         """The rows of pages ``chosen`` ``[b, k]``, ordered K/V, sequence, head, page, row."""
-        b, k = chosen.shape
-        start = self.table.gather(1, chosen)  # [b, k]
+        return self.rows_at(self.table.gather(1, chosen))
+
+    def rows_at(self, start: torch.Tensor) -> torch.Tensor:
+        """The rows of the pages starting at rows ``start`` ``[b, k]``, ordered K/V, sequence,
+        head, page, row."""
+        b, k = start.shape
         return (start.view(1, b, 1, k, 1) + self.offsets).view(-1)  # [2, b, heads, k, units]
 
     def gather_into(self, chosen: torch.Tensor, out: torch.Tensor) -> None:

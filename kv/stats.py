@@ -4,7 +4,7 @@ NVMe tier."""
 from __future__ import annotations
 
 COUNTERS = ("pages_fetched", "pages_read_spilled", "pages_lost", "spill_errors", "chunks_spilled",
-            "arena_fallbacks")
+            "arena_fallbacks", "page_cache_hits", "page_cache_misses")
 """The cache's event counters (``cache.counters``), all starting at 0."""
 
 
@@ -18,6 +18,18 @@ def collect(cache) -> dict:
     tokens = layers[0].length if layers else 0
     batch = layers[0].batch if layers and layers[0].is_initialized else 0
     token_bytes = cache.layout.token_bytes if cache.layout else 0
+    counters = dict(cache.counters)
+    page_cache_bytes = last_misses = 0
+    for layer in layers:  # the live page caches' device counters (kv/pagecache.py)
+        pc = getattr(layer, "page_cache", None)
+        if pc is not None:
+            hits, misses, last = pc.counts()
+            last_misses += last
+            counters["page_cache_hits"] += hits
+            counters["page_cache_misses"] += misses
+            counters["pages_fetched"] += misses  # what crossed to the device: the misses
+            page_cache_bytes += pc.nbytes()
+    page_bytes = cache.layout.page_bytes if cache.layout else 0
     return {
         "tokens": tokens,
         "batch": batch,
@@ -32,7 +44,12 @@ def collect(cache) -> dict:
         "host_bytes": cache.host_bytes(),
         "spilled_bytes": sum(layer.spilled_bytes() for layer in layers),
         "full_bytes": tokens * batch * token_bytes * len(layers),
-        **cache.counters,
+        **counters,
+        # top-K's page caches on the device (in gpu_bytes) and the bytes their misses fetched
+        "page_cache_bytes": page_cache_bytes,
+        "page_cache_fetched_bytes": counters["page_cache_misses"] * page_bytes,
+        # what the misses of each layer's last step through its page cache moved, all layers
+        "page_cache_step_fetched_bytes": last_misses * page_bytes,
         **_prune_stats(cache),
     }
 

@@ -30,8 +30,8 @@ DEFAULT_CHAT_TEMPLATE = (
 
 # The keys of the tiered KV cache (deepseek_flash.kv): a request that gives any of them runs on a
 # TieredCache of its own, built with ``TieredCache.for_model(model, gpu_tokens=..., ...)``.
-KV_KEYS = ("kv_gpu_tokens", "kv_sink_tokens", "kv_page_tokens", "kv_top_k_pages", "kv_host_bytes",
-           "kv_spill_dir")
+KV_KEYS = ("kv_gpu_tokens", "kv_sink_tokens", "kv_page_tokens", "kv_top_k_pages", "kv_page_cache",
+           "kv_host_bytes", "kv_spill_dir")
 # Named by the design; served once the controller's configuration knows them (KV pruning:
 # ``TieredCache.for_model(..., prune_threshold=...)``), refused by name until then.
 KV_KEYS_PENDING = ("kv_prune_threshold",)
@@ -109,6 +109,7 @@ class ServeState:
         self.responses: dict[int, int] = {}
         self.closer = closer
         self._delivery = None
+        self.event_loop: str | None = None       # the server's event loop class, once it runs
         import os
 
         self.kv_spill_root = None if kv_spill_root is None else os.path.realpath(kv_spill_root)
@@ -373,6 +374,8 @@ def create_app(state: ServeState):
 
     @asynccontextmanager
     async def lifespan(app):
+        loop = type(asyncio.get_running_loop())
+        state.event_loop = f"{loop.__module__}.{loop.__qualname__}"
         yield
         # Shutting down: refuse new requests (503), let the batch finish, free the model.
         await asyncio.get_running_loop().run_in_executor(None, state.engine.close)

@@ -39,6 +39,42 @@ READ_PRIORITY_BY_CLASS = {"L0": 1, "L1": 0, "L2": -1}
 SWITCH_INTERVAL_S = 0.0005
 
 
+class DeviceWaiter:
+    """A thread that waits for CUDA events (``event.synchronize()``, which lets the interpreter
+    lock go) and then sets ``flag[0]`` and wakes every waiter on ``cond``: the engine thread waits
+    on its condition for whichever comes first, the device or a new request."""
+
+    def __init__(self, cond: threading.Condition):
+        import queue
+
+        self.cond = cond
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="serve-device-waiter", daemon=True)
+        self._thread.start()
+
+    def watch(self, event, flag: list) -> None:
+        self._jobs.put((event, flag))
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            event, flag = job
+            try:
+                event.synchronize()
+            except Exception:   # noqa: BLE001 -- the step's own wait on the device reports it
+                log.exception("waiting for the device failed")
+            finally:
+                with self.cond:
+                    flag[0] = True
+                    self.cond.notify_all()
+
+
 def prefill_budget(chunk: int, decode_s: float | None, per_token_s: float | None, l0_recent: bool,
                    floor: int = 16) -> int:
     """Tokens of other prompts one step may prefill (in one forward). Without L0 traffic in the last
@@ -103,11 +139,14 @@ class Engine:
         self.cut_in = (not self.scheduler.fifo and self.stream is None
                        and getattr(getattr(model, "model", None), "layers", None) is not None)
         self.l0_recent_s = 10.0
+        # An L0 request arriving during a graph forward of the batch is prefilled beside it.
+        self.beside = not self.scheduler.fifo and self.stream is None
+        self._waiter: DeviceWaiter | None = None
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
                       "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0,
-                      "preempted": 0, "l2_open_steps": 0,
+                      "preempted": 0, "l2_open_steps": 0, "l0_beside": 0,
                       "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
 
     @staticmethod
@@ -182,6 +221,9 @@ class Engine:
         with self._lock:
             for gen in list(self._gens.values()):
                 self._retire(gen, None, ShuttingDown("the server is shutting down"))
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
         if self._saved_switch is not None:
             sys.setswitchinterval(self._saved_switch)
             self._saved_switch = None
@@ -312,22 +354,27 @@ class Engine:
         if p != self.flash.priority:
             self.flash.set_read_priority(p)
 
-    def _prefill(self, group) -> None:
+    @staticmethod
+    def _prefill_shape(group) -> tuple:
+        """(tokens per row, key positions read) of the forward ``_prefill`` makes of ``group``."""
+        width = max(n for _, n in group)
+        return width, max(g.prefilled + n for g, n in group) + (1 if any(n < width for _, n in group) else 0)
+
+    def _prefill(self, group, l0: bool = False, meanwhile=None) -> None:
         """One forward over ``group`` -- (generation, tokens) pairs: the next ``tokens`` of each
         prompt. Rows are left-padded to the longest chunk, so the last position is every row's last
         real token; padding writes its keys at the row's next position (``end``), which no real
         query of this forward reads and the row's next forward overwrites before reading it. A
         prompt whose last chunk this is gets its first token now, before the batch's decode."""
-        width = max(n for _, n in group)
+        width, kv_len = self._prefill_shape(group)
         ids, pos = [], []
         for gen, n in group:
             start = gen.prefilled
             end = start + n
             ids.append([0] * (width - n) + gen.fill_ids[start:end])
             pos.append([end] * (width - n) + list(range(start, end)))
-        kv_len = max(g.prefilled + n for g, n in group) + (1 if any(n < width for _, n in group) else 0)
         self._read_priority([g for g, _ in group])
-        logits, spent = self.runner.prefill([g.row for g, _ in group], ids, pos, kv_len)
+        logits, spent = self.runner.prefill([g.row for g, _ in group], ids, pos, kv_len, l0=l0, meanwhile=meanwhile)
         # What a prompt token adds to a forward: the time beyond a decode forward's, per token.
         cost = max(0.0, spent - (self._decode_s or 0.0)) / (len(group) * width)
         self._per_token_s = cost if self._per_token_s is None else 0.8 * self._per_token_s + 0.2 * cost
@@ -386,15 +433,70 @@ class Engine:
             stack.callback(layer.register_forward_pre_hook(self._l0_cut_in).remove)
         return stack
 
+    def _l0_group(self) -> list:
+        """The L0 prompts in the batch with tokens left to prefill, one chunk each (lock held)."""
+        return [(g, min(self.prefill_chunk, len(g.fill_ids) - g.prefilled)) for g in self._rows
+                if g is not None and g.sched.priority_class == "L0" and g.prefilled < len(g.fill_ids)
+                and not g.cancelled and g.kv_cache is None]
+
     def _prefill_l0(self) -> None:
         """Every L0 prompt in the batch, one chunk each, in one forward of their own -- before any
         other prefill or the decode of this step."""
         with self._lock:
-            group = [(g, min(self.prefill_chunk, len(g.fill_ids) - g.prefilled)) for g in self._rows
-                     if g is not None and g.sched.priority_class == "L0" and g.prefilled < len(g.fill_ids)
-                     and not g.cancelled and g.kv_cache is None]
+            group = self._l0_group()
         if group:
-            self._prefill(group)
+            self._prefill(group, l0=True)
+
+    def _beside(self):
+        """``meanwhile`` for a graph forward over ``gens`` (``_l0_beside``), where L0 requests may
+        go beside it: a CUDA graph forward, the scheduler on, an L0 request in the last 10 s."""
+        if not (self.beside and self._l0_at is not None and time.monotonic() - self._l0_at < self.l0_recent_s):
+            return lambda gens: None
+
+        def meanwhile_for(gens):
+            return lambda issued: self._l0_beside(gens, issued)
+        return meanwhile_for
+
+    def _l0_beside(self, writing, issued) -> None:
+        """While a forward of the batch -- a CUDA graph: the decode, or other prompts' chunk -- runs
+        on the device (until ``issued``, a CUDA event after it, has happened; None: it is done
+        already): an L0 request that arrives joins at once, in a free row or that of a request it
+        preempts that this forward does not write (``writing``), and its prompt runs from the L0
+        requests' own graphs on a stream of their own beside it (``RowRunner.side_stream``), its
+        first token out before that forward's result is taken. Its row is not one the forward
+        writes (the decode writes idle rows only at their scratch slot); the L0 graphs have their
+        own buffers, memory pool and cuBLAS workspace. A prompt of a shape they do not have waits
+        for the next step as before."""
+        prefill = self.runner.static_prefill_l0
+        protect = [g.sched for g in writing]
+        tried = set()
+        done = [issued is None]
+        if issued is not None:
+            # A thread of its own waits on the device (without the interpreter lock) and wakes
+            # this one, as a new request does: no polling.
+            if self._waiter is None:
+                self._waiter = DeviceWaiter(self._lock)
+            self._waiter.watch(issued, done)
+        while True:
+            with self._lock:
+                if self.scheduler.queued_count("L0"):
+                    chosen = self.scheduler.dispatch(protect=protect)
+                    for req in self.scheduler.take_preempted():
+                        self._preempt(self._gens[id(req)])
+                    self._admit(chosen)
+                group = [(g, n) for g, n in self._l0_group() if id(g) not in tried]
+                if group:
+                    tried.update(id(g) for g, _ in group)
+                    if prefill is None or not prefill.covers(len(group), *self._prefill_shape(group)):
+                        group = []
+                if not group:
+                    if done[0] or issued.query():
+                        return
+                    self._lock.wait(0.05)
+                    continue
+            self.stats["l0_beside"] += 1
+            with self.runner.side_stream():
+                self._prefill(group, l0=True)
 
     def _step(self) -> None:
         """One step: L0 prompts, then at most ``prefill_chunk`` tokens of the other prompts (in the
@@ -423,8 +525,10 @@ class Engine:
             group.append((gen, n))
             width = max(width, n)
         if group:
+            # An L0 request arriving meanwhile cuts in between two layers (eager), or goes beside
+            # the forward (a graph).
             with self._cut_in_hooks([g for g, _ in group]):
-                self._prefill(group)
+                self._prefill(group, meanwhile=self._beside()([g for g, _ in group]))
         with self._lock:
             if self.scheduler.queued_count("L0"):
                 self._boundary()
@@ -443,8 +547,10 @@ class Engine:
             # An eager decode (no CUDA graphs here) lets an L0 request cut in between its layers too.
             with self._cut_in_hooks(decoding) if self.runner.static is None else contextlib.nullcontext():
                 positions = [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding]
-                tokens, spent = self.runner.decode(decoding, [g.row for g in decoding],
-                                                   [g.output_ids[-1] for g in decoding], positions)
+                # With L0 traffic, an L0 request arriving meanwhile is prefilled beside the decode.
+                tokens, spent = self.runner.decode(
+                    decoding, [g.row for g in decoding], [g.output_ids[-1] for g in decoding], positions,
+                    meanwhile=self._beside()(decoding))
             produced = list(zip(decoding, tokens))
             self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
             self.stats["decode_steps"] += 1

@@ -70,6 +70,10 @@ class StaticDecode:
         self.key_slots = torch.arange(self.cache.max_len, device=self.device)
         self.graphs: dict[int, object] = {}
         self.pool = None
+        # Each instance (the decode's, the prompt forwards') captures on a stream of its own: the
+        # cuBLAS workspace a graph bakes in is its capture stream's, so a prompt graph replayed
+        # beside another graph (``Engine._l0_beside``) never shares one with it.
+        self.capture_stream = None
         self.reason: str | None = None
         self.counters = {"captures": 0, "capture_s": 0.0, "replays": 0, "static_steps": 0}
 
@@ -94,6 +98,9 @@ class StaticDecode:
         for row, token, pos in zip(rows, last, lengths):
             host[0][row], host[1][row] = token, pos
         self.inputs.copy_(torch.tensor(host, dtype=torch.long).view(2, self.rows, 1))
+        # Made before the replay: a host-to-device copy waits for the stream's work, and ``run``
+        # returns while the device still computes (``RowRunner.decode``'s ``meanwhile``).
+        index = torch.tensor(rows, device=self.device)
         if self.capture:
             graph = self.graphs.get(kv_len)
             if graph is None:
@@ -106,7 +113,7 @@ class StaticDecode:
         else:
             self._step(kv_len)
             self.counters["static_steps"] += 1
-        return self.logits[torch.tensor(rows, device=self.device)]
+        return self.logits[index]
 
     # -- capture ----------------------------------------------------------------------------------
     def capture_all(self, widths) -> float:
@@ -151,7 +158,10 @@ class StaticDecode:
                 gc_was_enabled = gc.isenabled()
                 gc.disable()
                 try:
-                    with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    if self.capture_stream is None:
+                        self.capture_stream = torch.cuda.Stream(device=self.device)
+                    with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream,
+                                          capture_error_mode="thread_local"):
                         self._step(kv_len)
                 finally:
                     if gc_was_enabled:
@@ -224,6 +234,8 @@ class StaticDecode:
 # launch overhead matters less beside its compute, and each width costs captures at start-up).
 PREFILL_ROWS = (1, 2, 4)
 PREFILL_WIDTHS = (16, 32, 64, 128)
+# The L0 requests' own prompt graphs (``RowRunner.static_prefill_l0``): one or two rows.
+L0_PREFILL_ROWS = (1, 2)
 
 
 class StaticPrefill(StaticDecode):
@@ -237,11 +249,11 @@ class StaticPrefill(StaticDecode):
 
     what = "prompt forwards"
 
-    def __init__(self, runner, capture: bool = True, chunk: int = 512):
+    def __init__(self, runner, capture: bool = True, chunk: int = 512, rows=PREFILL_ROWS):
         super().__init__(runner, capture)
         self.inputs = None
         self.buffers: dict[tuple, object] = {}
-        self.row_buckets = [r for r in PREFILL_ROWS if r <= self.rows]
+        self.row_buckets = [r for r in rows if r <= self.rows]
         self.set_chunk(chunk)
         self.logits = self.logits[: max(self.row_buckets)]
 
@@ -249,6 +261,17 @@ class StaticPrefill(StaticDecode):
         """Widths up to the engine's prefill chunk (and the cache's length)."""
         limit = min(chunk, self.cache.max_len)
         self.widths = [w for w in PREFILL_WIDTHS if w <= limit] or [limit]
+
+    def covers(self, rows: int, width: int, kv_len: int) -> bool:
+        """Whether a prompt forward of ``rows`` rows, ``width`` tokens each, reading ``kv_len`` key
+        positions runs from a graph captured at start-up."""
+        if self.reason is not None:
+            return False
+        n = next((r for r in self.row_buckets if r >= rows), None)
+        w = next((x for x in self.widths if x >= width), None)
+        if n is None or w is None:
+            return False
+        return not self.capture or (n, w, self.runner.bucket(kv_len)) in self.graphs
 
     def keys(self) -> list:
         """The (rows, width, attention width) captured at start-up."""

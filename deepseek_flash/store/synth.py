@@ -51,9 +51,10 @@ def llama_shapes(hidden: int, layers: int, intermediate: int, vocab: int, kv_hea
 def write_random_llama(path, *, hidden: int = 2048, layers: int = 16, intermediate: int = 5632,
                        vocab: int = 32000, heads: int = 16, kv_heads: int = 4, dtype: str = "bfloat16",
                        tied: bool = False, shard_bytes: int = 1 << 30, seed: int = 0,
-                       arch: str = "llama") -> Path:
+                       arch: str = "llama", transform=None) -> Path:
     """Write config.json and ``*.safetensors`` shards (+ index when sharded) to ``path``;
-    ``arch``: one of ``ARCHS`` (llama, mistral, qwen2)."""
+    ``arch``: one of ``ARCHS`` (llama, mistral, qwen2). ``transform``: called on each tensor's
+    random bytes (a writable uint8 array) before they are written, to change them in place."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -85,7 +86,10 @@ def write_random_llama(path, *, hidden: int = 2048, layers: int = 16, intermedia
                 n = int(np.prod(shapes[name])) * _SIZES[dtype]
                 # Raw generator output: ~8x faster than integers(), which matters for an 8B model.
                 words = rng.bit_generator.random_raw((n + 7) // 8)
-                f.write(memoryview(words).cast("B")[:n])
+                data = words.view(np.uint8)[:n]
+                if transform is not None:
+                    transform(data)
+                f.write(memoryview(data))
     if len(shards) > 1:
         (path / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(int(np.prod(s)) * _SIZES[dtype] for s in shapes.values())},

@@ -23,6 +23,13 @@ def test_kv_bench_smoke(tmp_path):
     pages = (tokens + 4 + 2 * 2 - 4 - 512) // 32  # after the lossless warm-up and steps
     assert r["lossless_bytes_per_token"] == pages * 4 * 32 * 256
     assert r["topk25_pages_per_token"] > 0
+    # the page cache (on by default with top-K): fewer pages cross than without it, its slots
+    # counted in top-K's GPU bytes (above the lossless figure), both published
+    assert r["topk25_nocache_pages_per_token"] > r["topk25_pages_per_token"]
+    assert 0 < r["topk25_page_cache_hit_rate"] <= 1
+    assert r["topk25_gpu_bytes"] == r["tiered_gpu_bytes"] + r["topk25_page_cache_bytes"]
+    assert r["topk25_gpu_kv_ratio"] == round(r["topk25_gpu_bytes"] / r["dynamic_kv_bytes"], 4)
+    assert r["topk25_nocache_tok_s"] > 0
     assert r["topk25_one_gather_layers"] == 2  # 4 layers, the first 2 dense
     for key in ("dynamic_tok_s", "dynamic_nocudnn_tok_s", "topk25_tok_s", "lossless_tok_s",
                 "ttft_dynamic_s", "ttft_dynamic_nocudnn_s", "ttft_tiered_s", "ttft_tiered_first_s"):
@@ -36,6 +43,7 @@ def test_kv_bench_smoke(tmp_path):
     assert r["topk25_vs_dynamic"] == round(r["topk25_tok_s"] / r["dynamic_best_tok_s"], 3)
     assert r["ttft_dynamic_best_s"] == min(r["ttft_dynamic_s"], r["ttft_dynamic_nocudnn_s"])
     assert result["dynamic_floor_tok_s"] > 0 and result["warmup_s"] > 0
+    assert r["dynamic_floor_before_tok_s"] == result["dynamic_floor_tok_s"]  # the first context
 
 
 def test_kv_prune_show_smoke(tmp_path):
@@ -49,10 +57,16 @@ def test_kv_prune_show_smoke(tmp_path):
                        "--output", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["context"] == 700
-    for name in ("dynamic", "tiered_lossless", "tiered_topk25", "pruned", "pruned_topk25",
-                 "pruned_all_demoted"):
+    for name in ("dynamic", "dynamic_nocudnn", "tiered_lossless", "tiered_topk25", "pruned",
+                 "pruned_topk25", "pruned_all_demoted"):
         assert r[name]["gpu_kv_bytes"] > 0 and r[name]["tok_s"] > 0
         assert r[name]["decode_steps"] == 20
+        assert r[name]["pool_new_bytes"] == 0  # no page-locked memory on the CPU
+    # DynamicCache with and without cuDNN (bench/kv.py's dynamic_variants), the stronger the
+    # baseline
+    best = max(("dynamic", "dynamic_nocudnn"), key=lambda n: r[n]["tok_s"])
+    assert r["dynamic_baseline"] == best and r["dynamic_best_tok_s"] == r[best]["tok_s"]
+    assert r["pruned_vs_dynamic_best_tok_s"] == round(r["pruned"]["tok_s"] / r[best]["tok_s"], 3)
     # what each moved per step: the tiered cache's fetched pages, pruning's recalls (lossless
     # moves more than top-K 25 %)
     tiered = [r[n]["fetched_bytes_per_step"] for n in ("tiered_lossless", "tiered_topk25")]
@@ -75,7 +89,20 @@ def test_kv_prune_show_smoke(tmp_path):
     assert demoted["level_tokens_layer0"][2] > 0 and demoted["recalls"] > 0
     assert demoted["gpu_kv_bytes"] < r["dynamic"]["gpu_kv_bytes"]
     assert r["pruned"]["scorer_ms_per_step"] > 0
-    assert r["total_s"] < r["budget_s"] == 45.0
+    assert r["total_s"] < r["budget_s"] == 100.0
+
+
+def test_kv_prune_show_times_min_steps_past_the_budget(tmp_path):
+    """Every configuration of the Show runs and times --min-steps decode steps even when the
+    budget is spent (none skipped, none cut to one step), and no more."""
+    spec = importlib.util.spec_from_file_location("bench_kv_prune", BENCH.parent / "kv_prune.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "show.json"
+    assert bench.main(["--show", "--smoke", "--show-context", "300", "--decode", "12",
+                       "--min-steps", "3", "--budget-s", "0.01", "--output", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [r[n]["decode_steps"] for n in bench.SHOW_ROWS] == [3] * 7
 
 
 def test_kv_ops_topk_step_host_work_does_not_grow_with_pages(tmp_path):

@@ -86,6 +86,35 @@ def test_topk_captured_graphs_equal_the_eager_steps(caplog):
     assert torch.equal(t1, t2) and torch.equal(l1, l2)
 
 
+def test_topk_page_cache_on_cuda_equals_every_page_fetched(caplog):
+    # the page cache's one gather reads hits from device slots and misses from page-locked host
+    # memory through one view (kv/span.py, extra=): the same tokens and logits as fetching every
+    # chosen page, captured graphs on, batch 2, across page boundaries (slots grown, recaptured)
+    import logging
+
+    model = tiny_model(layers=3).cuda()
+    ids, mask = _prompt(2)
+    runs, stats = [], []
+    for multiple in (0, 1.25):
+        cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
+                                      top_k_pages=0.25, dense_layers=1, page_cache=multiple)
+        with caplog.at_level(logging.WARNING, logger="deepseek_flash.kv.cache"):
+            runs.append(greedy(model, ids, mask, cache, 80))
+        assert [layer.graphs.graph is not None for layer in cache.layers] == [False, True, True]
+        if multiple:
+            assert all(layer.page_cache._span is not None for layer in cache.layers[1:])
+            assert all(layer.page_cache.slots.is_cuda for layer in cache.layers[1:])
+        stats.append(cache.stats())
+        cache.close()
+    assert "not captured" not in caplog.text and "failed to replay" not in caplog.text
+    (t1, l1), (t2, l2) = runs
+    assert torch.equal(t1, t2) and torch.equal(l1, l2)
+    plain, cached = stats
+    assert plain["page_cache_hits"] == 0 and cached["page_cache_hits"] > 0
+    topk_pages = cached["page_cache_hits"] + cached["page_cache_misses"]
+    assert cached["pages_fetched"] == plain["pages_fetched"] - topk_pages + cached["page_cache_misses"]
+
+
 def test_topk_dense_layers_copied_ahead_equal_their_pages_copied_when_due():
     # a top-K step copies its dense layers' pages for the next step on the copy stream while
     # its top-K layers compute (kv/cache.py, next_to_prefetch): the same tokens and logits as

@@ -66,6 +66,12 @@ def test_captured_choice_and_gather_equal_the_eager_steps(emulated, batch):
     assert [layer.graphs.graph is None for layer in eager.layers] == [True, True, True]
     assert [layer.graphs.graph is not None for layer in graphed.layers] == [False, True, True]
     assert eager.stats()["pages_fetched"] == graphed.stats()["pages_fetched"]
+    # the page cache (default) inside the graphs: the same hits and misses (a capture step runs
+    # the step twice; its counters are put back)
+    for key in ("page_cache_hits", "page_cache_misses", "page_cache_bytes"):
+        assert eager.stats()[key] == graphed.stats()[key] and graphed.stats()[key] > 0
+    assert (eager.stats()["page_cache_step_fetched_bytes"]
+            == graphed.stats()["page_cache_step_fetched_bytes"])
     # the last graph of each top-K layer was captured for the pages held now
     for layer in graphed.layers[1:]:
         g = layer.graphs.graph

@@ -31,7 +31,7 @@ def test_topk_attends_the_spiked_page_of_each_sequence():
     spike = {0: 3, 1: 5}  # page with keys aligned to q in each sequence
     for row, page in spike.items():
         keys[row, :, 2 + page * P:2 + (page + 1) * P, 0] = 3.0
-    cache, layer = _layer_cache(top_k_pages=1)
+    cache, layer = _layer_cache(top_k_pages=1, page_cache=0)  # every chosen page fetched
     _step(layer, torch.zeros(b, 2 * H, n_tokens, D), keys, values)  # prefill: dense
     assert layer.n_pages == 8 and layer.recent_k.shape[2] == P
     k_new, v_new = torch.randn(b, H, 1, D), torch.randn(b, H, 1, D)
@@ -69,7 +69,7 @@ def test_generate_with_topk_fetches_a_quarter(score):
     lossless = TieredCache.for_model(model, gpu_tokens=32, page_tokens=16)
     greedy(model, ids, None, lossless, 4)
     topk = TieredCache.for_model(model, gpu_tokens=32, page_tokens=16, top_k_pages=0.25,
-                                 score=score, dense_layers=1)
+                                 score=score, dense_layers=1, page_cache=0)
     tokens, _ = greedy(model, ids, None, topk, 4)
     assert tokens.shape == (1, 704)
     a, b = lossless.stats(), topk.stats()

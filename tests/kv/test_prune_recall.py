@@ -242,7 +242,7 @@ def test_an_evaluation_runs_as_many_tensor_operations_at_any_context(model3):
 
 
 @pytest.mark.parametrize("moves", ["host", "device", "pool"])
-def test_host_rows_remove_keeps_every_page_and_the_slot_order(moves):
+def test_host_rows_remove_keeps_every_page_and_the_slot_order(moves, monkeypatch):
     """Removals of any pages keep every other page's bytes, and the slots follow the rule (freed
     slots from the highest down, each filled by the page then last) -- what lossless recall's
     column order, and so the logits, depend on. ``device``: the pages moved by the kernels'
@@ -264,6 +264,7 @@ def test_host_rows_remove_keeps_every_page_and_the_slot_order(moves):
     rows = HostRows(row_bytes=8, batch=2, device=torch.device("cpu"), pool=pool)
     if moves == "device":
         rows.MOVE_DEVICES = ("cpu",)
+        monkeypatch.setattr(HostRows, "verified", set())  # the first move's check runs here
     data = {pg: torch.randint(0, 255, (2, 8), generator=gen, dtype=torch.uint8)
             for pg in range(200)}
     order, nxt = [], 0
@@ -292,6 +293,14 @@ def test_host_rows_remove_keeps_every_page_and_the_slot_order(moves):
         else:
             assert rows.capacity == 0 and rows.buf is None
     assert rows._moves_checked is (moves == "device")
+    if moves == "device":  # checked once per device and pool: a second store skips the check
+        assert ("move", "cpu", id(None)) in HostRows.verified
+        again = HostRows(row_bytes=8, batch=2, device=torch.device("cpu"))
+        again.MOVE_DEVICES = ("cpu",)
+        again.put([0, 1], torch.cat([data[0], data[1]]))
+        again.remove([0])
+        assert again._moves_checked and again.pages == [1]
+        assert torch.equal(again.all(), data[1])
     if pool is not None:
         assert torch.equal(other.all(), torch.full((len(other) * 2, 8), 0x55, dtype=torch.uint8))
         assert pool.stats()["syncs"] > 0  # ranges given up by resizes were taken again

@@ -167,3 +167,29 @@ def test_every_layer_scored_at_once_gives_each_layer_s_scores_exactly(options):
     with torch.no_grad():
         model(ids[:, :290], cache=custom)
     assert attention_scores_together([layer.prune for layer in custom.layers]) is None
+
+
+def test_mlp_file_beside_the_model_is_the_scorer_a_cache_runs(tmp_path):
+    """``prune_scorer="mlp"`` loads ``kv_prune_mlp.pt`` from the model's directory (where
+    bench/kv_prune_train.py's output goes) and the cache scores with it: the same greedy tokens
+    and logits as passing the scorer object itself, every call of it counted."""
+    from deepseek_flash.kv import TieredCache
+
+    from kvmodels import greedy
+
+    model = tiny_model("llama", layers=2, seed=3)
+    model.config.name_or_path = str(tmp_path)
+    torch.manual_seed(4)
+    MLPScorer(kv_heads=model.config.num_key_value_heads).save(tmp_path / "kv_prune_mlp.pt")
+    ids = torch.randint(1, 250, (1, 120), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    runs = []
+    for spec in ("mlp", MLPScorer.load(tmp_path / "kv_prune_mlp.pt")):
+        cache = TieredCache.for_model(model, prune_threshold=0.5, prune_scorer=spec,
+                                      page_tokens=16, gpu_tokens=16, prune_every=4)
+        assert isinstance(cache.prune.scorer, MLPScorer)
+        calls = []
+        cache.prune.scorer.net.register_forward_hook(lambda *a: calls.append(1))
+        runs.append(greedy(model, ids, mask, cache, 12))
+        assert calls and cache.stats()["demotions"] > 0
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

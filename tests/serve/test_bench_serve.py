@@ -35,6 +35,8 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
     assert [result["engine_profile"][k]["prefill"]["forwards"] for k in ("unloaded_warmup", "unloaded")] == [3, 3]
     # The L0 stream from a probe process of its own, the rest from two load processes.
     assert result["client_processes"] == {"l0_probe": 1, "load": 2}
+    # What served HTTP: the serve extra's C parser and event loop.
+    assert result["http_server"] == {"protocol": "HttpToolsProtocol", "loop": "uvloop.Loop"}
     assert unloaded["ttft_breakdown"]["requests"] == 3
     assert list(result["phase_s"]) == ["model", "warm-up", "unloaded", "one", "full", "capacity", "load flash", "load fifo"]
     for mode in ("flash", "fifo"):
@@ -66,6 +68,7 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
         assert summary["decode"] == result["engine_decode"][mode] == {
             "mode": "eager", "reason": "CUDA graphs need a CUDA device (the model is on cpu)", "prefill": None}
         assert 0.0 <= summary["l2_open_step_fraction"] <= 1.0
+        assert summary["l0_beside"] == 0          # no decode graph on the CPU to go beside
     assert result["fifo"]["degrade_steps"] == {"temperature": 0, "top_p": 0, "max_new_tokens": 0}
     assert result["throughput"]["one"]["tokens"] == 8 and result["throughput"]["full"]["tokens"] == 4 * 8
     pngs = sorted(Path(p).name for p in result["png"])

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from serve_helpers import greedy
 
 
@@ -46,10 +47,12 @@ def test_the_serve_verb_notifies_ready_serves_and_stops_on_sigterm(tiny_checkpoi
     assert "Traceback" not in output, output
 
 
-def test_every_accepted_connection_has_nagle_off():
-    """The listening socket names IPPROTO_TCP, so that asyncio (uvicorn's loop) sets TCP_NODELAY on
-    each connection it accepts: a streamed token written after the headers goes out at once instead
-    of waiting for the client's delayed ACK (~40 ms). A socket made without it does not get it."""
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_every_accepted_connection_has_nagle_off(loop):
+    """The listening socket names IPPROTO_TCP, so that asyncio sets TCP_NODELAY on each connection
+    it accepts (uvloop, uvicorn's loop when installed, does for any TCP socket): a streamed token
+    written after the headers goes out at once instead of waiting for the client's delayed ACK
+    (~40 ms). A socket made without it does not get it from asyncio."""
     import asyncio
 
     from deepseek_flash.serve.cli import listen
@@ -69,8 +72,17 @@ def test_every_accepted_connection_has_nagle_off():
             server.close()
             await server.wait_closed()
 
-    assert asyncio.run(accepted_nodelay(listen("127.0.0.1", 0))) != 0
-    plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    plain.bind(("127.0.0.1", 0))
-    plain.listen(8)
-    assert asyncio.run(accepted_nodelay(plain)) == 0
+    def run(coro):
+        if loop == "asyncio":
+            return asyncio.run(coro)
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+
+    assert run(accepted_nodelay(listen("127.0.0.1", 0))) != 0
+    if loop == "asyncio":
+        plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        plain.bind(("127.0.0.1", 0))
+        plain.listen(8)
+        assert run(accepted_nodelay(plain)) == 0

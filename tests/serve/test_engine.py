@@ -563,3 +563,164 @@ def test_a_running_engine_shortens_the_interpreter_switch_interval(tiny_referenc
         eng.close(timeout=5)
     finally:
         sys.setswitchinterval(saved)
+
+
+def beside_engine(model, tokenizer, scheduler=None, rows=3, **kw):
+    """``rows`` rows, the fixed-shape decode (the CUDA graphs' step; by default run eagerly), two L1
+    requests decoding. On a CUDA device (``device=``, ``decode="auto"``) the graphs are captured
+    first (``RowRunner.warm``)."""
+    eng = Engine(model, tokenizer, scheduler or FlashScheduler(slots=rows, l0_reserve=0.0), max_batch=rows,
+                 **({"decode": "static"} | kw))
+    if eng.runner.device.type == "cuda":
+        eng.runner.warm(eng.prefill_chunk)
+    running = [generation([3 + i, 4, 5], 24) for i in range(2)]
+    for g in running:
+        assert eng.submit(g).admitted
+    boundary(eng)
+    with torch.inference_mode():
+        eng._step()
+    assert all(len(g.output_ids) == 2 for g in running)
+    return eng, running
+
+
+def step_with_l0_during_decode(eng, l0):
+    """One engine step during whose decode ``l0`` is submitted: the forwards it ran, in order, as
+    ``(kind, rows)``."""
+    static_run, prefill, log = eng.runner.static.run, eng.runner.prefill, []
+
+    def run(rows, *args):
+        log.append(("decode", list(rows)))
+        out = static_run(rows, *args)
+        assert eng.submit(l0).admitted              # arrives while the decode is in flight
+        return out
+
+    def prefill_logged(rows, *args, **kw):
+        log.append(("prefill", list(rows)))
+        return prefill(rows, *args, **kw)
+    eng.runner.static.run, eng.runner.prefill = run, prefill_logged
+    try:
+        with torch.inference_mode():
+            eng._step()
+    finally:
+        eng.runner.static.run, eng.runner.prefill = static_run, prefill
+    return log
+
+
+def test_an_l0_request_arriving_during_the_graph_decode_is_prefilled_beside_it(tiny_reference, tiny_tokenizer):
+    # With L0 traffic, an L0 request arriving while the batch's decode (a graph on a GPU) is in
+    # flight joins a free row at once and its prompt runs beside the decode: its first token comes
+    # from the same step, before the decode's tokens are taken. Every request's tokens stay greedy.
+    eng, running = beside_engine(tiny_reference, tiny_tokenizer)
+    eng._l0_at = time.monotonic()                       # L0 traffic: the beside path is on
+    l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    log = step_with_l0_during_decode(eng, l0)
+    assert log == [("decode", [g.row for g in running]), ("prefill", [l0.row])]
+    assert l0.row not in [g.row for g in running] and eng.stats["l0_beside"] == 1
+    assert len(l0.output_ids) == 1 and all(len(g.output_ids) == 3 for g in running)
+    drive(eng, done(l0, *running))
+    for g in (l0, *running):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
+
+
+@pytest.mark.parametrize("case", ["fifo", "no L0 traffic", "no graph for its prompt"])
+def test_an_l0_request_waits_for_the_next_step_where_it_cannot_go_beside(tiny_reference, tiny_tokenizer, case):
+    # The scheduler off (FIFO), no recent L0 request (the decode waits for the device plainly), or
+    # a prompt forward of a shape no graph has: the L0 request is prefilled at the next step.
+    from deepseek_flash.serve.scheduler import FifoScheduler
+
+    eng, running = beside_engine(tiny_reference, tiny_tokenizer,
+                                 FifoScheduler(slots=3) if case == "fifo" else None)
+    if case != "no L0 traffic":
+        eng._l0_at = time.monotonic()
+    prompt = [7, 8, 9, 10, 11] if case != "no graph for its prompt" else [(3 * j) % 250 + 3 for j in range(140)]
+    l0 = generation(prompt, 4, cls="L0")
+    log = step_with_l0_during_decode(eng, l0)
+    assert log == [("decode", [g.row for g in running])]
+    assert eng.stats["l0_beside"] == 0 and l0.output_ids == []
+    drive(eng, done(l0, *running))
+    for g in (l0, *running):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
+
+
+def test_the_device_waiter_wakes_the_engine_when_the_device_is_done():
+    # The engine waits on its condition for a new request or the decode's end, whichever first;
+    # the waiter thread blocks on the step's event (off the interpreter lock) and then wakes it.
+    import threading
+
+    from deepseek_flash.serve.engine import DeviceWaiter
+
+    class Event:                        # a CUDA event's two methods
+        def __init__(self):
+            self.happened = threading.Event()
+
+        def synchronize(self):
+            self.happened.wait(10)
+
+        def query(self):
+            return self.happened.is_set()
+
+    cond = threading.Condition()
+    waiter = DeviceWaiter(cond)
+    try:
+        event, flag = Event(), [False]
+        waiter.watch(event, flag)
+        with cond:
+            assert not cond.wait(0.05) and flag == [False]      # the device still busy: no wake-up
+        threading.Timer(0.05, event.happened.set).start()
+        with cond:
+            assert cond.wait_for(lambda: flag[0], 10)
+        event, flag = Event(), [False]             # and again, for the next step
+        waiter.watch(event, flag)
+        event.happened.set()
+        with cond:
+            assert cond.wait_for(lambda: flag[0], 10)
+    finally:
+        waiter.close()
+    assert not waiter._thread.is_alive()
+
+
+def test_an_l0_request_arriving_during_other_prompts_graph_forward_is_prefilled_beside_it(tiny_reference,
+                                                                                        tiny_tokenizer):
+    # Other prompts' chunk as a graph (the fixed-shape forward; run eagerly here): an L0 request
+    # arriving while it runs joins at once and its prompt runs from the L0 requests' own graphs
+    # beside it, before that chunk's first tokens are taken -- not after the step's decode.
+    eng, running = beside_engine(tiny_reference, tiny_tokenizer, rows=4)
+    eng._l0_at = time.monotonic()
+    newcomer = generation([(5 * j) % 250 + 3 for j in range(20)], 6)
+    l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    log = step_with_l0_during_prompt_graph(eng, newcomer, l0)
+    assert log == [("prefill", [newcomer.row]), ("l0 prefill", [l0.row])]
+    # Its first token beside the chunk, its second from the same step's decode (as the chunk's own).
+    assert eng.stats["l0_beside"] == 1 and len(l0.output_ids) == 2 and len(newcomer.output_ids) == 2
+    assert l0.row not in [g.row for g in (*running, newcomer)]
+    drive(eng, done(l0, newcomer, *running))
+    for g in (l0, newcomer, *running):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
+
+
+def step_with_l0_during_prompt_graph(eng, newcomer, l0):
+    """``newcomer`` (L1) joins; one engine step during whose prompt forward of it ``l0`` is
+    submitted: the prompt forwards it ran, as ``(graphs, rows)``."""
+    assert eng.submit(newcomer).admitted
+    boundary(eng)
+    general, l0_graphs, log = eng.runner.static_prefill.run, eng.runner.static_prefill_l0.run, []
+
+    def run(rows, *args):
+        log.append(("prefill", list(rows)))
+        out = general(rows, *args)
+        assert eng.submit(l0).admitted              # arrives while the chunk is in flight
+        return out
+
+    def run_l0(rows, *args):
+        log.append(("l0 prefill", list(rows)))
+        return l0_graphs(rows, *args)
+    eng.runner.static_prefill.run, eng.runner.static_prefill_l0.run = run, run_l0
+    try:
+        with torch.inference_mode():
+            eng._step()
+    finally:
+        eng.runner.static_prefill.run, eng.runner.static_prefill_l0.run = general, l0_graphs
+    return log

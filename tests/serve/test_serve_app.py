@@ -49,6 +49,8 @@ def wait_for(predicate, timeout=20.0):
 def test_models_and_health(served, client):
     base, state = served
     assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+    # The serve extra's C event loop (uvicorn takes it when installed).
+    assert state.event_loop == "uvloop.Loop"
     health = httpx.get(base + "/healthz").json()
     assert health == {"status": "ok", "model": "tiny-chat", "running": 0, "queued": 0, "slots": 4}
 
@@ -223,6 +225,7 @@ KV_REFUSED = [
     ({"kv_top_k_pages": 0}, "flash_context.kv_top_k_pages", "invalid_value", "null (every page: lossless)"),
     ({"kv_top_k_pages": 1.5}, "flash_context.kv_top_k_pages", "invalid_value", "1.5"),
     ({"kv_page_tokens": 24}, "flash_context.kv_page_tokens", "invalid_value", "16, 32, 64 or 128"),
+    ({"kv_page_cache": 0.5}, "flash_context.kv_page_cache", "invalid_value", "multiple >= 1"),
     ({"kv_gpu_tokens": -1}, "flash_context.kv_gpu_tokens", "invalid_value", "kv_gpu_tokens"),
     ({"kv_sink_tokens": "4"}, "flash_context.kv_sink_tokens", "invalid_value", "kv_sink_tokens"),
     ({"kv_host_bytes": "lots"}, "flash_context.kv_host_bytes", "invalid_value", "kv_host_bytes"),

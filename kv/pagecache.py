@@ -1,0 +1,207 @@
+"""``PageCache``: a top-K layer's chosen pages kept on the device between steps.
+
+The pages a top-K layer chooses change little from one decode step to the next (88-93 % of a
+step's choice was also the previous step's, docs/kv.md), yet without this cache every chosen page
+crosses PCIe every step. Here each top-K layer keeps ``capacity`` page slots on the device (the
+pages' BICL form, kv/layout.py, one slot per page and sequence) and three small device tables:
+which slot holds a page (``slot_of_page``), which page a slot holds (``page_of_slot``) and the
+step a slot's page was last chosen (``last_used``). A step:
+
+1. the chosen pages ``[b, k]`` (ascending) are looked up: a *hit* is a page in a slot;
+2. each *miss* gets a victim slot: the least recently chosen slots that hold no page chosen now
+   (empty slots first), in the order of the misses (``capacity >= k`` always, so there are
+   enough);
+3. one ``index_select`` over a single view of the layer's host chunks **and** the slots
+   (kv/span.py, ``HostSpan(..., extra=slots)``) reads each chosen page from its slot (a hit: device
+   memory) or from its host chunk (a miss: the only bytes that cross PCIe), in the order the
+   uncached gather produces -- the same bytes, so attention is bit-for-bit the same;
+4. the gathered pages are written to their slots (one ``index_copy_`` into the slots; a hit's to
+   its own slot: the same bytes), the tables updated.
+
+All of it is fixed-shape tensor work on the device, no host sync: on CUDA it is part of the
+layer's captured choice-and-gather graph (kv/graphs.py). Hits and misses are counted on the
+device and read by ``cache.stats()``.
+
+Capacity: ``page_cache`` (a multiple of the layer's top-K page count, default 1.5) times ``k``,
+rounded up to ``GROW_SLOTS``; it grows (slots kept) when ``multiple * k`` outgrows it (a
+fractional ``top_k_pages`` grows with the context).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+log = logging.getLogger("deepseek_flash.kv.cache")
+
+PAGE_CACHE_DEFAULT = 1.5
+"""Default capacity of a top-K layer's page cache, as a multiple of its top-K page count."""
+
+GROW_SLOTS = 16
+"""Capacities are multiples of this many page slots."""
+
+ALIGN = 4096
+"""The slots' base address alignment (the gather's rows are up to 4 KiB: kv/span.py)."""
+
+_NEVER = 1 << 62  # a stamp larger than any step: slots holding a page chosen now are not victims
+
+
+def capacity_for(k: int, multiple: float) -> int:
+    """Slots for a top-K of ``k`` pages: ``multiple * k`` rounded up to ``GROW_SLOTS``."""
+    return -(-max(k, math.ceil(multiple * k)) // GROW_SLOTS) * GROW_SLOTS
+
+
+def _aligned(shape, dtype, device) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` whose first byte is ``ALIGN``-aligned."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * elem
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=device)
+    off = (-raw.data_ptr()) % ALIGN
+    return raw[off:off + nbytes].view(dtype).view(shape)
+
+
+class PageCache:
+    """One top-K layer's page slots on the device and their tables."""
+
+    def __init__(self, multiple: float):
+        self.multiple = multiple
+        self.capacity = 0
+        self.slots: torch.Tensor | None = None  # [b * capacity, *page shape], row b * C + slot
+        self.slot_of_page: torch.Tensor | None = None  # [b, pages + 1]; last column: scratch
+        self.page_of_slot: torch.Tensor | None = None  # [b, capacity]
+        self.last_used: torch.Tensor | None = None  # [b, capacity + 1]; last column: scratch
+        self.seq_base: torch.Tensor | None = None  # [b, 1]: b * capacity
+        self.step = None  # [1] int64, the layer's step count (the stamps of last_used)
+        self.hits = self.misses = self.last_misses = None  # [1] int64 device counters
+        self._span = None
+        self._span_key = None
+        self.refused = False  # a view was refused (logged once)
+
+    # --- memory ----------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Device bytes held: the slots (all of the capacity) and the tables."""
+        if self.slots is None:
+            return 0
+        tensors = (self.slots, self.slot_of_page, self.page_of_slot, self.last_used)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def ensure(self, layer, k: int) -> None:
+        """Room for a top-K of ``k`` pages out of the layer's pages; grown (contents kept) when
+        short. Any growth moves buffers: the graph key (``key``) changes with it."""
+        b, n = layer.batch, layer.n_pages
+        dev = layer.device
+        if self.slots is None:
+            self.step = torch.zeros(1, dtype=torch.int64, device=dev)
+            self.hits = torch.zeros(1, dtype=torch.int64, device=dev)
+            self.misses = torch.zeros(1, dtype=torch.int64, device=dev)
+            self.last_misses = torch.zeros(1, dtype=torch.int64, device=dev)  # the last step's
+        if self.capacity < math.ceil(self.multiple * k):
+            cap = capacity_for(k, self.multiple)
+            shape = layer._cache.layout.shape
+            slots = _aligned((b * cap, *shape), layer.dtype, dev)
+            page_of_slot = torch.full((b, cap), -1, dtype=torch.int64, device=dev)
+            last_used = torch.full((b, cap + 1), -1, dtype=torch.int64, device=dev)
+            if self.slots is not None:
+                old = self.capacity
+                slots.view(b, cap, *shape)[:, :old] = self.slots.view(b, old, *shape)
+                page_of_slot[:, :old] = self.page_of_slot
+                last_used[:, :old] = self.last_used[:, :old]
+            self.slots, self.page_of_slot, self.last_used = slots, page_of_slot, last_used
+            self.capacity = cap
+            self.seq_base = (torch.arange(b, device=dev) * cap).view(b, 1)
+        if self.slot_of_page is None or self.slot_of_page.shape[1] < n + 1:
+            grown = torch.full((b, max(2 * n, 64) + 1), -1, dtype=torch.int64, device=dev)
+            if self.slot_of_page is not None:
+                held = self.slot_of_page.shape[1] - 1
+                grown[:, :held] = self.slot_of_page[:, :held]
+            self.slot_of_page = grown
+
+    def key(self) -> tuple:
+        """What a captured graph over this cache depends on (addresses of every buffer)."""
+        return (self.capacity, self.slots.data_ptr(), self.slot_of_page.data_ptr(),
+                self.page_of_slot.data_ptr(), self.last_used.data_ptr())
+
+    def span(self, layer):
+        """The one view of the layer's host chunks and these slots (kv/span.py), or None where
+        the host pages have no single view (a spilled chunk, the controller's arena on a GPU)."""
+        from .span import HostSpan
+
+        host = layer.pages.span()
+        if host is None:
+            return None
+        key = (id(host), self.slots.data_ptr())
+        if self._span_key != key:
+            self._span = None
+            try:
+                self._span = HostSpan(layer.chunks, layer.batch, layer._cache.layout,
+                                      layer.device, extra=self.slots)
+            except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
+                log.warning("layer %d: no view of the host pages and the page cache's slots "
+                            "(%s); its chosen pages are fetched every step", layer.index, exc)
+                self.refuse()
+                return None
+            self._span_key = key
+        return self._span
+
+    def refuse(self) -> None:
+        """No page cache for this layer from now on: the slots and tables are freed (the counts
+        so far stay)."""
+        self.refused = True
+        self.slots = self.slot_of_page = self.page_of_slot = self.last_used = None
+        self._span = self._span_key = None
+
+    # --- a step ------------------------------------------------------------------------------
+    def gather_into(self, span, chosen: torch.Tensor, out_rows: torch.Tensor) -> None:
+        """Pages ``chosen`` ``[b, k]`` into the rows ``out_rows`` (the order of
+        ``HostSpan.gather``), hits from the slots, misses from the host; then the slots and the
+        tables updated. Fixed shapes, no host sync (capturable)."""
+        b, k = chosen.shape
+        cap = self.capacity
+        slot = self.slot_of_page.gather(1, chosen)
+        hit = slot >= 0
+        miss = ~hit
+        held = torch.where(hit, slot, cap)  # the scratch column for misses
+        stamp = self.last_used.scatter(1, held, _NEVER)[:, :cap]
+        order = stamp.argsort(dim=1, stable=True)  # empty, then least recently chosen, slots first
+        rank = miss.long().cumsum(1).sub_(1).clamp_(min=0)
+        new_slot = torch.where(hit, slot, order.gather(1, rank))
+        evicted = self.page_of_slot.gather(1, new_slot)
+        scratch = self.slot_of_page.shape[1] - 1
+        self.slot_of_page.scatter_(1, torch.where(miss & (evicted >= 0), evicted, scratch), -1)
+        self.slot_of_page.scatter_(1, chosen, new_slot)
+        self.page_of_slot.scatter_(1, new_slot, chosen)
+        self.last_used.scatter_(1, new_slot, self.step.expand(b, k))
+        self.step.add_(1)
+        self.hits.add_(hit.sum())
+        self.last_misses.copy_(miss.sum())
+        self.misses.add_(self.last_misses)
+        slot_start = (self.seq_base + new_slot) * span.units_per_page  # in the slots' rows
+        start = torch.where(hit, slot_start + span.extra_row, span.table.gather(1, chosen))
+        torch.index_select(span.rows, 0, span.rows_at(start), out=out_rows)
+        span.extra_rows.index_copy_(0, span.rows_at(slot_start), out_rows)
+
+    def gather(self, span, chosen: torch.Tensor):
+        """``gather_into`` a new buffer -> keys, values ``[b, kv_heads, k * page_tokens, d]``."""
+        b, k = chosen.shape
+        out = span.rows.new_empty((2 * b * span.kv_heads * k * span.units_per_head,
+                                   span.rows.shape[1]))
+        self.gather_into(span, chosen, out)
+        return span.unpack(out, b, k)
+
+    def snapshot(self):
+        """The device counters now (a graph's capture step runs the step twice: kv/graphs.py
+        puts them back after the second run)."""
+        return self.hits.clone(), self.misses.clone(), self.last_misses.clone()
+
+    def restore(self, snap) -> None:
+        self.hits.copy_(snap[0])
+        self.misses.copy_(snap[1])
+        self.last_misses.copy_(snap[2])
+
+    def counts(self) -> tuple[int, int, int]:
+        """(hits, misses) so far and the misses of the last step (a host sync)."""
+        if self.hits is None:
+            return 0, 0, 0
+        both = torch.cat((self.hits, self.misses, self.last_misses)).tolist()
+        return both[0], both[1], both[2]
