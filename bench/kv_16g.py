@@ -36,7 +36,7 @@ pages than lossless, and the lossless greedy tokens identical to the resident mo
 ``DynamicCache`` (what tests/kv/test_kv_16g.py runs).
 
     python bench/kv_16g.py --dir /var/tmp/flash-bench [--arch llama] [--context 131072]
-        [--budget 10GiB] [--output kv16.json]
+        [--budget 8GiB] [--output kv16.json]
 """
 from __future__ import annotations
 
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="/var/tmp/flash-bench", help="where the store is written")
     add_arch_argument(ap)
     ap.add_argument("--context", type=int, default=131072, help="prompt tokens")
-    ap.add_argument("--budget", default="10GiB",
+    ap.add_argument("--budget", default="8GiB",
                     help="weight budget on the GPU; 'none': the whole model resident")
     ap.add_argument("--quantize", choices=("int8_symmetric", "int4_symmetric"), default=None,
                     help="lossy, not the default: a quantized store (per_block, groups of 128; 32 with --smoke)")
@@ -399,6 +399,10 @@ def main(argv=None) -> int:
         phase = "done"
     except torch.OutOfMemoryError as exc:
         res["error"] = f"out of GPU memory during {phase}: {str(exc).splitlines()[0]}"
+        stats = torch.cuda.memory_stats()
+        res["oom_memory_stats"] = {k: stats.get(k) for k in (
+            "allocated_bytes.all.current", "reserved_bytes.all.current",
+            "inactive_split_bytes.all.current", "num_alloc_retries", "num_ooms")}
         log(started, res["error"])
     except Exception as exc:  # reported with what was measured so far
         res["error"] = f"{type(exc).__name__} during {phase}: {exc}"
