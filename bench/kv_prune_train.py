@@ -9,8 +9,9 @@ of ``--context`` tokens: a prefill of ``--prefill`` tokens and ``--observe`` dec
 observed); the features of every paged token are taken then (``features(ScoreInput)``: the
 attention statistics and key/value norms the cache keeps), and the target is what the token
 receives over the next ``--horizon`` decoded steps: its mean attention share relative to a uniform
-share, ``y = x / (1 + x)`` -- the attention scorer's scale, so a threshold means the same for both
-(0.15: a token predicted to receive less than ~18 % of an average share). Loss: MSE; Adam.
+share, ``y = x / (x + ATTENTION_HALF)`` -- the attention scorer's scale (kv/prune/scorers.py), so a
+threshold means the same for both (0.15: a token predicted to receive less than an average share).
+Loss: MSE; Adam.
 
     python bench/kv_prune_train.py [--model ../shared/models/pycode-llama] --output kv_prune_mlp.pt
 
@@ -58,9 +59,16 @@ def collect(model, windows: torch.Tensor, prefill: int, observe: int, horizon: i
             future[i] += layer.prune.stats.last[:, s:e]
     ys = []
     for f in future:
-        x = f / horizon
-        ys.append((x / (1 + x)).reshape(-1))
+        ys.append(scale(f / horizon).reshape(-1))
     return torch.cat(xs), torch.cat(ys)
+
+
+def scale(x: torch.Tensor) -> torch.Tensor:
+    """A relative attention share -> 0..1 as the attention scorer maps it (the uniform share:
+    the default threshold 0.15)."""
+    from deepseek_flash.kv.prune.scorers import ATTENTION_HALF
+
+    return x / (x + ATTENTION_HALF)
 
 
 def main(argv=None) -> int:
@@ -118,10 +126,10 @@ def main(argv=None) -> int:
     with torch.no_grad():
         val = torch.nn.functional.mse_loss(mlp.forward(x[va]), y[va]).item()
         base = torch.nn.functional.mse_loss(torch.full_like(y[va], y[tr].mean()), y[va]).item()
-        # the attention scorer's own prediction of the future, for comparison: x / (1 + x) of the
+        # the attention scorer's own prediction of the future, for comparison: its scale of the
         # moving average (feature 0 is log1p(mass))
         m = torch.expm1(x[va, 0])
-        att = torch.nn.functional.mse_loss(m / (1 + m), y[va]).item()
+        att = torch.nn.functional.mse_loss(scale(m), y[va]).item()
         below_true = y[va] < 0.15
         below_pred = mlp.forward(x[va]) < 0.15
         agree = (below_true == below_pred).float().mean().item()

@@ -573,7 +573,7 @@ def main(argv=None) -> int:
                     save(result, args.output)
                 state.engine.runner.profile(reset=True)
                 steps0, open0 = state.engine.stats["steps"], state.engine.stats["l2_open_steps"]
-                beside0 = state.engine.stats["l0_beside_decode"]
+                beside0 = state.engine.stats["l0_beside"]
                 recs, wall = load_phase(pool, base, name, arrivals, args.prompt_len, drain, args.load_procs)
                 steps = state.engine.stats["steps"] - steps0
                 forwards = state.engine.runner.forwards()
@@ -593,8 +593,8 @@ def main(argv=None) -> int:
                                                            "decode": state.engine.runner.decode_stats(),
                                                            # L0 prompt forwards run beside the
                                                            # batch's decode graph
-                                                           "l0_beside_decode": state.engine.stats[
-                                                               "l0_beside_decode"] - beside0}
+                                                           "l0_beside": state.engine.stats[
+                                                               "l0_beside"] - beside0}
                 result["engine_profile"] = profiles
                 save(result, args.output)
             finally:
@@ -631,7 +631,7 @@ def main(argv=None) -> int:
     for mode in ("flash", "fifo"):
         print(f"{mode} decode: {result[mode]['decode']}; steps with L2's rule open: "
               f"{result[mode]['l2_open_step_fraction']}; L2 ttft p50 {result[mode]['L2']['ttft_p50_ms']} ms; "
-              f"L0 prompts beside the decode: {result[mode]['l0_beside_decode']}")
+              f"L0 prompts beside a graph forward: {result[mode]['l0_beside']}")
         b = result[mode]["L0"]["ttft_breakdown"]
         if b.get("requests"):
             print(f"{mode} L0 ttft stages p50/p99/tail-mean ms: " + ", ".join(

@@ -229,8 +229,8 @@ class TieredLayer(CacheLayerMixin):
         cache = self._cache
         if cache.pinned:
             self.pages.before_read()  # the host pages written last are there
-        if cache.top_k_pages is None and self.page_cache is not None:
-            cache._release_page_cache(self)  # lossless now: the slots are not read
+        if self.page_cache is not None and (cache.top_k_pages is None or not cache.page_cache):
+            cache._release_page_cache(self)  # lossless, or the page cache off: slots not read
         k = resolve_top_k(cache.top_k_pages, self.n_pages) if self.n_pages else None
         if k is None or self.dense or q_len > cache.select_max_queries:
             if self.n_pages == 0:
@@ -259,7 +259,8 @@ class TieredLayer(CacheLayerMixin):
             self.page_cache.ensure(self, k)
             span = self.page_cache.span(self)
             pc = self.page_cache if span is not None else None
-        elif self.page_cache is not None and not self.page_cache.refused:
+        elif (cache.page_cache and self.page_cache is not None
+              and not self.page_cache.refused):
             self.page_cache.refuse()  # a chunk was spilled: no single view any more
         if (cache.select_graphs and graphs.applies(self.device) and cache.score == "hybrid"
                 and not self.lost_pages):

@@ -139,14 +139,14 @@ class Engine:
         self.cut_in = (not self.scheduler.fifo and self.stream is None
                        and getattr(getattr(model, "model", None), "layers", None) is not None)
         self.l0_recent_s = 10.0
-        # An L0 request arriving during the batch's decode (CUDA graphs) is prefilled beside it.
+        # An L0 request arriving during a graph forward of the batch is prefilled beside it.
         self.beside = not self.scheduler.fifo and self.stream is None
         self._waiter: DeviceWaiter | None = None
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
                       "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0,
-                      "preempted": 0, "l2_open_steps": 0, "l0_beside_decode": 0,
+                      "preempted": 0, "l2_open_steps": 0, "l0_beside": 0,
                       "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
 
     @staticmethod
@@ -360,7 +360,7 @@ class Engine:
         width = max(n for _, n in group)
         return width, max(g.prefilled + n for g, n in group) + (1 if any(n < width for _, n in group) else 0)
 
-    def _prefill(self, group) -> None:
+    def _prefill(self, group, l0: bool = False, meanwhile=None) -> None:
         """One forward over ``group`` -- (generation, tokens) pairs: the next ``tokens`` of each
         prompt. Rows are left-padded to the longest chunk, so the last position is every row's last
         real token; padding writes its keys at the row's next position (``end``), which no real
@@ -374,7 +374,7 @@ class Engine:
             ids.append([0] * (width - n) + gen.fill_ids[start:end])
             pos.append([end] * (width - n) + list(range(start, end)))
         self._read_priority([g for g, _ in group])
-        logits, spent = self.runner.prefill([g.row for g, _ in group], ids, pos, kv_len)
+        logits, spent = self.runner.prefill([g.row for g, _ in group], ids, pos, kv_len, l0=l0, meanwhile=meanwhile)
         # What a prompt token adds to a forward: the time beyond a decode forward's, per token.
         cost = max(0.0, spent - (self._decode_s or 0.0)) / (len(group) * width)
         self._per_token_s = cost if self._per_token_s is None else 0.8 * self._per_token_s + 0.2 * cost
@@ -445,19 +445,30 @@ class Engine:
         with self._lock:
             group = self._l0_group()
         if group:
-            self._prefill(group)
+            self._prefill(group, l0=True)
 
-    def _l0_beside_decode(self, decoding, issued) -> None:
-        """While the batch's decode -- a CUDA graph -- runs on the device (until ``issued``, a CUDA
-        event after it, has happened; None: it is done already):
-        an L0 request that arrives joins at once, in a free row or that of a request it preempts
-        that this decode does not write (``decoding``), and its prompt runs on a stream of its own
-        beside the decode (``RowRunner.side_stream``), its first token out before the decode's
-        tokens. Its row was idle in the decode, which wrote there only at the scratch slot. Only
-        where that prompt forward is a captured graph too (it touches no state the decode uses);
-        otherwise the request waits for the next step as before."""
-        prefill = self.runner.static_prefill
-        protect = [g.sched for g in decoding]
+    def _beside(self):
+        """``meanwhile`` for a graph forward over ``gens`` (``_l0_beside``), where L0 requests may
+        go beside it: a CUDA graph forward, the scheduler on, an L0 request in the last 10 s."""
+        if not (self.beside and self._l0_at is not None and time.monotonic() - self._l0_at < self.l0_recent_s):
+            return lambda gens: None
+
+        def meanwhile_for(gens):
+            return lambda issued: self._l0_beside(gens, issued)
+        return meanwhile_for
+
+    def _l0_beside(self, writing, issued) -> None:
+        """While a forward of the batch -- a CUDA graph: the decode, or other prompts' chunk -- runs
+        on the device (until ``issued``, a CUDA event after it, has happened; None: it is done
+        already): an L0 request that arrives joins at once, in a free row or that of a request it
+        preempts that this forward does not write (``writing``), and its prompt runs from the L0
+        requests' own graphs on a stream of their own beside it (``RowRunner.side_stream``), its
+        first token out before that forward's result is taken. Its row is not one the forward
+        writes (the decode writes idle rows only at their scratch slot); the L0 graphs have their
+        own buffers, memory pool and cuBLAS workspace. A prompt of a shape they do not have waits
+        for the next step as before."""
+        prefill = self.runner.static_prefill_l0
+        protect = [g.sched for g in writing]
         tried = set()
         done = [issued is None]
         if issued is not None:
@@ -483,9 +494,9 @@ class Engine:
                         return
                     self._lock.wait(0.05)
                     continue
-            self.stats["l0_beside_decode"] += 1
+            self.stats["l0_beside"] += 1
             with self.runner.side_stream():
-                self._prefill(group)
+                self._prefill(group, l0=True)
 
     def _step(self) -> None:
         """One step: L0 prompts, then at most ``prefill_chunk`` tokens of the other prompts (in the
@@ -514,8 +525,10 @@ class Engine:
             group.append((gen, n))
             width = max(width, n)
         if group:
+            # An L0 request arriving meanwhile cuts in between two layers (eager), or goes beside
+            # the forward (a graph).
             with self._cut_in_hooks([g for g, _ in group]):
-                self._prefill(group)
+                self._prefill(group, meanwhile=self._beside()([g for g, _ in group]))
         with self._lock:
             if self.scheduler.queued_count("L0"):
                 self._boundary()
@@ -535,11 +548,9 @@ class Engine:
             with self._cut_in_hooks(decoding) if self.runner.static is None else contextlib.nullcontext():
                 positions = [len(g.prompt_ids) + len(g.output_ids) - 1 for g in decoding]
                 # With L0 traffic, an L0 request arriving meanwhile is prefilled beside the decode.
-                beside = (self.beside and self.runner.static is not None and self._l0_at is not None
-                          and time.monotonic() - self._l0_at < self.l0_recent_s)
                 tokens, spent = self.runner.decode(
                     decoding, [g.row for g in decoding], [g.output_ids[-1] for g in decoding], positions,
-                    meanwhile=(lambda issued: self._l0_beside_decode(decoding, issued)) if beside else None)
+                    meanwhile=self._beside()(decoding))
             produced = list(zip(decoding, tokens))
             self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
             self.stats["decode_steps"] += 1

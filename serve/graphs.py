@@ -72,7 +72,7 @@ class StaticDecode:
         self.pool = None
         # Each instance (the decode's, the prompt forwards') captures on a stream of its own: the
         # cuBLAS workspace a graph bakes in is its capture stream's, so a prompt graph replayed
-        # beside a decode graph (``Engine._l0_beside_decode``) never shares one with it.
+        # beside another graph (``Engine._l0_beside``) never shares one with it.
         self.capture_stream = None
         self.reason: str | None = None
         self.counters = {"captures": 0, "capture_s": 0.0, "replays": 0, "static_steps": 0}
@@ -234,6 +234,8 @@ class StaticDecode:
 # launch overhead matters less beside its compute, and each width costs captures at start-up).
 PREFILL_ROWS = (1, 2, 4)
 PREFILL_WIDTHS = (16, 32, 64, 128)
+# The L0 requests' own prompt graphs (``RowRunner.static_prefill_l0``): one or two rows.
+L0_PREFILL_ROWS = (1, 2)
 
 
 class StaticPrefill(StaticDecode):
@@ -247,11 +249,11 @@ class StaticPrefill(StaticDecode):
 
     what = "prompt forwards"
 
-    def __init__(self, runner, capture: bool = True, chunk: int = 512):
+    def __init__(self, runner, capture: bool = True, chunk: int = 512, rows=PREFILL_ROWS):
         super().__init__(runner, capture)
         self.inputs = None
         self.buffers: dict[tuple, object] = {}
-        self.row_buckets = [r for r in PREFILL_ROWS if r <= self.rows]
+        self.row_buckets = [r for r in rows if r <= self.rows]
         self.set_chunk(chunk)
         self.logits = self.logits[: max(self.row_buckets)]
 

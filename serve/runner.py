@@ -118,7 +118,7 @@ class RowRunner:
         self._profile: list = []
         # Attention widths (``KV_BUCKET`` multiples) that a forward has met: see ``warm``.
         self.kv_seen: set = set()
-        self.static = self.static_prefill = None
+        self.static = self.static_prefill = self.static_prefill_l0 = None
         self._side = None                       # ``side_stream``'s CUDA stream, once used
         self._side_active = False
         self.prefill_chunk = int(prefill_chunk)
@@ -131,7 +131,7 @@ class RowRunner:
         step (``graphs.StaticDecode``) where they can be captured, else the eager decode over the
         gathered rows; ``"eager"`` always that; ``"static"`` the fixed-shape step run eagerly.
         Returns why the decode is eager (None: it is not)."""
-        from .graphs import StaticDecode, StaticPrefill, graphs_blocker
+        from .graphs import L0_PREFILL_ROWS, StaticDecode, StaticPrefill, graphs_blocker
 
         if decode not in DECODE_MODES:
             raise ValueError(f"decode {decode!r} is not one of {DECODE_MODES}")
@@ -140,11 +140,17 @@ class RowRunner:
         if decode == "static":
             self.static = StaticDecode(self, capture=False)
             self.static_prefill = StaticPrefill(self, capture=False, chunk=self.prefill_chunk)
+            self.static_prefill_l0 = StaticPrefill(self, capture=False, chunk=self.prefill_chunk,
+                                                   rows=L0_PREFILL_ROWS)
             return None
         reason = graphs_blocker(self)
         if reason is None:
             self.static = StaticDecode(self, capture=True)
             self.static_prefill = StaticPrefill(self, capture=True, chunk=self.prefill_chunk)
+            # L0 prompts have graphs of their own (own buffers, memory pool and capture stream): they
+            # can run beside any other graph of the batch (``Engine._l0_beside``).
+            self.static_prefill_l0 = StaticPrefill(self, capture=True, chunk=self.prefill_chunk,
+                                                   rows=L0_PREFILL_ROWS)
         return reason
 
     @property
@@ -157,6 +163,8 @@ class RowRunner:
     def decode_stats(self) -> dict:
         """How the batch decodes: mode, why eager (``reason``), graphs captured, replays."""
         prefill = None if self.static_prefill is None else self.static_prefill.stats()
+        if prefill is not None:
+            prefill["l0"] = None if self.static_prefill_l0 is None else self.static_prefill_l0.stats()
         if self.static is None:
             return {"mode": "eager", "reason": self.decode_reason, "prefill": prefill}
         return self.static.stats() | {"prefill": prefill}
@@ -215,14 +223,20 @@ class RowRunner:
         self._kv_last = kv_len
         return kv_len
 
-    def prefill(self, rows: list, ids: list, positions: list, kv_len: int):
+    def prefill(self, rows: list, ids: list, positions: list, kv_len: int, l0: bool = False, meanwhile=None):
         """One forward of prompt chunks (``ids``/``positions``: a list per row, of equal length);
-        returns (logits, seconds until the forward was done on the device)."""
+        returns (logits, seconds until the forward was done on the device). ``l0``: L0 prompts,
+        from their own graphs where one has the shape. ``meanwhile`` as for ``decode``, where the
+        forward is a graph (of the other prompts)."""
         torch = self.torch
         began = time.perf_counter()
         logits = None
-        if self.static_prefill is not None:     # a captured shape (CUDA graphs) or the static test mode
+        if l0 and self.static_prefill_l0 is not None:
+            logits = self.static_prefill_l0.run(rows, ids, positions, self._width(kv_len))
+        if logits is None and self.static_prefill is not None:  # a captured shape, or the static test mode
             logits = self.static_prefill.run(rows, ids, positions, self._width(kv_len))
+            if logits is not None and meanwhile is not None and not l0:
+                self._meanwhile(meanwhile)
         if logits is None:
             logits = self.forward(rows, torch.tensor(ids, device=self.device),
                                   torch.tensor(positions, device=self.device), kv_len)
@@ -247,11 +261,7 @@ class RowRunner:
             if logits is None:                  # capture failed: eager from now on, logged
                 self.decode_reason, self.static = self.static.reason, None
             elif meanwhile is not None:
-                issued = None
-                if self.device.type == "cuda":
-                    issued = torch.cuda.Event()
-                    issued.record(torch.cuda.current_stream(self.device))
-                meanwhile(issued)
+                self._meanwhile(meanwhile)
         if logits is None:
             ids = torch.tensor([[t] for t in last], device=self.device)
             positions = torch.tensor(lengths, device=self.device)[:, None]
@@ -299,6 +309,15 @@ class RowRunner:
         return [(kind, rows, tokens, began, round(total_s * 1e3, 3), round(launch_s * 1e3, 3), kv)
                 for kind, rows, tokens, launch_s, total_s, began, kv in self._profile[-PROFILE_SAMPLES:]
                 if began >= since]
+
+    def _meanwhile(self, meanwhile) -> None:
+        """``meanwhile(issued)`` with a CUDA event recorded after the work just issued on the
+        current stream (None off CUDA: the work ran as it was issued)."""
+        issued = None
+        if self.device.type == "cuda":
+            issued = self.torch.cuda.Event()
+            issued.record(self.torch.cuda.current_stream(self.device))
+        meanwhile(issued)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -361,6 +380,10 @@ class RowRunner:
                     self.kv_seen.add(kv_len)
                 if self.static_prefill.reason is not None:
                     self.static_prefill = None
+            if self.static_prefill_l0 is not None and self.static_prefill_l0.capture:
+                self.static_prefill_l0.capture_all()
+                if self.static_prefill_l0.reason is not None:
+                    self.static_prefill_l0 = None
             for kv_len in widths if self.static is None else ():
                 last = kv_len - 1
                 for group in (list(range(rows)), [0, rows - 1] if rows > 2 else None):

@@ -153,3 +153,48 @@ def test_the_kv_caches_page_locked_chunks_come_from_the_pool():
     del chunk
     again = OwnMemory(True, pool).alloc((4, 2, 8, 16), torch.bfloat16)
     assert again.data_ptr() == ptr and len(src.sizes) == 1
+
+
+def test_an_arena_cache_takes_its_row_buffers_from_arena_regions():
+    """kv/hostmem.py ``ArenaMemory.pool()``: with a controller's host arena (page-locked by the
+    client), pruning's row buffers are ranges of arena regions taken 64 MiB at a time and given
+    back with the cache; an arena without room falls back to this process's memory."""
+    from deepseek_flash.errors import OutOfMemory
+    from deepseek_flash.kv.hostmem import POOL_REGION_BYTES, ArenaMemory
+
+    class Client:
+        generation = 1
+
+        def __init__(self, size):
+            self.arena = torch.zeros(size, dtype=torch.uint8)
+            self.next, self.calls = 0, []
+
+        def host_tensor(self, pinned):
+            return self.arena
+
+        def call(self, op, args):
+            self.calls.append((op, args))
+            if op == "kv_alloc":
+                if self.next + args["bytes"] > self.arena.numel():
+                    raise OutOfMemory("arena full")
+                offset, self.next = self.next, self.next + args["bytes"]
+                return {"offset": offset}
+            return {}
+
+    client = Client(POOL_REGION_BYTES + 4 * KIB)
+    memory = ArenaMemory(client, "m", True, {"arena_fallbacks": 0})
+    pool = memory.pool()
+    assert memory.pool() is pool and ArenaMemory(client, "m", False, {}).pool() is None
+    a = pool.take(3 * KIB)
+    b = pool.tensor((4, 8), torch.float32)
+    lo = client.arena.data_ptr()
+    for t in (a, b):  # inside the arena's one region
+        assert lo <= t.data_ptr() < lo + POOL_REGION_BYTES
+    b.fill_(2.5)
+    assert torch.equal(client.arena[4 * KIB:4 * KIB + 128].view(torch.float32),
+                       torch.full((32,), 2.5))
+    big = pool.take(POOL_REGION_BYTES)  # no room left in the arena: this process's memory
+    assert not lo <= big.data_ptr() < lo + client.arena.numel()
+    assert memory.counters["arena_fallbacks"] == 1
+    memory.close()
+    assert ("kv_free", {"offset": 0}) in client.calls

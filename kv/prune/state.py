@@ -405,12 +405,23 @@ class LayerPrune(Recall):
         self.layer._cache._prune_spill()
 
 
+EVAL_BYTES = 256 << 20
+"""At most this many bytes of pages (at full precision) move in one group of an evaluation: the
+device holds one group's moving pages and their int4 rows at a time, not every layer's (at 32K on
+the 8B shape the first decode evaluation compresses ~2.6 GB of level-2 pages: all at once, its
+fp32 working copies took ~15 GB of GPU memory)."""
+COMPRESS_BYTES = 64 << 20
+"""At most this many bytes of full-precision pages in one ``compress_pages`` call (its fp32
+working copies are ~4x that)."""
+
+
 def evaluate_due(layers) -> None:
     """After a step's last layer: evaluate every layer that is due (``LayerPrune.due``), their
     page scores computed on the device first and brought to the host together (one sync for the
-    step, not one per layer), every layer's 2 -> 3 pages compressed together, every layer's
-    device side of the moves launched, one wait for the device, then every layer's host side
-    (kv/prune/policy.py)."""
+    step, not one per layer); then, group by group of layers whose moving pages come to at most
+    ``EVAL_BYTES`` (one layer at least), their 2 -> 3 pages compressed together (``COMPRESS_BYTES``
+    at a time), every layer's device side of the moves launched, one wait for the device, every
+    layer's host side (kv/prune/policy.py). Later evaluations move few pages: one group."""
     due = [layer.prune for layer in layers
            if layer.prune is not None and layer.prune.due and layer.prune.n_pages]
     for layer in layers:
@@ -419,34 +430,84 @@ def evaluate_due(layers) -> None:
     if not due:
         return
     plans = [p.plan(sc) for p, sc in zip(due, score_layers(due))]
-    # every layer's device side, one wait for each device, then every layer's host side
-    begun = [p._begin(p.level, plan[0], rows)
-             for p, plan, rows in zip(due, plans, compress_moving(due, plans))]
-    waited = set()
-    for p, st in zip(due, begun):
-        if st is not None and p.layer.device not in waited:
-            p._sync()
-            waited.add(p.layer.device)
-    for p, plan, st in zip(due, plans, begun):
-        if st is not None:
-            p._finish(st)
-        p._planned(plan)
+    for group in _groups(due, plans, EVAL_BYTES):
+        prunes = [due[i] for i in group]
+        gplans = [plans[i] for i in group]
+        begun = [p._begin(p.level, plan[0], rows)
+                 for p, plan, rows in zip(prunes, gplans, compress_moving(prunes, gplans))]
+        waited = set()
+        for p, st in zip(prunes, begun):
+            if st is not None and p.layer.device not in waited:
+                p._sync()
+                waited.add(p.layer.device)
+        for p, plan, st in zip(prunes, gplans, begun):
+            if st is not None:
+                p._finish(st)
+            p._planned(plan)
 
 
-def compress_moving(prunes, plans) -> list:
-    """The int4 rows of every layer's pages going 2 -> 3 by ``plans``, compressed in one
-    ``compress_pages`` call for all the layers (int4 groups are per page: the same bytes as layer
-    by layer) -> per layer its rows (page order) or None (nothing to compress, or layers on
-    several devices: each compresses its own)."""
+def _moving_bytes(p, plan) -> int:
+    """Bytes at full precision of the pages ``plan`` moves in layer ``p`` (every sequence)."""
+    new = plan[0]
+    n = int((new != p.level).sum())
+    return n * p.layer._cache.layout.page_bytes * p.layer.batch
+
+
+def _groups(prunes, plans, budget: int) -> list[list[int]]:
+    """Consecutive layers, each group's moving bytes at most ``budget`` (one layer at least)."""
+    groups, cur, size = [], [], 0
+    for i, (p, plan) in enumerate(zip(prunes, plans)):
+        b = _moving_bytes(p, plan)
+        if cur and size + b > budget:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += b
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def compress_moving(prunes, plans, budget: int | None = None) -> list:
+    """The int4 rows of every layer's pages going 2 -> 3 by ``plans``, compressed in as few
+    ``compress_pages`` calls as ``budget`` (``COMPRESS_BYTES``) of full-precision pages per call
+    allows -- layers together when they are small, a large layer's pages split (int4 groups are
+    per page: the same bytes as layer by layer) -> per layer its rows (page order) or None
+    (nothing to compress, or layers on several devices: each compresses its own)."""
+    budget = COMPRESS_BYTES if budget is None else budget
     pages = [torch.nonzero((p.level == 2) & (new == 3)).flatten().tolist()
              for p, (new, _, _) in zip(prunes, plans)]
     moving = [(p, pg) for p, pg in zip(prunes, pages) if pg]
-    if len(moving) < 2 or len({p.layer.device for p, _ in moving}) > 1:
+    if not moving or len({p.layer.device for p, _ in moving}) > 1:
         return [None] * len(prunes)
-    fulls = [p._to_compress(pg) for p, pg in moving]
-    rows = rows_of(compress_pages(torch.cat(fulls))).split([f.shape[0] for f in fulls])
-    got = {id(p): r for (p, _), r in zip(moving, rows)}
-    return [got.get(id(p)) for p in prunes]
+    if len(moving) == 1 and _fits(moving[0][0], len(moving[0][1]), budget):
+        return [None] * len(prunes)  # one small layer: ``_begin`` compresses it
+    # pieces (layer, pages) of at most ``budget`` bytes each, then calls of whole pieces
+    per = max(1, budget // (moving[0][0].layer._cache.layout.page_bytes
+                            * moving[0][0].layer.batch))
+    pieces = [(p, pg[i:i + per]) for p, pg in moving for i in range(0, len(pg), per)]
+    got: dict[int, list] = {}
+    call, size = [], 0
+    for piece in pieces + [None]:
+        n = 0 if piece is None else len(piece[1])
+        if call and (piece is None or size + n > per):
+            fulls = [p._to_compress(pg) for p, pg in call]
+            x = torch.cat(fulls) if len(fulls) > 1 else fulls[0]
+            del fulls
+            rows = rows_of(compress_pages(x)).split([len(pg) * p.layer.batch for p, pg in call])
+            del x
+            for (p, _), r in zip(call, rows):
+                got.setdefault(id(p), []).append(r)
+            call, size = [], 0
+        if piece is not None:
+            call.append(piece)
+            size += n
+    return [(torch.cat(got[id(p)]) if len(got[id(p)]) > 1 else got[id(p)][0])
+            if id(p) in got else None for p in prunes]
+
+
+def _fits(p, n_pages: int, budget: int) -> bool:
+    return n_pages * p.layer._cache.layout.page_bytes * p.layer.batch <= budget
 
 
 def score_layers(prunes) -> list[torch.Tensor]:

@@ -163,7 +163,7 @@ def test_topk_one_gather_over_the_controller_arena(streamed_store):
             runs = []
             for one_gather in (True, False):
                 cache = TieredCache.for_model(model, gpu_tokens=64, top_k_pages=0.25,
-                                              dense_layers=1)
+                                              dense_layers=1, page_cache=0)
                 cache.select_graphs = False
                 if not one_gather:
                     for layer in cache.layers:

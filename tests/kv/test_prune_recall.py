@@ -304,3 +304,43 @@ def test_host_rows_remove_keeps_every_page_and_the_slot_order(moves, monkeypatch
     if pool is not None:
         assert torch.equal(other.all(), torch.full((len(other) * 2, 8), 0x55, dtype=torch.uint8))
         assert pool.stats()["syncs"] > 0  # ranges given up by resizes were taken again
+
+
+def test_an_evaluation_moves_its_pages_in_bounded_groups_with_the_same_bytes(model3, monkeypatch):
+    """``evaluate_due`` holds at most ``EVAL_BYTES`` of moving pages and compresses at most
+    ``COMPRESS_BYTES`` of them per call (the first decode evaluation at 32K compressed every
+    layer's pages at once: ~15 GB of GPU memory on the H200): with budgets of a few pages the
+    logits, the levels and every host row are those of one group per evaluation."""
+    from deepseek_flash.kv.prune import state
+
+    ids = ids_of(300, batch=2, seed=4)
+    real, real_groups = state.compress_pages, state._groups
+    runs = []
+    for small in (False, True):
+        sizes = []
+        if small:
+            monkeypatch.setattr(state, "EVAL_BYTES", 5 * 2 * PAGE_BYTES)       # 5 pages, 2 seqs
+            monkeypatch.setattr(state, "COMPRESS_BYTES", 2 * 2 * PAGE_BYTES)   # 2 pages, 2 seqs
+        monkeypatch.setattr(state, "compress_pages",
+                            lambda x: sizes.append(x.numel() * x.element_size()) or real(x))
+        groups = []
+        monkeypatch.setattr(state, "_groups",
+                            lambda *a, got=groups: got.append(real_groups(*a)) or got[-1])
+        cache = TieredCache.for_model(model3, prune_threshold=1.0, page_tokens=PAGE,
+                                      prune_every=2, dense_layers=0)
+        with torch.no_grad():
+            logits = [model3(ids, cache=cache).logits[:, -1]]
+            for t in range(6):
+                logits.append(model3(logits[-1].argmax(-1, keepdim=True), cache=cache).logits[:, -1])
+        rows = [(layer.prune.l2.pages, layer.prune.l3.pages, layer.prune.l3.all().clone())
+                for layer in cache.layers]
+        runs.append((torch.stack(logits), rows, cache.stats()["level_tokens"], sizes, groups))
+    (l1, r1, lv1, s1, g1), (l2, r2, lv2, s2, g2) = runs
+    assert torch.equal(l1, l2) and lv1 == lv2
+    for (a2, a3, ab), (b2, b3, bb) in zip(r1, r2):
+        assert a2 == b2 and a3 == b3 and torch.equal(ab, bb)
+    assert sum(lv[2] for lv in lv2) > 0                  # pages did go to level 3
+    assert max(s1) > 2 * 2 * PAGE_BYTES                  # one call held every layer's pages
+    assert max(s2) <= 2 * 2 * PAGE_BYTES and len(s2) > len(s1)
+    # the prefill's evaluation (every page leaves level 1) in one group, then in several
+    assert len(g1[0]) == 1 and len(g2[0]) == 3 and len(g1) == len(g2)

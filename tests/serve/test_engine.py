@@ -565,11 +565,11 @@ def test_a_running_engine_shortens_the_interpreter_switch_interval(tiny_referenc
         sys.setswitchinterval(saved)
 
 
-def beside_engine(model, tokenizer, scheduler=None, **kw):
-    """Three rows, the fixed-shape decode (the CUDA graphs' step; by default run eagerly), two L1
+def beside_engine(model, tokenizer, scheduler=None, rows=3, **kw):
+    """``rows`` rows, the fixed-shape decode (the CUDA graphs' step; by default run eagerly), two L1
     requests decoding. On a CUDA device (``device=``, ``decode="auto"``) the graphs are captured
     first (``RowRunner.warm``)."""
-    eng = Engine(model, tokenizer, scheduler or FlashScheduler(slots=3, l0_reserve=0.0), max_batch=3,
+    eng = Engine(model, tokenizer, scheduler or FlashScheduler(slots=rows, l0_reserve=0.0), max_batch=rows,
                  **({"decode": "static"} | kw))
     if eng.runner.device.type == "cuda":
         eng.runner.warm(eng.prefill_chunk)
@@ -594,9 +594,9 @@ def step_with_l0_during_decode(eng, l0):
         assert eng.submit(l0).admitted              # arrives while the decode is in flight
         return out
 
-    def prefill_logged(rows, *args):
+    def prefill_logged(rows, *args, **kw):
         log.append(("prefill", list(rows)))
-        return prefill(rows, *args)
+        return prefill(rows, *args, **kw)
     eng.runner.static.run, eng.runner.prefill = run, prefill_logged
     try:
         with torch.inference_mode():
@@ -615,7 +615,7 @@ def test_an_l0_request_arriving_during_the_graph_decode_is_prefilled_beside_it(t
     l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
     log = step_with_l0_during_decode(eng, l0)
     assert log == [("decode", [g.row for g in running]), ("prefill", [l0.row])]
-    assert l0.row not in [g.row for g in running] and eng.stats["l0_beside_decode"] == 1
+    assert l0.row not in [g.row for g in running] and eng.stats["l0_beside"] == 1
     assert len(l0.output_ids) == 1 and all(len(g.output_ids) == 3 for g in running)
     drive(eng, done(l0, *running))
     for g in (l0, *running):
@@ -637,7 +637,7 @@ def test_an_l0_request_waits_for_the_next_step_where_it_cannot_go_beside(tiny_re
     l0 = generation(prompt, 4, cls="L0")
     log = step_with_l0_during_decode(eng, l0)
     assert log == [("decode", [g.row for g in running])]
-    assert eng.stats["l0_beside_decode"] == 0 and l0.output_ids == []
+    assert eng.stats["l0_beside"] == 0 and l0.output_ids == []
     drive(eng, done(l0, *running))
     for g in (l0, *running):
         assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
@@ -679,3 +679,48 @@ def test_the_device_waiter_wakes_the_engine_when_the_device_is_done():
     finally:
         waiter.close()
     assert not waiter._thread.is_alive()
+
+
+def test_an_l0_request_arriving_during_other_prompts_graph_forward_is_prefilled_beside_it(tiny_reference,
+                                                                                        tiny_tokenizer):
+    # Other prompts' chunk as a graph (the fixed-shape forward; run eagerly here): an L0 request
+    # arriving while it runs joins at once and its prompt runs from the L0 requests' own graphs
+    # beside it, before that chunk's first tokens are taken -- not after the step's decode.
+    eng, running = beside_engine(tiny_reference, tiny_tokenizer, rows=4)
+    eng._l0_at = time.monotonic()
+    newcomer = generation([(5 * j) % 250 + 3 for j in range(20)], 6)
+    l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    log = step_with_l0_during_prompt_graph(eng, newcomer, l0)
+    assert log == [("prefill", [newcomer.row]), ("l0 prefill", [l0.row])]
+    # Its first token beside the chunk, its second from the same step's decode (as the chunk's own).
+    assert eng.stats["l0_beside"] == 1 and len(l0.output_ids) == 2 and len(newcomer.output_ids) == 2
+    assert l0.row not in [g.row for g in (*running, newcomer)]
+    drive(eng, done(l0, newcomer, *running))
+    for g in (l0, newcomer, *running):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
+
+
+def step_with_l0_during_prompt_graph(eng, newcomer, l0):
+    """``newcomer`` (L1) joins; one engine step during whose prompt forward of it ``l0`` is
+    submitted: the prompt forwards it ran, as ``(graphs, rows)``."""
+    assert eng.submit(newcomer).admitted
+    boundary(eng)
+    general, l0_graphs, log = eng.runner.static_prefill.run, eng.runner.static_prefill_l0.run, []
+
+    def run(rows, *args):
+        log.append(("prefill", list(rows)))
+        out = general(rows, *args)
+        assert eng.submit(l0).admitted              # arrives while the chunk is in flight
+        return out
+
+    def run_l0(rows, *args):
+        log.append(("l0 prefill", list(rows)))
+        return l0_graphs(rows, *args)
+    eng.runner.static_prefill.run, eng.runner.static_prefill_l0.run = run, run_l0
+    try:
+        with torch.inference_mode():
+            eng._step()
+    finally:
+        eng.runner.static_prefill.run, eng.runner.static_prefill_l0.run = general, l0_graphs
+    return log

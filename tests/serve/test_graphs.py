@@ -144,12 +144,12 @@ def test_an_l0_prompt_on_its_own_stream_beside_the_graph_decode_keeps_every_toke
     # The decode graph in flight on the main stream, the L0 request's prompt graph on a stream of its
     # own: both write the same KV cache (other rows, other slots) at once; every request's tokens
     # are still transformers' greedy ones, the L0 request's first from the same step.
-    from test_engine import beside_engine, done, drive, step_with_l0_during_decode
+    from test_engine import beside_engine, done, drive, step_with_l0_during_decode, step_with_l0_during_prompt_graph
 
     model = copy.deepcopy(tiny_reference).to("cuda:0")
-    eng, running = beside_engine(model, tiny_tokenizer, device="cuda:0", decode="auto", max_model_len=160)
+    eng, running = beside_engine(model, tiny_tokenizer, rows=4, device="cuda:0", decode="auto", max_model_len=160)
     assert eng.runner.decode_stats()["mode"] == "graphs"
-    prefill_replays = eng.runner.static_prefill.counters["replays"]
+    prefill_replays = eng.runner.static_prefill_l0.counters["replays"]
     for i in range(3):
         eng._l0_at = time.monotonic()
         l0 = generation([7 + i, 8, 9, 10, 11], 4, cls="L0")
@@ -157,8 +157,19 @@ def test_an_l0_prompt_on_its_own_stream_beside_the_graph_decode_keeps_every_toke
         assert log[1] == ("prefill", [l0.row]) and len(l0.output_ids) == 1
         drive(eng, done(l0))
         assert l0.output_ids == greedy(model, l0.prompt_ids, 4)
-    assert eng.stats["l0_beside_decode"] == 3
-    assert eng.runner.static_prefill.counters["replays"] >= prefill_replays + 3     # from graphs
+    assert eng.runner.static_prefill_l0.counters["replays"] >= prefill_replays + 3     # from graphs
+    # And beside another prompt's graph (L1, 20 tokens): the L0 prompt from the L0 graphs.
+    newcomer = generation([(5 * j) % 250 + 3 for j in range(20)], 6)
+    eng._l0_at = time.monotonic()
+    l0 = generation([9, 8, 7, 6], 3, cls="L0")
+    l0_replays = eng.runner.static_prefill_l0.counters["replays"]
+    log = step_with_l0_during_prompt_graph(eng, newcomer, l0)
+    assert log == [("prefill", [newcomer.row]), ("l0 prefill", [l0.row])]
+    drive(eng, done(l0, newcomer))
+    assert l0.output_ids == greedy(model, l0.prompt_ids, 3)
+    assert newcomer.output_ids == greedy(model, newcomer.prompt_ids, 6)
+    assert eng.stats["l0_beside"] == 4
+    assert eng.runner.static_prefill_l0.counters["replays"] >= l0_replays + 1      # from its graphs
     drive(eng, done(*running))
     for g in running:
         assert g.output_ids == greedy(model, g.prompt_ids, g.sched.max_new_tokens)
