@@ -36,7 +36,7 @@ pages than lossless, and the lossless greedy tokens identical to the resident mo
 ``DynamicCache`` (what tests/kv/test_kv_16g.py runs).
 
     python bench/kv_16g.py --dir /var/tmp/flash-bench [--arch llama] [--context 131072]
-        [--budget 8GiB] [--output kv16.json]
+        [--budget 7GiB] [--output kv16.json]
 """
 from __future__ import annotations
 
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="/var/tmp/flash-bench", help="where the store is written")
     add_arch_argument(ap)
     ap.add_argument("--context", type=int, default=131072, help="prompt tokens")
-    ap.add_argument("--budget", default="8GiB",
+    ap.add_argument("--budget", default="7GiB",
                     help="weight budget on the GPU; 'none': the whole model resident")
     ap.add_argument("--quantize", choices=("int8_symmetric", "int4_symmetric"), default=None,
                     help="lossy, not the default: a quantized store (per_block, groups of 128; 32 with --smoke)")
