@@ -389,7 +389,8 @@ class Engine:
                 done.append(i)
         if done:
             # The first token goes out now, not after the batch's decode: TTFT is one prefill.
-            tokens = self.runner.sample(logits[done], [group[i][0] for i in done])
+            rows = logits if len(done) == len(logits) else logits[done]   # no index copy when all are done
+            tokens = self.runner.sample(rows, [group[i][0] for i in done])
             now = time.monotonic()
             with self._lock:
                 for i, token in zip(done, tokens):
