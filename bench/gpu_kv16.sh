@@ -13,7 +13,7 @@
 #    lower-right causality == the built mask; top-K's one gather over the controller's arena ==
 #    the pages copied run by run (log: OUTDIR/gpu_tests.log); GPU_TESTS=0 leaves them out.
 set -u -o pipefail
-out=${1:-/tmp/flash-kv16}; arch=${2:-llama}; budget=${3:-8GiB}; context=${4:-131072}
+out=${1:-/tmp/flash-kv16}; arch=${2:-llama}; budget=${3:-7GiB}; context=${4:-131072}
 rows=${5:-bf16}
 py=${PYTHON:-python3}
 mkdir -p "$out"
