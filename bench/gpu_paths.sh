@@ -2,8 +2,10 @@
 # Every path a user takes, on a CUDA machine, default configuration (docs/benchmarks.md, "paths"):
 #   bash bench/gpu_paths.sh OUTDIR 1   build, GPU parity tests, llama: stream (batch 1, 8) + paths
 #   bash bench/gpu_paths.sh OUTDIR 2   build, qwen2 and mistral: stream (batch 1, 8)
-#   bash bench/gpu_paths.sh OUTDIR cold      mistral: a cold load right after a default daemon
-#                                            starts (~110 s on a fresh machine)
+#   bash bench/gpu_paths.sh OUTDIR cold [ARCH]  (default mistral) a cold load right after a default daemon
+#                                            starts (~115 s on a fresh machine; the imports
+#                                            beside the IO engine at PATHS_BESIDE_ENGINE, default
+#                                            32x1MiB, '' to skip: ~12 s each)
 #   bash bench/gpu_paths.sh OUTDIR windows [ARCH...]   per arch (default llama qwen2 mistral),
 #         one process: stream batch 1, 8 with the default window and with prefetch_window 1 (a
 #         ring of two, an experiment), accelerate each token timed (median, spread); ~100 s an
@@ -37,10 +39,12 @@ stream() {  # arch
   [ $rc = 0 ] || tail -25 "$logs/stream-$1.log"
 }
 if [ "$part" = cold ]; then
-  python3 bench/stream.py --arch mistral --dir $work --prepare-only > "$logs/prep-mistral.txt" 2>&1
-  echo "prepared at $(( $(date +%s) - t0 )) s: $(tail -1 "$logs/prep-mistral.txt")"
-  python3 bench/paths.py --arch mistral --dir $work --only shared_gpu_cold \
-    --output "$out/paths-mistral.json" > "$out/cold.log" 2>&1
+  arch=${3:-mistral}    # a store another bench left under $work is used as it is
+  python3 bench/stream.py --arch "$arch" --dir $work --prepare-only > "$logs/prep-$arch.txt" 2>&1
+  echo "prepared at $(( $(date +%s) - t0 )) s: $(tail -1 "$logs/prep-$arch.txt")"
+  python3 bench/paths.py --arch "$arch" --dir $work --only shared_gpu_cold \
+    --beside-engine "${PATHS_BESIDE_ENGINE-32x1MiB}" \
+    --output "$out/paths-$arch.json" > "$out/cold.log" 2>&1
   rc=$?; echo "cold: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$out/cold.log"
 elif [ "$part" = windows ]; then
   archs=${*:3}
@@ -53,6 +57,8 @@ elif [ "$part" = windows ]; then
     if [ "$(df --output=avail -B1G /var/tmp | tail -1)" -lt 36 ]; then
       for o in llama qwen2 mistral; do [ "$o" = "$a" ] || rm -rf "$work/$o"; done
     fi
+    # Written and packed by a process of its own (the timed one starts with a sync).
+    python3 bench/stream.py --arch "$a" --dir $work --prepare-only > "$logs/prep-$a.txt" 2>&1
     python3 bench/stream.py --arch "$a" --dir $work --batches 1,8 --tokens 8 --skip-ttft \
       --windows default,1 --host-cache 20GiB ${PATHS_STREAM_ARGS:-} --output "$out/stream-$a.json" > "$logs/stream-$a.log" 2>&1
     rc=$?; echo "windows $a: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$logs/stream-$a.log"

@@ -36,7 +36,7 @@ pages than lossless, and the lossless greedy tokens identical to the resident mo
 ``DynamicCache`` (what tests/kv/test_kv_16g.py runs).
 
     python bench/kv_16g.py --dir /var/tmp/flash-bench [--arch llama] [--context 131072]
-        [--budget 10GiB] [--output kv16.json]
+        [--budget 7GiB] [--output kv16.json]
 """
 from __future__ import annotations
 
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="/var/tmp/flash-bench", help="where the store is written")
     add_arch_argument(ap)
     ap.add_argument("--context", type=int, default=131072, help="prompt tokens")
-    ap.add_argument("--budget", default="10GiB",
+    ap.add_argument("--budget", default="7GiB",
                     help="weight budget on the GPU; 'none': the whole model resident")
     ap.add_argument("--quantize", choices=("int8_symmetric", "int4_symmetric"), default=None,
                     help="lossy, not the default: a quantized store (per_block, groups of 128; 32 with --smoke)")
@@ -307,6 +307,22 @@ def main(argv=None) -> int:
     client = model = cache = None
     phase = "load"
     raise_after = None
+
+    def checkpoint():
+        """The memory figures and the goal line as of now, written with everything measured so
+        far (a run stopped by a time limit keeps them)."""
+        if memory is not None:
+            try:
+                res.update(memory.report())
+            except Exception as exc:  # a CUDA error left the context unusable
+                res["gpu_report_error"] = f"{type(exc).__name__}: {exc}"
+        if "gpu_process_peak_bytes" in res:
+            res["goals"] = {"gpu_peak_le_goal": res["gpu_process_peak_bytes"] <= goal
+                            and res["gpu_device_used_peak_bytes"] <= goal
+                            and "error" not in res}
+        res["total_s"] = round(time.perf_counter() - started, 1)
+        save(res, args.output)
+
     try:
         config = {"host_cache_bytes": "64MiB" if args.smoke else args.host_cache}
         client = Client(embedded=True, config=config)
@@ -327,7 +343,7 @@ def main(argv=None) -> int:
             res["plan"] = {"streamed_layers": 0, "resident_bytes": store.total_bytes}
         if memory is not None:
             res["gpu_used_after_load_bytes"] = memory.used()
-        save(res, args.output)
+        checkpoint()
         log(started, f"loaded in {res['load_s']} s: {res['plan']['streamed_layers']} of "
                      f"{store.num_layers} layers streamed"
                      + (f", GPU used {memory.used() / GIB:.2f} GiB" if memory else ""))
@@ -358,7 +374,7 @@ def main(argv=None) -> int:
         if memory is not None:
             res["gpu_used_after_prefill_bytes"] = memory.used()
             res["gpu_torch_peak_allocated_prefill_bytes"] = torch.cuda.max_memory_allocated()
-        save(res, args.output)
+        checkpoint()
         log(started, f"prefill {args.context} tokens: TTFT {res['ttft_s']} s; KV on the GPU "
                      f"{s['gpu_bytes'] / GIB:.2f} GiB of {s['full_bytes'] / GIB:.2f} GiB")
 
@@ -368,7 +384,7 @@ def main(argv=None) -> int:
         # whose choice and gather replayed as a captured CUDA graph (kv/graphs.py)
         res["topk25_one_gather_layers"] = sum(x.pages._span is not None for x in cache.layers)
         res["topk25_graph_layers"] = sum(x.graphs.graph is not None for x in cache.layers)
-        save(res, args.output)
+        checkpoint()
         log(started, f"top-K 25 %: {res['topk25_tok_s']} tok/s (bound "
                      f"{res.get('topk25_bound_tok_s')}), one gather in "
                      f"{res['topk25_one_gather_layers']} layers")
@@ -377,7 +393,7 @@ def main(argv=None) -> int:
         tok, _ = timed_mode("lossless", model, cache, runtime, tok, args, sync, h2d, res)
         log(started, f"lossless: {res['lossless_tok_s']} tok/s (bound "
                      f"{res.get('lossless_bound_tok_s')})")
-        save(res, args.output)
+        checkpoint()
         s = cache.stats()
         res["kv_gpu_bytes"] = s["gpu_bytes"]
         res["kv_host_bytes"] = s["host_bytes"]
@@ -399,24 +415,19 @@ def main(argv=None) -> int:
         phase = "done"
     except torch.OutOfMemoryError as exc:
         res["error"] = f"out of GPU memory during {phase}: {str(exc).splitlines()[0]}"
+        stats = torch.cuda.memory_stats()
+        res["oom_memory_stats"] = {k: stats.get(k) for k in (
+            "allocated_bytes.all.current", "reserved_bytes.all.current",
+            "inactive_split_bytes.all.current", "num_alloc_retries", "num_ooms")}
         log(started, res["error"])
     except Exception as exc:  # reported with what was measured so far
         res["error"] = f"{type(exc).__name__} during {phase}: {exc}"
         log(started, res["error"])
         raise_after = exc
     finally:
+        checkpoint()
         if memory is not None:
-            try:
-                res.update(memory.report())
-            except Exception as exc:  # a CUDA error left the context unusable
-                res["gpu_report_error"] = f"{type(exc).__name__}: {exc}"
             memory.close()
-        if "gpu_process_peak_bytes" in res:
-            res["goals"] = {"gpu_peak_le_goal": res["gpu_process_peak_bytes"] <= goal
-                            and res["gpu_device_used_peak_bytes"] <= goal
-                            and "error" not in res}
-        res["total_s"] = round(time.perf_counter() - started, 1)
-        save(res, args.output)
     for what in (cache, model and model.flash, client):
         if what is not None:
             try:

@@ -273,6 +273,7 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int) -> dict:
            "loadavg_1min_before": round(os.getloadavg()[0], 2)}
     t_spawn = time.perf_counter()
     daemon = start_daemon(runtime, {})            # every key at its default
+    failure = None
     try:
         t_ready = time.perf_counter()
         c = Client(socket_path=str(runtime / "control.sock"))
@@ -310,10 +311,19 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int) -> dict:
         out["imports_thread_cpu_s"] = None if imports is None else round(imports.cpu_seconds or 0, 3)
         m.flash.close()
         c.close()
+    except Exception as exc:   # noqa: BLE001 -- recorded with the daemon's own account of it
+        failure = exc
     finally:
         daemon.terminate()
         daemon.wait(60)
     log = (runtime / "daemon.log").read_text()
+    if failure is not None:
+        lines = log.splitlines()
+        out["error"] = f"{type(failure).__name__}: {failure}"[-2000:]
+        out["daemon_log_errors"] = [ln[-600:] for ln in lines
+                                    if " ERROR " in ln or "failed" in ln or "Error" in ln][:20]
+        out["daemon_log_tail"] = [ln[-400:] for ln in lines[-40:]]
+        return out
     done = DONE_LINE.search(log)
     if done:
         # The daemon's side alone: attach -> every block copied to the GPU.
@@ -358,7 +368,7 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
         out["gpu_total"] = total
         runtimes.append(Path(tempfile.mkdtemp(prefix="flash-paths-")))
         out.update(_cold_load(runtimes[-1], store_dir, best, nbytes))
-        out["works"] = True
+        out["works"] = "error" not in out
         save(res, args.output)
         out["skeleton_alone"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
         save(res, args.output)

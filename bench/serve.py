@@ -594,7 +594,9 @@ def main(argv=None) -> int:
                                                            # L0 prompt forwards run beside the
                                                            # batch's decode graph
                                                            "l0_beside": state.engine.stats[
-                                                               "l0_beside"] - beside0}
+                                                               "l0_beside"] - beside0,
+                                                           # why that was switched off (a failure)
+                                                           "l0_beside_off": state.engine.beside_reason}
                 result["engine_profile"] = profiles
                 save(result, args.output)
             finally:

@@ -105,48 +105,45 @@ def register_host_range(address: int, size: int) -> bool:
     return code == 0
 
 
+CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
+
+
 @functools.lru_cache(maxsize=None)
-def _cudart_library():
-    """The CUDA runtime library this process has loaded (torch's), found in its mappings; None
-    where there is none (no CUDA, or a runtime linked statically)."""
+def _driver_library():
+    """The CUDA driver library (``libcuda.so.1``), or None where it cannot be loaded."""
     import ctypes
 
     try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(None, 5)
-                if len(fields) == 6 and "/libcudart.so" in fields[5]:
-                    lib = ctypes.CDLL(fields[5].strip())
-                    lib.cudaPointerGetAttributes.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-                    return lib
+        lib = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
-        log.debug("no CUDA runtime library to ask about host pointers: %s", exc)
-    return None
+        log.debug("no CUDA driver library to ask about host pointers: %s", exc)
+        return None
+    lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    lib.cuPointerGetAttribute.restype = ctypes.c_int
+    return lib
 
 
 def device_address(address: int) -> int | None:
-    """The address kernels read the page-locked host memory at ``address`` through
-    (``cudaPointerGetAttributes``' device pointer), or None: memory not page-locked or not mapped
-    for the device, no CUDA, or no runtime library to ask. Host memory that a kernel reads where
-    it is not mapped is a fatal error for the whole CUDA context, so a caller that lets kernels
-    read host memory asks here first."""
+    """The address kernels read the page-locked host memory at ``address`` through (the driver's
+    ``CU_POINTER_ATTRIBUTE_DEVICE_POINTER`` in the current context), or None: memory not
+    page-locked or not mapped for the device, no CUDA, or no driver library to ask. Host memory
+    that a kernel reads where it is not mapped is a fatal error for the whole CUDA context, so a
+    caller that lets kernels read host memory asks here first. (The driver's one-attribute call
+    writes exactly one pointer: no structure whose size changes between CUDA versions.)"""
     import ctypes
 
     if not cuda_available():
         return None
-    lib = _cudart_library()
+    lib = _driver_library()
     if lib is None:
         return None
-    # cudaPointerAttributes: type (int), device (int), devicePointer, hostPointer (+ room for more)
-    attrs = (ctypes.c_uint8 * 64)()
-    if lib.cudaPointerGetAttributes(ctypes.addressof(attrs), address) != 0:
-        clear = getattr(lib, "cudaGetLastError", None)
-        if clear is not None:
-            clear()
+    pointer = ctypes.c_uint64(0)
+    # a driver error (CUDA_ERROR_INVALID_VALUE: not mapped) is returned, not kept as the
+    # thread's last error that torch would report later
+    if lib.cuPointerGetAttribute(ctypes.byref(pointer), CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                                 address) != 0:
         return None
-    memory_type = int.from_bytes(bytes(attrs[0:4]), "little")
-    pointer = int.from_bytes(bytes(attrs[8:16]), "little")
-    return pointer if memory_type != 0 and pointer else None  # 0: cudaMemoryTypeUnregistered
+    return pointer.value or None
 
 
 def unregister_host_memory(address: int) -> None:

@@ -27,6 +27,15 @@ log = logging.getLogger("deepseek_flash.kv.cache")
 POOL_REGION_BYTES = 64 << 20
 
 
+def _mapped(tensor) -> bool:
+    """``tensor``'s first and last byte are mapped for the device at their host addresses."""
+    from deepseek_flash.cuda import device_address
+
+    first = tensor.data_ptr()
+    last = first + tensor.numel() * tensor.element_size() - 1
+    return device_address(first) == first and device_address(last) == last
+
+
 class OwnMemory:
     """Chunks in this process's memory: page-locked ones from a ``HostPool``
     (deepseek_flash/hostpool.py; this process's unless one is given), so that a cache reuses what
@@ -51,10 +60,11 @@ class OwnMemory:
             return torch.empty(shape, dtype=dtype)
         return self.pool().tensor(shape, dtype)
 
-    def device_readable(self) -> bool:
-        """Whether kernels may read the chunks at their host addresses (kv/span.py): page-locked
-        ones are (the pool's slabs, as kv/span.py has read them from the start)."""
-        return self.pinned
+    def device_readable(self, tensor) -> bool:
+        """Whether kernels may read ``tensor`` (a chunk of this memory) at its host address
+        (kv/span.py): page-locked and mapped for the device there (a pool slab that stayed
+        pageable is not), as the driver says."""
+        return self.pinned and _mapped(tensor)
 
     def free(self, tensor) -> None:
         pass
@@ -101,11 +111,13 @@ class ArenaMemory:
         self.regions[tensor.data_ptr()] = (offset, self.client.generation)
         return tensor
 
-    def device_readable(self) -> bool:
-        """Whether kernels may read the chunks at their host addresses (kv/span.py): the arena
-        is page-locked and mapped for the device at the same addresses, first to last byte
-        (asked once; the arena's chunks and the fallback chunks of this process's page-locked
-        memory are both readable then)."""
+    def device_readable(self, tensor) -> bool:
+        """Whether kernels may read ``tensor`` (a chunk of this cache) at its host address
+        (kv/span.py): an arena region when the arena is page-locked and mapped for the device at
+        the same addresses, first to last byte (asked once); a chunk that fell back to this
+        process's memory as ``OwnMemory`` answers."""
+        if tensor.data_ptr() not in self.regions:
+            return self.own.device_readable(tensor)
         if self._readable is None:
             from deepseek_flash.cuda import device_address
 

@@ -82,6 +82,7 @@ class LayerPages:
         self.lost_pages: set[int] = set()
         self._span: HostSpan | None = None  # the one-gather view of the host chunks (kv/span.py)
         self._span_failed = False
+        self._unmapped_logged = False
         self.written = None  # CUDA event after the last page write (what a prefetch waits for)
         self._unread_writes = False  # the compute stream has not waited for ``written`` yet
 
@@ -233,7 +234,12 @@ class LayerPages:
         cache = self._cache
         if self._span_failed or not self.chunks or not self.all_on_host():
             return None
-        if self.device.type == "cuda" and not cache.host_memory.device_readable():
+        if self.device.type == "cuda" and not all(cache.host_memory.device_readable(c.tensor)
+                                                  for c in self.chunks):
+            if not self._unmapped_logged:
+                self._unmapped_logged = True
+                log.info("layer %d: host pages not mapped for the device at their addresses; "
+                         "top-K pages are copied run by run", self.index)
             return None
         try:
             self._span = HostSpan(self.chunks, self.batch, cache.layout, self.device)

@@ -69,6 +69,10 @@ def _field(body: dict, name: str, kind, default=None, *, minimum=None, maximum=N
     return value
 
 
+# A text no token makes: where a streamed token's text goes in its chunk's envelope.
+TEXT_MARK = "\x00flash-token-text\x00"
+
+
 class Delivery:
     """Engine events into the event loop's queues with one wake-up for all that arrive together: a
     step's tokens for every row of the batch cost the loop one wake-up (and the engine thread one
@@ -525,6 +529,13 @@ def create_app(state: ServeState):
                        "choices": [choice], **(extra or {})}
             return f"data: {json.dumps(payload)}\n\n"
 
+        # A token's chunk is this stream's constant envelope around the text (the same bytes as
+        # ``chunk``, without encoding the envelope again for every token).
+        head, tail = chunk(TEXT_MARK).split(json.dumps(TEXT_MARK))
+
+        def token_chunk(delta_text):
+            return f"{head}{json.dumps(delta_text)}{tail}" if delta_text else chunk(delta_text)
+
         try:
             if chat:
                 yield chunk("", role=True)
@@ -534,12 +545,12 @@ def create_app(state: ServeState):
                 held = None
                 if kind == "token":
                     # Tokens that arrived meanwhile go out in the same write.
-                    out = [chunk(data["text"])]
+                    out = [token_chunk(data["text"])]
                     while not queue.empty():
                         held = queue.get_nowait()
                         if held[0] != "token":
                             break
-                        out.append(chunk(held[1]["text"]))
+                        out.append(token_chunk(held[1]["text"]))
                         held = None
                     if gen.first_write_at is None:
                         gen.first_write_at = time.monotonic()

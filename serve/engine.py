@@ -141,6 +141,7 @@ class Engine:
         self.l0_recent_s = 10.0
         # An L0 request arriving during a graph forward of the batch is prefilled beside it.
         self.beside = not self.scheduler.fifo and self.stream is None
+        self.beside_reason: str | None = None      # why it was switched off, if it failed
         self._waiter: DeviceWaiter | None = None
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
@@ -388,7 +389,8 @@ class Engine:
                 done.append(i)
         if done:
             # The first token goes out now, not after the batch's decode: TTFT is one prefill.
-            tokens = self.runner.sample(logits[done], [group[i][0] for i in done])
+            rows = logits if len(done) == len(logits) else logits[done]   # no index copy when all are done
+            tokens = self.runner.sample(rows, [group[i][0] for i in done])
             now = time.monotonic()
             with self._lock:
                 for i, token in zip(done, tokens):
@@ -494,9 +496,14 @@ class Engine:
                         return
                     self._lock.wait(0.05)
                     continue
-            self.stats["l0_beside"] += 1
-            with self.runner.side_stream():
-                self._prefill(group, l0=True)
+            try:
+                with self.runner.side_stream():
+                    self._prefill(group, l0=True)
+                self.stats["l0_beside"] += 1
+            except Exception as exc:   # noqa: BLE001 -- off for good; the request joins as before
+                log.exception("an L0 prompt beside another forward failed; L0 prompts wait for the step")
+                self.beside, self.beside_reason = False, f"{type(exc).__name__}: {exc}"[:300]
+                prefill = None
 
     def _step(self) -> None:
         """One step: L0 prompts, then at most ``prefill_chunk`` tokens of the other prompts (in the

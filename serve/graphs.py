@@ -345,7 +345,12 @@ class StaticPrefill(StaticDecode):
                 host.append([rows[i]] + [0] * pad + list(ids[i]) + [nxt] * pad + list(positions[i]))
             else:
                 host.append([rows[0]] + [0] * w + [self.cache.scratch] * w)
-        self._inputs(key).copy_(torch.tensor(host, dtype=torch.long))
+        src = torch.tensor(host, dtype=torch.long)
+        if self.device.type == "cuda":
+            # From page-locked memory, in the current stream's order: a prompt beside another
+            # forward (``side_stream``) does not wait for it to copy its inputs.
+            src = src.pin_memory()
+        self._inputs(key).copy_(src, non_blocking=True)
         if self.capture:
             with torch.cuda.device(self.device):
                 graph.replay()

@@ -69,6 +69,7 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
             "mode": "eager", "reason": "CUDA graphs need a CUDA device (the model is on cpu)", "prefill": None}
         assert 0.0 <= summary["l2_open_step_fraction"] <= 1.0
         assert summary["l0_beside"] == 0          # no decode graph on the CPU to go beside
+        assert summary["l0_beside_off"] is None
     assert result["fifo"]["degrade_steps"] == {"temperature": 0, "top_p": 0, "max_new_tokens": 0}
     assert result["throughput"]["one"]["tokens"] == 8 and result["throughput"]["full"]["tokens"] == 4 * 8
     pngs = sorted(Path(p).name for p in result["png"])

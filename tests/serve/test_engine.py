@@ -724,3 +724,27 @@ def step_with_l0_during_prompt_graph(eng, newcomer, l0):
     finally:
         eng.runner.static_prefill.run, eng.runner.static_prefill_l0.run = general, l0_graphs
     return log
+
+
+def test_an_l0_prompt_failing_beside_a_forward_switches_that_off_and_is_served_at_the_next_step(
+        tiny_reference, tiny_tokenizer):
+    # Whatever goes wrong beside a forward stays there: logged, the beside path off for good (with
+    # the reason), and the L0 request prefilled at the next step like any other; tokens greedy.
+    eng, running = beside_engine(tiny_reference, tiny_tokenizer)
+    eng._l0_at = time.monotonic()
+    l0_graphs = eng.runner.static_prefill_l0.run
+
+    def broken(*args):
+        raise RuntimeError("no second stream here")
+    eng.runner.static_prefill_l0.run = broken
+    l0 = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    try:
+        step_with_l0_during_decode(eng, l0)
+    finally:
+        eng.runner.static_prefill_l0.run = l0_graphs
+    assert (eng.beside, eng.beside_reason) == (False, "RuntimeError: no second stream here")
+    assert eng.stats["l0_beside"] == 0 and l0.output_ids == [] and all(len(g.output_ids) == 3 for g in running)
+    drive(eng, done(l0, *running))
+    for g in (l0, *running):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)

@@ -332,3 +332,27 @@ def test_an_l0_requests_events_resume_its_stream_first():
 
     assert asyncio.run(main()) == [("l0", ("token", "l0")), ("a", ("token", "a")), ("b", ("token", "b")),
                                    ("c", ("token", "c"))]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_streamed_chunk_is_json_dumps_of_its_object(served, chat):
+    # A token's chunk is built as a constant envelope around the text's encoding: its bytes are
+    # exactly json.dumps of the object it holds (key order, separators, escapes), as every other
+    # chunk's; the texts join into the plain answer.
+    base, state = served
+    body = {"model": "tiny-chat", "max_tokens": 24, "temperature": 0, "stream": True}
+    body.update({"messages": [{"role": "user", "content": 'say "hi"\n'}]} if chat else {"prompt": 'x = "\\n"'})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", base + path, json=body) as resp:
+            lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        plain = http.post(base + path, json={**body, "stream": False}).json()
+    assert lines[-1] == "data: [DONE]"
+    objects = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [line[6:] for line in lines[:-1]] == [json.dumps(o) for o in objects]
+    if chat:
+        text = "".join(o["choices"][0]["delta"].get("content", "") for o in objects)
+        assert text == plain["choices"][0]["message"]["content"]
+    else:
+        assert "".join(o["choices"][0]["text"] for o in objects) == plain["choices"][0]["text"]
+    assert sum(1 for o in objects if o["choices"][0]["finish_reason"] is None) >= 2     # token chunks
