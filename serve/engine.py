@@ -143,6 +143,7 @@ class Engine:
         self.beside = not self.scheduler.fifo and self.stream is None
         self.beside_reason: str | None = None      # why it was switched off, if it failed
         self._waiter: DeviceWaiter | None = None
+        self._dropped: set = set()              # requests preempted during this step
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
@@ -299,6 +300,7 @@ class Engine:
         if gen.row is not None and self._rows[gen.row] is gen:
             self._rows[gen.row] = None
         gen.rewind()
+        self._dropped.add(id(gen))              # a token the step in flight makes for it is dropped
         self.stats["preempted"] += 1
 
     def _retire(self, gen: Generation, reason: str | None, error: Exception | None = None) -> None:
@@ -453,13 +455,13 @@ class Engine:
         """``meanwhile`` for a graph forward over ``gens`` (``_l0_beside``), where L0 requests may
         go beside it: a CUDA graph forward, the scheduler on, an L0 request in the last 10 s."""
         if not (self.beside and self._l0_at is not None and time.monotonic() - self._l0_at < self.l0_recent_s):
-            return lambda gens: None
+            return lambda gens, slots=None: None
 
-        def meanwhile_for(gens):
-            return lambda issued: self._l0_beside(gens, issued)
+        def meanwhile_for(gens, slots=None):
+            return lambda issued: self._l0_beside(gens, issued, slots)
         return meanwhile_for
 
-    def _l0_beside(self, writing, issued) -> None:
+    def _l0_beside(self, writing, issued, slots=None) -> None:
         """While a forward of the batch -- a CUDA graph: the decode, or other prompts' chunk -- runs
         on the device (until ``issued``, a CUDA event after it, has happened; None: it is done
         already): an L0 request that arrives joins at once, in a free row or that of a request it
@@ -468,7 +470,11 @@ class Engine:
         first token out before that forward's result is taken. Its row is not one the forward
         writes (the decode writes idle rows only at their scratch slot); the L0 graphs have their
         own buffers, memory pool and cuBLAS workspace. A prompt of a shape they do not have waits
-        for the next step as before."""
+        for the next step as before. ``slots`` (the decode): the one cache slot each row of it
+        writes -- a row whose slot lies beyond every queued L0 prompt's (and its padding's) may be
+        preempted now too (a full batch): the prompt and the decode then write different slots
+        of that row, and the decode's token for the preempted request is dropped (it rewinds, as
+        any preempted request)."""
         prefill = self.runner.static_prefill_l0
         protect = [g.sched for g in writing]
         tried = set()
@@ -482,6 +488,10 @@ class Engine:
         while True:
             with self._lock:
                 if self.scheduler.queued_count("L0"):
+                    if slots is not None:
+                        need = max((len(g.fill_ids) for g in self._gens.values() if g.row is None
+                                    and g.sched.priority_class == "L0"), default=0) + 1
+                        protect = [g.sched for g in writing if slots[id(g)] <= need]
                     chosen = self.scheduler.dispatch(protect=protect)
                     for req in self.scheduler.take_preempted():
                         self._preempt(self._gens[id(req)])
@@ -513,6 +523,7 @@ class Engine:
         own prefill, whatever the batch holds."""
         with self._lock:
             batch = [g for g in self._rows if g is not None]
+            self._dropped = set()
         self._apply_window(batch)
         self._prefill_l0()
         l0_recent = self._l0_at is not None and time.monotonic() - self._l0_at < self.l0_recent_s
@@ -557,7 +568,7 @@ class Engine:
                 # With L0 traffic, an L0 request arriving meanwhile is prefilled beside the decode.
                 tokens, spent = self.runner.decode(
                     decoding, [g.row for g in decoding], [g.output_ids[-1] for g in decoding], positions,
-                    meanwhile=self._beside()(decoding))
+                    meanwhile=self._beside()(decoding, dict(zip(map(id, decoding), positions))))
             produced = list(zip(decoding, tokens))
             self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
             self.stats["decode_steps"] += 1
@@ -568,7 +579,7 @@ class Engine:
         now = time.monotonic()
         with self._lock:
             for gen, token in produced:
-                if not gen.cancelled:
+                if not gen.cancelled and id(gen) not in self._dropped:
                     self._accept(gen, token, now)
             self.scheduler.tick()
             # Steps after which L2's rule lets an elastic request join (``FlashScheduler.l2_open``).

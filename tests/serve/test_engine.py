@@ -748,3 +748,31 @@ def test_an_l0_prompt_failing_beside_a_forward_switches_that_off_and_is_served_a
     for g in (l0, *running):
         assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
     eng.close(timeout=0)
+
+
+@pytest.mark.parametrize("prompt_len, beside", [(2, True), (4, False)])
+def test_an_l0_request_reaching_a_full_batch_preempts_a_row_whose_decode_slot_is_beyond_its_prompt(
+        tiny_reference, tiny_tokenizer, prompt_len, beside):
+    # Both rows decode (each writes its slot 4 in this decode). An L0 prompt of 2 tokens writes
+    # slots 0-2 at most: it may take a row now, beside the decode -- the two write different slots
+    # of it -- and the decode's token for the request it preempts is dropped (the request rewinds
+    # and recomputes, its tokens unchanged). A 4-token prompt would reach slot 4: it waits for the
+    # step's end. Every request's tokens stay greedy.
+    eng, running = beside_engine(tiny_reference, tiny_tokenizer, rows=2)
+    eng._l0_at = time.monotonic()
+    assert [len(g.prompt_ids) + len(g.output_ids) - 1 for g in running] == [4, 4]
+    l0 = generation([7, 8, 9, 10][:prompt_len], 4, cls="L0")
+    log = step_with_l0_during_decode(eng, l0)
+    if beside:
+        victim = next(g for g in running if g.row is None)
+        assert log == [("decode", [0, 1]), ("prefill", [l0.row])] and len(l0.output_ids) == 1
+        assert eng.stats["l0_beside"] == 1 and eng.stats["preempted"] == 1
+        assert len(victim.output_ids) == 2                  # the decode's token for it dropped
+        assert [len(g.output_ids) for g in running if g is not victim] == [3]
+    else:
+        assert log == [("decode", [0, 1])] and l0.output_ids == [] and eng.stats["preempted"] == 0
+        assert all(len(g.output_ids) == 3 for g in running)
+    drive(eng, done(l0, *running))
+    for g in (l0, *running):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)

@@ -174,3 +174,23 @@ def test_an_l0_prompt_on_its_own_stream_beside_the_graph_decode_keeps_every_toke
     for g in running:
         assert g.output_ids == greedy(model, g.prompt_ids, g.sched.max_new_tokens)
     eng.close(timeout=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_l0_prompt_in_a_preempted_row_beside_the_graph_decode_keeps_every_token(tiny_reference, tiny_tokenizer):
+    # A full batch: the L0 prompt takes the row of a request the decode graph in flight still
+    # writes (at slot 4; the prompt writes slots 0-2), on its own stream at the same time; the
+    # preempted request's token from that decode is dropped and it recomputes. All tokens greedy.
+    from test_engine import beside_engine, done, drive, step_with_l0_during_decode
+
+    model = copy.deepcopy(tiny_reference).to("cuda:0")
+    eng, running = beside_engine(model, tiny_tokenizer, rows=2, device="cuda:0", decode="auto", max_model_len=160)
+    eng._l0_at = time.monotonic()
+    l0 = generation([7, 8], 4, cls="L0")
+    log = step_with_l0_during_decode(eng, l0)
+    assert log[1] == ("prefill", [l0.row]) and eng.stats["preempted"] == 1 and eng.stats["l0_beside"] == 1
+    drive(eng, done(l0, *running))
+    for g in (l0, *running):
+        assert g.output_ids == greedy(model, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
