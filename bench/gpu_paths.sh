@@ -2,7 +2,7 @@
 # Every path a user takes, on a CUDA machine, default configuration (docs/benchmarks.md, "paths"):
 #   bash bench/gpu_paths.sh OUTDIR 1   build, GPU parity tests, llama: stream (batch 1, 8) + paths
 #   bash bench/gpu_paths.sh OUTDIR 2   build, qwen2 and mistral: stream (batch 1, 8)
-#   bash bench/gpu_paths.sh OUTDIR cold      mistral: a cold load right after a default daemon
+#   bash bench/gpu_paths.sh OUTDIR cold [ARCH]  (default mistral) a cold load right after a default daemon
 #                                            starts (~115 s on a fresh machine; the imports
 #                                            beside the IO engine at PATHS_BESIDE_ENGINE, default
 #                                            32x1MiB, '' to skip: ~12 s each)
@@ -39,11 +39,12 @@ stream() {  # arch
   [ $rc = 0 ] || tail -25 "$logs/stream-$1.log"
 }
 if [ "$part" = cold ]; then
-  python3 bench/stream.py --arch mistral --dir $work --prepare-only > "$logs/prep-mistral.txt" 2>&1
-  echo "prepared at $(( $(date +%s) - t0 )) s: $(tail -1 "$logs/prep-mistral.txt")"
-  python3 bench/paths.py --arch mistral --dir $work --only shared_gpu_cold \
+  arch=${3:-mistral}    # a store another bench left under $work is used as it is
+  python3 bench/stream.py --arch "$arch" --dir $work --prepare-only > "$logs/prep-$arch.txt" 2>&1
+  echo "prepared at $(( $(date +%s) - t0 )) s: $(tail -1 "$logs/prep-$arch.txt")"
+  python3 bench/paths.py --arch "$arch" --dir $work --only shared_gpu_cold \
     --beside-engine "${PATHS_BESIDE_ENGINE-32x1MiB}" \
-    --output "$out/paths-mistral.json" > "$out/cold.log" 2>&1
+    --output "$out/paths-$arch.json" > "$out/cold.log" 2>&1
   rc=$?; echo "cold: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$out/cold.log"
 elif [ "$part" = windows ]; then
   archs=${*:3}

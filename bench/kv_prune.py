@@ -301,6 +301,14 @@ def show(args) -> dict:
         "pruned_all_demoted": (lambda: TieredCache.for_model(model, top_k_pages=0.25,
                                                              prune_threshold=1.0), plain),
     }
+    rows = args.rows.split(",") if args.rows else list(SHOW_ROWS)
+    unknown = [r for r in rows if r not in caches]
+    if unknown:
+        raise SystemExit(f"--rows: unknown {', '.join(unknown)}; known: {', '.join(SHOW_ROWS)}")
+    for name in caches:
+        if name not in rows:
+            out[name] = {"not_run": "left out by --rows"}
+    caches = {name: caches[name] for name in SHOW_ROWS if name in rows}
     pool = process_pool()
     for i, (name, (new, attention)) in enumerate(caches.items()):
         # what each configuration does after its decode (stats, scorer timing, freeing) is
@@ -456,8 +464,9 @@ def print_show(r: dict) -> None:
     dyn = r["dynamic"].get("gpu_kv_bytes")
     for name in SHOW_ROWS:
         x = r[name]
-        if "failed" in x:
-            print(f"{name:28} failed ({x['failed']})", file=sys.stderr)
+        if "failed" in x or "not_run" in x:
+            print(f"{name:28} {'failed' if 'failed' in x else 'not run'} "
+                  f"({x.get('failed') or x.get('not_run')})", file=sys.stderr)
             continue
         ratio = x["gpu_kv_bytes"] / dyn if dyn else float("nan")
         moved = x.get("recall_bytes_per_step", x.get("fetched_bytes_per_step", float("nan")))
@@ -554,6 +563,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--budget-s", type=float, default=100.0,
                     help="with --show: wall-clock bound of the whole run, model build included")
+    ap.add_argument("--rows", default=None,
+                    help="with --show: the configurations to run, comma-separated (default: all "
+                         "of SHOW_ROWS; the others are reported as not run)")
     ap.add_argument("--min-steps", type=int, default=8,
                     help="with --show: decode steps every configuration times, budget or not")
     args = ap.parse_args(argv)

@@ -105,8 +105,21 @@ class Load:
             for gate in range(self.num_gates):
                 if self._stop is not None:
                     raise self._stop
-                while submitted < self.num_gates and (
-                        submitted <= gate or window is None or inflight + stage_bytes[submitted] <= window):
+                while submitted < self.num_gates:
+                    fits = window is None or inflight + stage_bytes[submitted] <= window
+                    if not fits and submitted <= gate and copied:
+                        # The window is full of stages whose copies are still on the link (the
+                        # walk outruns the copies when the host tier already holds the stages):
+                        # wait for the oldest instead of taking more of the host arena than the
+                        # window, which a model larger than the arena cannot give (its next
+                        # read would find every block leased: OutOfMemory).
+                        g, lease_id = copied.popleft()
+                        self.placement.events[g].synchronize()
+                        self._release(lease_id)
+                        inflight -= stage_bytes[g]
+                        continue
+                    if not fits and submitted > gate:
+                        break
                     if stages[submitted]:
                         futures[submitted] = self.manager.acquire_async(
                             self.owner, self.info.name, blocks=list(stages[submitted]),
@@ -385,16 +398,19 @@ class Attachments:
         return self._attach(client_id, model, device, weight_budget, ipc, priority, blocks, part)
 
     def read_ahead(self, client_id: int, model: str) -> int:
-        """Start reading the model's first blocks in forward order, up to half the host arena
-        (what a GPU load keeps in flight), while the device is not ready yet; the load then finds
-        them read or in flight. (Reading ahead into all of the free arena failed a cold load on
-        the H200 machine at the read-ahead's last stage -- cause not known yet: back to half.)
-        Advisory: returns the reads started, 0 on any refusal (the attach itself reports
-        errors)."""
+        """Start reading the model's first blocks in forward order while the device is not ready
+        yet, into the host arena's free space (at least half the arena, what a GPU load keeps in
+        flight): CUDA's start in a fresh daemon lasts seconds, as long as reading several GB, and
+        the disk must not wait for it. The load then finds them read or in flight: it takes
+        blocks in forward order and holds at most its window of them while their copies are in
+        flight (``Load._run``), so the ones beyond stay unleased until it reaches them and its own
+        reads find released, copied blocks to replace. Advisory: returns the reads started, 0 on
+        any refusal (the attach itself reports errors)."""
         try:
             info = self.manager.open_model(client_id, model)
             length = {b.id: aligned(b.length) for b in info.blocks}
-            room, ids = self.loader.arena.size // 2, []
+            arena = self.loader.arena
+            room, ids = max(arena.size - arena.used, arena.size // 2), []
             for bid in (b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage):
                 room -= length[bid]
                 if room < 0:

@@ -392,7 +392,7 @@ def test_devices_outside_the_configuration_are_refused(monkeypatch):
 
 def test_read_ahead_starts_the_first_blocks_in_forward_order(controller, tiny_store):
     """Before the device is ready (CUDA starting in the daemon), a first attach reads the model's
-    first blocks, up to half the host arena, so the load finds them read or in flight."""
+    first blocks into the free host arena, so the load finds them read or in flight."""
     manager, arena = controller
     cid = manager.connect({"name": "t"})
     info = manager.open_model(cid, str(tiny_store))
@@ -400,7 +400,7 @@ def test_read_ahead_starts_the_first_blocks_in_forward_order(controller, tiny_st
     started = attachments.read_ahead(cid, info.name)
     order = [b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage]
     length = {b.id: b.length for b in info.blocks}
-    fits, room = 0, arena.size // 2
+    fits, room = 0, arena.size
     for bid in order:
         room -= length[bid]
         if room < 0:
@@ -499,29 +499,30 @@ def test_the_window_a_client_opened_with_reaches_its_attach_plan(controller, tin
     assert manager.stats()["active_leases"] == 0
 
 
-def test_the_load_after_a_read_ahead_reads_nothing_twice(wide_store):
-    """While CUDA starts, a first attach reads ahead up to half the host arena (a model larger
-    than the arena); the load then takes those blocks as they are -- none is evicted before use
-    and re-read -- and reads only the rest."""
+def test_read_ahead_fills_the_free_host_arena_and_the_load_reads_nothing_twice(wide_store):
+    """While CUDA starts, a first attach reads ahead into all of the free host arena (more than
+    the half a GPU load keeps in flight; a model larger than the arena); the load then takes
+    those blocks as they are -- none is evicted before use and re-read -- and reads only the
+    rest, its copies lagging (they finish only when waited for) as they may on the device."""
     from deepseek_flash.daemon.host_state import aligned
 
     arena = _core.HostArena(3 << 20)                  # ~3 of wide's ~964 KiB layers
     engine = _core.IOEngine()
     manager = BlockManager(FlashConfig({"host_cache_bytes": 3 << 20}), arena, engine)
-    fabric = _SlowFirstFabric(64 << 20)
+    fabric = _SlowLaggingFabric(64 << 20)
     attachments = Attachments(manager, Loader(manager, arena, fabric), fabric)
     try:
         cid = manager.connect({"name": "first"})
         info = manager.open_model(cid, str(wide_store))
         order = [b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage]
         size = {b.id: aligned(b.length) for b in info.blocks}
-        fits, room = 0, arena.size // 2
+        fits, room = 0, arena.size
         for bid in order:
             room -= size[bid]
             if room < 0:
                 break
             fits += 1
-        assert 0 < fits < len(order)
+        assert sum(size[b] for b in order[:fits]) > arena.size // 2 and fits < len(order)
         pending = attachments.attach(cid, info.name, 0)
         assert_eventually_true(lambda: manager.stats()["loading_blocks"] == 0)
         assert manager.stats()["prefetch_issued"] == fits
@@ -537,3 +538,56 @@ def test_the_load_after_a_read_ahead_reads_nothing_twice(wide_store):
         attachments.loader.close()
         manager.close()
         engine.close()
+
+
+class _LaggingEvent(_FakeEvent):
+    """A copy still on the link until someone waits for it (a walk that outruns its copies)."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+class _LaggingFabric(_FakeFabric):
+    def place(self, key, device, blocks, num_layers=None):
+        placement = super().place(key, device, blocks, num_layers)
+        placement.events = [_LaggingEvent() for _ in placement.events]
+        return placement
+
+
+def test_a_load_whose_copies_lag_waits_for_them_instead_of_overfilling_the_host_arena(wide_store):
+    """A GPU load of a model larger than the host arena, whose copies finish only when waited
+    for: the walk holds at most the window (half the arena) of stages whose copies are in
+    flight, waiting for the oldest, instead of taking stage after stage until a read finds the
+    arena full of leased blocks (OutOfMemory: the cold load after start that failed on the H200
+    machine at the stage where its read-ahead ended)."""
+    arena = _core.HostArena(3 << 20)                  # ~3 of wide's ~964 KiB layers
+    engine = _core.IOEngine()
+    manager = BlockManager(FlashConfig({"host_cache_bytes": 3 << 20}), arena, engine)
+    loader = Loader(manager, arena, _LaggingFabric(64 << 20))
+    try:
+        cid = manager.connect({"name": "c"})
+        info = manager.open_model(cid, str(wide_store))
+        assert sum(b.length for b in info.blocks) > arena.size
+        load = loader.attach(cid, info, 0, [b.id for b in info.blocks])
+        load.finished.result(timeout=30)
+        assert (load.gates == GATE_READY).all() and not load.leases
+        assert manager.stats()["bytes_read_nvme"] == sum(b.length for b in info.blocks)
+    finally:
+        loader.close()
+        manager.close()
+        engine.close()
+
+
+class _SlowLaggingFabric(_SlowFirstFabric):
+    """CUDA still starting at the first attach, and copies that lag behind the walk."""
+
+    def place(self, key, device, blocks, num_layers=None):
+        placement = super().place(key, device, blocks, num_layers)
+        placement.events = [_LaggingEvent() for _ in placement.events]
+        return placement

@@ -93,16 +93,21 @@ def test_kv_prune_show_smoke(tmp_path):
 
 
 def test_kv_prune_show_times_min_steps_past_the_budget(tmp_path):
-    """Every configuration of the Show runs and times --min-steps decode steps even when the
-    budget is spent (none skipped, none cut to one step), and no more."""
+    """Every configuration of the Show (those --rows names) runs and times --min-steps decode
+    steps even when the budget is spent (none skipped, none cut to one step), and no more; the
+    others are reported as not run."""
     spec = importlib.util.spec_from_file_location("bench_kv_prune", BENCH.parent / "kv_prune.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "show.json"
     assert bench.main(["--show", "--smoke", "--show-context", "300", "--decode", "12",
-                       "--min-steps", "3", "--budget-s", "0.01", "--output", str(out)]) == 0
+                       "--min-steps", "3", "--budget-s", "0.01", "--rows",
+                       "pruned,tiered_lossless", "--output", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert [r[n]["decode_steps"] for n in bench.SHOW_ROWS] == [3] * 7
+    assert [r[n]["decode_steps"] for n in ("tiered_lossless", "pruned")] == [3, 3]
+    assert [n for n in bench.SHOW_ROWS if "not_run" in r[n]] == [
+        "dynamic", "dynamic_nocudnn", "tiered_topk25", "pruned_topk25", "pruned_all_demoted"]
+    assert r["pruned_vs_tiered_lossless_tok_s"] > 0 and "dynamic_baseline" not in r
 
 
 def test_kv_ops_topk_step_host_work_does_not_grow_with_pages(tmp_path):
