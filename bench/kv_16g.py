@@ -62,13 +62,15 @@ def log(started: float, msg: str) -> None:
 
 class GpuMemory:
     """What the process holds on the GPU. ``cap`` limits torch's allocator (the weights' arena of
-    the embedded controller, activations, KV) to ``goal`` minus what was outside it at the start;
-    a thread samples the device's used memory (driver level, as ``nvidia-smi``)."""
+    the embedded controller, activations, KV) to ``goal`` minus what was outside it at the start,
+    and again after the warm-up (``recap``: the CUDA libraries load kernels and make their handles
+    lazily, ~300 MB on the H200 after the start); a thread samples the device's used memory
+    (driver level, as ``nvidia-smi``)."""
 
     def __init__(self, device: str, goal: int, margin: int = 256 << 20, interval: float = 0.05):
         import torch
 
-        self.torch, self.device, self.goal = torch, device, goal
+        self.torch, self.device, self.goal, self.margin = torch, device, goal, margin
         torch.cuda.synchronize(device)
         free, self.total = torch.cuda.mem_get_info(device)
         self.outside_torch = self.total - free - torch.cuda.memory_reserved(device)
@@ -80,6 +82,17 @@ class GpuMemory:
         self._interval = interval
         self._thread = threading.Thread(target=self._sample, daemon=True, name="gpu-mem")
         self._thread.start()
+
+    def recap(self) -> None:
+        """The cap again, from what is outside torch now (after the warm-up has used every
+        kernel and library handle the run needs), with a smaller margin."""
+        torch = self.torch
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        outside = self.used() - torch.cuda.memory_reserved(self.device)
+        self.outside_torch = max(self.outside_torch, outside)
+        self.cap = self.goal - self.outside_torch - self.margin // 2
+        torch.cuda.set_per_process_memory_fraction(self.cap / self.total, self.device)
 
     def used(self) -> int:
         free, total = self.torch.cuda.mem_get_info(self.device)
@@ -358,7 +371,9 @@ def main(argv=None) -> int:
             warm.close()
             del warm
             gc.collect()
-            log(started, "warm-up done")
+            memory.recap()
+            log(started, f"warm-up done; torch capped at {memory.cap / GIB:.2f} GiB "
+                         f"({memory.outside_torch / GIB:.2f} GiB outside it)")
 
         phase = "prefill"
         cache_args = {"gpu_tokens": SMOKE["gpu_tokens"]} if args.smoke else {}
