@@ -15,6 +15,16 @@ def tiny_model(arch="llama", seed=0, layers=2, **kw):
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
+def padded_prompt(batch, tokens=900, seed=7):
+    """A ``batch`` x ``tokens`` prompt of random ids and its attention mask; with two or more rows
+    the second is left-padded by 50 tokens."""
+    ids = torch.randint(1, 256, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :50] = 0
+    return ids, mask
+
+
 def greedy(model, ids, mask, cache, steps):
     """Greedy tokens and per-step logits (fp32) of ``generate`` with ``cache``."""
     with torch.no_grad():

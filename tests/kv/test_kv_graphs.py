@@ -11,7 +11,7 @@ import torch
 import deepseek_flash.kv.graphs as graphs
 from deepseek_flash.kv import TieredCache
 
-from kvmodels import greedy, tiny_model
+from kvmodels import greedy, padded_prompt, tiny_model
 
 
 class _Stream:
@@ -49,10 +49,7 @@ def emulated(monkeypatch):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_captured_choice_and_gather_equal_the_eager_steps(emulated, batch):
     model = tiny_model(layers=3)
-    ids = torch.randint(1, 256, (batch, 900), generator=torch.Generator().manual_seed(7))
-    mask = torch.ones_like(ids)
-    if batch > 1:
-        mask[1, :50] = 0
+    ids, mask = padded_prompt(batch)
     runs, caches = [], []
     for captured in (False, True):
         cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,

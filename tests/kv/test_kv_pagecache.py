@@ -9,7 +9,7 @@ import deepseek_flash.kv.pagecache as pagecache
 from deepseek_flash.errors import ConfigError
 from deepseek_flash.kv import TieredCache, cache_kwargs
 
-from kvmodels import greedy, tiny_model
+from kvmodels import greedy, padded_prompt, tiny_model
 
 H, D, P = 2, 8, 16
 
@@ -91,10 +91,7 @@ def test_page_cache_keeps_recent_choices_and_fetches_only_new_pages(monkeypatch)
 @pytest.mark.parametrize("batch", [1, 2])
 def test_generate_with_the_page_cache_equals_without(batch):
     model = tiny_model(layers=3)
-    ids = torch.randint(1, 256, (batch, 900), generator=torch.Generator().manual_seed(7))
-    mask = torch.ones_like(ids)
-    if batch > 1:
-        mask[1, :50] = 0
+    ids, mask = padded_prompt(batch)
     runs, caches = [], []
     for multiple in (0, 1.25):
         cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,

@@ -101,6 +101,19 @@ def boundary(eng):
         eng._boundary()
 
 
+def two_decoding(eng, tokens):
+    """Two L1 requests of ``tokens`` new tokens admitted, brought to a step boundary and stepped
+    once: both are decoding, two tokens out each."""
+    running = [generation([3 + i, 4, 5], tokens) for i in range(2)]
+    for g in running:
+        assert eng.submit(g).admitted
+    boundary(eng)
+    with torch.inference_mode():
+        eng._step()
+    assert all(len(g.output_ids) == 2 for g in running)
+    return running
+
+
 def drive(eng, until):
     """Steps by hand (no engine thread), each followed by a step boundary, until ``until()``."""
     with torch.inference_mode():
@@ -231,13 +244,7 @@ def loaded_engine(tiny_reference, tiny_tokenizer):
     """Four rows (one held for L0), chunks of 8 tokens: two L1 requests decoding, and a third whose
     40-token prompt has just joined."""
     eng = Engine(tiny_reference, tiny_tokenizer, FlashScheduler(slots=4), max_batch=4, prefill_chunk=8)
-    running = [generation([3 + i, 4, 5], 400) for i in range(2)]
-    for g in running:
-        assert eng.submit(g).admitted
-    boundary(eng)
-    with torch.inference_mode():
-        eng._step()
-    assert all(len(g.output_ids) == 2 for g in running)
+    running = two_decoding(eng, 400)
     long_prompt = generation([(11 * j) % 250 + 2 for j in range(40)], 50)
     assert eng.submit(long_prompt).admitted
     return eng, running, long_prompt
@@ -573,14 +580,7 @@ def beside_engine(model, tokenizer, scheduler=None, rows=3, **kw):
                  **({"decode": "static"} | kw))
     if eng.runner.device.type == "cuda":
         eng.runner.warm(eng.prefill_chunk)
-    running = [generation([3 + i, 4, 5], 24) for i in range(2)]
-    for g in running:
-        assert eng.submit(g).admitted
-    boundary(eng)
-    with torch.inference_mode():
-        eng._step()
-    assert all(len(g.output_ids) == 2 for g in running)
-    return eng, running
+    return eng, two_decoding(eng, 24)
 
 
 def step_with_l0_during_decode(eng, l0):
