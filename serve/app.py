@@ -31,12 +31,8 @@ DEFAULT_CHAT_TEMPLATE = (
 # The keys of the tiered KV cache (deepseek_flash.kv): a request that gives any of them runs on a
 # TieredCache of its own, built with ``TieredCache.for_model(model, gpu_tokens=..., ...)``.
 KV_KEYS = ("kv_gpu_tokens", "kv_sink_tokens", "kv_page_tokens", "kv_top_k_pages", "kv_page_cache",
-           "kv_host_bytes", "kv_spill_dir")
-# Named by the design; served once the controller's configuration knows them (KV pruning:
-# ``TieredCache.for_model(..., prune_threshold=...)``), refused by name until then.
-KV_KEYS_PENDING = ("kv_prune_threshold",)
-FLASH_CONTEXT_KEYS = ("priority_class", "prefetch_window") + KV_KEYS + tuple(
-    k for k in KV_KEYS_PENDING if k in CONFIG_KEYS)
+           "kv_host_bytes", "kv_spill_dir", "kv_prune_threshold")
+FLASH_CONTEXT_KEYS = ("priority_class", "prefetch_window") + KV_KEYS
 
 
 class ApiError(Exception):
@@ -143,10 +139,6 @@ class ServeState:
                            code="invalid_type")
         ctx = _field(body, "flash_context", dict, {})
         for key in ctx:
-            if key in KV_KEYS_PENDING and key not in CONFIG_KEYS:
-                raise ApiError(400, f"flash_context key '{key}' is not available: the tiered KV cache of "
-                               "this version has no pruning", param=f"flash_context.{key}",
-                               code="unsupported_value")
             if key not in FLASH_CONTEXT_KEYS:
                 raise ApiError(400, f"unknown flash_context key '{key}'; allowed: {', '.join(FLASH_CONTEXT_KEYS)}",
                                param="flash_context", code="invalid_value")
@@ -171,7 +163,7 @@ class ServeState:
         """``TieredCache.for_model`` arguments from the ``kv_*`` keys of ``flash_context``, checked
         as the controller checks them in a config (400 naming the key); None when none is given.
         ``kv_spill_dir`` must lie inside the server's ``--kv-spill-root`` (relative: under it)."""
-        given = {k: v for k, v in ctx.items() if k in KV_KEYS or k in KV_KEYS_PENDING}
+        given = {k: v for k, v in ctx.items() if k in KV_KEYS}
         if not given:
             return None
         options = {}

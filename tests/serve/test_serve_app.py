@@ -12,7 +12,6 @@ import openai
 import pytest
 from serve_helpers import greedy, serve_in_thread, stop_server
 
-from deepseek_flash.daemon.config import KEYS as CONFIG_KEYS
 from deepseek_flash.serve.app import DEFAULT_CHAT_TEMPLATE
 from deepseek_flash.serve.cli import build
 
@@ -232,9 +231,6 @@ KV_REFUSED = [
     ({"kv_host_bytes": "1MiB"}, "flash_context.kv_host_bytes", "invalid_value", "needs kv_spill_dir"),
     ({"kv_spill_dir": "../../etc"}, "flash_context.kv_spill_dir", "invalid_value", "outside the server's spill root"),
     ({"kv_spill_dir": "/tmp"}, "flash_context.kv_spill_dir", "invalid_value", "outside the server's spill root"),
-    # Refused by name until the controller's configuration has KV pruning; then checked like the rest.
-    ({"kv_prune_threshold": 0.1}, "flash_context.kv_prune_threshold", "unsupported_value", "no pruning")
-    if "kv_prune_threshold" not in CONFIG_KEYS else
     ({"kv_prune_threshold": 1.5}, "flash_context.kv_prune_threshold", "invalid_value", "kv_prune_threshold"),
     ({"kv_bogus": 1}, "flash_context", "invalid_value", "unknown flash_context key 'kv_bogus'"),
 ]
