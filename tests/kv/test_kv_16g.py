@@ -2,10 +2,7 @@
 Show, bench/kv_16g.py): its CPU smoke run, the ``generate(prefill_chunk_size=...)`` path a user
 takes, and on a GPU (``pytest -m gpu tests/kv``) the pieces that keep it within its memory: the
 prefill chunks' causality without a mask, and top-K's one gather over the controller's arena."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,21 +16,9 @@ from deepseek_flash.kv.compute import attend_columns, lower_right
 from deepseek_flash.store import Store, pack
 from deepseek_flash.testing import load_reference, make_tiny_model
 
-from kvmodels import reference
+from kvmodels import bench_module, reference
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def bench_module():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_kv_16g", BENCH / "kv_16g.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +30,7 @@ def streamed_store(tmp_path_factory):
 
 
 def test_smoke_bench_streams_weights_and_pages_kv(tmp_path):
-    bench = bench_module()
+    bench = bench_module("kv_16g")
     out = tmp_path / "kv16.json"
     assert bench.main(["--smoke", "--dir", str(tmp_path), "--output", str(out)]) == 0
     r = json.loads(out.read_text())
@@ -70,7 +55,7 @@ def test_smoke_bench_streams_weights_and_pages_kv(tmp_path):
 
 def test_smoke_bench_int8_resident_row(tmp_path):
     """The lossy second row: the model packed as int8 and resident, no weights over the link."""
-    bench = bench_module()
+    bench = bench_module("kv_16g")
     out = tmp_path / "kv16-int8.json"
     assert bench.main(["--smoke", "--dir", str(tmp_path), "--budget", "none", "--quantize",
                        "int8_symmetric", "--decode", "2", "--output", str(out)]) == 0

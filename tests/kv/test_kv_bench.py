@@ -1,15 +1,11 @@
 """bench/kv.py runs end to end on the CPU (--smoke) and its figures are consistent."""
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "kv.py"
+from kvmodels import bench_module
 
 
 def test_kv_bench_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_kv", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("kv")
     out = tmp_path / "kv.json"
     assert bench.main(["--smoke", "--contexts", "700", "--decode", "2", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -49,9 +45,7 @@ def test_kv_bench_smoke(tmp_path):
 def test_kv_prune_show_smoke(tmp_path):
     """bench/kv_prune.py --show (the H200 run) on a tiny CPU model: every configuration runs and
     reports its GPU KV bytes, tok/s and the scorer's cost."""
-    spec = importlib.util.spec_from_file_location("bench_kv_prune", BENCH.parent / "kv_prune.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("kv_prune")
     out = tmp_path / "show.json"
     assert bench.main(["--show", "--smoke", "--show-context", "700", "--decode", "20",
                        "--output", str(out)]) == 0
@@ -96,9 +90,7 @@ def test_kv_prune_show_times_min_steps_past_the_budget(tmp_path):
     """Every configuration of the Show (those --rows names) runs and times --min-steps decode
     steps even when the budget is spent (none skipped, none cut to one step), and no more; the
     others are reported as not run."""
-    spec = importlib.util.spec_from_file_location("bench_kv_prune", BENCH.parent / "kv_prune.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("kv_prune")
     out = tmp_path / "show.json"
     assert bench.main(["--show", "--smoke", "--show-context", "300", "--decode", "12",
                        "--min-steps", "3", "--budget-s", "0.01", "--rows",
@@ -115,9 +107,7 @@ def test_kv_ops_topk_step_host_work_does_not_grow_with_pages(tmp_path):
     index_select and no host sync, and the two dense layers' chunks with one ``_foreach_copy_``
     each (one copy per host chunk: 4 then 5 chunks per layer): the same operations at 1,536 and
     4,608 tokens, only the copies in that one call differ."""
-    spec = importlib.util.spec_from_file_location("bench_kv_ops", BENCH.parent / "kv_ops.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("kv_ops")
     out = tmp_path / "kv_ops.json"
     assert bench.main(["--contexts", "1536", "4608", "--output", str(out)]) == 0
     short, long = json.loads(out.read_text())["contexts"]

@@ -9,11 +9,12 @@ The full measurement (context 2048, 4 thresholds, with and without compensation,
 top-K recall, the baselines at each threshold's memory) is bench/kv_prune.py's default run,
 recorded in docs/benchmarks.md.
 """
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from kvmodels import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT.parent / "shared" / "models" / "pycode-llama"
@@ -23,9 +24,7 @@ MODEL = ROOT.parent / "shared" / "models" / "pycode-llama"
 def result(tmp_path_factory):
     if not (MODEL / "model.safetensors").exists():
         pytest.skip(f"no {MODEL}")
-    spec = importlib.util.spec_from_file_location("bench_kv_prune", ROOT / "bench" / "kv_prune.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("kv_prune")
     out = tmp_path_factory.mktemp("kv-prune") / "kv_prune.json"
     assert bench.main(["--model", str(MODEL), "--context", "1024", "--prefill", "768",
                        "--windows", "2", "--batch", "2", "--thresholds", "0.15",
