@@ -12,7 +12,8 @@
 #         arch on a fresh machine (write + pack ~35 s); PATHS_BUDGET_S=N skips an arch that would
 #         start after N - PATHS_ARCH_S (default 100) s; an arch's files are deleted before the next when the disk is short;
 #         PATHS_STREAM_ARGS: more bench/stream.py flags, e.g. "--skip-accelerate --skip-resident"
-#         (the windows' bound check alone, ~65 s an arch)
+#         (the windows' bound check alone, ~65 s an arch), "--windows default,cudnn,default" (the
+#         default; then with torch's own attention kernels, cuDNN's included; the default again)
 # Each step writes its JSON under OUTDIR as it goes; a short table comes last.
 set -u -o pipefail
 out=${1:-/tmp/flash-paths}
@@ -101,7 +102,8 @@ for p in sorted(out.glob("stream-*.json")):
         print(f"  window {w}: plan {r.get('plan')} tok/s {r.get('streamed_tok_s')} vs_bound {r.get('vs_bound')} "
               f"x{r.get('vs_accelerate')} range {r.get('vs_accelerate_range')} medians x{r.get('vs_accelerate_median_tokens')} "
               f"b1 tokens ms {(r.get('batch1_tokens') or {}).get('token_ms')} hit {r.get('steady_prefetch_hit_rate')} "
-              f"same_tokens {r.get('tokens_identical_to_resident')} decisions {r.get('window_decisions_by_batch')}")
+              f"same_tokens {r.get('tokens_identical_to_resident')} decisions {r.get('window_decisions_by_batch')} "
+              f"copy_idle {r.get('batch1_copy_idle')} gc_ms {r.get('gc_pauses_ms')} {r.get('attention', '')}")
 for p in sorted(out.glob("paths-*.json")):
     d = json.loads(p.read_text())
     for cache, e in d.get("attach", {}).items():
