@@ -46,29 +46,99 @@ class SharedOut:
         rows = self.buffers.get(key)
         if rows is None:
             # another k or batch: the buffers of the old one are not replayed into again
-            self.buffers = {kk: t for kk, t in self.buffers.items() if kk[:2] == (b, k)}
+            self.buffers = {kk: t for kk, t in self.buffers.items()
+                            if kk[:2] == (b, k) or kk[0] == "attention"}
             n = 2 * b * span.kv_heads * k * span.units_per_head
             rows = torch.empty((n, span.rows.shape[1]), dtype=span.rows.dtype, device=device)
             self.buffers[key] = rows
         return rows
+
+    def attention(self, like: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[b, kv_heads, tokens, head_dim]`` of the current top-K layer's
+        attention (``AttentionInput``), one pair per shape, kept while ``k`` and the batch stay
+        (the graphs write into them at fixed addresses)."""
+        b, h, _, d = like.shape
+        key = ("attention", b, h, tokens, d, like.dtype)
+        pair = self.buffers.get(key)
+        if pair is None:
+            # another k or batch: the pair of the old one is not replayed into again
+            self.buffers = {kk: t for kk, t in self.buffers.items() if kk[0] != "attention"}
+            pair = (like.new_empty((b, h, tokens, d)), like.new_empty((b, h, tokens, d)))
+            self.buffers[key] = pair
+        return pair
+
+
+class AttentionInput:
+    """What a top-K layer's graph also does (kv/window.py): writes the step's keys and values
+    into the layer's recent window and assembles the keys and values its attention reads in one
+    buffer pair -- sinks, the gathered pages, then the whole window -- so the attention reads a
+    prefix of them and no step concatenates anything: the same columns in the same order as the
+    concatenation they replace. The step's query, keys and values reach the graph through the
+    window's fixed input buffers, all three in one ``_foreach_copy_``."""
+
+    def __init__(self, keys, values, sink_k, sink_v, window, query, k_new, v_new):
+        self.keys, self.values = keys, values
+        self.sink_k, self.sink_v, self.window = sink_k, sink_v, window
+        self.sinks = sink_k.shape[2]
+        self.new = (query, k_new, v_new)
+        self.q_in, self.k_in, self.v_in, self.steps = window.inputs(query, k_new)
+
+    def key(self) -> tuple:
+        w = self.window
+        return (self.keys.data_ptr(), self.values.data_ptr(), self.sink_k.data_ptr(),
+                self.sink_v.data_ptr(), self.sinks, w.keys.data_ptr(), w.values.data_ptr(),
+                w.pos.data_ptr(), self.q_in.data_ptr(), self.k_in.data_ptr(),
+                self.v_in.data_ptr(), self.keys.shape[2], w.capacity)
+
+    def load(self) -> None:
+        """Eagerly, before the replay: the window's device position, the step's inputs."""
+        self.window.sync_pos()
+        torch._foreach_copy_([self.q_in, self.k_in, self.v_in], list(self.new))
+
+    def replayed(self) -> None:
+        w = self.window
+        w.ahead = self.steps.shape[0]
+        w.pos_value = w.length + w.ahead
+
+    def fill(self, pk: torch.Tensor, pv: torch.Tensor) -> None:
+        """Sinks, pages ``pk``/``pv`` and the recent window into the buffers (device copies)."""
+        w = self.window
+        s, n, cap = self.sinks, pk.shape[2], w.capacity
+        for out, sink, pages, win in ((self.keys, self.sink_k, pk, w.keys),
+                                      (self.values, self.sink_v, pv, w.values)):
+            if s:
+                out[:, :, :s].copy_(sink)
+            out[:, :, s:s + n].copy_(pages)
+            out[:, :, s + n:s + n + cap].copy_(win)
 
 
 class SelectGraph:
     """The captured choice + gather of one layer for fixed shapes and buffers (``key``)."""
 
     def __init__(self, key, summaries, span, query, k, scale, window_pages, out_rows, pool,
-                 page_cache=None):
+                 page_cache=None, attention: AttentionInput | None = None):
         self.key = key
+        self.attention = attention
         self.summaries, self.span = summaries, span
         self.page_cache = page_cache  # kv/pagecache.py: hits from the device slots
         self.k, self.scale, self.window_pages = k, scale, window_pages
         self.out_rows = out_rows
-        self.query = torch.empty_like(query)
-        self.query.copy_(query)
+        if attention is not None:
+            self.query = attention.q_in  # loaded already (AttentionInput.load)
+            pos = attention.window.pos
+        else:
+            self.query = torch.empty_like(query)
+            self.query.copy_(query)
         side = torch.cuda.Stream(query.device)
         side.wait_stream(torch.cuda.current_stream(query.device))
         with torch.cuda.stream(side):
+            if attention is not None:
+                # the window's write position as before the runs here: the replay that follows
+                # writes this step's tokens (a capture runs nothing; an emulated one does)
+                self.pos_before = pos.clone()
             self._run()  # once eagerly: lazy initialisations (cuBLAS handles, ...) happen here
+            if attention is not None:
+                pos.copy_(self.pos_before)
             # with a page cache that eager run was this step's (its counts stand; the replay that
             # follows finds every page in the slots: counted again, then put back; the snapshot
             # is kept with the graph, never freed while the compute stream may still read it)
@@ -80,23 +150,35 @@ class SelectGraph:
                 self.chosen = self._run()
             finally:
                 self.graph.capture_end()
+            if attention is not None:
+                pos.copy_(self.pos_before)
         torch.cuda.current_stream(query.device).wait_stream(side)
 
     def _run(self) -> torch.Tensor:
+        a = self.attention
+        if a is not None:
+            a.window.write_at_pos(a.k_in, a.v_in, a.steps)
         chosen = self.summaries._choose_hybrid(self.query, self.k, self.scale, self.window_pages)
         if self.page_cache is not None:
             self.page_cache.gather_into(self.span, chosen, self.out_rows)
         else:
             self.span.gather_into(chosen, self.out_rows)
+        if self.attention is not None:
+            self.attention.fill(*self.span.unpack(self.out_rows, chosen.shape[0], self.k))
         return chosen
 
     def replay(self, query):
-        """-> chosen ``[b, k]``, keys, values ``[b, kv_heads, k * page_tokens, head_dim]``."""
-        self.query.copy_(query)
+        """-> chosen ``[b, k]``, keys, values ``[b, kv_heads, k * page_tokens, head_dim]`` (with
+        an ``AttentionInput``: chosen, None, None -- the pages are in its buffers; the query was
+        loaded with the step's keys and values)."""
+        if self.attention is None:
+            self.query.copy_(query)
         self.graph.replay()
         if self.restore_after_replay:
             self.page_cache.restore(self.counted)
             self.restore_after_replay = False
+        if self.attention is not None:
+            return self.chosen, None, None
         return (self.chosen, *self.span.unpack(self.out_rows, self.chosen.shape[0], self.k))
 
 
@@ -109,10 +191,11 @@ class LayerGraphs:
         self.failed = False
         self.captures = 0
 
-    def select(self, cache, layer, span, query, k, page_cache=None):
+    def select(self, cache, layer, span, query, k, page_cache=None, attention=None):
         """Chosen pages and their keys and values through the graph, or None (use the eager
         path). With ``page_cache`` (kv/pagecache.py) ``span`` is its view of host pages and
-        slots, and the graph keeps the chosen pages in the slots."""
+        slots, and the graph keeps the chosen pages in the slots. With ``attention``
+        (``AttentionInput``) the graph also assembles the attention's keys and values there."""
         if self.failed:
             return None
         summaries = layer.summaries
@@ -120,22 +203,33 @@ class LayerGraphs:
         out = cache._select_out.get(span, b, k, query.device)
         key = (summaries.n, k, id(span), summaries.minmax.data_ptr(), out.data_ptr(),
                tuple(query.shape), query.dtype, cache.scale, cache.window_pages,
-               page_cache.key() if page_cache is not None else None)
+               page_cache.key() if page_cache is not None else None,
+               attention.key() if attention is not None else None)
+        if attention is not None:
+            attention.load()
         if self.graph is None or self.graph.key != key:
             self.graph = None
             self.captures += 1
             try:
                 self.graph = SelectGraph(key, summaries, span, query, k, cache.scale,
-                                         cache.window_pages, out, cache._graph_pool(), page_cache)
+                                         cache.window_pages, out, cache._graph_pool(), page_cache,
+                                         attention)
             except Exception as exc:  # refused by torch or the driver: eager from now on
                 self.failed = True
+                if attention is not None:
+                    attention.window.pos_value = None
                 log.warning("layer %d: top-K choice and gather not captured as a CUDA graph "
                             "(%s); they run eagerly", layer.index, exc)
                 return None
         try:
-            return self.graph.replay(query)
+            got = self.graph.replay(query)
         except RuntimeError as exc:
             self.failed, self.graph = True, None
+            if attention is not None:
+                attention.window.pos_value = None
             log.warning("layer %d: the captured top-K graph failed to replay (%s); the choice "
                         "and gather run eagerly", layer.index, exc)
             return None
+        if attention is not None:
+            attention.replayed()
+        return got

@@ -30,6 +30,7 @@ from .pages import LayerPages
 from .prune.state import LayerPrune
 from .select import resolve_top_k
 from .summaries import PageSummaries
+from .window import RecentWindow
 
 
 class TieredLayer(CacheLayerMixin):
@@ -49,7 +50,13 @@ class TieredLayer(CacheLayerMixin):
         self.batch = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sink_k = self.sink_v = None
-        self.recent_k = self.recent_v = None
+        self._recent_k = self._recent_v = None
+        # a top-K layer whose choice runs as a captured graph keeps its recent window in fixed
+        # buffers (kv/window.py; recent_k/v are then views of its first tokens): its graph writes
+        # the step's tokens there and assembles the attention's keys and values (kv/graphs.py,
+        # AttentionInput) -- no concatenation per step
+        self.window: RecentWindow | None = None
+        self._joined = None  # (keys, values) of the running step, assembled by the graph
         self.summaries = PageSummaries()
         # pruning with lossless recall (top_k_pages None) never ranks pages: no summaries kept
         self.keeps_summaries = cache.prune is None or cache.top_k_pages is not None
@@ -58,6 +65,32 @@ class TieredLayer(CacheLayerMixin):
         self.mirror: DenseMirror | None = None  # a dense layer's pages on the device as well
         self.page_cache: PageCache | None = None  # top-K: chosen pages kept on the device
         self.prune = LayerPrune(self, cache.prune) if cache.prune is not None else None
+
+    # --- the recent window: its own tensors, or views of a RecentWindow's buffers --------------
+    @property
+    def recent_k(self):
+        return self._recent_k if self.window is None else self.window.parts()[0]
+
+    @recent_k.setter
+    def recent_k(self, value):
+        self._recent_k = value
+
+    @property
+    def recent_v(self):
+        return self._recent_v if self.window is None else self.window.parts()[1]
+
+    @recent_v.setter
+    def recent_v(self, value):
+        self._recent_v = value
+
+    @property
+    def recent_tokens(self) -> int:
+        return self._recent_k.shape[2] if self.window is None else self.window.length
+
+    @property
+    def win_k(self):
+        """The window's key buffer (all of its capacity), or None."""
+        return self.window.keys if self.window is not None else None
 
     # --- the page store's state, as the layer's ------------------------------------------------
     @property
@@ -153,8 +186,11 @@ class TieredLayer(CacheLayerMixin):
     def gpu_bytes(self) -> int:
         if not self.is_initialized:
             return 0
-        tensors = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
+        tensors = (self.sink_k, self.sink_v) + ((self._recent_k, self._recent_v)
+                                                if self.window is None else ())
         total = sum(t.numel() * t.element_size() for t in tensors) + self.summaries.gpu_bytes()
+        if self.window is not None:
+            total += self.window.nbytes()  # all of its capacity
         if self.mirror is not None:
             total += self.mirror.nbytes()
         if self.page_cache is not None:
@@ -170,7 +206,7 @@ class TieredLayer(CacheLayerMixin):
         if not self.is_initialized:
             return [0, 0, 0]
         p = self._cache.page_tokens
-        on_device = self.sinks + self.recent_k.shape[2]
+        on_device = self.sinks + self.recent_tokens
         if self.prune is None:
             return [on_device, self.paged_tokens, 0]
         l1, l2, l3 = self.prune.level_pages()
@@ -206,13 +242,15 @@ class TieredLayer(CacheLayerMixin):
             else:
                 k_parts, v_parts, cols = self._past(query, q_len, pad_mask is not None)
             keys = [] if self.prune is not None else None
+            joined, self._joined = self._joined, None
             out = attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling,
                                  length=self.length, prefill_chunk=cache.prefill_chunk,
-                                 keys_out=keys)
+                                 keys_out=keys, joined=joined)
             if self.prune is not None:
                 shares = self.prune.shares(query, keys[0], cols, pad_mask, scaling, q_len)
         except BaseException:
             self.pending = None
+            self._joined = None
             cache._poison(f"layer {self.index} failed during attention")
             raise
         self.pending = None
@@ -262,13 +300,18 @@ class TieredLayer(CacheLayerMixin):
         elif (cache.page_cache and self.page_cache is not None
               and not self.page_cache.refused):
             self.page_cache.refuse()  # a chunk was spilled: no single view any more
+        attention = None
         if (cache.select_graphs and graphs.applies(self.device) and cache.score == "hybrid"
                 and not self.lost_pages):
             span = span if pc is not None else self.pages.span()
             if span is not None:
-                got = self.graphs.select(cache, self, span, query, k, pc)
+                attention = self._attention_input(query, k)
+                got = self.graphs.select(cache, self, span, query, k, pc, attention)
         if got is not None:
             chosen, pk, pv = got
+            if attention is not None:  # the graph assembled sinks, pages, window and new tokens
+                n = attention.sinks + k * cache.page_tokens + self.window.length + q_len
+                self._joined = (attention.keys.narrow(2, 0, n), attention.values.narrow(2, 0, n))
             if pc is None:  # with the page cache its misses are the pages fetched (stats)
                 cache.counters["pages_fetched"] += self.batch * k
         else:
@@ -278,13 +321,18 @@ class TieredLayer(CacheLayerMixin):
                 pk, pv = pc.gather(span, chosen)
             else:
                 pk, pv = self.pages.fetch_selected(chosen)
+        joined = self._joined is not None  # the parts are not read: no views made
         if not need_cols:
+            if joined:
+                return None, None, None
             return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], None
         p, s, b = cache.page_tokens, self.sinks, self.batch
         dev = chosen.device
         page_cols = (s + chosen[:, :, None] * p + torch.arange(p, device=dev)).reshape(b, -1)
         recent_cols = torch.arange(s + self.paged_tokens, self.length, device=dev).expand(b, -1)
         cols = torch.cat((torch.arange(s, device=dev).expand(b, s), page_cols, recent_cols), 1)
+        if joined:
+            return None, None, cols
         return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], cols
 
     def _cols_without_lost(self):
@@ -299,21 +347,67 @@ class TieredLayer(CacheLayerMixin):
     def _commit(self, k_new, v_new):
         cache = self._cache
         t = k_new.shape[2]
+        window = self.window
+        ahead = 0
+        if window is not None:
+            ahead, window.ahead = window.ahead, 0
         take = min(cache.sink_tokens - self.sinks, t)
         if take > 0:
             self.sink_k = torch.cat((self.sink_k, k_new[:, :, :take]), 2)
             self.sink_v = torch.cat((self.sink_v, v_new[:, :, :take]), 2)
             k_new, v_new = k_new[:, :, take:], v_new[:, :, take:]
-        recent_k = torch.cat((self.recent_k, k_new), 2)
-        recent_v = torch.cat((self.recent_v, v_new), 2)
-        self.length += t
         p = cache.page_tokens
+        if window is not None:
+            if ahead or window.length + t - take <= window.capacity:
+                self._commit_window(k_new, v_new, ahead)
+                return
+            # more tokens than the window holds (a prompt chunk): plain tensors again
+            self._recent_k, self._recent_v = (x.clone() for x in window.parts())
+            self.window = None
+        recent_k = torch.cat((self._recent_k, k_new), 2)
+        recent_v = torch.cat((self._recent_v, v_new), 2)
+        self.length += t
         n = max(0, recent_k.shape[2] - cache.gpu_tokens) // p
         if n and cache.gpu_tokens + p <= recent_k.shape[2]:
             self._write_pages(recent_k[:, :, :n * p], recent_v[:, :, :n * p])
             recent_k = recent_k[:, :, n * p:].clone()
             recent_v = recent_v[:, :, n * p:].clone()
-        self.recent_k, self.recent_v = recent_k, recent_v
+        self._recent_k, self._recent_v = recent_k, recent_v
+
+    def _commit_window(self, k_new, v_new, ahead):
+        """``_commit`` with the recent window in its fixed buffers (kv/window.py): the tokens
+        written in place (unless the graph wrote them), full pages out, the rest to the front."""
+        cache = self._cache
+        window = self.window
+        p = cache.page_tokens
+        t = k_new.shape[2]
+        if not ahead:
+            window.write(k_new, v_new)
+        self.length += t
+        window.length += t
+        r = window.length
+        n = max(0, r - cache.gpu_tokens) // p
+        if n and cache.gpu_tokens + p <= r:
+            self._write_pages(window.keys[:, :, :n * p], window.values[:, :, :n * p])
+            window.drop_front(n * p)
+
+    def _attention_input(self, query, k: int):
+        """The graph path of a decode step: the ``AttentionInput`` its graph fills (the recent
+        window made on first use), or None where the window cannot hold the step's tokens."""
+        from .graphs import AttentionInput
+
+        cache = self._cache
+        k_new, v_new = self.pending
+        t = k_new.shape[2]
+        cap = cache.gpu_tokens + cache.page_tokens + cache.select_max_queries
+        if self.sinks < cache.sink_tokens or self.recent_tokens + t > cap:
+            return None
+        if self.window is None or self.window.capacity != cap:
+            self.window = RecentWindow(self.recent_k, self.recent_v, cap)
+            self._recent_k = self._recent_v = None
+        keys, values = cache._select_out.attention(k_new, self.sinks + k * cache.page_tokens + cap)
+        return AttentionInput(keys, values, self.sink_k, self.sink_v, self.window, query, k_new,
+                              v_new)
 
     def _write_pages(self, keys, values):
         """Full pages leave the recent window: summaries on the device (when top-K reads them), BICL

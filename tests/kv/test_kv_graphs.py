@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import deepseek_flash.kv.graphs as graphs
-from deepseek_flash.kv import TieredCache
+from deepseek_flash.kv import TieredCache, cache_kwargs
 
 from kvmodels import greedy, padded_prompt, tiny_model
 
@@ -78,7 +78,19 @@ def test_captured_choice_and_gather_equal_the_eager_steps(emulated, batch):
     for layer in graphed.layers[1:]:
         assert 1 <= layer.graphs.captures <= 6
     shapes = {layer.graphs.graph.out_rows.shape for layer in graphed.layers[1:]}
-    assert len(graphed._select_out.buffers) == len(shapes)  # one buffer per row shape
+    buffers = graphed._select_out.buffers
+    rows = [key for key in buffers if key[0] != "attention"]
+    assert len(rows) == len(shapes)  # one buffer per row shape
+    # and one pair for the attention's keys and values (sinks, pages, the whole recent window):
+    # the graphs assembled them, no step concatenated anything
+    (attention,) = [key for key in buffers if key[0] == "attention"]
+    k = graphed.layers[1].graphs.graph.k
+    assert attention[3] == 4 + k * 32 + 64 + 32 + 16
+    for layer in graphed.layers[1:]:
+        assert layer.win_k.shape[2] == 64 + 32 + 16
+        assert layer.recent_k.data_ptr() == layer.win_k.data_ptr()
+        assert layer.graphs.graph.attention is not None
+    assert eager.layers[1].win_k is None
     graphed.close()
     assert all(layer.graphs.graph is None for layer in graphed.layers)
 
@@ -102,3 +114,37 @@ def test_a_refused_capture_leaves_the_layer_eager_for_good(emulated, monkeypatch
     assert torch.equal(got_tokens, want_tokens)
     assert [layer.graphs.failed for layer in cache.layers] == [False, True, True]
     assert caplog.text.count("not captured as a CUDA graph") == 2  # once per layer
+
+
+def test_the_recent_window_across_prompt_chunks_and_modes_equals_the_eager_steps(emulated):
+    # the graphs' recent window (kv/window.py) through what can follow decode steps: more prompt
+    # than the window holds (back to plain tensors, then a new window), lossless steps (the
+    # window written eagerly) and top-K again (its device position set anew) -- the same logits
+    # as the eager steps throughout
+    model = tiny_model(layers=3)
+    ids = torch.randint(1, 256, (1, 700), generator=torch.Generator().manual_seed(9))
+    more = torch.randint(1, 256, (1, 150), generator=torch.Generator().manual_seed(10))
+    runs, caches = [], []
+    for captured in (False, True):
+        cache = TieredCache.for_model(model, gpu_tokens=64, page_tokens=32, top_k_pages=0.25,
+                                      dense_layers=1)
+        cache.select_graphs = captured
+        logits, windows = [], []
+        with torch.no_grad():
+            out = model(ids, **cache_kwargs(model, cache)).logits[:, -1:]
+            for step in range(60):
+                if step == 20:  # a prompt chunk larger than the window
+                    out = model(more, **cache_kwargs(model, cache)).logits[:, -1:]
+                cache.top_k_pages = None if 35 <= step < 45 else 0.25  # lossless for a while
+                out = model(out.argmax(-1), **cache_kwargs(model, cache)).logits[:, -1:]
+                logits.append(out)
+                windows.append(cache.layers[1].window is not None)
+        runs.append(torch.cat(logits))
+        caches.append((cache, windows))
+    assert torch.equal(runs[0], runs[1])
+    (eager, eager_windows), (graphed, windows) = caches
+    assert not any(eager_windows)
+    # a window from the first graphed step; gone after the long chunk, made again at the next
+    # top-K step; kept (written eagerly) through the lossless steps
+    assert windows[:20] == [True] * 20 and all(windows[20:])
+    assert graphed.stats()["gpu_bytes"] > eager.stats()["gpu_bytes"]  # the window's capacity
