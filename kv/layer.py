@@ -20,7 +20,7 @@ except ImportError:  # transformers too old: TieredCache.for_model says so (KVUn
 from deepseek_flash.errors import KVCacheMismatch, KVError
 
 from .attention import _ACTIVE
-from .compute import attend_columns
+from .compute import attend_columns, sdpa
 from . import graphs
 from .graphs import LayerGraphs
 from .layout import pack_pages
@@ -57,6 +57,7 @@ class TieredLayer(CacheLayerMixin):
         # AttentionInput) -- no concatenation per step
         self.window: RecentWindow | None = None
         self._joined = None  # (keys, values) of the running step, assembled by the graph
+        self._plan: StepPlan | None = None  # the graphed decode step, while it holds
         self.summaries = PageSummaries()
         # pruning with lossless recall (top_k_pages None) never ranks pages: no summaries kept
         self.keeps_summaries = cache.prune is None or cache.top_k_pages is not None
@@ -235,6 +236,11 @@ class TieredLayer(CacheLayerMixin):
         cache = self._cache
         k_new, v_new = self.pending
         q_len = query.shape[2]
+        plan = self._plan
+        if plan is not None and pad_mask is None:
+            if plan.holds(self, cache, query):
+                return self._attend_planned(plan, query, k_new, v_new, scaling)
+            self._plan = None
         try:
             if self.prune is not None:
                 recall_all = self.dense or q_len > cache.select_max_queries
@@ -257,6 +263,38 @@ class TieredLayer(CacheLayerMixin):
         self._commit(k_new, v_new)
         if self.prune is not None:
             self.prune.committed(k_new, v_new, *shares, q_len)
+        return out
+
+    def _attend_planned(self, plan, query, k_new, v_new, scaling):
+        """``attend`` of a decode step that repeats the last one's path (``StepPlan``): the
+        captured graph replayed with the step's query, keys and values, the attention over the
+        prefix it assembled, the commit. Nothing decided again."""
+        cache = self._cache
+        window = self.window
+        try:
+            if cache.pinned:
+                if self.pages._unread_writes:
+                    self.pages.before_read()
+                if self.index in cache._prefetched:
+                    cache._drop_prefetched(self)
+                cache._prefetch_next(self)
+            window.sync_pos()
+            torch._foreach_copy_(plan.inputs, [query, k_new, v_new])
+            plan.graph.graph.replay()
+            window.ahead = plan.t
+            window.pos_value = window.length + plan.t
+            n = plan.before_window + window.length + plan.t
+            out = sdpa(query, plan.keys.narrow(2, 0, n), plan.values.narrow(2, 0, n), None, False,
+                       scaling).transpose(1, 2).contiguous()
+            if plan.fetched:
+                cache.counters["pages_fetched"] += plan.fetched
+        except BaseException:
+            self.pending = None
+            self._plan = None
+            cache._poison(f"layer {self.index} failed during attention")
+            raise
+        self.pending = None
+        self._commit(k_new, v_new)
         return out
 
     def _past(self, query, q_len, need_cols=True):
@@ -295,7 +333,7 @@ class TieredLayer(CacheLayerMixin):
             if self.page_cache is None:
                 self.page_cache = PageCache(cache.page_cache)
             self.page_cache.ensure(self, k)
-            span = self.page_cache.span(self)
+            span = None if self.page_cache.refused else self.page_cache.span(self)
             pc = self.page_cache if span is not None else None
         elif (cache.page_cache and self.page_cache is not None
               and not self.page_cache.refused):
@@ -312,6 +350,8 @@ class TieredLayer(CacheLayerMixin):
             if attention is not None:  # the graph assembled sinks, pages, window and new tokens
                 n = attention.sinks + k * cache.page_tokens + self.window.length + q_len
                 self._joined = (attention.keys.narrow(2, 0, n), attention.values.narrow(2, 0, n))
+                if not need_cols and q_len == 1:  # the next steps repeat this one's path
+                    self._plan = StepPlan(self, cache, query, attention, k, pc)
             if pc is None:  # with the page cache its misses are the pages fetched (stats)
                 cache.counters["pages_fetched"] += self.batch * k
         else:
@@ -361,6 +401,7 @@ class TieredLayer(CacheLayerMixin):
             if ahead or window.length + t - take <= window.capacity:
                 self._commit_window(k_new, v_new, ahead)
                 return
+            self._plan = None
             # more tokens than the window holds (a prompt chunk): plain tensors again
             self._recent_k, self._recent_v = (x.clone() for x in window.parts())
             self.window = None
@@ -388,6 +429,7 @@ class TieredLayer(CacheLayerMixin):
         r = window.length
         n = max(0, r - cache.gpu_tokens) // p
         if n and cache.gpu_tokens + p <= r:
+            self._plan = None  # pages, k and the graph change
             self._write_pages(window.keys[:, :, :n * p], window.values[:, :, :n * p])
             window.drop_front(n * p)
 
@@ -423,3 +465,45 @@ class TieredLayer(CacheLayerMixin):
             return
         self.pages.append(pack_pages(keys, values, p))
         cache._pages_written(self)
+
+
+class StepPlan:
+    """What a graphed top-K decode step of one layer decided (kv/layer.py, ``_past``), kept for
+    the steps that follow while it holds: the same settings, page count, host view, page cache,
+    captured graph, recent window and query shape. Pages written (every ``page_tokens`` steps),
+    a chunk added or spilled, a setting changed or a graph recaptured end it; the next step then
+    takes the full path and makes a new one. The steps it serves skip every decision: an eager
+    decode step is bound by the host, and these are ~20 checks per layer and step."""
+
+    __slots__ = ("settings", "host_span", "page_cache", "pc_span", "pc_slots", "graph", "window",
+                 "minmax", "shape", "dtype", "inputs", "keys", "values", "before_window", "t",
+                 "fetched")
+
+    def __init__(self, layer, cache, query, attention, k, page_cache):
+        self.settings = (cache.top_k_pages, cache.page_cache, cache.select_graphs, cache.score,
+                         cache.window_pages)
+        self.host_span = layer.pages._span
+        self.page_cache = page_cache
+        self.pc_span = page_cache._span if page_cache is not None else None
+        self.pc_slots = page_cache.slots if page_cache is not None else None
+        self.graph = layer.graphs.graph
+        self.window = layer.window
+        self.minmax = layer.summaries.minmax
+        self.shape, self.dtype = query.shape, query.dtype
+        self.inputs = [attention.q_in, attention.k_in, attention.v_in]
+        self.keys, self.values = attention.keys, attention.values
+        self.before_window = attention.sinks + k * cache.page_tokens
+        self.t = attention.steps.shape[0]
+        self.fetched = layer.batch * k if page_cache is None else 0
+
+    def holds(self, layer, cache, query) -> bool:
+        pc = self.page_cache
+        return (query.shape == self.shape and query.dtype == self.dtype
+                and layer.graphs.graph is self.graph and self.graph is not None
+                and layer.window is self.window and layer.pages._span is self.host_span
+                and self.host_span is not None and layer.summaries.minmax is self.minmax
+                and layer.page_cache is pc
+                and (pc is None or (pc._span is self.pc_span and pc.slots is self.pc_slots
+                                    and not pc.refused))
+                and self.settings == (cache.top_k_pages, cache.page_cache, cache.select_graphs,
+                                      cache.score, cache.window_pages))

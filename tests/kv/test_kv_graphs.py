@@ -148,3 +148,9 @@ def test_the_recent_window_across_prompt_chunks_and_modes_equals_the_eager_steps
     # top-K step; kept (written eagerly) through the lossless steps
     assert windows[:20] == [True] * 20 and all(windows[20:])
     assert graphed.stats()["gpu_bytes"] > eager.stats()["gpu_bytes"]  # the window's capacity
+    # the steps between two page boundaries repeat the last one's path (kv/layer.py, StepPlan)
+    assert all(layer._plan is not None for layer in graphed.layers[1:])
+    assert all(layer._plan is None for layer in eager.layers)
+    graphed.top_k_pages = 0.5  # a setting changed: the plan no longer holds
+    layer = graphed.layers[1]
+    assert not layer._plan.holds(layer, graphed, torch.empty(layer._plan.shape))
