@@ -89,9 +89,9 @@ class PageSummaries:
         """``choose`` for the default ``"hybrid"`` score in few operations (a decode step runs
         it once per layer; an eager step is bound by the host): the Quest bound of every page and
         head as one batched matmul of ``[q+, q-]`` over the stored ``[max, min]``, both rankings
-        from one sort (the ranks its inverse, one scatter), and their union as one integer key -- ``min(rank_q, rank_w)``
-        first, ``rank_q`` second, all keys distinct -- whose ``k`` smallest are exactly the ``k``
-        best of ``page_scores(bound, "hybrid")`` (tests/kv/test_kv_select.py)."""
+        from one sort (the ranks its inverse, one scatter), and their union as one integer key
+        -- ``min(rank_q, rank_w)`` first, ``rank_q`` second, all keys distinct -- whose ``k``
+        smallest are exactly the ``k`` best of ``page_scores(bound, "hybrid")`` (tests/kv/test_kv_select.py)."""
         b, _, _, d = query.shape
         h, n = self.minmax.shape[1], self.n
         q = query.reshape(b * h, -1, d).float()  # the GQA grouping of group_queries
