@@ -596,7 +596,7 @@ def main(argv=None) -> int:
                                                            "l0_beside": state.engine.stats[
                                                                "l0_beside"] - beside0,
                                                            # why that was switched off (a failure)
-                                                           "l0_beside_off": state.engine.beside_reason}
+                                                           "l0_beside_off": state.engine.l0_beside.reason}
                 result["engine_profile"] = profiles
                 save(result, args.output)
             finally:

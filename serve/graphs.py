@@ -72,7 +72,7 @@ class StaticDecode:
         self.pool = None
         # Each instance (the decode's, the prompt forwards') captures on a stream of its own: the
         # cuBLAS workspace a graph bakes in is its capture stream's, so a prompt graph replayed
-        # beside another graph (``Engine._l0_beside``) never shares one with it.
+        # beside another graph (``beside.L0Beside``) never shares one with it.
         self.capture_stream = None
         self.reason: str | None = None
         self.counters = {"captures": 0, "capture_s": 0.0, "replays": 0, "static_steps": 0}

@@ -649,7 +649,7 @@ def test_the_device_waiter_wakes_the_engine_when_the_device_is_done():
     # the waiter thread blocks on the step's event (off the interpreter lock) and then wakes it.
     import threading
 
-    from deepseek_flash.serve.engine import DeviceWaiter
+    from deepseek_flash.serve.beside import DeviceWaiter
 
     class Event:                        # a CUDA event's two methods
         def __init__(self):
@@ -742,7 +742,7 @@ def test_an_l0_prompt_failing_beside_a_forward_switches_that_off_and_is_served_a
         step_with_l0_during_decode(eng, l0)
     finally:
         eng.runner.static_prefill_l0.run = l0_graphs
-    assert (eng.beside, eng.beside_reason) == (False, "RuntimeError: no second stream here")
+    assert (eng.l0_beside.enabled, eng.l0_beside.reason) == (False, "RuntimeError: no second stream here")
     assert eng.stats["l0_beside"] == 0 and l0.output_ids == [] and all(len(g.output_ids) == 3 for g in running)
     drive(eng, done(l0, *running))
     for g in (l0, *running):
