@@ -74,11 +74,19 @@ class DeviceWaiter:
                     self.cond.notify_all()
 
 
+# The side stream's priority: the highest the device has (torch maps a number beyond the range to
+# its end; lower is more urgent, the main stream's is 0). A CUDA graph's kernels run at the
+# priority of the stream it is launched into, so where the L0 prompt and the decode beside it both
+# have blocks waiting for a multiprocessor, the L0 prompt's go first.
+SIDE_STREAM_PRIORITY = -100
+
+
 class SideStream:
     """The CUDA stream L0 prompts run on beside the batch's forward in flight on the main one
-    (made at first use). ``use()``: a ``with`` under which forwards go to it and at whose end the
-    host waits for this stream only (a no-op off CUDA); ``active`` while inside, so the runner's
-    own wait for a forward (``RowRunner._sync``) waits for this stream, not for the device."""
+    (made at first use, at ``SIDE_STREAM_PRIORITY``). ``use()``: a ``with`` under which forwards
+    go to it and at whose end the host waits for this stream only (a no-op off CUDA); ``active``
+    while inside, so the runner's own wait for a forward (``RowRunner._sync``) waits for this
+    stream, not for the device."""
 
     def __init__(self, torch, device):
         self.torch = torch
@@ -95,7 +103,7 @@ class SideStream:
                 yield
                 return
             if self.stream is None:
-                self.stream = torch.cuda.Stream(device=self.device)
+                self.stream = torch.cuda.Stream(device=self.device, priority=SIDE_STREAM_PRIORITY)
             self.active = True
             try:
                 with torch.cuda.stream(self.stream):
