@@ -443,8 +443,17 @@ class Engine:
         # Where an L0 request can cut in, it waits for one layer of the chunk, whatever its size.
         budget = prefill_budget(self.prefill_chunk, self._decode_s, self._per_token_s,
                                 l0_recent and not self.cut_in)
+        # While L0 traffic is recent, other prompts go in forwards a prompt graph runs, so that an
+        # L0 request arriving meanwhile goes beside the forward instead of waiting for a layer of
+        # an eager one (tens of milliseconds of the interpreter's time on a GPU): a long prompt --
+        # or a preempted request re-filling its prompt and output -- in chunks of the widest
+        # graph's width, each covered at any attention width (``StaticPrefill(deep=True)``).
+        graphs = self.runner.static_prefill if l0_recent and self.l0_beside.enabled else None
+        if graphs is not None:
+            budget = min(budget, graphs.widest())
         # Packed in join order while rows x the widest chunk stays within the budget (padding is
-        # compute too); the first prompt in line always gets its share.
+        # compute too) -- and, with ``graphs``, while a graph has the forward's shape; the first
+        # prompt in line always gets its share.
         group, width = [], 0
         for gen in sorted((g for g in batch if g.sched.priority_class != "L0" and not g.cancelled
                            and g.kv_cache is None and g.row is not None and g.prefilled < len(g.fill_ids)),
@@ -452,6 +461,9 @@ class Engine:
             need = len(gen.fill_ids) - gen.prefilled
             n = min(need, budget) if not group else min(need, max(width, budget // (len(group) + 1)))
             if group and (len(group) + 1) * max(width, n) > budget:
+                break
+            if group and graphs is not None and not graphs.covers(len(group) + 1,
+                                                                  *self._prefill_shape(group + [(gen, n)])):
                 break
             group.append((gen, n))
             width = max(width, n)

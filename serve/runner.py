@@ -141,14 +141,14 @@ class RowRunner:
             return "decode='eager'"
         if decode == "static":
             self.static = StaticDecode(self, capture=False)
-            self.static_prefill = StaticPrefill(self, capture=False, chunk=self.prefill_chunk)
+            self.static_prefill = StaticPrefill(self, capture=False, chunk=self.prefill_chunk, deep=True)
             self.static_prefill_l0 = StaticPrefill(self, capture=False, chunk=self.prefill_chunk,
                                                    rows=L0_PREFILL_ROWS)
             return None
         reason = graphs_blocker(self)
         if reason is None:
             self.static = StaticDecode(self, capture=True)
-            self.static_prefill = StaticPrefill(self, capture=True, chunk=self.prefill_chunk)
+            self.static_prefill = StaticPrefill(self, capture=True, chunk=self.prefill_chunk, deep=True)
             # L0 prompts have graphs of their own (own buffers, memory pool and capture stream): they
             # can run beside any other graph of the batch (``beside.L0Beside``).
             self.static_prefill_l0 = StaticPrefill(self, capture=True, chunk=self.prefill_chunk,

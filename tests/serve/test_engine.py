@@ -776,3 +776,33 @@ def test_an_l0_request_reaching_a_full_batch_preempts_a_row_whose_decode_slot_is
     for g in (l0, *running):
         assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
     eng.close(timeout=0)
+
+
+@pytest.mark.parametrize("l0_traffic", [True, False])
+def test_with_l0_traffic_a_long_prompt_goes_in_chunks_a_prompt_graph_runs(tiny_reference, tiny_tokenizer,
+                                                                          l0_traffic):
+    # With L0 requests about, a 300-token prompt (or a preempted request re-filling its prompt and
+    # output) is prefilled in chunks of the widest prompt graph (128 tokens), each run from the
+    # prompt graphs (here their fixed-shape forward, eagerly) -- so an L0 request arriving
+    # meanwhile goes beside it -- not as one eager 300-token forward; without, as before. The
+    # tokens are greedy either way.
+    eng, running = beside_engine(tiny_reference, tiny_tokenizer)
+    if l0_traffic:
+        eng._l0_at = time.monotonic()
+    long_prompt = generation([(11 * j) % 250 + 2 for j in range(300)], 3)
+    assert eng.submit(long_prompt).admitted
+    boundary(eng)
+    row, prefill, log = long_prompt.row, eng.runner.prefill, []
+
+    def logged(rows, ids, *args, **kw):
+        log.append((list(rows), len(ids[0])))
+        return prefill(rows, ids, *args, **kw)
+    eng.runner.prefill = logged
+    graphed = eng.runner.static_prefill.counters["static_steps"]
+    drive(eng, done(long_prompt, *running))
+    chunks = [n for rows, n in log if rows == [row]]
+    assert chunks == ([128, 128, 44] if l0_traffic else [300])
+    assert eng.runner.static_prefill.counters["static_steps"] - graphed == (3 if l0_traffic else 0)
+    for g in (long_prompt, *running):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
