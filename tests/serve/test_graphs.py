@@ -216,3 +216,25 @@ def test_an_l0_prompt_in_a_preempted_row_beside_the_graph_decode_keeps_every_tok
     for g in (l0, *running):
         assert g.output_ids == greedy(model, g.prompt_ids, g.sched.max_new_tokens)
     eng.close(timeout=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_long_prompt_in_chunks_of_the_deep_prompt_graphs_keeps_every_token(tiny_reference, tiny_tokenizer):
+    # With L0 traffic, a 300-token prompt goes in chunks of 128, 128 and 44 tokens, all from
+    # prompt graphs: the second at attention width 256 and the last (padded to 128 tokens) at 320
+    # exist only as the widest width's deep graphs. Its tokens, and the decoding rows', greedy.
+    from test_engine import beside_engine, done, drive
+
+    model = copy.deepcopy(tiny_reference).to("cuda:0")
+    eng, running = beside_engine(model, tiny_tokenizer, rows=3, device="cuda:0", decode="auto", max_model_len=320)
+    assert {(1, 128, 256), (1, 128, 320)} <= set(eng.runner.static_prefill.graphs)
+    eng._l0_at = time.monotonic()
+    long_prompt = generation([(11 * j) % 250 + 2 for j in range(300)], 5)
+    replays = eng.runner.static_prefill.counters["replays"]
+    assert eng.submit(long_prompt).admitted
+    drive(eng, done(long_prompt, *running))
+    assert eng.runner.static_prefill.counters["replays"] - replays >= 3
+    for g in (long_prompt, *running):
+        assert g.output_ids == greedy(model, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
