@@ -28,6 +28,50 @@ def _sdpa_backend_list() -> tuple:
     return tuple(getattr(SDPBackend, name) for name in SDPA_BACKENDS)
 
 
+class _SdpaFlags:
+    """``torch.nn.attention.sdpa_kernel(list(SDPA_BACKENDS))`` in a few C calls: the same flags
+    set on entry (each backend in ``SDPA_BACKENDS`` on, every other off) and the previous ones
+    back on exit. ``sdpa_kernel`` is a generator context that reads and writes every flag through
+    ``getattr`` both ways (~25 us of host time per use); an eager decode step of a long-context
+    model enters it once per layer (kv/compute.py), where the host is the bound."""
+
+    __slots__ = ("saved",)
+    getters: tuple = ()
+    setters: tuple = ()
+    wanted: tuple = ()
+
+    @classmethod
+    def bind(cls) -> bool:
+        """Resolve torch's flag accessors once; False where this torch names them otherwise."""
+        if cls.getters:
+            return True
+        import torch
+        try:
+            from torch.nn.attention import _backend_names
+            names = list(_backend_names.items())
+            getters = tuple(getattr(torch._C, f"_get_{n}_sdp_enabled") for n, _ in names)
+            setters = tuple(getattr(torch._C, f"_set_sdp_use_{n}") for n, _ in names)
+        except (ImportError, AttributeError):
+            return False
+        cls.wanted = tuple(backend in SDPA_BACKENDS for _, backend in names)
+        cls.setters, cls.getters = setters, getters
+        return True
+
+    def __enter__(self):
+        saved = tuple(get() for get in self.getters)
+        self.saved = saved
+        if saved != self.wanted:
+            for put, on in zip(self.setters, self.wanted):
+                put(on)
+        return {}
+
+    def __exit__(self, *exc):
+        if self.saved != self.wanted:
+            for put, on in zip(self.setters, self.saved):
+                put(on)
+        return False
+
+
 def sdpa_backends(device=None):
     """Context manager: torch's SDPA restricted to ``SDPA_BACKENDS`` when ``device`` (a
     ``torch.device``, a string, or None for "CUDA if present") is a CUDA device; a no-op
@@ -37,9 +81,12 @@ def sdpa_backends(device=None):
     if device is None:
         cuda = cuda_available()
     else:
-        cuda = getattr(device, "type", str(device).split(":")[0]) == "cuda"
+        cuda = getattr(device, "type", None) == "cuda" or (
+            not hasattr(device, "type") and str(device).split(":")[0] == "cuda")
     if not cuda:
         return contextlib.nullcontext()
+    if _SdpaFlags.bind():
+        return _SdpaFlags()
     from torch.nn.attention import sdpa_kernel
 
     return sdpa_kernel(list(_sdpa_backend_list()))

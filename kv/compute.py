@@ -61,7 +61,8 @@ def lower_right(query, keys, values):
 
 
 def attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling, *,
-                   length: int, prefill_chunk: int, keys_out: list | None = None):
+                   length: int, prefill_chunk: int, keys_out: list | None = None,
+                   joined: tuple | None = None):
     """Attention of ``query`` ``[b, q_heads, q_len, d]`` over the committed parts (in slot
     order) and the new tokens -> ``[b, q_len, q_heads, d]``.
 
@@ -69,12 +70,16 @@ def attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scalin
     over the slots (the parts hold every slot; the False ones are dropped here), or slot indices
     ``[b, n]`` (the parts hold just those). ``pad_mask`` ``[b, length + q_len]`` is the key
     validity (padding) or None. ``keys_out``: a list the concatenated keys (parts, then the new
-    tokens) are appended to, for a caller that reads them too."""
+    tokens) are appended to, for a caller that reads them too. ``joined``: those keys and
+    values assembled already (kv/graphs.py's ``AttentionInput``; the parts are then not read)."""
     b, hq, q_len, d = query.shape
-    keys = torch.cat((*k_parts, k_new), 2)
+    if joined is not None:
+        keys, values = joined
+    else:
+        keys = torch.cat((*k_parts, k_new), 2)
+        values = torch.cat((*v_parts, v_new), 2)
     if keys_out is not None:
         keys_out.append(keys)
-    values = torch.cat((*v_parts, v_new), 2)
     n_past = keys.shape[2] - q_len
     keep = cols if isinstance(cols, torch.Tensor) and cols.dtype == torch.bool else None
     if keep is not None:

@@ -46,19 +46,63 @@ class SharedOut:
         rows = self.buffers.get(key)
         if rows is None:
             # another k or batch: the buffers of the old one are not replayed into again
-            self.buffers = {kk: t for kk, t in self.buffers.items() if kk[:2] == (b, k)}
+            self.buffers = {kk: t for kk, t in self.buffers.items()
+                            if kk[:2] == (b, k) or kk[0] == "attention"}
             n = 2 * b * span.kv_heads * k * span.units_per_head
             rows = torch.empty((n, span.rows.shape[1]), dtype=span.rows.dtype, device=device)
             self.buffers[key] = rows
         return rows
+
+    def attention(self, like: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[b, kv_heads, tokens, head_dim]`` of the current top-K layer's
+        attention (``AttentionInput``), one pair per shape, kept while ``k`` and the batch stay
+        (the graphs write into them at fixed addresses)."""
+        b, h, _, d = like.shape
+        key = ("attention", b, h, tokens, d, like.dtype)
+        pair = self.buffers.get(key)
+        if pair is None:
+            # another k or batch: the pair of the old one is not replayed into again
+            self.buffers = {kk: t for kk, t in self.buffers.items() if kk[0] != "attention"}
+            pair = (like.new_empty((b, h, tokens, d)), like.new_empty((b, h, tokens, d)))
+            self.buffers[key] = pair
+        return pair
+
+
+class AttentionInput:
+    """What a top-K layer's graph also assembles (kv/layer.py's recent window in a fixed buffer):
+    the keys and values its attention reads, in one buffer pair -- sinks, the gathered pages,
+    then the whole recent window (this step's tokens already written into it) -- so the attention
+    reads a prefix of them and no step concatenates anything. The same columns in the same order
+    as the concatenation they replace."""
+
+    def __init__(self, keys, values, sink_k, sink_v, win_k, win_v):
+        self.keys, self.values = keys, values
+        self.sink_k, self.sink_v, self.win_k, self.win_v = sink_k, sink_v, win_k, win_v
+        self.sinks = sink_k.shape[2]
+
+    def key(self) -> tuple:
+        return (self.keys.data_ptr(), self.values.data_ptr(), self.sink_k.data_ptr(),
+                self.sink_v.data_ptr(), self.sinks, self.win_k.data_ptr(), self.win_v.data_ptr(),
+                self.keys.shape[2], self.win_k.shape[2])
+
+    def fill(self, pk: torch.Tensor, pv: torch.Tensor) -> None:
+        """Sinks, pages ``pk``/``pv`` and the recent window into the buffers (device copies)."""
+        s, n, w = self.sinks, pk.shape[2], self.win_k.shape[2]
+        for out, sink, pages, win in ((self.keys, self.sink_k, pk, self.win_k),
+                                      (self.values, self.sink_v, pv, self.win_v)):
+            if s:
+                out[:, :, :s].copy_(sink)
+            out[:, :, s:s + n].copy_(pages)
+            out[:, :, s + n:s + n + w].copy_(win)
 
 
 class SelectGraph:
     """The captured choice + gather of one layer for fixed shapes and buffers (``key``)."""
 
     def __init__(self, key, summaries, span, query, k, scale, window_pages, out_rows, pool,
-                 page_cache=None):
+                 page_cache=None, attention: AttentionInput | None = None):
         self.key = key
+        self.attention = attention
         self.summaries, self.span = summaries, span
         self.page_cache = page_cache  # kv/pagecache.py: hits from the device slots
         self.k, self.scale, self.window_pages = k, scale, window_pages
@@ -88,15 +132,20 @@ class SelectGraph:
             self.page_cache.gather_into(self.span, chosen, self.out_rows)
         else:
             self.span.gather_into(chosen, self.out_rows)
+        if self.attention is not None:
+            self.attention.fill(*self.span.unpack(self.out_rows, chosen.shape[0], self.k))
         return chosen
 
     def replay(self, query):
-        """-> chosen ``[b, k]``, keys, values ``[b, kv_heads, k * page_tokens, head_dim]``."""
+        """-> chosen ``[b, k]``, keys, values ``[b, kv_heads, k * page_tokens, head_dim]`` (with
+        an ``AttentionInput``: chosen, None, None -- the pages are in its buffers)."""
         self.query.copy_(query)
         self.graph.replay()
         if self.restore_after_replay:
             self.page_cache.restore(self.counted)
             self.restore_after_replay = False
+        if self.attention is not None:
+            return self.chosen, None, None
         return (self.chosen, *self.span.unpack(self.out_rows, self.chosen.shape[0], self.k))
 
 
@@ -109,10 +158,11 @@ class LayerGraphs:
         self.failed = False
         self.captures = 0
 
-    def select(self, cache, layer, span, query, k, page_cache=None):
+    def select(self, cache, layer, span, query, k, page_cache=None, attention=None):
         """Chosen pages and their keys and values through the graph, or None (use the eager
         path). With ``page_cache`` (kv/pagecache.py) ``span`` is its view of host pages and
-        slots, and the graph keeps the chosen pages in the slots."""
+        slots, and the graph keeps the chosen pages in the slots. With ``attention``
+        (``AttentionInput``) the graph also assembles the attention's keys and values there."""
         if self.failed:
             return None
         summaries = layer.summaries
@@ -120,13 +170,15 @@ class LayerGraphs:
         out = cache._select_out.get(span, b, k, query.device)
         key = (summaries.n, k, id(span), summaries.minmax.data_ptr(), out.data_ptr(),
                tuple(query.shape), query.dtype, cache.scale, cache.window_pages,
-               page_cache.key() if page_cache is not None else None)
+               page_cache.key() if page_cache is not None else None,
+               attention.key() if attention is not None else None)
         if self.graph is None or self.graph.key != key:
             self.graph = None
             self.captures += 1
             try:
                 self.graph = SelectGraph(key, summaries, span, query, k, cache.scale,
-                                         cache.window_pages, out, cache._graph_pool(), page_cache)
+                                         cache.window_pages, out, cache._graph_pool(), page_cache,
+                                         attention)
             except Exception as exc:  # refused by torch or the driver: eager from now on
                 self.failed = True
                 log.warning("layer %d: top-K choice and gather not captured as a CUDA graph "

@@ -50,6 +50,13 @@ class TieredLayer(CacheLayerMixin):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sink_k = self.sink_v = None
         self.recent_k = self.recent_v = None
+        # a top-K layer whose choice runs as a captured graph keeps its recent window in fixed
+        # buffers (recent_k/v are views of their first tokens): a step writes its tokens in
+        # place, and the graph copies the window into the attention's buffers (kv/graphs.py,
+        # AttentionInput) -- no concatenation per step
+        self.win_k = self.win_v = None
+        self._win_ahead = 0  # tokens of the running step already written into the window
+        self._joined = None  # (keys, values) of the running step, assembled by the graph
         self.summaries = PageSummaries()
         # pruning with lossless recall (top_k_pages None) never ranks pages: no summaries kept
         self.keeps_summaries = cache.prune is None or cache.top_k_pages is not None
@@ -153,7 +160,9 @@ class TieredLayer(CacheLayerMixin):
     def gpu_bytes(self) -> int:
         if not self.is_initialized:
             return 0
-        tensors = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
+        recent = ((self.recent_k, self.recent_v) if self.win_k is None
+                  else (self.win_k, self.win_v))  # the window's whole capacity
+        tensors = (self.sink_k, self.sink_v, *recent)
         total = sum(t.numel() * t.element_size() for t in tensors) + self.summaries.gpu_bytes()
         if self.mirror is not None:
             total += self.mirror.nbytes()
@@ -206,13 +215,15 @@ class TieredLayer(CacheLayerMixin):
             else:
                 k_parts, v_parts, cols = self._past(query, q_len, pad_mask is not None)
             keys = [] if self.prune is not None else None
+            joined, self._joined = self._joined, None
             out = attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scaling,
                                  length=self.length, prefill_chunk=cache.prefill_chunk,
-                                 keys_out=keys)
+                                 keys_out=keys, joined=joined)
             if self.prune is not None:
                 shares = self.prune.shares(query, keys[0], cols, pad_mask, scaling, q_len)
         except BaseException:
             self.pending = None
+            self._joined = None
             cache._poison(f"layer {self.index} failed during attention")
             raise
         self.pending = None
@@ -262,13 +273,19 @@ class TieredLayer(CacheLayerMixin):
         elif (cache.page_cache and self.page_cache is not None
               and not self.page_cache.refused):
             self.page_cache.refuse()  # a chunk was spilled: no single view any more
+        attention = None
         if (cache.select_graphs and graphs.applies(self.device) and cache.score == "hybrid"
                 and not self.lost_pages):
             span = span if pc is not None else self.pages.span()
             if span is not None:
-                got = self.graphs.select(cache, self, span, query, k, pc)
+                attention = self._window_ahead(k)
+                got = self.graphs.select(cache, self, span, query, k, pc, attention)
         if got is not None:
             chosen, pk, pv = got
+            if attention is not None:  # the graph assembled sinks, pages, window and new tokens
+                n = attention.sinks + k * cache.page_tokens + self.recent_k.shape[2] + q_len
+                self._joined = (attention.keys[:, :, :n], attention.values[:, :, :n])
+                pk = pv = None
             if pc is None:  # with the page cache its misses are the pages fetched (stats)
                 cache.counters["pages_fetched"] += self.batch * k
         else:
@@ -299,21 +316,74 @@ class TieredLayer(CacheLayerMixin):
     def _commit(self, k_new, v_new):
         cache = self._cache
         t = k_new.shape[2]
+        ahead, self._win_ahead = self._win_ahead, 0
         take = min(cache.sink_tokens - self.sinks, t)
         if take > 0:
             self.sink_k = torch.cat((self.sink_k, k_new[:, :, :take]), 2)
             self.sink_v = torch.cat((self.sink_v, v_new[:, :, :take]), 2)
             k_new, v_new = k_new[:, :, take:], v_new[:, :, take:]
+        p = cache.page_tokens
+        r = self.recent_k.shape[2]
+        if self.win_k is not None and (ahead or r + t - take <= self.win_k.shape[2]):
+            self._commit_window(k_new, v_new, r, ahead)
+            return
+        if self.win_k is not None:  # more tokens than the window holds (a prompt chunk)
+            self.win_k = self.win_v = None
         recent_k = torch.cat((self.recent_k, k_new), 2)
         recent_v = torch.cat((self.recent_v, v_new), 2)
         self.length += t
-        p = cache.page_tokens
         n = max(0, recent_k.shape[2] - cache.gpu_tokens) // p
         if n and cache.gpu_tokens + p <= recent_k.shape[2]:
             self._write_pages(recent_k[:, :, :n * p], recent_v[:, :, :n * p])
             recent_k = recent_k[:, :, n * p:].clone()
             recent_v = recent_v[:, :, n * p:].clone()
         self.recent_k, self.recent_v = recent_k, recent_v
+
+    def _commit_window(self, k_new, v_new, r, ahead):
+        """``_commit`` with the recent window in its fixed buffers: the tokens written in place
+        (unless written ahead of the attention), full pages out, the rest moved to the front."""
+        cache = self._cache
+        p = cache.page_tokens
+        t = k_new.shape[2]
+        if not ahead:
+            self.win_k[:, :, r:r + t].copy_(k_new)
+            self.win_v[:, :, r:r + t].copy_(v_new)
+        self.length += t
+        r += t
+        n = max(0, r - cache.gpu_tokens) // p
+        if n and cache.gpu_tokens + p <= r:
+            self._write_pages(self.win_k[:, :, :n * p], self.win_v[:, :, :n * p])
+            rest = r - n * p
+            for win in (self.win_k, self.win_v):
+                win[:, :, :rest].copy_(win[:, :, n * p:r].clone())
+            r = rest
+        self.recent_k, self.recent_v = self.win_k[:, :, :r], self.win_v[:, :, :r]
+
+    def _window_ahead(self, k: int):
+        """The graph path of a decode step: this step's tokens written into the recent window
+        (made on first use) ahead of the attention, and the ``AttentionInput`` the graph fills
+        -> None where the window cannot hold them."""
+        from .graphs import AttentionInput
+
+        cache = self._cache
+        k_new, v_new = self.pending
+        r, t = self.recent_k.shape[2], k_new.shape[2]
+        cap = cache.gpu_tokens + cache.page_tokens + cache.select_max_queries
+        if self.sinks < cache.sink_tokens or r + t > cap:
+            return None
+        if self.win_k is None or self.win_k.shape[2] != cap:
+            b, h, _, d = self.recent_k.shape
+            win_k = self.recent_k.new_zeros((b, h, cap, d))
+            win_v = self.recent_v.new_zeros((b, h, cap, d))
+            win_k[:, :, :r].copy_(self.recent_k)
+            win_v[:, :, :r].copy_(self.recent_v)
+            self.win_k, self.win_v = win_k, win_v
+            self.recent_k, self.recent_v = win_k[:, :, :r], win_v[:, :, :r]
+        self.win_k[:, :, r:r + t].copy_(k_new)
+        self.win_v[:, :, r:r + t].copy_(v_new)
+        self._win_ahead = t
+        keys, values = cache._select_out.attention(k_new, self.sinks + k * cache.page_tokens + cap)
+        return AttentionInput(keys, values, self.sink_k, self.sink_v, self.win_k, self.win_v)
 
     def _write_pages(self, keys, values):
         """Full pages leave the recent window: summaries on the device (when top-K reads them), BICL

@@ -32,3 +32,26 @@ def test_the_tiered_attention_and_the_serve_runner_use_it():
     import deepseek_flash.serve.runner as runner
 
     assert compute.sdpa_backends is sdpa_backends and runner.sdpa_backends is sdpa_backends
+
+
+def test_the_flags_are_those_of_torchs_sdpa_kernel_and_an_outer_choice_comes_back():
+    # the few-calls context (deepseek_flash.cuda._SdpaFlags) sets what torch's sdpa_kernel sets
+    # for the same backends, every flag, and puts back a state the caller had changed
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def flags():
+        return (*_enabled(), torch._C._get_overrideable_sdp_enabled())
+
+    with sdpa_kernel([getattr(SDPBackend, name) for name in SDPA_BACKENDS]):
+        want = flags()
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        before = flags()
+        with sdpa_backends("cuda"):
+            assert flags() == want
+            with sdpa_backends("cuda"):  # nested: nothing to change, nothing changed after
+                assert flags() == want
+            assert flags() == want
+        assert flags() == before and before[1] is False
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)

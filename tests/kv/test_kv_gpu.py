@@ -63,13 +63,17 @@ def test_topk_one_gather_on_cuda_equals_copied_pages():
     assert torch.equal(t1, t2) and torch.equal(l1, l2)
 
 
-def test_topk_captured_graphs_equal_the_eager_steps(caplog):
-    # the choice and gather of each top-K layer replayed as a CUDA graph: the same tokens and
-    # logits as the eager steps, across page boundaries (recaptures) and with batch 2
+@pytest.mark.parametrize("batch,dtype", [(2, torch.float32), (1, torch.bfloat16)])
+def test_topk_captured_graphs_equal_the_eager_steps(caplog, batch, dtype):
+    # the choice and gather of each top-K layer replayed as a CUDA graph, which also assembles
+    # the attention's keys and values (sinks, pages, the recent window in its fixed buffer): the
+    # same tokens and logits as the eager steps' concatenations, across page boundaries
+    # (recaptures); batch 2 with padding (a mask), and batch 1 in bf16 (the flash kernel over a
+    # prefix of the assembled buffers)
     import logging
 
-    model = tiny_model(layers=3).cuda()
-    ids, mask = _prompt(2)
+    model = tiny_model(layers=3).cuda().to(dtype)
+    ids, mask = _prompt(batch)
     runs = []
     for graphs in (False, True):
         cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
@@ -80,6 +84,7 @@ def test_topk_captured_graphs_equal_the_eager_steps(caplog):
         captured = [layer.graphs.graph is not None for layer in cache.layers]
         assert captured == ([False, True, True] if graphs else [False, False, False])
         assert not any(layer.graphs.failed for layer in cache.layers)
+        assert [layer.win_k is not None for layer in cache.layers] == [False, graphs, graphs]
         cache.close()
     assert "not captured" not in caplog.text and "failed to replay" not in caplog.text
     (t1, l1), (t2, l2) = runs

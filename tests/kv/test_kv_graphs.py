@@ -78,7 +78,19 @@ def test_captured_choice_and_gather_equal_the_eager_steps(emulated, batch):
     for layer in graphed.layers[1:]:
         assert 1 <= layer.graphs.captures <= 6
     shapes = {layer.graphs.graph.out_rows.shape for layer in graphed.layers[1:]}
-    assert len(graphed._select_out.buffers) == len(shapes)  # one buffer per row shape
+    buffers = graphed._select_out.buffers
+    rows = [key for key in buffers if key[0] != "attention"]
+    assert len(rows) == len(shapes)  # one buffer per row shape
+    # and one pair for the attention's keys and values (sinks, pages, the whole recent window):
+    # the graphs assembled them, no step concatenated anything
+    (attention,) = [key for key in buffers if key[0] == "attention"]
+    k = graphed.layers[1].graphs.graph.k
+    assert attention[3] == 4 + k * 32 + 64 + 32 + 16
+    for layer in graphed.layers[1:]:
+        assert layer.win_k.shape[2] == 64 + 32 + 16
+        assert layer.recent_k.data_ptr() == layer.win_k.data_ptr()
+        assert layer.graphs.graph.attention is not None
+    assert eager.layers[1].win_k is None
     graphed.close()
     assert all(layer.graphs.graph is None for layer in graphed.layers)
 
