@@ -6,13 +6,18 @@
 #                                            starts (~115 s on a fresh machine; the imports
 #                                            beside the IO engine at PATHS_BESIDE_ENGINE, default
 #                                            32x1MiB, '' to skip: ~12 s each)
+#   bash bench/gpu_paths.sh OUTDIR imports [ARCH]  (default qwen2; its store made if missing) the
+#         skeleton's imports in a fresh interpreter, cache dropped: alone, beside the IO engine
+#         reading the store at each PATHS_IMPORTS_ENGINE shape (default 32x1MiB,4x4MiB,1x4MiB) and
+#         beside dd; ~10-15 s each, no daemon
 #   bash bench/gpu_paths.sh OUTDIR windows [ARCH...]   per arch (default llama qwen2 mistral),
 #         one process: stream batch 1, 8 with the default window and with prefetch_window 1 (a
 #         ring of two, an experiment), accelerate each token timed (median, spread); ~100 s an
 #         arch on a fresh machine (write + pack ~35 s); PATHS_BUDGET_S=N skips an arch that would
 #         start after N - PATHS_ARCH_S (default 100) s; an arch's files are deleted before the next when the disk is short;
 #         PATHS_STREAM_ARGS: more bench/stream.py flags, e.g. "--skip-accelerate --skip-resident"
-#         (the windows' bound check alone, ~65 s an arch)
+#         (the windows' bound check alone, ~65 s an arch), "--windows default,cudnn,default" (the
+#         default; then with torch's own attention kernels, cuDNN's included; the default again)
 # Each step writes its JSON under OUTDIR as it goes; a short table comes last.
 set -u -o pipefail
 out=${1:-/tmp/flash-paths}
@@ -46,6 +51,13 @@ if [ "$part" = cold ]; then
     --beside-engine "${PATHS_BESIDE_ENGINE-32x1MiB}" \
     --output "$out/paths-$arch.json" > "$out/cold.log" 2>&1
   rc=$?; echo "cold: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$out/cold.log"
+elif [ "$part" = imports ]; then
+  arch=${3:-qwen2}
+  python3 bench/stream.py --arch "$arch" --dir $work --prepare-only > "$logs/prep-$arch.txt" 2>&1
+  python3 bench/paths.py --arch "$arch" --dir $work --only imports \
+    --beside-engine "${PATHS_IMPORTS_ENGINE-32x1MiB,4x4MiB,1x4MiB}" \
+    --output "$out/imports-$arch.json" > "$logs/imports-$arch.log" 2>&1
+  rc=$?; echo "imports: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$logs/imports-$arch.log"
 elif [ "$part" = windows ]; then
   archs=${*:3}
   for a in ${archs:-llama qwen2 mistral}; do
@@ -101,7 +113,14 @@ for p in sorted(out.glob("stream-*.json")):
         print(f"  window {w}: plan {r.get('plan')} tok/s {r.get('streamed_tok_s')} vs_bound {r.get('vs_bound')} "
               f"x{r.get('vs_accelerate')} range {r.get('vs_accelerate_range')} medians x{r.get('vs_accelerate_median_tokens')} "
               f"b1 tokens ms {(r.get('batch1_tokens') or {}).get('token_ms')} hit {r.get('steady_prefetch_hit_rate')} "
-              f"same_tokens {r.get('tokens_identical_to_resident')} decisions {r.get('window_decisions_by_batch')}")
+              f"same_tokens {r.get('tokens_identical_to_resident')} decisions {r.get('window_decisions_by_batch')} "
+              f"copy_idle {r.get('batch1_copy_idle')} gc_ms {r.get('gc_pauses_ms')} {r.get('attention', '')}")
+for p in sorted(out.glob("imports-*.json")):
+    d = json.loads(p.read_text()).get("imports", {})
+    print("imports alone (cache dropped):", d.get("alone_cold"))
+    for spec, r in (d.get("beside_engine") or {}).items():
+        print(f"imports beside engine {spec}:", json.dumps(r))
+    print("imports beside dd:", d.get("beside_dd"))
 for p in sorted(out.glob("paths-*.json")):
     d = json.loads(p.read_text())
     for cache, e in d.get("attach", {}).items():

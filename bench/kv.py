@@ -167,8 +167,19 @@ def profile_steps(model, cache, tok, device, path: Path, steps: int = 2) -> dict
         except Exception:  # a sort key this torch does not know
             continue
     table = table if table is not None else events.table(row_limit=40)
+    if keys:  # and where the host's time goes (launches, graph replays, dispatch)
+        try:
+            table += ("\n\nby host time:\n"
+                      + events.table(sort_by="self_cpu_time_total", row_limit=40))
+        except Exception:
+            pass
     path.write_text(table + "\n")
-    return {"wall_ms_per_step": round(wall * 1e3 / steps, 2),
+    host = {e.key: e for e in events if e.key in ("cudaGraphLaunch", "cudaLaunchKernel")}
+    launches = {f"{name}_per_step": host[name].count / steps for name in host}
+    launches.update({f"{name}_us_per_call": round(host[name].self_cpu_time_total
+                                                  / max(1, host[name].count), 2)
+                     for name in host})
+    return {**launches, "wall_ms_per_step": round(wall * 1e3 / steps, 2),
             "device_ms_per_step": round(device_us / 1e3 / steps, 2),
             "kernels_per_step": kernels / steps, "aten_ops_per_step": ops / steps,
             "table": path.name}

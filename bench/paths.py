@@ -22,7 +22,11 @@ Default configuration everywhere except the host cache size (the machine's sizin
   engine at each ``--beside-engine`` depth x request size, 32 x 1 MiB being the daemon's); with
   ``--diagnose`` also again beside ``dd`` reading the model's file (``skeleton_beside_dd``) and
   the cold load again after a fresh daemon start with the class imported
-  (``model_class_imported``: the disk -> GPU path alone).
+  (``model_class_imported``: the disk -> GPU path alone);
+* imports (``--only imports``, no daemon, no GPU work) -- the skeleton's imports in a fresh
+  interpreter, page cache dropped: alone, then beside the IO engine reading the model's file at
+  each ``--beside-engine`` shape, and beside ``dd`` (4 MiB, one at a time): which read pattern
+  slows the client's imports, and each reader's rate.
 
     python bench/paths.py --arch llama --dir /var/tmp/flash-bench --output paths.json
 """
@@ -411,6 +415,35 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
         save(res, args.output)
 
 
+def imports_phase(res, args, store_dir, data) -> None:
+    """``--only imports``: the skeleton's imports alone and beside each reader (see the module
+    docstring); nothing else runs."""
+    from deepseek_flash.daemon.config import parse_size
+
+    out = res.setdefault("imports", {})
+    out["alone_cold"] = {"cache_dropped": drop_caches(), **run_script(SKELETON_ALONE_SCRIPT, store_dir)}
+    out["alone_cold"].pop("profile", None)
+    save(res, args.output)
+    for spec in filter(None, args.beside_engine.split(",")):
+        depth, _, request = spec.partition("x")
+        out.setdefault("beside_engine", {})[spec] = skeleton_beside_engine(
+            store_dir, data, int(depth), parse_size("request", request))
+        save(res, args.output)
+    drop_caches()
+    reader = subprocess.Popen(["sh", "-c", 'while :; do dd if="$0" of=/dev/null iflag=direct '
+                               'bs=4M 2>/dev/null || exit 1; done', str(data)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        out["beside_dd"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
+        out["beside_dd"].pop("profile", None)
+        out["beside_dd"]["dd_still_reading"] = reader.poll() is None
+    finally:
+        os.killpg(reader.pid, signal.SIGKILL)
+        reader.wait()
+    save(res, args.output)
+
+
 def _gib(text: str) -> float:
     from deepseek_flash.daemon.config import parse_size
 
@@ -427,7 +460,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hog", default="100GiB", help="GPU memory another process holds")
     parser.add_argument("--raw-bytes", default="all",
                         help="bytes of the model's file the raw readers read (all: what the load reads)")
-    parser.add_argument("--only", choices=("all", "attach", "shared_gpu_cold"), default="all")
+    parser.add_argument("--only", choices=("all", "attach", "shared_gpu_cold", "imports"),
+                        default="all")
     parser.add_argument("--diagnose", action="store_true",
                         help="shared_gpu_cold: also the skeleton beside dd and a second cold load "
                              "with the model class imported (~40 s more)")
@@ -446,11 +480,15 @@ def main(argv=None) -> int:
     store = Store.open(store_dir)
     nbytes = store.total_bytes
     res = {"benchmark": "paths", "arch": args.arch, "date": datetime.date.today().isoformat(),
-           "host": platform.node(), "gpu": torch.cuda.get_device_name(0), "model_bytes": nbytes}
+           "host": platform.node(),
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+           "model_bytes": nbytes}
     if args.only in ("all", "attach"):
         attach_phase(res, args, store_dir, nbytes)
     if args.only in ("all", "shared_gpu_cold"):
         shared_gpu_cold_phase(res, args, store_dir, store.data_path(store.blocks[0]), nbytes)
+    if args.only == "imports":
+        imports_phase(res, args, store_dir, store.data_path(store.blocks[0]))
     goals = {}
     for cache, entry in res.get("attach", {}).items():
         for kind in ("streaming", "resident"):

@@ -94,16 +94,65 @@ def spread(seconds: list[float]) -> dict:
             "token_ms": [round(t * 1e3, 1) for t in seconds]}
 
 
+class _GcPauses:
+    """The garbage collector's pauses while it is entered (gc.callbacks): generation and ms."""
+
+    def __enter__(self):
+        import gc
+
+        self.pauses, self._t = [], None
+        gc.callbacks.append(self._callback)
+        return self
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.pauses.append((info["generation"], round((time.perf_counter() - self._t) * 1e3, 2)))
+
+    def __exit__(self, *exc):
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+
+def copy_idle(trace: list[dict], layers: int) -> dict:
+    """Where the copy stream idled in a ``StreamRuntime.copy_trace``: per streamed layer index,
+    the mean gap (ms) between the previous copy's end and this copy's start, and per pass the
+    copies' busy time and the idle time, over the passes traced whole."""
+    by_pass: dict = {}
+    prev_end = None
+    for c in trace:
+        gap = None if prev_end is None else max(0.0, c["start_ms"] - prev_end)
+        by_pass.setdefault(c["pass"], {})[c["idx"]] = (gap, c["end_ms"] - c["start_ms"])
+        prev_end = c["end_ms"]
+    whole = [p for p in by_pass.values() if len(p) == layers and all(g is not None for g, _ in p.values())]
+    if not whole:
+        return {}
+    return {"passes": len(whole),
+            "busy_ms_per_pass": round(sum(sum(d for _, d in p.values()) for p in whole) / len(whole), 2),
+            "idle_ms_per_pass": round(sum(sum(g for g, _ in p.values()) for p in whole) / len(whole), 2),
+            "idle_before_idx_ms": [round(sum(p[i][0] for p in whole) / len(whole), 2)
+                                   for i in range(layers)]}
+
+
 def streamed_run(store, store_dir, client, budget, context, batches, tokens, h2d, resident_tok_s,
-                 resident_out, device="cuda:0") -> dict:
+                 resident_out, device="cuda:0", cudnn: bool = False) -> dict:
     """One streamed load under ``budget`` with ``flash_context`` ``context`` (None: the default
-    a user gets): its plan, tok/s per batch against the bound, hit rate, stalls, window decisions."""
+    a user gets): its plan, tok/s per batch against the bound, hit rate, stalls, window decisions,
+    the collector's pauses while decoding, where the copy stream idled (batch 1). ``cudnn``: an
+    experiment -- the model's attention left to torch's own choice of kernel (cuDNN's included,
+    as before ``load_model`` left it out)."""
     import torch
     from deepseek_flash.client.model import load_model
+    from deepseek_flash.cuda import unwrapped_forward
 
     res = {"flash_context": context or "default"}
     streamed = load_model(store_dir, device=device, client=client, weight_budget=budget,
                           flash_context=context)
+    if cudnn:
+        unwrapped_forward(streamed)
+        res["attention"] = "torch's choice (cuDNN allowed)"
     runtime = streamed.flash.stream
     plan = runtime.plan
     per_token = sum(store.block(b).length for layer in plan.streamed_layers
@@ -120,9 +169,12 @@ def streamed_run(store, store_dir, client, budget, context, batches, tokens, h2d
     res["tokens_identical_to_resident"] = {}
     res["vs_bound"] = {}
     res["window_decisions_by_batch"] = {}
+    res["gc_pauses_ms"] = {}
     for b in batches:
         before = runtime.stats()
-        rate, out = decode_rate(streamed, b, tokens, device)
+        with _GcPauses() as gcp:
+            rate, out = decode_rate(streamed, b, tokens, device)
+        res["gc_pauses_ms"][b] = gcp.pauses
         after = runtime.stats()
         bound = min(b * link1, resident_tok_s.get(b, b * link1))
         res["streamed_tok_s"][b] = round(rate, 3)
@@ -144,7 +196,9 @@ def streamed_run(store, store_dir, client, budget, context, batches, tokens, h2d
             res["prefetch_window_final"] = after["prefetch_window"]
             res["window_decisions"] = after["decisions"][-5:]
             # Each token timed alone too, as accelerate's are: the like-for-like ratio.
+            runtime.trace_copies(limit=(tokens + 4) * runtime.m)
             res["batch1_tokens"] = spread(token_times(streamed, tokens, 1, device))
+            res["batch1_copy_idle"] = copy_idle(runtime.copy_trace(), runtime.m)
     streamed.flash.close()
     client.unload(streamed.flash.info.name, tier="device")
     # Every view of the arena must go before the next load maps its own.
@@ -168,7 +222,9 @@ def main(argv=None) -> int:
                         help="streamed runs, one after the other in this run: 'default' (the "
                              "prefetch_window a user gets) and/or explicit windows to compare, "
                              "e.g. 'default,1' (an experiment: the ring has window + 1 slots, out "
-                             "of the same budget); the first one sets the top-level results")
+                             "of the same budget), 'cudnn' (the default with torch's own choice of "
+                             "attention kernel); a name given again runs again (its key gets "
+                             "'#2'); the first one sets the top-level results")
     parser.add_argument("--accelerate-tokens", type=int, default=8,
                         help="accelerate's decode tokens, each timed alone (after the warm-up)")
     parser.add_argument("--accelerate-warmup", type=int, default=2)
@@ -239,13 +295,17 @@ def main(argv=None) -> int:
     res["windows"] = {}
     for name in args.windows.split(","):
         phase = time.perf_counter()
-        context = None if name == "default" else {"prefetch_window": int(name)}
+        context = None if name in ("default", "cudnn") else {"prefetch_window": int(name)}
         run = streamed_run(store, store_dir, client, budget, context, batches, args.tokens, h2d,
-                           res["resident_tok_s"], resident_out)
-        res["windows"][name] = run
+                           res["resident_tok_s"], resident_out, cudnn=name == "cudnn")
+        key, again = name, 1
+        while key in res["windows"]:
+            again += 1
+            key = f"{name}#{again}"
+        res["windows"][key] = run
         if len(res["windows"]) == 1:
             res.update(run)
-        res.setdefault("phase_s", {})[f"streamed_{name}"] = round(time.perf_counter() - phase, 1)
+        res.setdefault("phase_s", {})[f"streamed_{key}"] = round(time.perf_counter() - phase, 1)
         save(res, args.output)
     client.close()
     del client

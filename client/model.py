@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 
+from ..cuda import attention_without_cudnn
 from ..errors import BudgetTooSmall, ConfigError, DeviceMapError, FlashIOError
 from ..sizes import parse_size
 from ..store.views import block_tensors
@@ -294,6 +295,9 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
                                         owns_client, lap, imports)
             handle.imports = imports
             model.flash = handle
+            cuda_parts = [p.part.device for p in handle.parts if str(p.part.device).startswith("cuda")]
+            if cuda_parts:
+                attention_without_cudnn(model, cuda_parts[0])
             timings.update(handle.timings)
             handle.timings = timings
             timings["total_ms"] = round(sum(timings.values()), 3)
@@ -326,6 +330,8 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
 
             handle._hooks = install(model, *tp)
         model.flash = handle
+        # Eager steps too (the graph decoder and serve set the same kernels themselves).
+        attention_without_cudnn(model, dev)
         from ..decode.engine import for_loaded_model    # imports transformers: after the attach
 
         mode, reason = resolve_decode_mode(decode, dev, tensor_parallel=tp is not None)

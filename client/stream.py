@@ -10,7 +10,10 @@ Per streamed layer, two hooks on the decoder layer (never per tensor) keep the r
   compute stream wait on the slot's *copy-done* event (the GPU waits, not the CPU);
 * post-forward: record the slot's *compute-done* event, then issue the copies of the next layers
   within the prefetch window whose slots are free; each copy first makes the copy stream wait on
-  the slot's compute-done event, so a slot is overwritten only after its last reader ran.
+  the slot's compute-done event, so a slot is overwritten only after its last reader ran. The
+  window may be every slot: the slot just computed is refilled at once (on the GPU, after that
+  compute), which matters between passes -- the host then samples a token and runs the resident
+  layers, issuing nothing, while the queued copies keep the link busy.
 
 Copies come from the client's own mapping of the host arena (page-locked once in this process)
 into the slots on a dedicated copy stream, so no request crosses the socket on the per-layer path.
@@ -151,7 +154,8 @@ class StreamRuntime(_Reporting):
         self.m = len(self.layers)
         self.ops = _CpuOps() if device == "cpu" else _CudaOps(int(device))
         self.is_cuda = device != "cpu"
-        self.controller = WindowController(window, low=min(1, window), high=self.n - 1 if self.n > 1 else 0)
+        # Up to every slot ahead: the copy into a slot waits (on the GPU) for its last reader.
+        self.controller = WindowController(window, low=min(1, window), high=self.n)
         self.copy_done = [self.ops.event() for _ in range(self.n)]
         self.compute_done = [self.ops.event() for _ in range(self.n)]
         self._slot_owner = [None] * self.n   # seq whose bytes the slot holds (or is receiving)
@@ -172,6 +176,8 @@ class StreamRuntime(_Reporting):
         self._timing: deque = deque()       # (start, end) timing events in flight, oldest first
         self._timing_pool: list = []
         self.host_side = None                # StreamedHost (daemon mode on a GPU), else None
+        self._copy_trace = None              # trace_copies(): (seq, start, end) timing events
+        self._copy_trace_limit = 0
         self.close_hooks: list = []          # run once at close (the host leases go back)
         self._slot_layout = {}
         for layer in self.layers:
@@ -214,6 +220,14 @@ class StreamRuntime(_Reporting):
         layer = self.layers[seq % self.m]
         slot = self._slot_of(seq)
         wait_for = self.compute_done[slot] if self._slot_owner[slot] is not None else None
+        traced = self._copy_trace is not None and len(self._copy_trace) < self._copy_trace_limit
+        if traced:
+            stream = self.ops.copy_stream
+            if wait_for is not None:
+                stream.wait_event(wait_for)
+                wait_for = None
+            start, end = self.ops.event(timing=True), self.ops.event(timing=True)
+            start.record(stream)
         for bid, offset in self._slot_layout[layer]:
             src_off = self.host_offsets.get(bid)
             if src_off is None:
@@ -224,6 +238,9 @@ class StreamRuntime(_Reporting):
             wait_for = None
             self.bytes_streamed += n
         self.ops.record_copy(self.copy_done[slot])
+        if traced:
+            end.record(stream)
+            self._copy_trace.append((seq, start, end))
         if self.is_cuda:
             self._in_flight.append((slot, self.bytes_streamed - self._issued_mark))
             self._issued_mark = self.bytes_streamed
@@ -353,6 +370,27 @@ class StreamRuntime(_Reporting):
                     "fabric_stall_cycles": int(self.stall_us * _sm_clock_mhz()),
                     "bytes_streamed": self.bytes_streamed, "passes": self.tokens,
                     "decisions": list(self.controller.decisions)}
+
+    def trace_copies(self, limit: int = 512) -> None:
+        """A diagnostic (CUDA): time the next ``limit`` layers' copies on the copy stream
+        (``copy_trace``), to see where the link idles. Off by default; a few microseconds a layer."""
+        with self._lock:
+            self._copy_trace = [] if self.is_cuda else None
+            self._copy_trace_limit = limit
+
+    def copy_trace(self) -> list[dict]:
+        """The traced copies, in issue order (= copy-stream order): the pass, the streamed
+        layer's index in it, start and end in ms from the first traced copy's start. Waits for
+        them; stops tracing."""
+        with self._lock:
+            trace, self._copy_trace = self._copy_trace or [], None
+        if not trace:
+            return []
+        trace[-1][2].synchronize()
+        first = trace[0][1]
+        return [{"pass": seq // self.m, "idx": seq % self.m,
+                 "start_ms": round(first.elapsed_time(start), 3),
+                 "end_ms": round(first.elapsed_time(end), 3)} for seq, start, end in trace]
 
     # --- static schedule (decode steps) ---------------------------------------------------------
     def hooked_modules(self) -> list:

@@ -49,8 +49,11 @@ def plan_residency(blocks, budget: int | None, prefetch_window, model: str = "mo
     ``prefetch_window`` sets the ring: ``prefetch_window + 1`` slots (at least two), fewer only
     when the budget cannot hold them; ``"auto"`` resolves it from the slot size and the link
     (``prefetch.auto_window``; ``link_bytes_per_s`` None: a nominal link). The plan's ``window``
-    is where the client's window starts. Raises ``BudgetTooSmall`` naming the sizes when the
-    budget cannot hold the anchors plus two slots.
+    is where the client's window starts: an explicit one as asked (at most the slots), ``"auto"``
+    the whole ring (``n_slots`` copies ahead: a slot is refilled as soon as its layer has run,
+    so between two tokens, while the host samples and runs the resident layers up to the first
+    streamed one, every slot's copy is on the link). Raises ``BudgetTooSmall`` naming the sizes
+    when the budget cannot hold the anchors plus two slots.
     """
     total = sum(_aligned(b.length) for b in blocks)
     if budget is None or budget >= total:
@@ -64,7 +67,8 @@ def plan_residency(blocks, budget: int | None, prefetch_window, model: str = "mo
             f"(embeddings, norms, attention, head) {anchor_bytes} bytes + {MIN_SLOTS} streaming "
             f"slots of {slot} bytes = {minimum} bytes", model=model, budget=budget,
             anchors=anchor_bytes, slot_bytes=slot, minimum=minimum)
-    if prefetch_window == AUTO:
+    auto = prefetch_window == AUTO
+    if auto:
         prefetch_window = auto_window(slot, link_bytes_per_s)
     wanted_slots = max(MIN_SLOTS, prefetch_window + 1)
     n_slots = max(MIN_SLOTS, min(wanted_slots, (budget - anchor_bytes) // slot))
@@ -87,4 +91,4 @@ def plan_residency(blocks, budget: int | None, prefetch_window, model: str = "mo
     return Plan(budget=budget, resident=resident, streamed_layers=streamed,
                 stream_blocks=stream_blocks, slot_bytes=slot, n_slots=n_slots,
                 resident_bytes=sum(_aligned(b.length) for b in blocks if b.id in resident_set),
-                window=min(prefetch_window, n_slots - 1))
+                window=n_slots if auto else min(prefetch_window, n_slots))

@@ -92,6 +92,37 @@ def sdpa_backends(device=None):
     return sdpa_kernel(list(_sdpa_backend_list()))
 
 
+def _is_cuda(device) -> bool:
+    return getattr(device, "type", str(device).split(":")[0]) == "cuda"
+
+
+def attention_without_cudnn(model, device) -> bool:
+    """Run every forward of ``model`` (``load_model``'s, as transformers' ``generate`` calls it)
+    under ``sdpa_backends(device)``: an eager decode step of an 8B shape otherwise pays cuDNN's
+    plan for each layer at each new key length (~2 ms of host time per layer and token on the
+    H200 machine: ~60 ms a token, which the copies of a streamed model cannot hide). Wraps the
+    instance's ``forward`` (no forward hook: a hooked model could not be captured in a CUDA
+    graph); ``unwrapped_forward`` undoes it. False (nothing done) where ``device`` is not CUDA."""
+    if not _is_cuda(device) or hasattr(model.forward, "__flash_sdpa__"):
+        return False
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with sdpa_backends(device):
+            return forward(*args, **kwargs)
+
+    run.__flash_sdpa__ = True
+    model.forward = run
+    return True
+
+
+def unwrapped_forward(model) -> None:
+    """Undo ``attention_without_cudnn`` (torch then chooses among all its kernels again)."""
+    if hasattr(model.forward, "__flash_sdpa__"):
+        del model.forward
+
+
 def nvidia_driver_present() -> bool:
     """Cheap test, without importing torch: is an NVIDIA kernel driver loaded here?"""
     import os

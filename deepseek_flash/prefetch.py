@@ -22,10 +22,15 @@ moves within ``[low, high]`` once per forward pass:
   fewer bytes on a link other clients share; a stall grows it back;
 * otherwise it holds.
 
-**Where it starts.** ``prefetch_window`` defaults to ``"auto"``: the planner resolves it from the
-plan with ``auto_window`` (two layers ahead -- one copy on the link, the next queued behind it --
+**Where it starts.** ``prefetch_window`` defaults to ``"auto"``: the planner sizes the ring with
+``auto_window`` (three slots -- one copy on the link, the next queued behind it, one computing --
 and more only where one slot's copy is so short that issuing the next copy would leave the link
-idle), so no user has to tune it. The daemon's read-ahead of stages uses ``readahead_window``.
+idle) and starts the window at the whole ring: a slot is refilled as soon as its layer has run
+(the copy waits on the GPU for that compute), so when a pass ends every slot's copy for the
+next pass is already on the link while the host samples the token and runs the resident layers
+up to the first streamed one -- the one stretch where it issues nothing. So no user has to tune
+it. An explicit ``prefetch_window`` is taken as asked. The daemon's read-ahead of stages uses
+``readahead_window``.
 
 **Whose traffic.** ``other_link_load`` is the only source of ``other_load``: the device's PCIe
 receive rate averaged over many of NVML's short (20 ms) samples spread over an interval, less the
@@ -62,7 +67,8 @@ def readahead_window(window) -> int:
 
 
 def auto_window(slot_bytes: int, link_bytes_per_s: float | None) -> int:
-    """The window ``prefetch_window: "auto"`` starts with, from the plan's slot size and the link.
+    """``prefetch_window: "auto"`` as a ring size: the planner gives it this + 1 slots (and the
+    client's window starts at all of them, see the module docstring).
 
     Two copies in flight keep the link busy while a layer computes (one on the link, the next
     queued), so 2 is enough wherever one slot's copy lasts longer than issuing the next one; for

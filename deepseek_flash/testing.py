@@ -65,15 +65,21 @@ def make_tiny_model(path, arch: str = "llama", *, dtype: str = "float32", seed: 
 
 
 def load_reference(path, dtype: str | None = None, device: str = "cpu"):
-    """The same model loaded by plain ``transformers`` -- what parity tests compare against."""
+    """The same model loaded by plain ``transformers`` -- what parity tests compare against --
+    with the attention kernels ``load_model`` gives its models on ``device`` (on CUDA every SDPA
+    kernel but cuDNN's: ``deepseek_flash.cuda.attention_without_cudnn``), so that parity is
+    about the bytes, not about which kernel torch picked."""
     import torch
     import transformers
+
+    from .cuda import attention_without_cudnn
 
     kwargs = {}
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
     model.eval()
+    attention_without_cudnn(model, torch.device(device))
     return model
 
 

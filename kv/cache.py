@@ -289,8 +289,8 @@ class TieredCache(Cache):
         At most ``COPIES_AHEAD`` layers' copies are held at a time (layers that copy nothing of
         their own, mirrored dense layers, would otherwise run the copies further and further
         ahead)."""
-        if len(self._prefetched) >= COPIES_AHEAD:
-            return None
+        if len(self._prefetched) >= COPIES_AHEAD or True not in every_page:
+            return None  # (a top-K step with its dense layers mirrored copies nothing ahead)
         n = len(self.layers)
         for ahead in range(1, n):
             i = (layer.index + ahead) % n

@@ -110,6 +110,10 @@ def attend_columns(query, k_parts, v_parts, cols, k_new, v_new, pad_mask, scalin
                 _LOWER_RIGHT[0] = False
                 log.warning("causal attention of prefill chunks with a built mask: torch refused "
                             "its lower-right causal bias (%s)", exc)
+    if valid is None and q_len == 1:
+        # a decode step without padding: no mask, one call over the whole keys (the loop below
+        # would slice them to the same length)
+        return sdpa(query, keys, values, None, False, scaling).transpose(1, 2).contiguous()
     outs = []
     step = q_len if q_len <= prefill_chunk else prefill_chunk
     for a in range(0, q_len, step):

@@ -69,31 +69,47 @@ class SharedOut:
 
 
 class AttentionInput:
-    """What a top-K layer's graph also assembles (kv/layer.py's recent window in a fixed buffer):
-    the keys and values its attention reads, in one buffer pair -- sinks, the gathered pages,
-    then the whole recent window (this step's tokens already written into it) -- so the attention
-    reads a prefix of them and no step concatenates anything. The same columns in the same order
-    as the concatenation they replace."""
+    """What a top-K layer's graph also does (kv/window.py): writes the step's keys and values
+    into the layer's recent window and assembles the keys and values its attention reads in one
+    buffer pair -- sinks, the gathered pages, then the whole window -- so the attention reads a
+    prefix of them and no step concatenates anything: the same columns in the same order as the
+    concatenation they replace. The step's query, keys and values reach the graph through the
+    window's fixed input buffers, all three in one ``_foreach_copy_``."""
 
-    def __init__(self, keys, values, sink_k, sink_v, win_k, win_v):
+    def __init__(self, keys, values, sink_k, sink_v, window, query, k_new, v_new):
         self.keys, self.values = keys, values
-        self.sink_k, self.sink_v, self.win_k, self.win_v = sink_k, sink_v, win_k, win_v
+        self.sink_k, self.sink_v, self.window = sink_k, sink_v, window
         self.sinks = sink_k.shape[2]
+        self.new = (query, k_new, v_new)
+        self.q_in, self.k_in, self.v_in, self.steps = window.inputs(query, k_new)
 
     def key(self) -> tuple:
+        w = self.window
         return (self.keys.data_ptr(), self.values.data_ptr(), self.sink_k.data_ptr(),
-                self.sink_v.data_ptr(), self.sinks, self.win_k.data_ptr(), self.win_v.data_ptr(),
-                self.keys.shape[2], self.win_k.shape[2])
+                self.sink_v.data_ptr(), self.sinks, w.keys.data_ptr(), w.values.data_ptr(),
+                w.pos.data_ptr(), self.q_in.data_ptr(), self.k_in.data_ptr(),
+                self.v_in.data_ptr(), self.keys.shape[2], w.capacity)
+
+    def load(self) -> None:
+        """Eagerly, before the replay: the window's device position, the step's inputs."""
+        self.window.sync_pos()
+        torch._foreach_copy_([self.q_in, self.k_in, self.v_in], list(self.new))
+
+    def replayed(self) -> None:
+        w = self.window
+        w.ahead = self.steps.shape[0]
+        w.pos_value = w.length + w.ahead
 
     def fill(self, pk: torch.Tensor, pv: torch.Tensor) -> None:
         """Sinks, pages ``pk``/``pv`` and the recent window into the buffers (device copies)."""
-        s, n, w = self.sinks, pk.shape[2], self.win_k.shape[2]
-        for out, sink, pages, win in ((self.keys, self.sink_k, pk, self.win_k),
-                                      (self.values, self.sink_v, pv, self.win_v)):
+        w = self.window
+        s, n, cap = self.sinks, pk.shape[2], w.capacity
+        for out, sink, pages, win in ((self.keys, self.sink_k, pk, w.keys),
+                                      (self.values, self.sink_v, pv, w.values)):
             if s:
                 out[:, :, :s].copy_(sink)
             out[:, :, s:s + n].copy_(pages)
-            out[:, :, s + n:s + n + w].copy_(win)
+            out[:, :, s + n:s + n + cap].copy_(win)
 
 
 class SelectGraph:
@@ -107,12 +123,22 @@ class SelectGraph:
         self.page_cache = page_cache  # kv/pagecache.py: hits from the device slots
         self.k, self.scale, self.window_pages = k, scale, window_pages
         self.out_rows = out_rows
-        self.query = torch.empty_like(query)
-        self.query.copy_(query)
+        if attention is not None:
+            self.query = attention.q_in  # loaded already (AttentionInput.load)
+            pos = attention.window.pos
+        else:
+            self.query = torch.empty_like(query)
+            self.query.copy_(query)
         side = torch.cuda.Stream(query.device)
         side.wait_stream(torch.cuda.current_stream(query.device))
         with torch.cuda.stream(side):
+            if attention is not None:
+                # the window's write position as before the runs here: the replay that follows
+                # writes this step's tokens (a capture runs nothing; an emulated one does)
+                self.pos_before = pos.clone()
             self._run()  # once eagerly: lazy initialisations (cuBLAS handles, ...) happen here
+            if attention is not None:
+                pos.copy_(self.pos_before)
             # with a page cache that eager run was this step's (its counts stand; the replay that
             # follows finds every page in the slots: counted again, then put back; the snapshot
             # is kept with the graph, never freed while the compute stream may still read it)
@@ -124,9 +150,14 @@ class SelectGraph:
                 self.chosen = self._run()
             finally:
                 self.graph.capture_end()
+            if attention is not None:
+                pos.copy_(self.pos_before)
         torch.cuda.current_stream(query.device).wait_stream(side)
 
     def _run(self) -> torch.Tensor:
+        a = self.attention
+        if a is not None:
+            a.window.write_at_pos(a.k_in, a.v_in, a.steps)
         chosen = self.summaries._choose_hybrid(self.query, self.k, self.scale, self.window_pages)
         if self.page_cache is not None:
             self.page_cache.gather_into(self.span, chosen, self.out_rows)
@@ -138,8 +169,10 @@ class SelectGraph:
 
     def replay(self, query):
         """-> chosen ``[b, k]``, keys, values ``[b, kv_heads, k * page_tokens, head_dim]`` (with
-        an ``AttentionInput``: chosen, None, None -- the pages are in its buffers)."""
-        self.query.copy_(query)
+        an ``AttentionInput``: chosen, None, None -- the pages are in its buffers; the query was
+        loaded with the step's keys and values)."""
+        if self.attention is None:
+            self.query.copy_(query)
         self.graph.replay()
         if self.restore_after_replay:
             self.page_cache.restore(self.counted)
@@ -172,6 +205,8 @@ class LayerGraphs:
                tuple(query.shape), query.dtype, cache.scale, cache.window_pages,
                page_cache.key() if page_cache is not None else None,
                attention.key() if attention is not None else None)
+        if attention is not None:
+            attention.load()
         if self.graph is None or self.graph.key != key:
             self.graph = None
             self.captures += 1
@@ -181,13 +216,20 @@ class LayerGraphs:
                                          attention)
             except Exception as exc:  # refused by torch or the driver: eager from now on
                 self.failed = True
+                if attention is not None:
+                    attention.window.pos_value = None
                 log.warning("layer %d: top-K choice and gather not captured as a CUDA graph "
                             "(%s); they run eagerly", layer.index, exc)
                 return None
         try:
-            return self.graph.replay(query)
+            got = self.graph.replay(query)
         except RuntimeError as exc:
             self.failed, self.graph = True, None
+            if attention is not None:
+                attention.window.pos_value = None
             log.warning("layer %d: the captured top-K graph failed to replay (%s); the choice "
                         "and gather run eagerly", layer.index, exc)
             return None
+        if attention is not None:
+            attention.replayed()
+        return got

@@ -20,7 +20,7 @@ except ImportError:  # transformers too old: TieredCache.for_model says so (KVUn
 from deepseek_flash.errors import KVCacheMismatch, KVError
 
 from .attention import _ACTIVE
-from .compute import attend_columns
+from .compute import attend_columns, sdpa
 from . import graphs
 from .graphs import LayerGraphs
 from .layout import pack_pages
@@ -30,6 +30,7 @@ from .pages import LayerPages
 from .prune.state import LayerPrune
 from .select import resolve_top_k
 from .summaries import PageSummaries
+from .window import RecentWindow
 
 
 class TieredLayer(CacheLayerMixin):
@@ -49,14 +50,14 @@ class TieredLayer(CacheLayerMixin):
         self.batch = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sink_k = self.sink_v = None
-        self.recent_k = self.recent_v = None
+        self._recent_k = self._recent_v = None
         # a top-K layer whose choice runs as a captured graph keeps its recent window in fixed
-        # buffers (recent_k/v are views of their first tokens): a step writes its tokens in
-        # place, and the graph copies the window into the attention's buffers (kv/graphs.py,
+        # buffers (kv/window.py; recent_k/v are then views of its first tokens): its graph writes
+        # the step's tokens there and assembles the attention's keys and values (kv/graphs.py,
         # AttentionInput) -- no concatenation per step
-        self.win_k = self.win_v = None
-        self._win_ahead = 0  # tokens of the running step already written into the window
+        self.window: RecentWindow | None = None
         self._joined = None  # (keys, values) of the running step, assembled by the graph
+        self._plan: StepPlan | None = None  # the graphed decode step, while it holds
         self.summaries = PageSummaries()
         # pruning with lossless recall (top_k_pages None) never ranks pages: no summaries kept
         self.keeps_summaries = cache.prune is None or cache.top_k_pages is not None
@@ -65,6 +66,32 @@ class TieredLayer(CacheLayerMixin):
         self.mirror: DenseMirror | None = None  # a dense layer's pages on the device as well
         self.page_cache: PageCache | None = None  # top-K: chosen pages kept on the device
         self.prune = LayerPrune(self, cache.prune) if cache.prune is not None else None
+
+    # --- the recent window: its own tensors, or views of a RecentWindow's buffers --------------
+    @property
+    def recent_k(self):
+        return self._recent_k if self.window is None else self.window.parts()[0]
+
+    @recent_k.setter
+    def recent_k(self, value):
+        self._recent_k = value
+
+    @property
+    def recent_v(self):
+        return self._recent_v if self.window is None else self.window.parts()[1]
+
+    @recent_v.setter
+    def recent_v(self, value):
+        self._recent_v = value
+
+    @property
+    def recent_tokens(self) -> int:
+        return self._recent_k.shape[2] if self.window is None else self.window.length
+
+    @property
+    def win_k(self):
+        """The window's key buffer (all of its capacity), or None."""
+        return self.window.keys if self.window is not None else None
 
     # --- the page store's state, as the layer's ------------------------------------------------
     @property
@@ -160,10 +187,11 @@ class TieredLayer(CacheLayerMixin):
     def gpu_bytes(self) -> int:
         if not self.is_initialized:
             return 0
-        recent = ((self.recent_k, self.recent_v) if self.win_k is None
-                  else (self.win_k, self.win_v))  # the window's whole capacity
-        tensors = (self.sink_k, self.sink_v, *recent)
+        tensors = (self.sink_k, self.sink_v) + ((self._recent_k, self._recent_v)
+                                                if self.window is None else ())
         total = sum(t.numel() * t.element_size() for t in tensors) + self.summaries.gpu_bytes()
+        if self.window is not None:
+            total += self.window.nbytes()  # all of its capacity
         if self.mirror is not None:
             total += self.mirror.nbytes()
         if self.page_cache is not None:
@@ -179,7 +207,7 @@ class TieredLayer(CacheLayerMixin):
         if not self.is_initialized:
             return [0, 0, 0]
         p = self._cache.page_tokens
-        on_device = self.sinks + self.recent_k.shape[2]
+        on_device = self.sinks + self.recent_tokens
         if self.prune is None:
             return [on_device, self.paged_tokens, 0]
         l1, l2, l3 = self.prune.level_pages()
@@ -208,6 +236,11 @@ class TieredLayer(CacheLayerMixin):
         cache = self._cache
         k_new, v_new = self.pending
         q_len = query.shape[2]
+        plan = self._plan
+        if plan is not None and pad_mask is None:
+            if plan.holds(self, cache, query):
+                return self._attend_planned(plan, query, k_new, v_new, scaling)
+            self._plan = None
         try:
             if self.prune is not None:
                 recall_all = self.dense or q_len > cache.select_max_queries
@@ -230,6 +263,38 @@ class TieredLayer(CacheLayerMixin):
         self._commit(k_new, v_new)
         if self.prune is not None:
             self.prune.committed(k_new, v_new, *shares, q_len)
+        return out
+
+    def _attend_planned(self, plan, query, k_new, v_new, scaling):
+        """``attend`` of a decode step that repeats the last one's path (``StepPlan``): the
+        captured graph replayed with the step's query, keys and values, the attention over the
+        prefix it assembled, the commit. Nothing decided again."""
+        cache = self._cache
+        window = self.window
+        try:
+            if cache.pinned:
+                if self.pages._unread_writes:
+                    self.pages.before_read()
+                if self.index in cache._prefetched:
+                    cache._drop_prefetched(self)
+                cache._prefetch_next(self)
+            window.sync_pos()
+            torch._foreach_copy_(plan.inputs, [query, k_new, v_new])
+            plan.graph.graph.replay()
+            window.ahead = plan.t
+            window.pos_value = window.length + plan.t
+            n = plan.before_window + window.length + plan.t
+            out = sdpa(query, plan.keys.narrow(2, 0, n), plan.values.narrow(2, 0, n), None, False,
+                       scaling).transpose(1, 2).contiguous()
+            if plan.fetched:
+                cache.counters["pages_fetched"] += plan.fetched
+        except BaseException:
+            self.pending = None
+            self._plan = None
+            cache._poison(f"layer {self.index} failed during attention")
+            raise
+        self.pending = None
+        self._commit(k_new, v_new)
         return out
 
     def _past(self, query, q_len, need_cols=True):
@@ -278,14 +343,15 @@ class TieredLayer(CacheLayerMixin):
                 and not self.lost_pages):
             span = span if pc is not None else self.pages.span()
             if span is not None:
-                attention = self._window_ahead(k)
+                attention = self._attention_input(query, k)
                 got = self.graphs.select(cache, self, span, query, k, pc, attention)
         if got is not None:
             chosen, pk, pv = got
             if attention is not None:  # the graph assembled sinks, pages, window and new tokens
-                n = attention.sinks + k * cache.page_tokens + self.recent_k.shape[2] + q_len
-                self._joined = (attention.keys[:, :, :n], attention.values[:, :, :n])
-                pk = pv = None
+                n = attention.sinks + k * cache.page_tokens + self.window.length + q_len
+                self._joined = (attention.keys.narrow(2, 0, n), attention.values.narrow(2, 0, n))
+                if not need_cols and q_len == 1:  # the next steps repeat this one's path
+                    self._plan = StepPlan(self, cache, query, attention, k, pc)
             if pc is None:  # with the page cache its misses are the pages fetched (stats)
                 cache.counters["pages_fetched"] += self.batch * k
         else:
@@ -295,13 +361,18 @@ class TieredLayer(CacheLayerMixin):
                 pk, pv = pc.gather(span, chosen)
             else:
                 pk, pv = self.pages.fetch_selected(chosen)
+        joined = self._joined is not None  # the parts are not read: no views made
         if not need_cols:
+            if joined:
+                return None, None, None
             return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], None
         p, s, b = cache.page_tokens, self.sinks, self.batch
         dev = chosen.device
         page_cols = (s + chosen[:, :, None] * p + torch.arange(p, device=dev)).reshape(b, -1)
         recent_cols = torch.arange(s + self.paged_tokens, self.length, device=dev).expand(b, -1)
         cols = torch.cat((torch.arange(s, device=dev).expand(b, s), page_cols, recent_cols), 1)
+        if joined:
+            return None, None, cols
         return [self.sink_k, pk, self.recent_k], [self.sink_v, pv, self.recent_v], cols
 
     def _cols_without_lost(self):
@@ -316,74 +387,69 @@ class TieredLayer(CacheLayerMixin):
     def _commit(self, k_new, v_new):
         cache = self._cache
         t = k_new.shape[2]
-        ahead, self._win_ahead = self._win_ahead, 0
+        window = self.window
+        ahead = 0
+        if window is not None:
+            ahead, window.ahead = window.ahead, 0
         take = min(cache.sink_tokens - self.sinks, t)
         if take > 0:
             self.sink_k = torch.cat((self.sink_k, k_new[:, :, :take]), 2)
             self.sink_v = torch.cat((self.sink_v, v_new[:, :, :take]), 2)
             k_new, v_new = k_new[:, :, take:], v_new[:, :, take:]
         p = cache.page_tokens
-        r = self.recent_k.shape[2]
-        if self.win_k is not None and (ahead or r + t - take <= self.win_k.shape[2]):
-            self._commit_window(k_new, v_new, r, ahead)
-            return
-        if self.win_k is not None:  # more tokens than the window holds (a prompt chunk)
-            self.win_k = self.win_v = None
-        recent_k = torch.cat((self.recent_k, k_new), 2)
-        recent_v = torch.cat((self.recent_v, v_new), 2)
+        if window is not None:
+            if ahead or window.length + t - take <= window.capacity:
+                self._commit_window(k_new, v_new, ahead)
+                return
+            self._plan = None
+            # more tokens than the window holds (a prompt chunk): plain tensors again
+            self._recent_k, self._recent_v = (x.clone() for x in window.parts())
+            self.window = None
+        recent_k = torch.cat((self._recent_k, k_new), 2)
+        recent_v = torch.cat((self._recent_v, v_new), 2)
         self.length += t
         n = max(0, recent_k.shape[2] - cache.gpu_tokens) // p
         if n and cache.gpu_tokens + p <= recent_k.shape[2]:
             self._write_pages(recent_k[:, :, :n * p], recent_v[:, :, :n * p])
             recent_k = recent_k[:, :, n * p:].clone()
             recent_v = recent_v[:, :, n * p:].clone()
-        self.recent_k, self.recent_v = recent_k, recent_v
+        self._recent_k, self._recent_v = recent_k, recent_v
 
-    def _commit_window(self, k_new, v_new, r, ahead):
-        """``_commit`` with the recent window in its fixed buffers: the tokens written in place
-        (unless written ahead of the attention), full pages out, the rest moved to the front."""
+    def _commit_window(self, k_new, v_new, ahead):
+        """``_commit`` with the recent window in its fixed buffers (kv/window.py): the tokens
+        written in place (unless the graph wrote them), full pages out, the rest to the front."""
         cache = self._cache
+        window = self.window
         p = cache.page_tokens
         t = k_new.shape[2]
         if not ahead:
-            self.win_k[:, :, r:r + t].copy_(k_new)
-            self.win_v[:, :, r:r + t].copy_(v_new)
+            window.write(k_new, v_new)
         self.length += t
-        r += t
+        window.length += t
+        r = window.length
         n = max(0, r - cache.gpu_tokens) // p
         if n and cache.gpu_tokens + p <= r:
-            self._write_pages(self.win_k[:, :, :n * p], self.win_v[:, :, :n * p])
-            rest = r - n * p
-            for win in (self.win_k, self.win_v):
-                win[:, :, :rest].copy_(win[:, :, n * p:r].clone())
-            r = rest
-        self.recent_k, self.recent_v = self.win_k[:, :, :r], self.win_v[:, :, :r]
+            self._plan = None  # pages, k and the graph change
+            self._write_pages(window.keys[:, :, :n * p], window.values[:, :, :n * p])
+            window.drop_front(n * p)
 
-    def _window_ahead(self, k: int):
-        """The graph path of a decode step: this step's tokens written into the recent window
-        (made on first use) ahead of the attention, and the ``AttentionInput`` the graph fills
-        -> None where the window cannot hold them."""
+    def _attention_input(self, query, k: int):
+        """The graph path of a decode step: the ``AttentionInput`` its graph fills (the recent
+        window made on first use), or None where the window cannot hold the step's tokens."""
         from .graphs import AttentionInput
 
         cache = self._cache
         k_new, v_new = self.pending
-        r, t = self.recent_k.shape[2], k_new.shape[2]
+        t = k_new.shape[2]
         cap = cache.gpu_tokens + cache.page_tokens + cache.select_max_queries
-        if self.sinks < cache.sink_tokens or r + t > cap:
+        if self.sinks < cache.sink_tokens or self.recent_tokens + t > cap:
             return None
-        if self.win_k is None or self.win_k.shape[2] != cap:
-            b, h, _, d = self.recent_k.shape
-            win_k = self.recent_k.new_zeros((b, h, cap, d))
-            win_v = self.recent_v.new_zeros((b, h, cap, d))
-            win_k[:, :, :r].copy_(self.recent_k)
-            win_v[:, :, :r].copy_(self.recent_v)
-            self.win_k, self.win_v = win_k, win_v
-            self.recent_k, self.recent_v = win_k[:, :, :r], win_v[:, :, :r]
-        self.win_k[:, :, r:r + t].copy_(k_new)
-        self.win_v[:, :, r:r + t].copy_(v_new)
-        self._win_ahead = t
+        if self.window is None or self.window.capacity != cap:
+            self.window = RecentWindow(self.recent_k, self.recent_v, cap)
+            self._recent_k = self._recent_v = None
         keys, values = cache._select_out.attention(k_new, self.sinks + k * cache.page_tokens + cap)
-        return AttentionInput(keys, values, self.sink_k, self.sink_v, self.win_k, self.win_v)
+        return AttentionInput(keys, values, self.sink_k, self.sink_v, self.window, query, k_new,
+                              v_new)
 
     def _write_pages(self, keys, values):
         """Full pages leave the recent window: summaries on the device (when top-K reads them), BICL
@@ -399,3 +465,45 @@ class TieredLayer(CacheLayerMixin):
             return
         self.pages.append(pack_pages(keys, values, p))
         cache._pages_written(self)
+
+
+class StepPlan:
+    """What a graphed top-K decode step of one layer decided (kv/layer.py, ``_past``), kept for
+    the steps that follow while it holds: the same settings, page count, host view, page cache,
+    captured graph, recent window and query shape. Pages written (every ``page_tokens`` steps),
+    a chunk added or spilled, a setting changed or a graph recaptured end it; the next step then
+    takes the full path and makes a new one. The steps it serves skip every decision: an eager
+    decode step is bound by the host, and these are ~20 checks per layer and step."""
+
+    __slots__ = ("settings", "host_span", "page_cache", "pc_span", "pc_slots", "graph", "window",
+                 "minmax", "shape", "dtype", "inputs", "keys", "values", "before_window", "t",
+                 "fetched")
+
+    def __init__(self, layer, cache, query, attention, k, page_cache):
+        self.settings = (cache.top_k_pages, cache.page_cache, cache.select_graphs, cache.score,
+                         cache.window_pages)
+        self.host_span = layer.pages._span
+        self.page_cache = page_cache
+        self.pc_span = page_cache._span if page_cache is not None else None
+        self.pc_slots = page_cache.slots if page_cache is not None else None
+        self.graph = layer.graphs.graph
+        self.window = layer.window
+        self.minmax = layer.summaries.minmax
+        self.shape, self.dtype = query.shape, query.dtype
+        self.inputs = [attention.q_in, attention.k_in, attention.v_in]
+        self.keys, self.values = attention.keys, attention.values
+        self.before_window = attention.sinks + k * cache.page_tokens
+        self.t = attention.steps.shape[0]
+        self.fetched = layer.batch * k if page_cache is None else 0
+
+    def holds(self, layer, cache, query) -> bool:
+        pc = self.page_cache
+        return (query.shape == self.shape and query.dtype == self.dtype
+                and layer.graphs.graph is self.graph and self.graph is not None
+                and layer.window is self.window and layer.pages._span is self.host_span
+                and self.host_span is not None and layer.summaries.minmax is self.minmax
+                and layer.page_cache is pc
+                and (pc is None or (pc._span is self.pc_span and pc.slots is self.pc_slots
+                                    and not pc.refused))
+                and self.settings == (cache.top_k_pages, cache.page_cache, cache.select_graphs,
+                                      cache.score, cache.window_pages))

@@ -51,7 +51,7 @@ def streamed_model(store, host, budget, window):
     if plan.streaming:
         slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8) for _ in range(plan.n_slots)]
         runtime = StreamRuntime(model, plan, by_id, host, {b.id: b.offset for b in store.blocks},
-                                slots, "cpu", window)
+                                slots, "cpu", plan.window if window == "auto" else window)
     return model, plan, runtime
 
 
@@ -74,6 +74,78 @@ def test_streamed_logits_and_tokens_equal_resident(packed, budget_name, window):
         if window >= 1:
             # Every copy after the first pass was issued a layer ahead: all hits.
             assert stats["prefetch_miss_count"] <= plan.n_slots
+
+
+class _RecordingOps:
+    """The CPU schedule's copies, with events that are objects and a log of the order in which
+    copies were issued, waited on and compute events recorded (what the CUDA ops would enqueue)."""
+
+    copy_stream = None
+
+    def __init__(self, slots):
+        self.slots = slots
+        self.log = []
+
+    def event(self, timing=False):
+        return object()
+
+    def copy(self, dst, src, wait_for):
+        slot = next(i for i, s in enumerate(self.slots) if s.data_ptr() <= dst.data_ptr()
+                    < s.data_ptr() + s.numel())
+        self.log.append(("copy", slot, wait_for))
+        dst.copy_(src)
+
+    def record_copy(self, event):
+        self.log.append(("copy_done", event))
+
+    def wait_copy(self, event):
+        pass
+
+    def record_compute(self, event):
+        self.log.append(("compute_done", event))
+
+    def synchronize(self):
+        pass
+
+
+def test_the_default_window_refills_every_slot_between_passes(packed):
+    """``"auto"``: the window is the whole ring. When a pass ends -- the host then samples the
+    token and runs the resident layers before the next streamed one, issuing nothing -- the
+    next pass's first ``n`` layers are already issued, one into each slot; and every copy into
+    a slot that held a layer waits for the compute event recorded after that layer ran."""
+    store, host, ref = packed
+    model, plan, runtime = streamed_model(store, host, budgets(store)["one-resident-layer"], "auto")
+    n, m = plan.n_slots, len(plan.streamed_layers)
+    assert plan.window == n == runtime.controller.window and m > n
+    ops = runtime.ops = _RecordingOps(runtime.slots)
+    runtime.copy_done = [ops.event() for _ in range(n)]
+    runtime.compute_done = [ops.event() for _ in range(n)]
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        for _ in range(3):
+            model(ids)
+            assert runtime._issued == runtime._next + n - 1     # n copies ahead of the next pass
+    recorded, used, group = set(), [False] * n, []
+    layers_copied = 0
+    for entry in ops.log:
+        if entry[0] == "compute_done":
+            recorded.add(entry[1])
+        elif entry[0] == "copy":
+            group.append(entry)
+        else:   # copy_done: one layer's copies issued
+            slot = group[0][1]
+            assert all(c[1] == slot for c in group) and entry[1] is runtime.copy_done[slot]
+            # The first copy waits for the slot's last reader (recorded before it); the rest
+            # follow it on the same stream.
+            assert group[0][2] is (runtime.compute_done[slot] if used[slot] else None)
+            assert not used[slot] or group[0][2] in recorded
+            assert all(c[2] is None for c in group[1:])
+            used[slot] = True
+            layers_copied += 1
+            group = []
+    assert layers_copied == 3 * m + n
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
 def test_aborted_pass_resynchronises(packed):

@@ -491,7 +491,7 @@ def test_the_window_a_client_opened_with_reaches_its_attach_plan(controller, tin
         out = out.result(timeout=30) if hasattr(out, "result") else out
         plans[cid] = out["plan"]
     assert (plans[one]["window"], plans[one]["n_slots"]) == (1, 2)
-    assert (plans[default]["window"], plans[default]["n_slots"]) == (2, 3)
+    assert (plans[default]["window"], plans[default]["n_slots"]) == (3, 3)
     # The handle kept its context through the attach's re-open.
     assert manager.open_model(one, info.name).flash_config["prefetch_window"] == 1
     for cid in (one, default):

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 from deepseek_flash.daemon.planner import plan_residency
+from deepseek_flash.prefetch import auto_window
 from deepseek_flash.wire import SLOT_ALIGNMENT
 
 from deepseek_flash.errors import BudgetTooSmall
@@ -85,13 +86,23 @@ def test_auto_window_is_resolved_from_slot_size_and_link():
     bs = blocks(layers=12, gate_up=32 << 20, down=16 << 20)
     anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))
     slot = (32 << 20) + (16 << 20)
-    # 48 MiB a slot: 0.8 ms at 63 GB/s -> two ahead, three slots.
+    # 48 MiB a slot: 0.8 ms at 63 GB/s -> a ring of three slots, the window starting at all three
+    # (every slot refilled as soon as its layer has run).
     plan = plan_residency(bs, anchors + 6 * slot, "auto", link_bytes_per_s=63e9)
-    assert plan.window == 2 and plan.n_slots == 3
+    assert plan.window == 3 and plan.n_slots == 3
     assert plan.streamed_layers == list(range(3, 12))
-    # A slow link makes the same slot last longer: still two.
-    assert plan_residency(bs, anchors + 6 * slot, "auto", link_bytes_per_s=8e9).window == 2
-    # An explicit window wins; the budget caps it.
-    plan = plan_residency(bs, anchors + 3 * slot, 4)
+    # A slow link makes the same slot last longer: the same ring.
+    plan = plan_residency(bs, anchors + 6 * slot, "auto", link_bytes_per_s=8e9)
+    assert (plan.window, plan.n_slots) == (3, 3)
+    # Tiny slots on a fast link: more slots, the window still the whole ring.
+    small = blocks(layers=40, gate_up=64 << 10, down=32 << 10)
+    small_slot = aligned((64 << 10)) + aligned(32 << 10)
+    small_anchors = sum(aligned(b.length) for b in small if not b.role.startswith("mlp"))
+    plan = plan_residency(small, small_anchors + 20 * small_slot, "auto", link_bytes_per_s=63e9)
+    assert plan.n_slots == auto_window(small_slot, 63e9) + 1 > 3 and plan.window == plan.n_slots
+    # An explicit window is the one asked for (three slots for two ahead); the budget caps it.
+    plan = plan_residency(bs, anchors + 6 * slot, 2)
     assert plan.n_slots == 3 and plan.window == 2
+    plan = plan_residency(bs, anchors + 3 * slot, 4)
+    assert plan.n_slots == 3 and plan.window == 3
     assert plan_residency(bs, anchors + 6 * slot, 0).window == 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import deepseek_flash.kv.graphs as graphs
-from deepseek_flash.kv import TieredCache
+from deepseek_flash.kv import TieredCache, cache_kwargs
 
 from kvmodels import greedy, padded_prompt, tiny_model
 
@@ -114,3 +114,43 @@ def test_a_refused_capture_leaves_the_layer_eager_for_good(emulated, monkeypatch
     assert torch.equal(got_tokens, want_tokens)
     assert [layer.graphs.failed for layer in cache.layers] == [False, True, True]
     assert caplog.text.count("not captured as a CUDA graph") == 2  # once per layer
+
+
+def test_the_recent_window_across_prompt_chunks_and_modes_equals_the_eager_steps(emulated):
+    # the graphs' recent window (kv/window.py) through what can follow decode steps: more prompt
+    # than the window holds (back to plain tensors, then a new window), lossless steps (the
+    # window written eagerly) and top-K again (its device position set anew) -- the same logits
+    # as the eager steps throughout
+    model = tiny_model(layers=3)
+    ids = torch.randint(1, 256, (1, 700), generator=torch.Generator().manual_seed(9))
+    more = torch.randint(1, 256, (1, 150), generator=torch.Generator().manual_seed(10))
+    runs, caches = [], []
+    for captured in (False, True):
+        cache = TieredCache.for_model(model, gpu_tokens=64, page_tokens=32, top_k_pages=0.25,
+                                      dense_layers=1)
+        cache.select_graphs = captured
+        logits, windows = [], []
+        with torch.no_grad():
+            out = model(ids, **cache_kwargs(model, cache)).logits[:, -1:]
+            for step in range(60):
+                if step == 20:  # a prompt chunk larger than the window
+                    out = model(more, **cache_kwargs(model, cache)).logits[:, -1:]
+                cache.top_k_pages = None if 35 <= step < 45 else 0.25  # lossless for a while
+                out = model(out.argmax(-1), **cache_kwargs(model, cache)).logits[:, -1:]
+                logits.append(out)
+                windows.append(cache.layers[1].window is not None)
+        runs.append(torch.cat(logits))
+        caches.append((cache, windows))
+    assert torch.equal(runs[0], runs[1])
+    (eager, eager_windows), (graphed, windows) = caches
+    assert not any(eager_windows)
+    # a window from the first graphed step; gone after the long chunk, made again at the next
+    # top-K step; kept (written eagerly) through the lossless steps
+    assert windows[:20] == [True] * 20 and all(windows[20:])
+    assert graphed.stats()["gpu_bytes"] > eager.stats()["gpu_bytes"]  # the window's capacity
+    # the steps between two page boundaries repeat the last one's path (kv/layer.py, StepPlan)
+    assert all(layer._plan is not None for layer in graphed.layers[1:])
+    assert all(layer._plan is None for layer in eager.layers)
+    graphed.top_k_pages = 0.5  # a setting changed: the plan no longer holds
+    layer = graphed.layers[1]
+    assert not layer._plan.holds(layer, graphed, torch.empty(layer._plan.shape))

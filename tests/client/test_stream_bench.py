@@ -1,0 +1,46 @@
+"""bench/stream.py's own arithmetic, on the CPU: where the copy stream idled (``copy_idle``) and
+the collector's pauses (``_GcPauses``)."""
+from __future__ import annotations
+
+import gc
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def bench_stream():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_stream", BENCH / "stream.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def test_copy_idle_places_each_gap_before_the_copy_that_ended_it():
+    stream = bench_stream()
+    # Three layers a pass, copies of 2 ms; pass 0 starts the trace (its first gap unknown),
+    # pass 1 idles 5 ms before its first layer and 1 ms before its third, pass 2 only 5 ms
+    # before the first; pass 3 is cut short.
+    trace, t = [], 0.0
+    for p, gaps in enumerate([(0, 0, 0), (5, 0, 1), (5, 0, 0), (3,)]):
+        for idx, gap in enumerate(gaps):
+            t += gap
+            trace.append({"pass": p, "idx": idx, "start_ms": t, "end_ms": t + 2.0})
+            t += 2.0
+    out = stream.copy_idle(trace, 3)
+    assert out == {"passes": 2, "busy_ms_per_pass": 6.0, "idle_ms_per_pass": 5.5,
+                   "idle_before_idx_ms": [5.0, 0.0, 0.5]}
+    assert stream.copy_idle(trace[:3], 3) == {}
+
+
+def test_gc_pauses_are_recorded_while_entered_only():
+    stream = bench_stream()
+    with stream._GcPauses() as pauses:
+        gc.collect()
+    gc.collect()
+    assert [g for g, _ in pauses.pauses] == [2] and pauses.pauses[0][1] >= 0
