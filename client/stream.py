@@ -1,7 +1,7 @@
 """Streamed execution: decoder layers whose MLP does not fit the weight budget pass through slots.
 
 The plan (``wire.Plan``, computed by the daemon's planner) keeps anchors resident and streams the
-MLP blocks of a tail of layers through a ring of ``N`` slots. Streamed layer ``idx`` (in forward order) is bound for good
+MLP blocks of a run of layers (the first ones) through a ring of ``N`` slots. Streamed layer ``idx`` (in forward order) is bound for good
 to slot ``idx % N``: its parameters are views into that slot, so nothing is rebound per token.
 
 Per streamed layer, two hooks on the decoder layer (never per tensor) keep the ring moving:

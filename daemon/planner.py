@@ -4,7 +4,11 @@ Anchors stay: embeddings, norms, the head and every layer's attention (small, an
 token). The MLP matrices (gate+up and down, about two thirds of a Llama layer) are what streams:
 each streamed layer's MLP passes through a ring of *slots*, each slot holding one layer's MLP.
 Whatever budget is left after the anchors and the ring keeps whole layers' MLPs resident, the
-first layers first (they run first, so a cold model starts computing sooner).
+*last* layers first, so the ring serves a contiguous head of the model: between two tokens the
+host samples and starts the next pass, issuing no copy until the first streamed layer has run --
+with the streamed layers first that is the embeddings and one layer, not every resident layer
+(the copies queued at the end of the pass must cover that stretch, and the resident layers at
+the end run on the GPU while those copies are on the link).
 
 Pure function of block sizes: the daemon publishes the plan it computes (``deepseek-flash models``
 and ``models/<name>/plan`` in the status tree) and the client executes it.
@@ -76,15 +80,16 @@ def plan_residency(blocks, budget: int | None, prefetch_window, model: str = "mo
     resident = [b.id for b in anchors]
     streamed = []
     stream_blocks = {}
-    for layer in sorted(mlp):
+    for layer in sorted(mlp, reverse=True):
         size = sum(_aligned(b.length) for b in mlp[layer])
         if size <= left and not streamed:
-            # Keep a prefix of layers resident: the ring then serves a contiguous tail.
+            # Keep a suffix of layers resident: the ring then serves a contiguous head.
             resident += [b.id for b in mlp[layer]]
             left -= size
         else:
             streamed.append(layer)
             stream_blocks[layer] = [b.id for b in mlp[layer]]
+    streamed.reverse()
     # The budget is below the total, so at least n_slots + 1 layers stream (n_slots < streamed).
     resident_set = set(resident)
     resident = [b.id for b in blocks if b.id in resident_set]

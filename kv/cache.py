@@ -27,7 +27,7 @@ from .layout import PageLayout, auto_page_tokens
 from .hostmem import ArenaMemory, OwnMemory
 from .report import Reporter, client_of
 from .pages import CHUNK_BYTES, FIRST_CHUNK_PAGES, Chunk
-from .pagecache import PAGE_CACHE_DEFAULT
+from .pagecache import DEVICE_SHARE, PAGE_CACHE_DEFAULT, device_budget, slot_bytes
 from .prune.state import PRUNE_GPU_TOKENS, offset_values, prune_settings
 from .spill import SpillStore
 
@@ -117,6 +117,8 @@ class TieredCache(Cache):
         self.select_graphs = True
         self._select_out = SharedOut()
         self._graph_pool_handle = None
+        self._page_cache_budget = False  # device bytes for page caches, once known (None: none)
+        self._page_cache_refusal_logged = False
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
 
     # --- construction ------------------------------------------------------------------------
@@ -355,6 +357,25 @@ class TieredCache(Cache):
         k.record_stream(current)
         v.record_stream(current)
         return k, v
+
+    def _page_cache_slot_limit(self, layer: TieredLayer) -> int | None:
+        """The most page-cache slots one top-K layer may hold: its share of the cache's device
+        budget (kv/pagecache.py, ``device_budget``, taken when the first slots are made), or
+        None (no budget: off CUDA)."""
+        if self._page_cache_budget is False:
+            self._page_cache_budget = device_budget(layer.device)
+        if self._page_cache_budget is None:
+            return None
+        layers = max(1, self.num_layers - self.dense_layers)
+        return self._page_cache_budget // layers // slot_bytes(layer)
+
+    def _page_cache_refused(self, layer: TieredLayer, k: int, limit: int) -> None:
+        if not self._page_cache_refusal_logged:
+            self._page_cache_refusal_logged = True
+            log.info("layer %d: a page cache for a top-K of %d pages does not fit the device "
+                     "budget (%d slots per layer: %.0f %% of the device memory free when the "
+                     "first slots were made); the chosen pages are fetched every step",
+                     layer.index, k, limit, 100 * DEVICE_SHARE)
 
     def _release_page_cache(self, layer: TieredLayer) -> None:
         """Free ``layer``'s page cache (top-K turned off); its counts join the cache's."""

@@ -333,7 +333,7 @@ class TieredLayer(CacheLayerMixin):
             if self.page_cache is None:
                 self.page_cache = PageCache(cache.page_cache)
             self.page_cache.ensure(self, k)
-            span = self.page_cache.span(self)
+            span = None if self.page_cache.refused else self.page_cache.span(self)
             pc = self.page_cache if span is not None else None
         elif (cache.page_cache and self.page_cache is not None
               and not self.page_cache.refused):

@@ -44,12 +44,40 @@ GROW_SLOTS = 16
 ALIGN = 4096
 """The slots' base address alignment (the gather's rows are up to 4 KiB: kv/span.py)."""
 
+DEVICE_SHARE = 0.25
+"""The page caches of one ``TieredCache`` together take at most this share of the device memory
+torch could still allocate when its first slots are made (``device_budget``): the multiple sizes
+a layer's slots from its top-K, the device bounds them all (at 128K on an 8B shape 1.5 x k is
+~6 GB, more than a 16 GiB GPU has to spare). A layer whose top-K does not fit its share runs
+without slots (logged once per cache)."""
+
 _NEVER = 1 << 62  # a stamp larger than any step: slots holding a page chosen now are not victims
 
 
 def capacity_for(k: int, multiple: float) -> int:
     """Slots for a top-K of ``k`` pages: ``multiple * k`` rounded up to ``GROW_SLOTS``."""
     return -(-max(k, math.ceil(multiple * k)) // GROW_SLOTS) * GROW_SLOTS
+
+
+def device_budget(device: torch.device) -> int | None:
+    """Bytes the page caches of one cache may hold on ``device``: ``DEVICE_SHARE`` of what torch
+    could still allocate there -- the device's free memory plus torch's cached free blocks,
+    within the per-process fraction when one is set -- or None off CUDA (no budget: the
+    multiple alone)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    room = free + max(0, torch.cuda.memory_reserved(device) - allocated)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction < 1.0:
+        room = min(room, int(fraction * total) - allocated)
+    return max(0, int(DEVICE_SHARE * room))
+
+
+def slot_bytes(layer) -> int:
+    """Device bytes one slot costs a layer: a page of every sequence and its table entries."""
+    return layer.batch * (layer._cache.layout.page_bytes + 2 * 8)
 
 
 def _aligned(shape, dtype, device) -> torch.Tensor:
@@ -76,7 +104,8 @@ class PageCache:
         self.hits = self.misses = self.last_misses = None  # [1] int64 device counters
         self._span = None
         self._span_key = None
-        self.refused = False  # a view was refused (logged once)
+        self.refused = False  # a view was refused, or no room (logged once)
+        self.limit: int | None = None  # most slots the device budget allows (None: no limit)
 
     # --- memory ----------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -91,13 +120,25 @@ class PageCache:
         short. Any growth moves buffers: the graph key (``key``) changes with it."""
         b, n = layer.batch, layer.n_pages
         dev = layer.device
+        if self.refused:
+            return
         if self.slots is None:
+            self.limit = layer._cache._page_cache_slot_limit(layer)
             self.step = torch.zeros(1, dtype=torch.int64, device=dev)
             self.hits = torch.zeros(1, dtype=torch.int64, device=dev)
             self.misses = torch.zeros(1, dtype=torch.int64, device=dev)
             self.last_misses = torch.zeros(1, dtype=torch.int64, device=dev)  # the last step's
         if self.capacity < math.ceil(self.multiple * k):
             cap = capacity_for(k, self.multiple)
+            if self.limit is not None and cap > self.limit:
+                if self.limit < k:
+                    layer._cache._page_cache_refused(layer, k, self.limit)
+                    self.refuse()
+                    return
+                cap = max(k, self.limit // GROW_SLOTS * GROW_SLOTS)
+        else:
+            cap = self.capacity
+        if cap > self.capacity:
             shape = layer._cache.layout.shape
             slots = _aligned((b * cap, *shape), layer.dtype, dev)
             page_of_slot = torch.full((b, cap), -1, dtype=torch.int64, device=dev)

@@ -54,15 +54,19 @@ def test_budget_below_minimum_names_the_sizes():
     assert "tiny" in str(err) and str(anchors + 2 * 49152) in str(err)
 
 
-def test_spare_budget_keeps_a_prefix_of_layers_resident_and_window_sets_slots():
+def test_spare_budget_keeps_a_suffix_of_layers_resident_and_window_sets_slots():
     bs = blocks(layers=6)
     anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))
     slot = 49152
     plan = plan_residency(bs, anchors + 3 * slot + slot, 2)   # 3 slots + one resident layer
     assert plan.n_slots == 3
-    assert plan.streamed_layers == [1, 2, 3, 4, 5]
-    assert {b.id for b in bs if b.layer == 0} <= set(plan.resident)
+    # The ring serves the first layers; the last one stays (a pass then starts streaming at once).
+    assert plan.streamed_layers == [0, 1, 2, 3, 4]
+    assert {b.id for b in bs if b.layer == 5} <= set(plan.resident)
     assert plan.resident_bytes == anchors + slot
+    plan = plan_residency(bs, anchors + 3 * slot + 2 * slot, 2)
+    assert plan.streamed_layers == [0, 1, 2, 3]
+    assert plan.resident == sorted(plan.resident)
 
 
 def test_large_window_is_capped_by_the_budget():
@@ -90,7 +94,7 @@ def test_auto_window_is_resolved_from_slot_size_and_link():
     # (every slot refilled as soon as its layer has run).
     plan = plan_residency(bs, anchors + 6 * slot, "auto", link_bytes_per_s=63e9)
     assert plan.window == 3 and plan.n_slots == 3
-    assert plan.streamed_layers == list(range(3, 12))
+    assert plan.streamed_layers == list(range(0, 9))
     # A slow link makes the same slot last longer: the same ring.
     plan = plan_residency(bs, anchors + 6 * slot, "auto", link_bytes_per_s=8e9)
     assert (plan.window, plan.n_slots) == (3, 3)

@@ -162,3 +162,39 @@ def test_spilled_pages_or_a_refused_view_leave_the_layer_without_slots(tmp_path,
     assert caplog.text.count("page cache's slots") == 2  # once per top-K layer
     s = refused.stats()
     assert s["page_cache_bytes"] == 0 and s["page_cache_hits"] == s["page_cache_misses"] == 0
+
+
+def test_the_device_budget_bounds_the_slots_and_turns_off_a_cache_that_cannot_hold_k(
+        monkeypatch, caplog):
+    # kv/pagecache.py, device_budget: every top-K layer's share of DEVICE_SHARE of the device
+    # memory free when the first slots are made bounds its slots below page_cache x k; a share
+    # smaller than k slots leaves the page cache off (logged once); the tokens never change
+    model = tiny_model(layers=3)
+    ids, mask = padded_prompt(1)
+    budgets = []
+    runs, caches = [], []
+    for slots in (None, 20, 5):  # per layer: no budget (the CPU), 20 slots, fewer than k
+        def budget(device, slots=slots):
+            budgets.append(device.type)
+            return None if slots is None else slots * 2 * pagecache.slot_bytes(layer_of[0])
+        monkeypatch.setattr(pagecache, "device_budget", budget)
+        import deepseek_flash.kv.cache as kvcache
+        monkeypatch.setattr(kvcache, "device_budget", budget)
+        cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
+                                      top_k_pages=0.25, dense_layers=1, page_cache=4.0)
+        layer_of = [cache.layers[1]]
+        with caplog.at_level("INFO", logger="deepseek_flash.kv.cache"):
+            runs.append(greedy(model, ids, mask, cache, 40))
+        caches.append(cache)
+    assert budgets == ["cpu"] * 3  # asked once per cache
+    (t0, l0), (t1, l1), (t2, l2) = runs
+    assert torch.equal(t0, t1) and torch.equal(l0, l1) and torch.equal(t0, t2) and torch.equal(l0, l2)
+    free, capped, off = caches
+    for layer in free.layers[1:]:  # 4 x k (k = 7 of 27 pages), rounded up to 16
+        k = -(-layer.n_pages // 4)
+        assert k == 7 and layer.page_cache.limit is None and layer.page_cache.capacity == 32
+    for layer in capped.layers[1:]:  # 20 slots allowed: 16, the multiple of 16 below (>= k)
+        assert layer.page_cache.limit == 20 and layer.page_cache.capacity == 16
+    assert all(layer.page_cache.refused for layer in off.layers[1:])
+    assert off.stats()["page_cache_bytes"] == 0 and off.stats()["page_cache_hits"] == 0
+    assert caplog.text.count("does not fit the device budget") == 1
