@@ -334,6 +334,24 @@ def run_context(model, T, args, device, h2d, record=True):
     tok, r["topk25_nocache_tok_s"], r["topk25_nocache_host_share"] = decode(
         model, cache, tok, steps, device, args.warmup, args.repeats)
     r["topk25_nocache_pages_per_token"] = (cache.stats()["pages_fetched"] - before) / n_steps
+    # the same top-K steps with other page-cache multiples (``--page-cache-multiples``; the
+    # goals use the default): tok/s, hit rate and GPU bytes of each
+    for multiple in args.page_cache_multiples:
+        name = f"topk25_pc{multiple:g}"
+        cache.page_cache = 0  # the next step gives the slots back
+        tok, _, _ = decode(model, cache, tok, 1, device, 0, 1)
+        cache.page_cache = float(multiple)
+        before = cache.stats()
+        tok, r[f"{name}_tok_s"], _ = decode(model, cache, tok, steps, device, args.warmup,
+                                            args.repeats)
+        s = cache.stats()
+        hits = s["page_cache_hits"] - before["page_cache_hits"]
+        misses = s["page_cache_misses"] - before["page_cache_misses"]
+        r[f"{name}_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
+        r[f"{name}_gpu_kv_ratio"] = round(s["gpu_bytes"] / r["dynamic_kv_bytes"], 4)
+    if args.page_cache_multiples:
+        cache.page_cache = 0
+        tok, _, _ = decode(model, cache, tok, 1, device, 0, 1)
     cache.page_cache = setting
     if cuda and args.eager:  # the same top-K steps without the captured graphs (kv/graphs.py)
         cache.select_graphs = False
@@ -454,6 +472,8 @@ def main(argv=None) -> int:
                     help="contexts --profile profiles (default 32768)")
     ap.add_argument("--eager", action="store_true",
                     help="also time top-K without its captured CUDA graphs (topk25_eager_tok_s)")
+    ap.add_argument("--page-cache-multiples", type=float, nargs="*", default=[],
+                    help="also time top-K with these page_cache multiples (topk25_pc<m>_*)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)

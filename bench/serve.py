@@ -30,7 +30,9 @@ L1/L2 load by ``--load-procs`` (2) others, so an L0 request's time to first toke
 generator's event-loop backlog. TTFT is the first server-sent event, latency the last. Each class
 also reports where its TTFT went (``ttft_breakdown``: to the server, parse, queue, compute, hand-off
 to the event loop and socket, to the client -- ``stages``, from the response's ``flash.timing``;
-per request in ``worst_l0``), and so does the unloaded phase.
+per request in ``worst_l0``), and so does the unloaded phase; the garbage collector's pauses in the
+server during each load phase (``gc``, and those overlapping each of the slowest L0 requests in
+``worst_l0``: a collection holds the interpreter lock, stalling the engine and the event loop).
 Checks printed beside the results: L0 P99 TTFT <= 2x unloaded P99 and < 150 ms (and FIFO's ratio), L1
 completion time per token by weight (fairness), L2 degrade rate < 5 %, 16 concurrent >= 8x one
 request, nothing lost (every request answered or refused with a status). JSON to ``--output``, a
@@ -359,11 +361,50 @@ def breakdown(recs) -> dict:
     return out
 
 
-def worst_l0(recs, forwards, n=3) -> list:
+class GcPauses:
+    """The garbage collector's pauses in this process (the server's) between ``start`` and ``stop``:
+    (began, generation, ms) each, the clock ``time.perf_counter`` (the forwards' and the clients').
+    A collection holds the interpreter lock throughout, so it stalls the engine thread and the HTTP
+    event loop alike; ``summary`` and ``worst_l0`` say whether one fell in a slow request."""
+
+    def __init__(self):
+        self.pauses: list = []
+        self._began = None
+
+    def _callback(self, phase, info) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.pauses.append((self._began, info["generation"], (time.perf_counter() - self._began) * 1e3))
+            self._began = None
+
+    def start(self) -> "GcPauses":
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def stop(self) -> None:
+        import gc
+
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        """Per generation: collections, their total and longest ms."""
+        out = {}
+        for gen in (0, 1, 2):
+            ms_ = [p[2] for p in self.pauses if p[1] == gen]
+            out[str(gen)] = {"collections": len(ms_), "ms_total": round(sum(ms_), 3),
+                             "ms_max": round(max(ms_), 3) if ms_ else 0.0}
+        return out
+
+
+def worst_l0(recs, forwards, n=3, pauses=()) -> list:
     """The ``n`` L0 requests with the longest time to first token, each with the engine's forwards
     that began between its sending and its first token (ms from its sending, kind, rows, tokens per
-    row, attention key positions, ms on the host until the result, ms issuing it): where its wait
-    went."""
+    row, attention key positions, ms on the host until the result, ms issuing it) and the garbage
+    collector's pauses (``GcPauses``) that overlapped that time: where its wait went."""
     ok = sorted((r for r in recs if r["class"] == "L0" and r.get("ttft") is not None and r.get("sent_at")),
                 key=lambda r: -r["ttft"])
     out = []
@@ -374,11 +415,15 @@ def worst_l0(recs, forwards, n=3) -> list:
         during = before + [f for f in forwards if lo <= f[3] <= hi]
         # A request that waited seconds (FIFO) saw thousands: the first and the last 20 are kept.
         kept = during if len(during) <= 40 else during[:20] + during[-20:]
+        gc_in = [p for p in pauses if p[0] <= hi and p[0] + p[2] / 1e3 >= lo]
         out.append({"ttft_ms": ms(r["ttft"]), "server_ttft_ms": r["server_ttft_ms"], "queue_ms": r["queue_ms"],
                     "stages_ms": stages(r),
                     "forwards_ms": round(sum(f[4] for f in during), 3), "forwards_count": len(during),
                     "forwards": [{"at_ms": round((f[3] - lo) * 1e3, 2), "kind": f[0], "rows": f[1],
-                                  "tokens": f[2], "kv": f[6], "ms": f[4], "launch_ms": f[5]} for f in kept]})
+                                  "tokens": f[2], "kv": f[6], "ms": f[4], "launch_ms": f[5]} for f in kept],
+                    "gc_ms": round(sum(p[2] for p in gc_in), 3),
+                    "gc": [{"at_ms": round((p[0] - lo) * 1e3, 2), "generation": p[1], "ms": round(p[2], 3)}
+                           for p in gc_in[:20]]})
     return out
 
 
@@ -574,7 +619,11 @@ def main(argv=None) -> int:
                 state.engine.runner.profile(reset=True)
                 steps0, open0 = state.engine.stats["steps"], state.engine.stats["l2_open_steps"]
                 beside0 = state.engine.stats["l0_beside"]
-                recs, wall = load_phase(pool, base, name, arrivals, args.prompt_len, drain, args.load_procs)
+                pauses = GcPauses().start()
+                try:
+                    recs, wall = load_phase(pool, base, name, arrivals, args.prompt_len, drain, args.load_procs)
+                finally:
+                    pauses.stop()
                 steps = state.engine.stats["steps"] - steps0
                 forwards = state.engine.runner.forwards()
                 profiles[mode] = state.engine.runner.profile(reset=True)
@@ -584,7 +633,10 @@ def main(argv=None) -> int:
                                  "metrics_degrade": state.engine.scheduler.snapshot()["degrade_steps"]}
                 result[mode] = results[mode]["summary"] | {"wall_s": results[mode]["wall_s"],
                                                            "degrade_steps": results[mode]["metrics_degrade"],
-                                                           "worst_l0": worst_l0(recs, forwards),
+                                                           "worst_l0": worst_l0(recs, forwards,
+                                                                                pauses=pauses.pauses),
+                                                           # the collector's pauses in the server
+                                                           "gc": pauses.summary(),
                                                            # the fraction of steps after which L2's
                                                            # 30 %-idle rule let it join
                                                            "l2_open_step_fraction": round(
@@ -596,7 +648,7 @@ def main(argv=None) -> int:
                                                            "l0_beside": state.engine.stats[
                                                                "l0_beside"] - beside0,
                                                            # why that was switched off (a failure)
-                                                           "l0_beside_off": state.engine.beside_reason}
+                                                           "l0_beside_off": state.engine.l0_beside.reason}
                 result["engine_profile"] = profiles
                 save(result, args.output)
             finally:
@@ -626,8 +678,8 @@ def main(argv=None) -> int:
     for mode in ("flash", "fifo"):
         for w in result[mode].get("worst_l0", [])[:1]:
             slow = sorted(w["forwards"], key=lambda f: -f["ms"])[:3]
-            print(f"{mode} worst L0: ttft {w['ttft_ms']} ms, queue {w['queue_ms']} ms, {len(w['forwards'])} forwards "
-                  f"{w['forwards_ms']} ms; slowest: " + ", ".join(
+            print(f"{mode} worst L0: ttft {w['ttft_ms']} ms, queue {w['queue_ms']} ms, collector {w['gc_ms']} ms, "
+                  f"{len(w['forwards'])} forwards {w['forwards_ms']} ms; slowest: " + ", ".join(
                       f"{f['kind']} rows={f['rows']} tok={f['tokens']} kv={f['kv']} {f['ms']} ms" for f in slow))
     print(f"throughput {args.max_batch} vs 1: {result['throughput']['ratio']}x")
     for mode in ("flash", "fifo"):

@@ -107,9 +107,29 @@ class AttentionInput:
         for out, sink, pages, win in ((self.keys, self.sink_k, pk, w.keys),
                                       (self.values, self.sink_v, pv, w.values)):
             if s:
-                out[:, :, :s].copy_(sink)
-            out[:, :, s:s + n].copy_(pages)
-            out[:, :, s + n:s + n + cap].copy_(win)
+                _copy_words(out[:, :, :s], sink)
+            _copy_words(out[:, :, s:s + n], pages)
+            _copy_words(out[:, :, s + n:s + n + cap], win)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[b, h, tokens, d]`` (each head's tokens contiguous) as ``[b, h, words]`` of 8-byte
+    elements where its bytes allow: a copy then moves 4 bf16 values per element instead of one,
+    over two dimensions instead of four (the same bytes)."""
+    flat = t.flatten(2)
+    if flat.shape[-1] * t.element_size() % 8 == 0 and t.element_size() < 8:
+        try:
+            return flat.view(torch.int64)
+        except RuntimeError:  # an offset or stride not a whole word
+            pass
+    return flat
+
+
+def _copy_words(dst: torch.Tensor, src: torch.Tensor) -> None:
+    a, b = _words(dst), _words(src)
+    if a.dtype != b.dtype:
+        a, b = dst.flatten(2), src.flatten(2)
+    a.copy_(b)
 
 
 class SelectGraph:

@@ -89,17 +89,21 @@ class PageSummaries:
         """``choose`` for the default ``"hybrid"`` score in few operations (a decode step runs
         it once per layer; an eager step is bound by the host): the Quest bound of every page and
         head as one batched matmul of ``[q+, q-]`` over the stored ``[max, min]``, both rankings
-        from one pair of sorts, and their union as one integer key -- ``min(rank_q, rank_w)``
-        first, ``rank_q`` second, all keys distinct -- whose ``k`` smallest are exactly the ``k``
-        best of ``page_scores(bound, "hybrid")`` (tests/kv/test_kv_select.py)."""
+        from one sort (the ranks its inverse, one scatter), and their union as one integer key
+        -- ``min(rank_q, rank_w)`` first, ``rank_q`` second, all keys distinct -- whose ``k``
+        smallest are exactly the ``k`` best of ``page_scores(bound, "hybrid")`` (tests/kv/test_kv_select.py)."""
         b, _, _, d = query.shape
         h, n = self.minmax.shape[1], self.n
         q = query.reshape(b * h, -1, d).float()  # the GQA grouping of group_queries
         q = torch.cat((q.clamp(min=0), q.clamp(max=0)), -1)
-        minmax = self.minmax[:, :, :n].reshape(b * h, n, 2 * d).float()
+        minmax = self.minmax[:, :, :n].float().reshape(b * h, n, 2 * d)  # one copy, not two
         bound = torch.bmm(q, minmax.transpose(1, 2)).mul_(scale).view(b, h, -1, n)
         scores = torch.stack((page_scores(bound, "quest"),
                               page_scores(bound, "windowed", window_pages)))
-        ranks = scores.argsort(-1, descending=True).argsort(-1)  # [2, b, n]: quest, windowed
+        # [2, b, n]: quest, windowed -- the rank of each page is the inverse of the sort order:
+        # one scatter where a second sort of the order would give the same (a permutation)
+        order = scores.argsort(-1, descending=True)
+        ranks = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(n, device=order.device).expand(order.shape))
         key = torch.add(ranks[0], ranks.amin(0), alpha=2 * n + 2)
         return key.topk(k, dim=-1, largest=False).indices.sort(dim=-1).values

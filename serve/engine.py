@@ -7,9 +7,13 @@ never holds the batch back by more than one chunk), then runs **one batched deco
 that has a token to feed, samples, and retires the rows that finished. A long request therefore
 delays a short one by at most one step.
 
+An L0 request does not wait for a whole step: arriving during an eager forward it cuts in between
+two of its layers (``_l0_cut_in``), arriving during a graph forward its prompt runs beside it on a
+second CUDA stream (``beside.L0Beside``, which may preempt a row that forward writes).
+
 This module decides what runs when and keeps the books (rows, scheduler, statistics, responses);
-the forwards over the shared KV cache and the sampling are ``runner``'s, a request's tokens-to-text
-``generation``'s.
+the forwards over the shared KV cache and the sampling are ``runner``'s, the L0-beside path
+``beside``'s, a request's tokens-to-text ``generation``'s.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import threading
 import time
 
 from ..errors import FlashError
+from .beside import L0Beside
 from .generation import Generation
 from .runner import RowRunner
 from .scheduler import FlashScheduler, Route
@@ -37,42 +42,6 @@ READ_PRIORITY_BY_CLASS = {"L0": 1, "L1": 0, "L2": -1}
 # request or write a token -- waits up to this long, and an L0 request's first token meets
 # several such hand-offs on its way.
 SWITCH_INTERVAL_S = 0.0005
-
-
-class DeviceWaiter:
-    """A thread that waits for CUDA events (``event.synchronize()``, which lets the interpreter
-    lock go) and then sets ``flag[0]`` and wakes every waiter on ``cond``: the engine thread waits
-    on its condition for whichever comes first, the device or a new request."""
-
-    def __init__(self, cond: threading.Condition):
-        import queue
-
-        self.cond = cond
-        self._jobs = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="serve-device-waiter", daemon=True)
-        self._thread.start()
-
-    def watch(self, event, flag: list) -> None:
-        self._jobs.put((event, flag))
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            event, flag = job
-            try:
-                event.synchronize()
-            except Exception:   # noqa: BLE001 -- the step's own wait on the device reports it
-                log.exception("waiting for the device failed")
-            finally:
-                with self.cond:
-                    flag[0] = True
-                    self.cond.notify_all()
 
 
 def prefill_budget(chunk: int, decode_s: float | None, per_token_s: float | None, l0_recent: bool,
@@ -139,10 +108,9 @@ class Engine:
         self.cut_in = (not self.scheduler.fifo and self.stream is None
                        and getattr(getattr(model, "model", None), "layers", None) is not None)
         self.l0_recent_s = 10.0
-        # An L0 request arriving during a graph forward of the batch is prefilled beside it.
-        self.beside = not self.scheduler.fifo and self.stream is None
-        self.beside_reason: str | None = None      # why it was switched off, if it failed
-        self._waiter: DeviceWaiter | None = None
+        # An L0 request arriving during a graph forward of the batch is prefilled beside it
+        # (``beside``: not with the scheduler off, nor for a streamed model).
+        self.l0_beside = L0Beside(self, enabled=not self.scheduler.fifo and self.stream is None)
         self._dropped: set = set()              # requests preempted during this step
         if self.scheduler.gpu_busy is None:
             self.scheduler.gpu_busy = self.utilisation
@@ -223,9 +191,7 @@ class Engine:
         with self._lock:
             for gen in list(self._gens.values()):
                 self._retire(gen, None, ShuttingDown("the server is shutting down"))
-        if self._waiter is not None:
-            self._waiter.close()
-            self._waiter = None
+        self.l0_beside.close()
         if self._saved_switch is not None:
             sys.setswitchinterval(self._saved_switch)
             self._saved_switch = None
@@ -271,10 +237,20 @@ class Engine:
             if gen.cancelled:
                 self.stats["cancelled"] += 1
                 self._retire(gen, "cancelled")
-        chosen = self.scheduler.dispatch()
+        self._join()
+
+    def _join(self, protect=()) -> None:
+        """The requests the scheduler lets join now take their rows; those it preempts for them
+        (none of ``protect``) leave theirs (lock held)."""
+        # (``FifoScheduler.dispatch`` takes no ``protect``: it never preempts.)
+        chosen = self.scheduler.dispatch(protect=protect) if protect else self.scheduler.dispatch()
         for req in self.scheduler.take_preempted():
             self._preempt(self._gens[id(req)])
         self._admit(chosen)
+
+    def l0_recent(self) -> bool:
+        """Whether an L0 request arrived in the last ``l0_recent_s`` seconds."""
+        return self._l0_at is not None and time.monotonic() - self._l0_at < self.l0_recent_s
 
     def _admit(self, chosen) -> None:
         """Give each request the scheduler chose a free row (lock held)."""
@@ -410,13 +386,9 @@ class Engine:
         if self._cutting:
             return
         with self._lock:
-            sched = self.scheduler
-            if not sched.queued_count("L0"):
+            if not self.scheduler.queued_count("L0"):
                 return
-            chosen = sched.dispatch(protect=self._outer)
-            for req in sched.take_preempted():
-                self._preempt(self._gens[id(req)])
-            self._admit(chosen)
+            self._join(self._outer)
         self._cutting = True
         try:
             with self.runner.nested():
@@ -451,69 +423,10 @@ class Engine:
         if group:
             self._prefill(group, l0=True)
 
-    def _beside(self):
-        """``meanwhile`` for a graph forward over ``gens`` (``_l0_beside``), where L0 requests may
-        go beside it: a CUDA graph forward, the scheduler on, an L0 request in the last 10 s."""
-        if not (self.beside and self._l0_at is not None and time.monotonic() - self._l0_at < self.l0_recent_s):
-            return lambda gens, slots=None: None
-
-        def meanwhile_for(gens, slots=None):
-            return lambda issued: self._l0_beside(gens, issued, slots)
-        return meanwhile_for
-
-    def _l0_beside(self, writing, issued, slots=None) -> None:
-        """While a forward of the batch -- a CUDA graph: the decode, or other prompts' chunk -- runs
-        on the device (until ``issued``, a CUDA event after it, has happened; None: it is done
-        already): an L0 request that arrives joins at once, in a free row or that of a request it
-        preempts that this forward does not write (``writing``), and its prompt runs from the L0
-        requests' own graphs on a stream of their own beside it (``RowRunner.side_stream``), its
-        first token out before that forward's result is taken. Its row is not one the forward
-        writes (the decode writes idle rows only at their scratch slot); the L0 graphs have their
-        own buffers, memory pool and cuBLAS workspace. A prompt of a shape they do not have waits
-        for the next step as before. ``slots`` (the decode): the one cache slot each row of it
-        writes -- a row whose slot lies beyond every queued L0 prompt's (and its padding's) may be
-        preempted now too (a full batch): the prompt and the decode then write different slots
-        of that row, and the decode's token for the preempted request is dropped (it rewinds, as
-        any preempted request)."""
-        prefill = self.runner.static_prefill_l0
-        protect = [g.sched for g in writing]
-        tried = set()
-        done = [issued is None]
-        if issued is not None:
-            # A thread of its own waits on the device (without the interpreter lock) and wakes
-            # this one, as a new request does: no polling.
-            if self._waiter is None:
-                self._waiter = DeviceWaiter(self._lock)
-            self._waiter.watch(issued, done)
-        while True:
-            with self._lock:
-                if self.scheduler.queued_count("L0"):
-                    if slots is not None:
-                        need = max((len(g.fill_ids) for g in self._gens.values() if g.row is None
-                                    and g.sched.priority_class == "L0"), default=0) + 1
-                        protect = [g.sched for g in writing if slots[id(g)] <= need]
-                    chosen = self.scheduler.dispatch(protect=protect)
-                    for req in self.scheduler.take_preempted():
-                        self._preempt(self._gens[id(req)])
-                    self._admit(chosen)
-                group = [(g, n) for g, n in self._l0_group() if id(g) not in tried]
-                if group:
-                    tried.update(id(g) for g, _ in group)
-                    if prefill is None or not prefill.covers(len(group), *self._prefill_shape(group)):
-                        group = []
-                if not group:
-                    if done[0] or issued.query():
-                        return
-                    self._lock.wait(0.05)
-                    continue
-            try:
-                with self.runner.side_stream():
-                    self._prefill(group, l0=True)
-                self.stats["l0_beside"] += 1
-            except Exception as exc:   # noqa: BLE001 -- off for good; the request joins as before
-                log.exception("an L0 prompt beside another forward failed; L0 prompts wait for the step")
-                self.beside, self.beside_reason = False, f"{type(exc).__name__}: {exc}"[:300]
-                prefill = None
+    def _queued_l0_need(self) -> int:
+        """The cache slots the longest queued L0 prompt (and its padding) writes (lock held)."""
+        return max((len(g.fill_ids) for g in self._gens.values() if g.row is None
+                    and g.sched.priority_class == "L0"), default=0) + 1
 
     def _step(self) -> None:
         """One step: L0 prompts, then at most ``prefill_chunk`` tokens of the other prompts (in the
@@ -526,12 +439,21 @@ class Engine:
             self._dropped = set()
         self._apply_window(batch)
         self._prefill_l0()
-        l0_recent = self._l0_at is not None and time.monotonic() - self._l0_at < self.l0_recent_s
+        l0_recent = self.l0_recent()
         # Where an L0 request can cut in, it waits for one layer of the chunk, whatever its size.
         budget = prefill_budget(self.prefill_chunk, self._decode_s, self._per_token_s,
                                 l0_recent and not self.cut_in)
+        # While L0 traffic is recent, other prompts go in forwards a prompt graph runs, so that an
+        # L0 request arriving meanwhile goes beside the forward instead of waiting for a layer of
+        # an eager one (tens of milliseconds of the interpreter's time on a GPU): a long prompt --
+        # or a preempted request re-filling its prompt and output -- in chunks of the widest
+        # graph's width, each covered at any attention width (``StaticPrefill(deep=True)``).
+        graphs = self.runner.static_prefill if l0_recent and self.l0_beside.enabled else None
+        if graphs is not None:
+            budget = min(budget, graphs.widest())
         # Packed in join order while rows x the widest chunk stays within the budget (padding is
-        # compute too); the first prompt in line always gets its share.
+        # compute too) -- and, with ``graphs``, while a graph has the forward's shape; the first
+        # prompt in line always gets its share.
         group, width = [], 0
         for gen in sorted((g for g in batch if g.sched.priority_class != "L0" and not g.cancelled
                            and g.kv_cache is None and g.row is not None and g.prefilled < len(g.fill_ids)),
@@ -540,13 +462,16 @@ class Engine:
             n = min(need, budget) if not group else min(need, max(width, budget // (len(group) + 1)))
             if group and (len(group) + 1) * max(width, n) > budget:
                 break
+            if group and graphs is not None and not graphs.covers(len(group) + 1,
+                                                                  *self._prefill_shape(group + [(gen, n)])):
+                break
             group.append((gen, n))
             width = max(width, n)
         if group:
             # An L0 request arriving meanwhile cuts in between two layers (eager), or goes beside
             # the forward (a graph).
             with self._cut_in_hooks([g for g, _ in group]):
-                self._prefill(group, meanwhile=self._beside()([g for g, _ in group]))
+                self._prefill(group, meanwhile=self.l0_beside.meanwhile([g for g, _ in group]))
         with self._lock:
             if self.scheduler.queued_count("L0"):
                 self._boundary()
@@ -568,7 +493,7 @@ class Engine:
                 # With L0 traffic, an L0 request arriving meanwhile is prefilled beside the decode.
                 tokens, spent = self.runner.decode(
                     decoding, [g.row for g in decoding], [g.output_ids[-1] for g in decoding], positions,
-                    meanwhile=self._beside()(decoding, dict(zip(map(id, decoding), positions))))
+                    meanwhile=self.l0_beside.meanwhile(decoding, dict(zip(map(id, decoding), positions))))
             produced = list(zip(decoding, tokens))
             self._decode_s = spent if self._decode_s is None else 0.8 * self._decode_s + 0.2 * spent
             self.stats["decode_steps"] += 1

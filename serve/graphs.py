@@ -72,7 +72,7 @@ class StaticDecode:
         self.pool = None
         # Each instance (the decode's, the prompt forwards') captures on a stream of its own: the
         # cuBLAS workspace a graph bakes in is its capture stream's, so a prompt graph replayed
-        # beside another graph (``Engine._l0_beside``) never shares one with it.
+        # beside another graph (``beside.L0Beside``) never shares one with it.
         self.capture_stream = None
         self.reason: str | None = None
         self.counters = {"captures": 0, "capture_s": 0.0, "replays": 0, "static_steps": 0}
@@ -241,7 +241,8 @@ L0_PREFILL_ROWS = (1, 2)
 class StaticPrefill(StaticDecode):
     """Prompt forwards of fixed shapes -- (rows, width, attention width), captured at start-up
     (``capture_all``) for rows 1, 2, 4 and widths 16, 32, 64, 128 (attention over the width's
-    64-key bucket and the next one); a prompt forward of another shape runs eagerly. The host pads the
+    64-key bucket and the next one) and, ``deep`` (the batch's prompts, not the L0 ones), one row of
+    128 tokens at every attention width (``keys``); a prompt forward of another shape runs eagerly. The host pads the
     rows on the left with the row's next position (as the eager forward does) and adds rows at
     the scratch slot up to the bucket. An eager prefill is launch-bound like the decode, and under
     load it also waits for the server's other thread to let it hold the interpreter: ~14 ms
@@ -249,8 +250,9 @@ class StaticPrefill(StaticDecode):
 
     what = "prompt forwards"
 
-    def __init__(self, runner, capture: bool = True, chunk: int = 512, rows=PREFILL_ROWS):
+    def __init__(self, runner, capture: bool = True, chunk: int = 512, rows=PREFILL_ROWS, deep: bool = False):
         super().__init__(runner, capture)
+        self.deep = bool(deep)
         self.inputs = None
         self.buffers: dict[tuple, object] = {}
         self.row_buckets = [r for r in rows if r <= self.rows]
@@ -265,20 +267,43 @@ class StaticPrefill(StaticDecode):
     def covers(self, rows: int, width: int, kv_len: int) -> bool:
         """Whether a prompt forward of ``rows`` rows, ``width`` tokens each, reading ``kv_len`` key
         positions runs from a graph captured at start-up."""
+        return self._key(rows, width, self.runner.bucket(kv_len)) is not None
+
+    def _key(self, rows: int, width: int, kv_len: int):
+        """The (rows, width, attention width) a forward of this shape runs as: rows and tokens
+        padded up to the nearest bucket that has a graph at ``kv_len`` (a wider one where the
+        nearest has none: a long prompt's last chunk runs as the widest width's deep graph, its
+        padding written at the row's next position as any); None when none has."""
         if self.reason is not None:
-            return False
+            return None
         n = next((r for r in self.row_buckets if r >= rows), None)
-        w = next((x for x in self.widths if x >= width), None)
-        if n is None or w is None:
-            return False
-        return not self.capture or (n, w, self.runner.bucket(kv_len)) in self.graphs
+        if n is None:
+            return None
+        for w in self.widths:
+            if w >= width and (not self.capture or (n, w, kv_len) in self.graphs):
+                return n, w, kv_len
+        return None
+
+    def widest(self) -> int:
+        """The widest prompt chunk a graph runs."""
+        return self.widths[-1]
 
     def keys(self) -> list:
-        """The (rows, width, attention width) captured at start-up."""
+        """The (rows, width, attention width) captured at start-up: each rows x width over the
+        width's attention bucket and the next one (a prompt's first chunk) and, when ``deep``, one
+        row of the widest width at every attention width up to the cache's length too (any chunk
+        of a long prompt, ``Engine._step``)."""
+        bucket = self.runner.bucket
         out = []
         for n in self.row_buckets:
             for w in self.widths:
-                for k in sorted({self.runner.bucket(w), self.runner.bucket(w + 1)}):
+                kvs = {bucket(w), bucket(w + 1)}
+                if self.deep and n == 1 and w == self.widest():
+                    k = bucket(w)
+                    while k < self.cache.max_len:
+                        k = bucket(k + 1)
+                        kvs.add(k)
+                for k in sorted(kvs):
                     out.append((n, w, k))
         return out
 
@@ -329,14 +354,11 @@ class StaticPrefill(StaticDecode):
         when no graph has this shape (the caller runs the forward eagerly)."""
         torch = self.torch
         width = len(ids[0])
-        n = next((r for r in self.row_buckets if r >= len(rows)), None)
-        w = next((x for x in self.widths if x >= width), None)
-        if n is None or w is None or self.reason is not None:
+        key = self._key(len(rows), width, kv_len)
+        if key is None:
             return None
-        key = (n, w, kv_len)
+        n, w, _ = key
         graph = self.graphs.get(key)
-        if self.capture and graph is None:
-            return None
         host = []
         for i in range(n):
             if i < len(rows):

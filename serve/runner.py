@@ -21,6 +21,8 @@ import time
 # shapes all the time; the memory-efficient kernel takes the same additive mask with no set-up.
 from deepseek_flash.cuda import SDPA_BACKENDS, sdpa_backends  # noqa: F401 (SDPA_BACKENDS: tests)
 
+from .beside import SideStream
+
 log = logging.getLogger("deepseek_flash.serve")
 
 # The attention reads a multiple of this many key positions (masked beyond each row's length), so
@@ -119,8 +121,8 @@ class RowRunner:
         # Attention widths (``KV_BUCKET`` multiples) that a forward has met: see ``warm``.
         self.kv_seen: set = set()
         self.static = self.static_prefill = self.static_prefill_l0 = None
-        self._side = None                       # ``side_stream``'s CUDA stream, once used
-        self._side_active = False
+        # L0 prompts beside a forward in flight go to a CUDA stream of their own (``side_stream``).
+        self.side = SideStream(torch, self.device)
         self.prefill_chunk = int(prefill_chunk)
         self.decode_reason = self._decode_setup(decode)
         if self.decode_reason is not None:
@@ -139,16 +141,16 @@ class RowRunner:
             return "decode='eager'"
         if decode == "static":
             self.static = StaticDecode(self, capture=False)
-            self.static_prefill = StaticPrefill(self, capture=False, chunk=self.prefill_chunk)
+            self.static_prefill = StaticPrefill(self, capture=False, chunk=self.prefill_chunk, deep=True)
             self.static_prefill_l0 = StaticPrefill(self, capture=False, chunk=self.prefill_chunk,
                                                    rows=L0_PREFILL_ROWS)
             return None
         reason = graphs_blocker(self)
         if reason is None:
             self.static = StaticDecode(self, capture=True)
-            self.static_prefill = StaticPrefill(self, capture=True, chunk=self.prefill_chunk)
+            self.static_prefill = StaticPrefill(self, capture=True, chunk=self.prefill_chunk, deep=True)
             # L0 prompts have graphs of their own (own buffers, memory pool and capture stream): they
-            # can run beside any other graph of the batch (``Engine._l0_beside``).
+            # can run beside any other graph of the batch (``beside.L0Beside``).
             self.static_prefill_l0 = StaticPrefill(self, capture=True, chunk=self.prefill_chunk,
                                                    rows=L0_PREFILL_ROWS)
         return reason
@@ -321,33 +323,16 @@ class RowRunner:
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            if self._side_active:               # not the batch's decode that runs beside it
+            if self.side.active:                # not the batch's decode that runs beside it
                 self.torch.cuda.current_stream(self.device).synchronize()
             else:
                 self.torch.cuda.synchronize(self.device)
 
     def side_stream(self):
         """A ``with`` under which forwards go to a CUDA stream of their own, beside the batch's
-        decode in flight on the main one, and wait only for themselves (a no-op off CUDA)."""
-        import contextlib
-
-        torch = self.torch
-
-        @contextlib.contextmanager
-        def side():
-            if self.device.type != "cuda":
-                yield
-                return
-            if self._side is None:
-                self._side = torch.cuda.Stream(device=self.device)
-            self._side_active = True
-            try:
-                with torch.cuda.stream(self._side):
-                    yield
-                self._side.synchronize()
-            finally:
-                self._side_active = False
-        return side()
+        decode in flight on the main one, and wait only for themselves (a no-op off CUDA;
+        ``beside.SideStream``)."""
+        return self.side.use()
 
     def warm(self, prefill_chunk: int = 512) -> float:
         """Meet, before any request does, every shape a forward can have. The batch's decode at

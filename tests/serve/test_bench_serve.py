@@ -68,6 +68,11 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
         assert summary["decode"] == result["engine_decode"][mode] == {
             "mode": "eager", "reason": "CUDA graphs need a CUDA device (the model is on cpu)", "prefill": None}
         assert 0.0 <= summary["l2_open_step_fraction"] <= 1.0
+        # The collector's pauses in the server during the load: counted per generation; the
+        # slowest requests' share of them.
+        assert set(summary["gc"]) == {"0", "1", "2"} and summary["gc"]["0"]["collections"] > 0
+        assert all(g["ms_max"] <= g["ms_total"] for g in summary["gc"].values())
+        assert all(w["gc_ms"] == pytest.approx(sum(p["ms"] for p in w["gc"]), abs=0.01) for w in worst)
         assert summary["l0_beside"] == 0          # no decode graph on the CPU to go beside
         assert summary["l0_beside_off"] is None
     assert result["fifo"]["degrade_steps"] == {"temperature": 0, "top_p": 0, "max_new_tokens": 0}
@@ -96,4 +101,34 @@ def test_the_l0_stream_has_a_client_process_of_its_own(monkeypatch):
     assert bench.stages(rec) == pytest.approx({"to_server": 2.0, "parse": 0.5, "queue": 1.0, "compute": 5.0,
                                                "hand_off": 2.5, "to_client": 1.0})
     assert bench.stages(dict(rec, timing=dict(rec["timing"], first_write_ms=None))) is None
+    sys.modules.pop("serve", None)
+
+
+def test_the_collectors_pauses_are_recorded_and_put_in_the_slow_requests_they_overlap(monkeypatch):
+    import gc
+    import time
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("serve", None)
+    import serve as bench
+
+    pauses = bench.GcPauses().start()
+    gc.disable()                                      # no automatic collection in between
+    try:
+        began = time.perf_counter()
+        gc.collect(2)
+        gc.collect(1)
+    finally:
+        pauses.stop()
+        gc.enable()
+    gc.collect(0)                                     # after stop: not recorded
+    assert [p[1] for p in pauses.pauses] == [2, 1] and all(p[0] >= began and p[2] >= 0 for p in pauses.pauses)
+    summary = pauses.summary()
+    assert [summary[g]["collections"] for g in ("0", "1", "2")] == [0, 1, 1]
+    # A request sent at t=10 s whose first token came 20 ms later: a 15 ms pause from 9.995 s and
+    # a 3 ms one at 10.010 s overlap it, one at 10.5 s does not.
+    rec = {"class": "L0", "ttft": 0.020, "sent_at": 10.0, "server_ttft_ms": 18.0, "queue_ms": 0.5, "timing": None}
+    worst = bench.worst_l0([rec], [], pauses=[(9.995, 2, 15.0), (10.010, 0, 3.0), (10.5, 0, 1.0)])
+    assert worst[0]["gc_ms"] == 18.0
+    assert worst[0]["gc"] == [{"at_ms": -5.0, "generation": 2, "ms": 15.0}, {"at_ms": 10.0, "generation": 0, "ms": 3.0}]
     sys.modules.pop("serve", None)

@@ -649,7 +649,7 @@ def test_the_device_waiter_wakes_the_engine_when_the_device_is_done():
     # the waiter thread blocks on the step's event (off the interpreter lock) and then wakes it.
     import threading
 
-    from deepseek_flash.serve.engine import DeviceWaiter
+    from deepseek_flash.serve.beside import DeviceWaiter
 
     class Event:                        # a CUDA event's two methods
         def __init__(self):
@@ -742,7 +742,7 @@ def test_an_l0_prompt_failing_beside_a_forward_switches_that_off_and_is_served_a
         step_with_l0_during_decode(eng, l0)
     finally:
         eng.runner.static_prefill_l0.run = l0_graphs
-    assert (eng.beside, eng.beside_reason) == (False, "RuntimeError: no second stream here")
+    assert (eng.l0_beside.enabled, eng.l0_beside.reason) == (False, "RuntimeError: no second stream here")
     assert eng.stats["l0_beside"] == 0 and l0.output_ids == [] and all(len(g.output_ids) == 3 for g in running)
     drive(eng, done(l0, *running))
     for g in (l0, *running):
@@ -774,5 +774,35 @@ def test_an_l0_request_reaching_a_full_batch_preempts_a_row_whose_decode_slot_is
         assert all(len(g.output_ids) == 3 for g in running)
     drive(eng, done(l0, *running))
     for g in (l0, *running):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
+
+
+@pytest.mark.parametrize("l0_traffic", [True, False])
+def test_with_l0_traffic_a_long_prompt_goes_in_chunks_a_prompt_graph_runs(tiny_reference, tiny_tokenizer,
+                                                                          l0_traffic):
+    # With L0 requests about, a 300-token prompt (or a preempted request re-filling its prompt and
+    # output) is prefilled in chunks of the widest prompt graph (128 tokens), each run from the
+    # prompt graphs (here their fixed-shape forward, eagerly) -- so an L0 request arriving
+    # meanwhile goes beside it -- not as one eager 300-token forward; without, as before. The
+    # tokens are greedy either way.
+    eng, running = beside_engine(tiny_reference, tiny_tokenizer)
+    if l0_traffic:
+        eng._l0_at = time.monotonic()
+    long_prompt = generation([(11 * j) % 250 + 2 for j in range(300)], 3)
+    assert eng.submit(long_prompt).admitted
+    boundary(eng)
+    row, prefill, log = long_prompt.row, eng.runner.prefill, []
+
+    def logged(rows, ids, *args, **kw):
+        log.append((list(rows), len(ids[0])))
+        return prefill(rows, ids, *args, **kw)
+    eng.runner.prefill = logged
+    graphed = eng.runner.static_prefill.counters["static_steps"]
+    drive(eng, done(long_prompt, *running))
+    chunks = [n for rows, n in log if rows == [row]]
+    assert chunks == ([128, 128, 44] if l0_traffic else [300])
+    assert eng.runner.static_prefill.counters["static_steps"] - graphed == (3 if l0_traffic else 0)
+    for g in (long_prompt, *running):
         assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
     eng.close(timeout=0)

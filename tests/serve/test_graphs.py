@@ -85,6 +85,27 @@ def test_a_step_that_cannot_run_falls_back_to_the_eager_decode_for_good(tiny_ref
         eng.close(timeout=5)
 
 
+def test_prompt_graphs_cover_one_row_of_the_widest_chunk_at_every_attention_width(tiny_reference):
+    # The batch's prompt graphs: rows x widths over a first chunk's attention widths, and one row
+    # of the widest width (128) at every attention width up to the cache's length (a long prompt
+    # in chunks); the L0 prompts' own graphs only the first. A chunk narrower than the widest
+    # whose own width has no graph at that attention width runs as the widest, padded; two rows
+    # deep into a prompt have none.
+    runner = RowRunner(tiny_reference, rows=4, max_len=300, decode="static", prefill_chunk=512)
+    general, l0 = runner.static_prefill, runner.static_prefill_l0
+    assert general.widest() == 128 and general.deep and not l0.deep
+    first = {(n, w, k) for n in (1, 2, 4) for w in (16, 32, 64, 128)
+             for k in {runner.bucket(w), runner.bucket(w + 1)}}
+    assert set(general.keys()) == first | {(1, 128, k) for k in (256, 300)}
+    assert set(l0.keys()) == {key for key in first if key[0] <= 2}
+    general.capture, general.graphs = True, dict.fromkeys(general.keys())     # as if captured
+    assert general._key(1, 44, 300) == (1, 128, 300) and general.covers(1, 44, 299)
+    assert general._key(1, 20, 64) == (1, 32, 64)                           # the nearest where it has one
+    assert not general.covers(2, 44, 299) and not general.covers(1, 129, 300)
+    general.reason = "capture failed"
+    assert not general.covers(1, 20, 64)
+
+
 def test_the_warm_up_runs_prompts_of_every_size_class():
     assert prompt_sizes(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
     assert prompt_sizes(512)[-3:] == [256, 384, 512] and prompt_sizes(1) == [1]
@@ -99,8 +120,9 @@ def test_cuda_graphs_decode_the_tokens_of_the_eager_step(tiny_reference, tiny_to
     stats = eng.runner.decode_stats()
     assert stats["mode"] == "graphs" and stats["reason"] is None, stats
     assert stats["graphs"] == 3 and stats["replays"] == eng.stats["decode_steps"] > 0
-    # Prompt forwards of 1 and 2 rows (of the 3) at width 8 (the chunk), attention over 64 keys.
-    assert stats["prefill"]["mode"] == "graphs" and stats["prefill"]["graphs"] == 2, stats
+    # Prompt forwards of 1 and 2 rows (of the 3) at width 8 (the chunk), attention over 64 keys;
+    # one row of the widest width (8 here) also at every other attention width: 128 and 160.
+    assert stats["prefill"]["mode"] == "graphs" and stats["prefill"]["graphs"] == 4, stats
     assert 0 < stats["prefill"]["replays"] <= eng.stats["prefill_forwards"]
     # The same fixed-shape step run eagerly (the same kernels): the same tokens, in any dtype.
     static, eng_static = run_batch(model, tiny_tokenizer, device="cuda:0", decode="static")
@@ -192,5 +214,27 @@ def test_an_l0_prompt_in_a_preempted_row_beside_the_graph_decode_keeps_every_tok
     assert log[1] == ("prefill", [l0.row]) and eng.stats["preempted"] == 1 and eng.stats["l0_beside"] == 1
     drive(eng, done(l0, *running))
     for g in (l0, *running):
+        assert g.output_ids == greedy(model, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_long_prompt_in_chunks_of_the_deep_prompt_graphs_keeps_every_token(tiny_reference, tiny_tokenizer):
+    # With L0 traffic, a 300-token prompt goes in chunks of 128, 128 and 44 tokens, all from
+    # prompt graphs: the second at attention width 256 and the last (padded to 128 tokens) at 320
+    # exist only as the widest width's deep graphs. Its tokens, and the decoding rows', greedy.
+    from test_engine import beside_engine, done, drive
+
+    model = copy.deepcopy(tiny_reference).to("cuda:0")
+    eng, running = beside_engine(model, tiny_tokenizer, rows=3, device="cuda:0", decode="auto", max_model_len=320)
+    assert {(1, 128, 256), (1, 128, 320)} <= set(eng.runner.static_prefill.graphs)
+    eng._l0_at = time.monotonic()
+    long_prompt = generation([(11 * j) % 250 + 2 for j in range(300)], 5)
+    replays = eng.runner.static_prefill.counters["replays"]
+    assert eng.submit(long_prompt).admitted
+    drive(eng, done(long_prompt, *running))
+    assert eng.runner.static_prefill.counters["replays"] - replays >= 3
+    for g in (long_prompt, *running):
         assert g.output_ids == greedy(model, g.prompt_ids, g.sched.max_new_tokens)
     eng.close(timeout=0)
