@@ -96,7 +96,7 @@ class PageSummaries:
         h, n = self.minmax.shape[1], self.n
         q = query.reshape(b * h, -1, d).float()  # the GQA grouping of group_queries
         q = torch.cat((q.clamp(min=0), q.clamp(max=0)), -1)
-        minmax = self.minmax[:, :, :n].reshape(b * h, n, 2 * d).float()
+        minmax = self.minmax[:, :, :n].float().reshape(b * h, n, 2 * d)  # one copy, not two
         bound = torch.bmm(q, minmax.transpose(1, 2)).mul_(scale).view(b, h, -1, n)
         scores = torch.stack((page_scores(bound, "quest"),
                               page_scores(bound, "windowed", window_pages)))
