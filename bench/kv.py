@@ -27,7 +27,8 @@ Batch 1, random-weight model of the ``--arch`` 7-8B shape (bf16, resident), cont
 Timing is the same for every mode: before the first context every mode runs once at a short
 context, untimed (nothing is timed cold); each decode figure is the best of ``--repeats`` windows
 of ``--decode`` steps after ``--warmup`` untimed steps, with the share of the window the host spent
-queueing (``*_host_share``: near 1.0 the eager step's host work is the bound, not the device). The
+queueing (``*_host_share``: near 1.0 the eager step's host work is the bound, not the device) and
+the host's time to issue one step with the device idle (``*_host_ms``: DynamicCache, top-K). The
 dynamic ``DynamicCache`` decode at a 256-token context (``dynamic_floor_tok_s``) is the eager step
 apart from long-context attention; it is taken again before each later context
 (``dynamic_floor_before_tok_s``): a process that slowed down shows there.
@@ -130,6 +131,23 @@ def decode(model, cache, tok, steps, device, warmup=4, repeats=2):
             if best is None or total < best[0]:
                 best = (total, queued)
     return tok, steps / best[0], round(best[1] / best[0], 3)
+
+
+def host_ms(model, cache, tok, device, tries: int = 3):
+    """The host's time to issue one decode step with the device idle before it (a sync first),
+    ms, best of ``tries``: what the step costs the host alone, where a window's time is the
+    slower of host and device (its launches block only once the device's queue is full)."""
+    import torch
+    best = None
+    with torch.no_grad():
+        for _ in range(tries):
+            sync(device)
+            t = time.perf_counter()
+            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+            took = time.perf_counter() - t
+            best = took if best is None else min(best, took)
+    sync(device)
+    return tok, round(best * 1e3, 2)
 
 
 def profile_steps(model, cache, tok, device, path: Path, steps: int = 2) -> dict:
@@ -274,7 +292,9 @@ def run_context(model, T, args, device, h2d, record=True):
             tok, r[f"ttft_{name}_s"] = prefill(model, ids, dc, device)
             tok, r[f"{name}_tok_s"], r[f"{name}_host_share"] = decode(
                 model, dc, tok, steps, device, args.warmup, args.repeats)
-        r["dynamic_kv_bytes"] = dynamic_kv_bytes(dc)  # the same tokens as the tiered stats below
+            # the same tokens as the tiered stats below (before host_ms's steps)
+            r["dynamic_kv_bytes"] = dynamic_kv_bytes(dc)
+            tok, r[f"{name}_host_ms"] = host_ms(model, dc, tok, device)
         if cuda:
             r["dynamic_peak_bytes"] = torch.cuda.max_memory_allocated()
         del dc
@@ -328,6 +348,7 @@ def run_context(model, T, args, device, h2d, record=True):
         r["tiered_peak_bytes"] = torch.cuda.max_memory_allocated()
     r["gpu_kv_ratio"] = round(r["tiered_gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     r["topk25_gpu_kv_ratio"] = round(s["gpu_bytes"] / r["dynamic_kv_bytes"], 4)
+    tok, r["topk25_host_ms"] = host_ms(model, cache, tok, device)  # after the counts above
     # the same top-K steps with the page cache left out: every chosen page crosses PCIe each step
     setting, cache.page_cache = cache.page_cache, 0
     before = cache.stats()["pages_fetched"]
@@ -536,8 +557,11 @@ def main(argv=None) -> int:
           file=sys.stderr)
     cols = ["context", "gpu_kv_ratio", "topk25_gpu_kv_ratio", "dynamic_tok_s",
             "dynamic_nocudnn_tok_s", "topk25_tok_s", "topk25_nocache_tok_s",
-            "topk25_page_cache_hit_rate", "topk25_pages_per_token", "lossless_tok_s", "lossless_bound_tok_s", "offload_tok_s", "ttft_dynamic_best_s",
-            "ttft_tiered_s"]
+            "topk25_page_cache_hit_rate", "topk25_pages_per_token", "lossless_tok_s",
+            "lossless_bound_tok_s", "offload_tok_s", "ttft_dynamic_best_s", "ttft_tiered_s",
+            "dynamic_nocudnn_host_ms", "topk25_host_ms"]
+    cols += list(dict.fromkeys(k for r in result["contexts"] for k in r
+                               if k.startswith("topk25_pc") and k.endswith(("_tok_s", "_hit_rate"))))
     print(" ".join(f"{c:>14}" for c in cols), file=sys.stderr)
     for r in result["contexts"]:
         print(" ".join(f"{str(r.get(c, '-')):>14}" for c in cols), file=sys.stderr)

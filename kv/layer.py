@@ -239,7 +239,9 @@ class TieredLayer(CacheLayerMixin):
         plan = self._plan
         if plan is not None and pad_mask is None:
             if plan.holds(self, cache, query):
-                return self._attend_planned(plan, query, k_new, v_new, scaling)
+                out = self._attend_planned(plan, query, k_new, v_new, scaling)
+                if out is not None:
+                    return out
             self._plan = None
         try:
             if self.prune is not None:
@@ -268,7 +270,8 @@ class TieredLayer(CacheLayerMixin):
     def _attend_planned(self, plan, query, k_new, v_new, scaling):
         """``attend`` of a decode step that repeats the last one's path (``StepPlan``): the
         captured graph replayed with the step's query, keys and values, the attention over the
-        prefix it assembled, the commit. Nothing decided again."""
+        prefix it assembled, the commit. Nothing decided again. None: the replay failed (the
+        layer then takes the full path, eagerly)."""
         cache = self._cache
         window = self.window
         try:
@@ -280,7 +283,14 @@ class TieredLayer(CacheLayerMixin):
                 cache._prefetch_next(self)
             window.sync_pos()
             torch._foreach_copy_(plan.inputs, [query, k_new, v_new])
-            plan.graph.graph.replay()
+            try:
+                plan.graph.graph.replay()
+            except RuntimeError as exc:  # as LayerGraphs.select: eager from now on (logged)
+                self.graphs.failed, self.graphs.graph = True, None
+                window.pos_value = None
+                graphs.log.warning("layer %d: the captured top-K graph failed to replay (%s); "
+                                   "the choice and gather run eagerly", self.index, exc)
+                return None
             window.ahead = plan.t
             window.pos_value = window.length + plan.t
             n = plan.before_window + window.length + plan.t

@@ -154,3 +154,33 @@ def test_the_recent_window_across_prompt_chunks_and_modes_equals_the_eager_steps
     graphed.top_k_pages = 0.5  # a setting changed: the plan no longer holds
     layer = graphed.layers[1]
     assert not layer._plan.holds(layer, graphed, torch.empty(layer._plan.shape))
+
+
+def test_a_replay_that_fails_between_page_boundaries_leaves_the_layer_eager(emulated, monkeypatch,
+                                                                            caplog):
+    # a replay refused in the middle of the steps a StepPlan serves: that step and the rest run
+    # eagerly, the same tokens as eager steps throughout (logged once per layer)
+    class Failing(_Graph):
+        replays = 0
+
+        def replay(self):
+            Failing.replays += 1
+            if Failing.replays > 12:
+                raise RuntimeError("CUDA error: operation failed")
+            super().replay()
+
+    monkeypatch.setattr(graphs, "new_graph", Failing)
+    model = tiny_model(layers=3)
+    ids = torch.randint(1, 256, (1, 900), generator=torch.Generator().manual_seed(8))
+    runs = []
+    for captured in (True, False):
+        cache = TieredCache.for_model(model, gpu_tokens=64, page_tokens=32, top_k_pages=0.25,
+                                      dense_layers=1)
+        cache.select_graphs = captured
+        with caplog.at_level("WARNING", logger="deepseek_flash.kv.cache"):
+            runs.append(greedy(model, ids, None, cache, 20))
+        if captured:
+            assert [layer.graphs.failed for layer in cache.layers] == [False, True, True]
+            assert all(layer._plan is None for layer in cache.layers)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert caplog.text.count("failed to replay") == 2
