@@ -33,8 +33,8 @@ else
     || { echo "build failed"; tail -20 "$out/build.log"; exit 1; }
 fi
 # The decode step's CUDA graphs give the eager step's tokens (tests/serve/test_graphs.py, -m gpu;
-# ~15 s), then the bench (its JSON says how the batch decoded: engine_decode, flash.decode).
-timeout 60 python3 -m pytest -q -m gpu tests/serve/test_graphs.py -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
+# ~20-30 s), then the bench (its JSON says how the batch decoded: engine_decode, flash.decode).
+timeout 90 python3 -m pytest -q -m gpu tests/serve/test_graphs.py -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
 echo "gpu tests: $? -- $(tail -1 "$out/gpu_tests.log")"
 (cd bench && timeout 160 python3 serve.py --arch "$arch" --device cuda:0 --wave-seconds 10 --drain-seconds 25 \
    --output "$out/serve_$arch.json" --png-dir "$out/png" "$@") > "$out/serve_$arch.log" 2>&1

@@ -619,6 +619,7 @@ def main(argv=None) -> int:
                 state.engine.runner.profile(reset=True)
                 steps0, open0 = state.engine.stats["steps"], state.engine.stats["l2_open_steps"]
                 beside0 = state.engine.stats["l0_beside"]
+                concurrent0 = state.engine.stats["l0_beside_concurrent"]
                 pauses = GcPauses().start()
                 try:
                     recs, wall = load_phase(pool, base, name, arrivals, args.prompt_len, drain, args.load_procs)
@@ -647,8 +648,13 @@ def main(argv=None) -> int:
                                                            # batch's decode graph
                                                            "l0_beside": state.engine.stats[
                                                                "l0_beside"] - beside0,
+                                                           # of those, issued while another ran
+                                                           # (the second lane)
+                                                           "l0_beside_concurrent": state.engine.stats[
+                                                               "l0_beside_concurrent"] - concurrent0,
                                                            # why that was switched off (a failure)
-                                                           "l0_beside_off": state.engine.l0_beside.reason}
+                                                           "l0_beside_off": state.engine.l0_beside.reason,
+                                                           "l0_second_lane_off": state.engine.l0_beside.second_reason}
                 result["engine_profile"] = profiles
                 save(result, args.output)
             finally:
@@ -685,7 +691,8 @@ def main(argv=None) -> int:
     for mode in ("flash", "fifo"):
         print(f"{mode} decode: {result[mode]['decode']}; steps with L2's rule open: "
               f"{result[mode]['l2_open_step_fraction']}; L2 ttft p50 {result[mode]['L2']['ttft_p50_ms']} ms; "
-              f"L0 prompts beside a graph forward: {result[mode]['l0_beside']}")
+              f"L0 prompts beside a graph forward: {result[mode]['l0_beside']} "
+              f"({result[mode]['l0_beside_concurrent']} beside another L0 prompt)")
         b = result[mode]["L0"]["ttft_breakdown"]
         if b.get("requests"):
             print(f"{mode} L0 ttft stages p50/p99/tail-mean ms: " + ", ".join(

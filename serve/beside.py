@@ -13,6 +13,13 @@ shape no L0 graph has waits for the next step, as does every L0 request while th
 scheduler off (FIFO), a streamed model (its layer ring is driven by one forward at a time), no L0
 request in the last ``Engine.l0_recent_s`` seconds, or after a failure here (logged, ``reason``).
 
+**Two lanes.** A prompt is issued without waiting for it; an L0 request arriving while another
+one's prompt is still on the device goes on the second *lane* at once -- a second set of L0 graphs
+(``RowRunner.static_prefill_l0b``) on a second side stream -- instead of waiting for it (at ~10 L0
+requests a second and ~3 ms a prompt, ~3 % of them would). Each prompt's first token is taken as
+soon as the device has run it. A failure on the second lane switches that lane off
+(``second_reason``); with both busy, the next prompt waits for the older one.
+
 **Rows.** The L0 prompt's row is never one the forward in flight writes (``writing``) -- except,
 for the decode, a row whose decode slot lies beyond every queued L0 prompt (``protected``): the
 decode writes one slot per row, the prompt writes slots ``0..len`` of its row, so on a full batch
@@ -20,14 +27,17 @@ the L0 request may take that row now; the decode's token for the request it pree
 and that request rewinds (``Generation.rewind``), as any preempted one.
 
 **Waiting.** The engine thread waits on its condition for whichever comes first, a new request or
-the device: a ``DeviceWaiter`` thread blocks on a CUDA event recorded after the forward (off the
-interpreter lock) and wakes it -- no polling.
+the device: ``DeviceWaiter`` threads -- one for the forward, one per lane -- block on a CUDA event
+recorded after the forward or the prompt (off the interpreter lock) and wake it -- no polling.
 
 What the engine provides (``L0Beside(engine)``): ``_lock`` (its condition; the scheduler and the
-rows are touched under it), ``scheduler``, ``runner``, ``stats`` (``l0_beside`` counts the prompts
-run here), ``l0_recent()``, ``_join(protect)`` (dispatch, preempt, admit: lock held),
-``_l0_group()`` (the L0 prompts in the batch with tokens left: lock held), ``_queued_l0_need()``
-(the longest queued L0 prompt: lock held), ``_prefill_shape(group)`` and ``_prefill(group, l0=True)``.
+rows are touched under it), ``scheduler``, ``runner`` (``static_prefill_l0``/``_l0b``, ``side``/
+``side_b``, ``prefill_start``/``prefill_end``, ``issued_event``), ``stats`` (``l0_beside`` counts
+the prompts run here, ``l0_beside_concurrent`` those issued while another ran), ``l0_recent()``,
+``_join(protect)`` (dispatch, preempt, admit: lock held), ``_l0_group()`` (the L0 prompts in the
+batch with tokens left: lock held), ``_queued_l0_need()`` (the longest queued L0 prompt: lock
+held), ``_prefill_shape(group)``, ``_prefill_inputs(group)`` and ``_prefilled(group, logits, s)``
+(the books after a prompt forward: its first tokens).
 """
 from __future__ import annotations
 
@@ -94,7 +104,9 @@ class SideStream:
         self.stream = None
         self.active = False
 
-    def use(self):
+    def use(self, wait: bool = True):
+        """``wait=False``: the host does not wait for the stream at the end (a prompt issued
+        there, waited for later: ``L0Beside``)."""
         torch = self.torch
 
         @contextlib.contextmanager
@@ -108,7 +120,8 @@ class SideStream:
             try:
                 with torch.cuda.stream(self.stream):
                     yield
-                self.stream.synchronize()
+                if wait:
+                    self.stream.synchronize()
             finally:
                 self.active = False
         return side()
@@ -122,6 +135,23 @@ def protected(writing, slots: dict, need: int) -> list:
     return [g.sched for g in writing if slots[id(g)] <= need]
 
 
+class Lane:
+    """One set of L0 prompt graphs and the side stream its prompts run on; ``index`` 0 or 1."""
+
+    def __init__(self, index: int, graphs, side: SideStream):
+        self.index, self.graphs, self.side = index, graphs, side
+
+
+class Launched:
+    """An L0 prompt forward issued on ``lane`` and not yet taken: its ``group`` ((generation,
+    tokens) pairs), what ``RowRunner.prefill_start`` returned, and ``done[0]`` once the device has
+    run it (set by the device waiter; at once off CUDA)."""
+
+    def __init__(self, group, lane: Lane, started: tuple, done: list):
+        self.group, self.lane, self.done = group, lane, done
+        self.logits, self.began, self.launch_s = started
+
+
 class L0Beside:
     """The L0-beside path of ``engine`` (see the module's doc)."""
 
@@ -129,7 +159,10 @@ class L0Beside:
         self.engine = engine
         self.enabled = bool(enabled)
         self.reason: str | None = None          # why it was switched off, if it failed
-        self._waiter: DeviceWaiter | None = None
+        self.second_reason: str | None = None   # why the second lane was, if it failed
+        # A waiter per thing waited for -- the forward in flight, each lane -- so that none's
+        # wake-up waits for another's event.
+        self._waiters: dict = {}
 
     def meanwhile(self, writing, slots: dict | None = None):
         """``meanwhile`` for a graph forward over ``writing`` (its generations; ``slots`` for the
@@ -139,20 +172,42 @@ class L0Beside:
             return None
         return lambda issued: self.run(writing, issued, slots)
 
+    def lanes(self) -> list:
+        """The lanes L0 prompts may run on now: the L0 graphs on the side stream and, where a
+        second set exists and has not failed, that set on the second side stream."""
+        runner = self.engine.runner
+        if runner.static_prefill_l0 is None:
+            return []
+        lanes = [Lane(0, runner.static_prefill_l0, runner.side)]
+        if runner.static_prefill_l0b is not None and self.second_reason is None:
+            lanes.append(Lane(1, runner.static_prefill_l0b, runner.side_b))
+        return lanes
+
+    def _watch(self, key, event, flag: list) -> None:
+        """Wake the engine's condition once ``event`` has happened (``flag[0]`` set then), from
+        ``key``'s waiter thread (``"forward"``, or a lane's index)."""
+        waiter = self._waiters.get(key)
+        if waiter is None:
+            waiter = self._waiters[key] = DeviceWaiter(self.engine._lock)
+        waiter.watch(event, flag)
+
     def run(self, writing, issued, slots: dict | None = None) -> None:
         """Until ``issued`` -- a CUDA event after the forward over ``writing`` -- has happened (None:
-        the forward is done already), let L0 requests join and run their prompts beside it."""
+        the forward is done already), let L0 requests join and run their prompts beside it: each
+        issued on a free lane without waiting for it, so that an L0 request arriving while another
+        one's prompt runs goes on the second lane at once instead of waiting for it; each prompt's
+        first token taken as soon as the device has run it. Returns once the forward and every
+        prompt issued here are done."""
         eng = self.engine
-        prefill = eng.runner.static_prefill_l0
+        lanes = self.lanes()
         protect = [g.sched for g in writing]
         tried = set()
+        inflight: list[Launched] = []
         done = [issued is None]
         if issued is not None:
             # A thread of its own waits on the device (without the interpreter lock) and wakes
             # this one, as a new request does: no polling.
-            if self._waiter is None:
-                self._waiter = DeviceWaiter(eng._lock)
-            self._waiter.watch(issued, done)
+            self._watch("forward", issued, done)
         while True:
             with eng._lock:
                 if eng.scheduler.queued_count("L0"):
@@ -162,23 +217,76 @@ class L0Beside:
                 group = [(g, n) for g, n in eng._l0_group() if id(g) not in tried]
                 if group:
                     tried.update(id(g) for g, _ in group)
-                    if prefill is None or not prefill.covers(len(group), *eng._prefill_shape(group)):
+                    if not lanes or not lanes[0].graphs.covers(len(group), *eng._prefill_shape(group)):
                         group = []
-                if not group:
-                    if done[0] or issued.query():
+                finished = [f for f in inflight if f.done[0]]
+                if not group and not finished:
+                    if not inflight and (done[0] or issued.query()):
                         return
                     eng._lock.wait(0.05)
                     continue
-            try:
-                with eng.runner.side_stream():
-                    eng._prefill(group, l0=True)
-                eng.stats["l0_beside"] += 1
-            except Exception as exc:   # noqa: BLE001 -- off for good; the request joins as before
-                log.exception("an L0 prompt beside another forward failed; L0 prompts wait for the step")
-                self.enabled, self.reason = False, f"{type(exc).__name__}: {exc}"[:300]
-                prefill = None
+            for f in finished:
+                inflight.remove(f)
+                self._finish(f)
+            if group and lanes:
+                free = [lane for lane in lanes if all(f.lane is not lane for f in inflight)]
+                if not free:                    # every lane busy: the oldest prompt first
+                    oldest = inflight.pop(0)
+                    self._finish(oldest)
+                    free = [oldest.lane]
+                launched = self._launch(group, free[0], concurrent=bool(inflight))
+                if launched is not None:
+                    inflight.append(launched)
+            if not self.enabled:                # failed: what was issued is taken, then the step goes on
+                for f in inflight:
+                    self._finish(f)
+                return
+            lanes = [lane for lane in lanes if lane.index == 0 or self.second_reason is None]
+
+    def _launch(self, group, lane: Lane, concurrent: bool) -> Launched | None:
+        """Issue the prompt forward of ``group`` on ``lane`` (None: not issued -- failed, or no
+        graph has its shape -- and its requests wait for the next step)."""
+        eng = self.engine
+        try:
+            ids, pos, kv_len = eng._prefill_inputs(group)
+            with lane.side.use(wait=False):
+                started = eng.runner.prefill_start([g.row for g, _ in group], ids, pos, kv_len, lane.graphs)
+                event = None if started is None else eng.runner.issued_event()
+        except Exception as exc:   # noqa: BLE001 -- off for good; the request joins as before
+            self._failed(lane, exc)
+            return None
+        if started is None:
+            return None
+        if concurrent:
+            eng.stats["l0_beside_concurrent"] += 1
+        launched = Launched(group, lane, started, [event is None])
+        if event is not None:
+            self._watch(lane.index, event, launched.done)
+        return launched
+
+    def _finish(self, f: Launched) -> None:
+        """Wait for ``f`` (done already, unless every lane was busy), take its first tokens."""
+        eng = self.engine
+        width = max(n for _, n in f.group)
+        try:
+            with f.lane.side.use():
+                spent = eng.runner.prefill_end(len(f.group), width, f.began, f.launch_s)
+                eng._prefilled(f.group, f.logits, spent)
+            eng.stats["l0_beside"] += 1
+        except Exception as exc:   # noqa: BLE001 -- off for good; the request joins as before
+            self._failed(f.lane, exc)
+
+    def _failed(self, lane: Lane, exc: Exception) -> None:
+        """A failure on the second lane switches that lane off; on the first, the whole path."""
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+        if lane.index == 1:
+            log.exception("an L0 prompt on the second side stream failed; one L0 prompt at a time from now")
+            self.second_reason = reason
+        else:
+            log.exception("an L0 prompt beside another forward failed; L0 prompts wait for the step")
+            self.enabled, self.reason = False, reason
 
     def close(self) -> None:
-        if self._waiter is not None:
-            self._waiter.close()
-            self._waiter = None
+        for waiter in self._waiters.values():
+            waiter.close()
+        self._waiters = {}

@@ -116,7 +116,7 @@ class Engine:
             self.scheduler.gpu_busy = self.utilisation
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "prompt_tokens": 0,
                       "generated_tokens": 0, "finished": 0, "prefill_forwards": 0, "cancelled": 0, "failed": 0,
-                      "preempted": 0, "l2_open_steps": 0, "l0_beside": 0,
+                      "preempted": 0, "l2_open_steps": 0, "l0_beside": 0, "l0_beside_concurrent": 0,
                       "ttft_ms": {c: [] for c in ("L0", "L1", "L2")}, "batch_rows_sum": 0}
 
     @staticmethod
@@ -345,6 +345,13 @@ class Engine:
         real token; padding writes its keys at the row's next position (``end``), which no real
         query of this forward reads and the row's next forward overwrites before reading it. A
         prompt whose last chunk this is gets its first token now, before the batch's decode."""
+        ids, pos, kv_len = self._prefill_inputs(group)
+        logits, spent = self.runner.prefill([g.row for g, _ in group], ids, pos, kv_len, l0=l0, meanwhile=meanwhile)
+        self._prefilled(group, logits, spent)
+
+    def _prefill_inputs(self, group) -> tuple:
+        """(token ids, positions, key positions read) of the forward over ``group`` (``_prefill``),
+        with the read priority of its most urgent request set."""
         width, kv_len = self._prefill_shape(group)
         ids, pos = [], []
         for gen, n in group:
@@ -353,7 +360,12 @@ class Engine:
             ids.append([0] * (width - n) + gen.fill_ids[start:end])
             pos.append([end] * (width - n) + list(range(start, end)))
         self._read_priority([g for g, _ in group])
-        logits, spent = self.runner.prefill([g.row for g, _ in group], ids, pos, kv_len, l0=l0, meanwhile=meanwhile)
+        return ids, pos, kv_len
+
+    def _prefilled(self, group, logits, spent: float) -> None:
+        """The books after the forward over ``group`` (``_prefill``) gave ``logits`` in ``spent``
+        seconds: prompts advanced, the first token of each prompt it finished."""
+        width = max(n for _, n in group)
         # What a prompt token adds to a forward: the time beyond a decode forward's, per token.
         cost = max(0.0, spent - (self._decode_s or 0.0)) / (len(group) * width)
         self._per_token_s = cost if self._per_token_s is None else 0.8 * self._per_token_s + 0.2 * cost

@@ -120,9 +120,11 @@ class RowRunner:
         self._profile: list = []
         # Attention widths (``KV_BUCKET`` multiples) that a forward has met: see ``warm``.
         self.kv_seen: set = set()
-        self.static = self.static_prefill = self.static_prefill_l0 = None
-        # L0 prompts beside a forward in flight go to a CUDA stream of their own (``side_stream``).
+        self.static = self.static_prefill = self.static_prefill_l0 = self.static_prefill_l0b = None
+        # L0 prompts beside a forward in flight go to a CUDA stream of their own (``side_stream``);
+        # a second L0 prompt arriving meanwhile to a second one, from its own graphs (``beside``).
         self.side = SideStream(torch, self.device)
+        self.side_b = SideStream(torch, self.device)
         self.prefill_chunk = int(prefill_chunk)
         self.decode_reason = self._decode_setup(decode)
         if self.decode_reason is not None:
@@ -144,6 +146,8 @@ class RowRunner:
             self.static_prefill = StaticPrefill(self, capture=False, chunk=self.prefill_chunk, deep=True)
             self.static_prefill_l0 = StaticPrefill(self, capture=False, chunk=self.prefill_chunk,
                                                    rows=L0_PREFILL_ROWS)
+            self.static_prefill_l0b = StaticPrefill(self, capture=False, chunk=self.prefill_chunk,
+                                                    rows=L0_PREFILL_ROWS)
             return None
         reason = graphs_blocker(self)
         if reason is None:
@@ -153,6 +157,9 @@ class RowRunner:
             # can run beside any other graph of the batch (``beside.L0Beside``).
             self.static_prefill_l0 = StaticPrefill(self, capture=True, chunk=self.prefill_chunk,
                                                    rows=L0_PREFILL_ROWS)
+            # A second set, so that two L0 prompts can run at once, each on its own side stream.
+            self.static_prefill_l0b = StaticPrefill(self, capture=True, chunk=self.prefill_chunk,
+                                                    rows=L0_PREFILL_ROWS)
         return reason
 
     @property
@@ -167,6 +174,7 @@ class RowRunner:
         prefill = None if self.static_prefill is None else self.static_prefill.stats()
         if prefill is not None:
             prefill["l0"] = None if self.static_prefill_l0 is None else self.static_prefill_l0.stats()
+            prefill["l0b"] = None if self.static_prefill_l0b is None else self.static_prefill_l0b.stats()
         if self.static is None:
             return {"mode": "eager", "reason": self.decode_reason, "prefill": prefill}
         return self.static.stats() | {"prefill": prefill}
@@ -248,6 +256,33 @@ class RowRunner:
         self._record("prefill", len(rows), len(ids[0]), launched, spent, began)
         return logits, spent
 
+    def prefill_start(self, rows: list, ids: list, positions: list, kv_len: int, graphs):
+        """Issue a prompt forward (as ``prefill``) from ``graphs`` (a ``StaticPrefill``) on the
+        current stream and return without waiting for it: (logits, perf_counter at the start,
+        seconds issuing it) for ``prefill_end``; None where ``graphs`` has no such shape."""
+        began = time.perf_counter()
+        logits = graphs.run(rows, ids, positions, self._width(kv_len))
+        if logits is None:
+            return None
+        return logits, began, time.perf_counter() - began
+
+    def prefill_end(self, rows: int, tokens: int, began: float, launched: float) -> float:
+        """Wait for the forward ``prefill_start`` issued (on the current stream), record it; the
+        seconds from its start until it was done."""
+        self._sync()
+        spent = time.perf_counter() - began
+        self._record("prefill", rows, tokens, launched, spent, began)
+        return spent
+
+    def issued_event(self):
+        """A CUDA event recorded after the work issued so far on the current stream (None off
+        CUDA, where the work ran as it was issued)."""
+        if self.device.type != "cuda":
+            return None
+        event = self.torch.cuda.Event()
+        event.record(self.torch.cuda.current_stream(self.device))
+        return event
+
     def decode(self, gens, rows: list, last: list, lengths: list, meanwhile=None):
         """One batched decode: each row's ``last`` token at its position ``lengths``; returns (the
         next token of each of ``gens``, seconds until they were on the host). With the fixed-shape
@@ -323,7 +358,7 @@ class RowRunner:
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            if self.side.active:                # not the batch's decode that runs beside it
+            if self.side.active or self.side_b.active:  # not the batch's decode that runs beside it
                 self.torch.cuda.current_stream(self.device).synchronize()
             else:
                 self.torch.cuda.synchronize(self.device)
@@ -369,6 +404,10 @@ class RowRunner:
                 self.static_prefill_l0.capture_all()
                 if self.static_prefill_l0.reason is not None:
                     self.static_prefill_l0 = None
+            if self.static_prefill_l0b is not None and self.static_prefill_l0b.capture:
+                self.static_prefill_l0b.capture_all()
+                if self.static_prefill_l0b.reason is not None or self.static_prefill_l0 is None:
+                    self.static_prefill_l0b = None
             for kv_len in widths if self.static is None else ():
                 last = kv_len - 1
                 for group in (list(range(rows)), [0, rows - 1] if rows > 2 else None):

@@ -73,7 +73,7 @@ def test_serve_bench_smoke(tmp_path, monkeypatch, capsys):
         assert set(summary["gc"]) == {"0", "1", "2"} and summary["gc"]["0"]["collections"] > 0
         assert all(g["ms_max"] <= g["ms_total"] for g in summary["gc"].values())
         assert all(w["gc_ms"] == pytest.approx(sum(p["ms"] for p in w["gc"]), abs=0.01) for w in worst)
-        assert summary["l0_beside"] == 0          # no decode graph on the CPU to go beside
+        assert summary["l0_beside"] == summary["l0_beside_concurrent"] == 0   # no graph on the CPU to go beside
         assert summary["l0_beside_off"] is None
     assert result["fifo"]["degrade_steps"] == {"temperature": 0, "top_p": 0, "max_new_tokens": 0}
     assert result["throughput"]["one"]["tokens"] == 8 and result["throughput"]["full"]["tokens"] == 4 * 8

@@ -586,7 +586,8 @@ def beside_engine(model, tokenizer, scheduler=None, rows=3, **kw):
 def step_with_l0_during_decode(eng, l0):
     """One engine step during whose decode ``l0`` is submitted: the forwards it ran, in order, as
     ``(kind, rows)``."""
-    static_run, prefill, log = eng.runner.static.run, eng.runner.prefill, []
+    runner = eng.runner
+    static_run, prefill, start, log = runner.static.run, runner.prefill, runner.prefill_start, []
 
     def run(rows, *args):
         log.append(("decode", list(rows)))
@@ -597,12 +598,16 @@ def step_with_l0_during_decode(eng, l0):
     def prefill_logged(rows, *args, **kw):
         log.append(("prefill", list(rows)))
         return prefill(rows, *args, **kw)
-    eng.runner.static.run, eng.runner.prefill = run, prefill_logged
+
+    def start_logged(rows, *args, **kw):           # a prompt issued beside a forward
+        log.append(("prefill", list(rows)))
+        return start(rows, *args, **kw)
+    runner.static.run, runner.prefill, runner.prefill_start = run, prefill_logged, start_logged
     try:
         with torch.inference_mode():
             eng._step()
     finally:
-        eng.runner.static.run, eng.runner.prefill = static_run, prefill
+        runner.static.run, runner.prefill, runner.prefill_start = static_run, prefill, start
     return log
 
 
@@ -804,5 +809,115 @@ def test_with_l0_traffic_a_long_prompt_goes_in_chunks_a_prompt_graph_runs(tiny_r
     assert chunks == ([128, 128, 44] if l0_traffic else [300])
     assert eng.runner.static_prefill.counters["static_steps"] - graphed == (3 if l0_traffic else 0)
     for g in (long_prompt, *running):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
+
+
+class DeviceEvent:
+    """A CUDA event's two methods, happening when the test says so."""
+
+    def __init__(self):
+        import threading
+
+        self.happened = threading.Event()
+
+    def synchronize(self):
+        self.happened.wait(10)
+
+    def query(self):
+        return self.happened.is_set()
+
+
+@pytest.mark.parametrize("second_lane", [True, False])
+def test_a_second_l0_request_arriving_while_one_runs_beside_goes_on_the_second_lane(tiny_reference, tiny_tokenizer,
+                                                                                   second_lane):
+    # L0 request a's prompt is issued beside the decode and is still on the device (its event has
+    # not happened) when b arrives: b's prompt is issued at once from the second set of L0 graphs,
+    # on the second side stream -- it does not wait for a's. Without a second set (or once it
+    # failed), b waits for a's prompt, as before. The first tokens come from the prompts, every
+    # token greedy.
+    import threading
+
+    eng, running = beside_engine(tiny_reference, tiny_tokenizer, rows=4)
+    if not second_lane:
+        eng.runner.static_prefill_l0b = None
+    eng._l0_at = time.monotonic()
+    a = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    b = generation([9, 8, 7], 4, cls="L0")
+    runner, events, launches = eng.runner, [], []
+    start, issued_event = runner.prefill_start, runner.issued_event
+
+    def event():                                    # each prompt's: happens 0.2 s after b's issue
+        events.append(DeviceEvent())
+        if len(events) == 2:
+            threading.Timer(0.2, lambda: [e.happened.set() for e in events]).start()
+        return events[-1]
+
+    def start_logged(rows, ids, positions, kv_len, graphs):
+        # (rows, from the second set, a's tokens then, a's prompt done on the device then)
+        launches.append((list(rows), graphs is runner.static_prefill_l0b, len(a.output_ids),
+                         [e.query() for e in events]))
+        out = start(rows, ids, positions, kv_len, graphs)
+        if len(launches) == 1:
+            assert eng.submit(b).admitted           # arrives while a's prompt is on the device
+        return out
+    runner.prefill_start, runner.issued_event = start_logged, event
+    if not second_lane:                             # a's event: the waiter's, set in time
+        threading.Timer(0.2, lambda: [e.happened.set() for e in events]).start()
+    try:
+        log = step_with_l0_during_decode(eng, a)
+    finally:
+        runner.prefill_start, runner.issued_event = start, issued_event
+    if second_lane:
+        # b issued on the second lane while a's prompt had not happened yet.
+        assert launches == [([a.row], False, 0, []), ([b.row], True, 0, [False])]
+        assert eng.stats["l0_beside_concurrent"] == 1
+    else:
+        assert launches[0] == ([a.row], False, 0, []) and launches[1][:3] == ([b.row], False, 1)
+        assert eng.stats["l0_beside_concurrent"] == 0
+    assert log[0][0] == "decode" and eng.stats["l0_beside"] == 2
+    assert len(a.output_ids) == 1 and len(b.output_ids) == 1
+    drive(eng, done(a, b, *running))
+    for g in (a, b, *running):
+        assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
+
+
+def test_a_failure_on_the_second_lane_switches_only_that_lane_off(tiny_reference, tiny_tokenizer):
+    # The second set of L0 graphs failing: logged, that lane off for good (with the reason), the
+    # request served at the next step; the first lane and the path stay on.
+    import threading
+
+    eng, running = beside_engine(tiny_reference, tiny_tokenizer, rows=4)
+    eng._l0_at = time.monotonic()
+    a = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    b = generation([9, 8, 7], 4, cls="L0")
+    runner, events = eng.runner, []
+    start, issued_event, second = runner.prefill_start, runner.issued_event, runner.static_prefill_l0b.run
+
+    def event():
+        events.append(DeviceEvent())
+        threading.Timer(0.2, events[-1].happened.set).start()
+        return events[-1]
+
+    def start_then_b(rows, *args):
+        out = start(rows, *args)
+        if rows == [a.row]:
+            assert eng.submit(b).admitted
+        return out
+
+    def broken(*args):
+        raise RuntimeError("no third stream here")
+    runner.prefill_start, runner.issued_event, runner.static_prefill_l0b.run = start_then_b, event, broken
+    try:
+        step_with_l0_during_decode(eng, a)
+    finally:
+        runner.prefill_start, runner.issued_event, runner.static_prefill_l0b.run = start, issued_event, second
+    assert eng.l0_beside.enabled and eng.l0_beside.reason is None
+    assert eng.l0_beside.second_reason == "RuntimeError: no third stream here"
+    assert len(eng.l0_beside.lanes()) == 1
+    assert eng.stats["l0_beside"] == 1 and len(a.output_ids) == 1 and b.output_ids == []
+    drive(eng, done(a, b, *running))
+    for g in (a, b, *running):
         assert g.output_ids == greedy(tiny_reference, g.prompt_ids, g.sched.max_new_tokens)
     eng.close(timeout=0)

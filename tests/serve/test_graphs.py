@@ -238,3 +238,41 @@ def test_a_long_prompt_in_chunks_of_the_deep_prompt_graphs_keeps_every_token(tin
     for g in (long_prompt, *running):
         assert g.output_ids == greedy(model, g.prompt_ids, g.sched.max_new_tokens)
     eng.close(timeout=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_l0_prompts_at_once_on_two_side_streams_beside_the_graph_decode_keep_every_token(tiny_reference,
+                                                                                             tiny_tokenizer):
+    # a's prompt is held on its side stream (a device sleep queued before it) when b arrives: b's
+    # prompt runs from the second set of L0 graphs on the second side stream at the same time,
+    # both beside the decode graph on the main one. Every request's tokens greedy.
+    from test_engine import beside_engine, done, drive, step_with_l0_during_decode
+
+    model = copy.deepcopy(tiny_reference).to("cuda:0")
+    eng, running = beside_engine(model, tiny_tokenizer, rows=4, device="cuda:0", decode="auto", max_model_len=160)
+    assert eng.runner.static_prefill_l0b is not None and len(eng.l0_beside.lanes()) == 2
+    eng._l0_at = time.monotonic()
+    a = generation([7, 8, 9, 10, 11], 4, cls="L0")
+    b = generation([9, 8, 7], 4, cls="L0")
+    runner, start = eng.runner, eng.runner.prefill_start
+
+    def start_slow_then_b(rows, *args):
+        if rows == [a.row]:
+            torch.cuda._sleep(100_000_000)          # ~50 ms of device time on a's stream first
+        out = start(rows, *args)
+        if rows == [a.row]:
+            assert eng.submit(b).admitted
+        return out
+    runner.prefill_start = start_slow_then_b
+    try:
+        step_with_l0_during_decode(eng, a)
+    finally:
+        runner.prefill_start = start
+    assert eng.stats["l0_beside"] == 2 and eng.stats["l0_beside_concurrent"] == 1
+    assert len(a.output_ids) == 1 and len(b.output_ids) == 1
+    assert eng.runner.static_prefill_l0b.counters["replays"] == 1
+    drive(eng, done(a, b, *running))
+    for g in (a, b, *running):
+        assert g.output_ids == greedy(model, g.prompt_ids, g.sched.max_new_tokens)
+    eng.close(timeout=0)
