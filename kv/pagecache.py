@@ -106,6 +106,7 @@ class PageCache:
         self._span_key = None
         self.refused = False  # a view was refused, or no room (logged once)
         self.limit: int | None = None  # most slots the device budget allows (None: no limit)
+        self._seq_rows_key = self._seq_rows_t = None
 
     # --- memory ----------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -221,10 +222,19 @@ class PageCache:
         self.last_misses.copy_(miss.sum())
         self.misses.add_(self.last_misses)
         self.hits.sub_(self.last_misses).add_(b * k)
-        slot_start = (self.seq_base + new_slot) * span.units_per_page  # in the slots' rows
+        # in the slots' rows: b * capacity * units + slot * units, one operation
+        slot_start = torch.add(self._seq_rows(span.units_per_page), new_slot,
+                               alpha=span.units_per_page)
         start = torch.where(miss, span.table.gather(1, chosen), slot_start + span.extra_row)
         torch.index_select(span.rows, 0, span.rows_at(start), out=out_rows)
         span.extra_rows.index_copy_(0, span.rows_at(slot_start), out_rows)
+
+    def _seq_rows(self, units: int) -> torch.Tensor:
+        """``seq_base * units``: the slots' first row of each sequence (made once per shape)."""
+        key = (units, self.seq_base.data_ptr())
+        if self._seq_rows_key != key:
+            self._seq_rows_key, self._seq_rows_t = key, self.seq_base * units
+        return self._seq_rows_t
 
     def gather(self, span, chosen: torch.Tensor):
         """``gather_into`` a new buffer -> keys, values ``[b, kv_heads, k * page_tokens, d]``."""

@@ -68,8 +68,9 @@ class RecentWindow:
     def write_at_pos(self, kv_in, steps) -> None:
         """The graph's part: the step's keys and values (``kv_in`` ``[2, b, h, t, d]``) at
         ``pos``, then ``pos`` past them."""
-        self.kv.index_copy_(3, self.pos + steps, kv_in)
-        self.pos.add_(steps.shape[0])
+        t = steps.shape[0]
+        self.kv.index_copy_(3, self.pos if t == 1 else self.pos + steps, kv_in)
+        self.pos.add_(t)
 
     def write(self, k_new, v_new) -> None:
         """Eagerly: the step's tokens at the window's length (the length is the caller's)."""
