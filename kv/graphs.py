@@ -53,19 +53,19 @@ class SharedOut:
             self.buffers[key] = rows
         return rows
 
-    def attention(self, like: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[b, kv_heads, tokens, head_dim]`` of the current top-K layer's
-        attention (``AttentionInput``), one pair per shape, kept while ``k`` and the batch stay
-        (the graphs write into them at fixed addresses)."""
+    def attention(self, like: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Keys and values ``[2, b, kv_heads, tokens, head_dim]`` of the current top-K layer's
+        attention (``AttentionInput``), one buffer per shape, kept while ``k`` and the batch
+        stay (the graphs write into it at fixed addresses)."""
         b, h, _, d = like.shape
         key = ("attention", b, h, tokens, d, like.dtype)
-        pair = self.buffers.get(key)
-        if pair is None:
-            # another k or batch: the pair of the old one is not replayed into again
+        kv = self.buffers.get(key)
+        if kv is None:
+            # another k or batch: the buffer of the old one is not replayed into again
             self.buffers = {kk: t for kk, t in self.buffers.items() if kk[0] != "attention"}
-            pair = (like.new_empty((b, h, tokens, d)), like.new_empty((b, h, tokens, d)))
-            self.buffers[key] = pair
-        return pair
+            kv = like.new_empty((2, b, h, tokens, d))
+            self.buffers[key] = kv
+        return kv
 
 
 class AttentionInput:
@@ -76,19 +76,19 @@ class AttentionInput:
     concatenation they replace. The step's query, keys and values reach the graph through the
     window's fixed input buffers, all three in one ``_foreach_copy_``."""
 
-    def __init__(self, keys, values, sink_k, sink_v, window, query, k_new, v_new):
-        self.keys, self.values = keys, values
-        self.sink_k, self.sink_v, self.window = sink_k, sink_v, window
-        self.sinks = sink_k.shape[2]
+    def __init__(self, kv, sinks_kv, window, query, k_new, v_new):
+        self.kv = kv  # [2, b, h, tokens, d]
+        self.keys, self.values = kv[0], kv[1]
+        self.sinks_kv, self.window = sinks_kv, window  # sinks: [2, b, h, s, d]
+        self.sinks = sinks_kv.shape[3]
         self.new = (query, k_new, v_new)
-        self.q_in, self.k_in, self.v_in, self.steps = window.inputs(query, k_new)
+        self.q_in, self.k_in, self.v_in, self.steps, self.kv_in = window.inputs(query, k_new)
 
     def key(self) -> tuple:
         w = self.window
-        return (self.keys.data_ptr(), self.values.data_ptr(), self.sink_k.data_ptr(),
-                self.sink_v.data_ptr(), self.sinks, w.keys.data_ptr(), w.values.data_ptr(),
-                w.pos.data_ptr(), self.q_in.data_ptr(), self.k_in.data_ptr(),
-                self.v_in.data_ptr(), self.keys.shape[2], w.capacity)
+        return (self.kv.data_ptr(), self.sinks_kv.data_ptr(), self.sinks, w.kv.data_ptr(),
+                w.pos.data_ptr(), self.q_in.data_ptr(), self.kv_in.data_ptr(),
+                self.kv.shape[3], w.capacity)
 
     def load(self) -> None:
         """Eagerly, before the replay: the window's device position, the step's inputs."""
@@ -100,23 +100,22 @@ class AttentionInput:
         w.ahead = self.steps.shape[0]
         w.pos_value = w.length + w.ahead
 
-    def fill(self, pk: torch.Tensor, pv: torch.Tensor) -> None:
-        """Sinks, pages ``pk``/``pv`` and the recent window into the buffers (device copies)."""
+    def fill(self, pages: torch.Tensor) -> None:
+        """Sinks, the pages ``[2, b, h, k * page_tokens, d]`` and the recent window into the
+        buffer (three device copies, keys and values together)."""
         w = self.window
-        s, n, cap = self.sinks, pk.shape[2], w.capacity
-        for out, sink, pages, win in ((self.keys, self.sink_k, pk, w.keys),
-                                      (self.values, self.sink_v, pv, w.values)):
-            if s:
-                _copy_words(out[:, :, :s], sink)
-            _copy_words(out[:, :, s:s + n], pages)
-            _copy_words(out[:, :, s + n:s + n + cap], win)
+        s, n, cap = self.sinks, pages.shape[3], w.capacity
+        if s:
+            _copy_words(self.kv[:, :, :, :s], self.sinks_kv)
+        _copy_words(self.kv[:, :, :, s:s + n], pages)
+        _copy_words(self.kv[:, :, :, s + n:s + n + cap], w.kv)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` ``[b, h, tokens, d]`` (each head's tokens contiguous) as ``[b, h, words]`` of 8-byte
+    """``t`` ``[..., tokens, d]`` (each head's tokens contiguous) as ``[..., words]`` of 8-byte
     elements where its bytes allow: a copy then moves 4 bf16 values per element instead of one,
-    over two dimensions instead of four (the same bytes)."""
-    flat = t.flatten(2)
+    over fewer dimensions (the same bytes)."""
+    flat = t.flatten(-2)
     if flat.shape[-1] * t.element_size() % 8 == 0 and t.element_size() < 8:
         try:
             return flat.view(torch.int64)
@@ -128,7 +127,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 def _copy_words(dst: torch.Tensor, src: torch.Tensor) -> None:
     a, b = _words(dst), _words(src)
     if a.dtype != b.dtype:
-        a, b = dst.flatten(2), src.flatten(2)
+        a, b = dst.flatten(-2), src.flatten(-2)
     a.copy_(b)
 
 
@@ -177,14 +176,14 @@ class SelectGraph:
     def _run(self) -> torch.Tensor:
         a = self.attention
         if a is not None:
-            a.window.write_at_pos(a.k_in, a.v_in, a.steps)
+            a.window.write_at_pos(a.kv_in, a.steps)
         chosen = self.summaries._choose_hybrid(self.query, self.k, self.scale, self.window_pages)
         if self.page_cache is not None:
             self.page_cache.gather_into(self.span, chosen, self.out_rows)
         else:
             self.span.gather_into(chosen, self.out_rows)
         if self.attention is not None:
-            self.attention.fill(*self.span.unpack(self.out_rows, chosen.shape[0], self.k))
+            self.attention.fill(self.span.unpack_kv(self.out_rows, chosen.shape[0], self.k))
         return chosen
 
     def replay(self, query):

@@ -58,6 +58,7 @@ class TieredLayer(CacheLayerMixin):
         self.window: RecentWindow | None = None
         self._joined = None  # (keys, values) of the running step, assembled by the graph
         self._plan: StepPlan | None = None  # the graphed decode step, while it holds
+        self._sinks_kv = None  # the sinks' keys and values stacked (graphs read them)
         self.summaries = PageSummaries()
         # pruning with lossless recall (top_k_pages None) never ranks pages: no summaries kept
         self.keeps_summaries = cache.prune is None or cache.top_k_pages is not None
@@ -457,9 +458,10 @@ class TieredLayer(CacheLayerMixin):
         if self.window is None or self.window.capacity != cap:
             self.window = RecentWindow(self.recent_k, self.recent_v, cap)
             self._recent_k = self._recent_v = None
-        keys, values = cache._select_out.attention(k_new, self.sinks + k * cache.page_tokens + cap)
-        return AttentionInput(keys, values, self.sink_k, self.sink_v, self.window, query, k_new,
-                              v_new)
+        if self._sinks_kv is None or self._sinks_kv.shape[3] != self.sinks:
+            self._sinks_kv = torch.stack((self.sink_k, self.sink_v))  # final: made once
+        kv = cache._select_out.attention(k_new, self.sinks + k * cache.page_tokens + cap)
+        return AttentionInput(kv, self._sinks_kv, self.window, query, k_new, v_new)
 
     def _write_pages(self, keys, values):
         """Full pages leave the recent window: summaries on the device (when top-K reads them), BICL

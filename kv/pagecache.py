@@ -199,26 +199,30 @@ class PageCache:
         tables updated. Fixed shapes, no host sync (capturable)."""
         b, k = chosen.shape
         cap = self.capacity
+        # (each operation here is a node of the layer's captured graph, and a node costs the
+        # device a few us whatever its size: the fewest that compute the same tables)
         slot = self.slot_of_page.gather(1, chosen)
-        hit = slot >= 0
-        miss = ~hit
-        held = torch.where(hit, slot, cap)  # the scratch column for misses
+        miss = slot < 0
+        held = torch.where(miss, cap, slot)  # the scratch column for misses
         stamp = self.last_used.scatter(1, held, _NEVER)[:, :cap]
         order = stamp.argsort(dim=1, stable=True)  # empty, then least recently chosen, slots first
-        rank = miss.long().cumsum(1).sub_(1).clamp_(min=0)
-        new_slot = torch.where(hit, slot, order.gather(1, rank))
+        # the i-th miss takes order[i - 1]: misses so far (itself included) index the order with
+        # one column in front (a hit's pick is not used)
+        picked = torch.nn.functional.pad(order, (1, 0)).gather(1, miss.cumsum(1))
+        new_slot = torch.where(miss, picked, slot)
+        # the page each slot held leaves the table (scratch column for an empty slot, -1 % width;
+        # a hit's own entry is cleared and written again just below)
         evicted = self.page_of_slot.gather(1, new_slot)
-        scratch = self.slot_of_page.shape[1] - 1
-        self.slot_of_page.scatter_(1, torch.where(miss & (evicted >= 0), evicted, scratch), -1)
+        self.slot_of_page.scatter_(1, evicted.remainder(self.slot_of_page.shape[1]), -1)
         self.slot_of_page.scatter_(1, chosen, new_slot)
         self.page_of_slot.scatter_(1, new_slot, chosen)
         self.last_used.scatter_(1, new_slot, self.step.expand(b, k))
         self.step.add_(1)
-        self.hits.add_(hit.sum())
         self.last_misses.copy_(miss.sum())
         self.misses.add_(self.last_misses)
+        self.hits.sub_(self.last_misses).add_(b * k)
         slot_start = (self.seq_base + new_slot) * span.units_per_page  # in the slots' rows
-        start = torch.where(hit, slot_start + span.extra_row, span.table.gather(1, chosen))
+        start = torch.where(miss, span.table.gather(1, chosen), slot_start + span.extra_row)
         torch.index_select(span.rows, 0, span.rows_at(start), out=out_rows)
         span.extra_rows.index_copy_(0, span.rows_at(slot_start), out_rows)
 

@@ -132,5 +132,10 @@ class HostSpan:
 
     def unpack(self, rows: torch.Tensor, b: int, k: int):
         """Gathered rows -> keys, values ``[b, kv_heads, k * page_tokens, head_dim]`` (views)."""
-        kv = rows.view(self.dtype).view(2, b, self.kv_heads, k * self.page_tokens, self.head_dim)
+        kv = self.unpack_kv(rows, b, k)
         return kv[0], kv[1]
+
+    def unpack_kv(self, rows: torch.Tensor, b: int, k: int) -> torch.Tensor:
+        """Gathered rows -> keys and values ``[2, b, kv_heads, k * page_tokens, head_dim]``."""
+        return rows.view(self.dtype).view(2, b, self.kv_heads, k * self.page_tokens,
+                                          self.head_dim)

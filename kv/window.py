@@ -22,8 +22,9 @@ class RecentWindow:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
         b, h, r, d = keys.shape
-        self.keys = keys.new_zeros((b, h, capacity, d))
-        self.values = values.new_zeros((b, h, capacity, d))
+        # keys and values in one buffer: one copy moves both (a node fewer in a graph)
+        self.kv = keys.new_zeros((2, b, h, capacity, d))
+        self.keys, self.values = self.kv[0], self.kv[1]
         self.keys[:, :, :r].copy_(keys)
         self.values[:, :, :r].copy_(values)
         self.length = r
@@ -37,7 +38,7 @@ class RecentWindow:
         return self.keys.shape[2]
 
     def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        return self.kv.numel() * self.kv.element_size()
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens held, as views."""
@@ -45,13 +46,15 @@ class RecentWindow:
 
     def inputs(self, query: torch.Tensor, k_new: torch.Tensor) -> tuple:
         """Fixed buffers a graph reads the step's query, keys and values from, and the offsets
-        ``0 .. t - 1`` of the step's tokens: ``(q_in, k_in, v_in, steps)``."""
+        ``0 .. t - 1`` of the step's tokens: ``(q_in, k_in, v_in, steps, kv_in)`` (``k_in`` and
+        ``v_in`` are the two halves of ``kv_in``)."""
         key = (tuple(query.shape), tuple(k_new.shape), query.dtype)
         got = self._inputs.get(key)
         if got is None:
             t = k_new.shape[2]
-            got = (torch.empty_like(query), torch.empty_like(k_new), torch.empty_like(k_new),
-                   torch.arange(t, device=k_new.device))
+            kv_in = k_new.new_empty((2, *k_new.shape))
+            got = (torch.empty_like(query), kv_in[0], kv_in[1],
+                   torch.arange(t, device=k_new.device), kv_in)
             self._inputs = {key: got}
         return got
 
@@ -62,11 +65,10 @@ class RecentWindow:
             self.pos.fill_(self.length)
             self.pos_value = self.length
 
-    def write_at_pos(self, k_in, v_in, steps) -> None:
-        """The graph's part: the step's tokens at ``pos``, then ``pos`` past them."""
-        at = self.pos + steps
-        self.keys.index_copy_(2, at, k_in)
-        self.values.index_copy_(2, at, v_in)
+    def write_at_pos(self, kv_in, steps) -> None:
+        """The graph's part: the step's keys and values (``kv_in`` ``[2, b, h, t, d]``) at
+        ``pos``, then ``pos`` past them."""
+        self.kv.index_copy_(3, self.pos + steps, kv_in)
         self.pos.add_(steps.shape[0])
 
     def write(self, k_new, v_new) -> None:
@@ -78,6 +80,5 @@ class RecentWindow:
     def drop_front(self, n: int) -> None:
         """The first ``n`` tokens left (written out as pages): the rest moves to the front."""
         rest = self.length - n
-        for buf in (self.keys, self.values):
-            buf[:, :, :rest].copy_(buf[:, :, n:self.length].clone())
+        self.kv[:, :, :, :rest].copy_(self.kv[:, :, :, n:self.length].clone())
         self.length = rest

@@ -125,3 +125,19 @@ def test_summaries_keep_exact_min_and_max_side_by_side():
     assert torch.equal(s.kmin[:, :, :40], pages.amin(3))
     assert torch.equal(s.kmax[:, :, :40], pages.amax(3))
     assert s.gpu_bytes() == 40 * 2 * 3 * 16 * 2  # pages x batch x heads x [max, min] x bf16
+
+
+def test_the_lean_logsumexp_is_torchs_bit_for_bit():
+    # kv/summaries.py's logsumexp_last (fewer operations in the top-K graph) computes what
+    # torch.logsumexp computes, to the bit, with infinite and NaN entries among the rows
+    from deepseek_flash.kv.summaries import logsumexp_last
+
+    gen = torch.Generator().manual_seed(4)
+    for trial in range(40):
+        x = torch.randn(2, 3, 4, 97, generator=gen) * 10.0 ** (trial % 5 - 2)
+        x[0, 1, 2] = float("-inf")  # a whole row: maximum -inf, taken as 0
+        x[1, 0, 3, 5] = float("inf")
+        x[1, 2, 1, 7] = float("nan")
+        want, got = torch.logsumexp(x, -1, keepdim=True), logsumexp_last(x)
+        assert torch.equal(want.isnan(), got.isnan())
+        assert torch.equal(want.nan_to_num(0.5), got.nan_to_num(0.5))
