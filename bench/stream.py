@@ -140,6 +140,16 @@ def copy_idle(trace: list[dict], layers: int) -> dict:
                                    for i in range(layers)]}
 
 
+def rebound(run: dict, h2d: float, resident_tok_s: dict) -> None:
+    """``run``'s bound and ratios again for a link of ``h2d`` GB/s (the bound: B x that link's
+    rate for the run's streamed bytes per token, or the resident rate at B if lower)."""
+    link1 = h2d * 1e9 / run["plan"]["streamed_bytes_per_token"]
+    run["bound_batch1_tok_s"] = round(min(link1, resident_tok_s.get(1, link1)), 3)
+    run["vs_bound"] = {b: round(rate / min(int(b) * link1, resident_tok_s.get(b, int(b) * link1)), 3)
+                       for b, rate in run["streamed_tok_s"].items()}
+    run["bound_h2d_gbps"] = h2d
+
+
 def streamed_run(store, store_dir, client, budget, context, batches, tokens, h2d, resident_tok_s,
                  resident_out, device="cuda:0", cudnn: bool = False) -> dict:
     """One streamed load under ``budget`` with ``flash_context`` ``context`` (None: the default
@@ -169,6 +179,7 @@ def streamed_run(store, store_dir, client, budget, context, batches, tokens, h2d
                    "budget_used_bytes": plan.resident_bytes + plan.n_slots * plan.slot_bytes,
                    "streamed_bytes_per_token": per_token}
     res["bound_batch1_tok_s"] = round(bound1, 3)
+    res["bound_h2d_gbps"] = h2d
     res["streamed_tok_s"] = {}
     res["tokens_identical_to_resident"] = {}
     res["vs_bound"] = {}
@@ -315,6 +326,15 @@ def main(argv=None) -> int:
     del client
     __import__("gc").collect()
     torch.cuda.empty_cache()
+    # The link probed again after the streamed runs: the bound uses the faster of the two probes
+    # (one 4 GiB copy read 51.1 GB/s on the H200 once while the streamed copies ran at 55.1: a
+    # low probe flatters every ratio).
+    res["pinned_h2d_gbps_after"] = pinned_h2d()
+    if res["pinned_h2d_gbps_after"] > h2d:
+        for run in res["windows"].values():
+            rebound(run, res["pinned_h2d_gbps_after"], res["resident_tok_s"])
+        res.update(next(iter(res["windows"].values())))
+    save(res, args.output)
 
     # Time to first token from a cold model: streamed (lazy) vs the whole model loaded first.
     for name, kwargs in (() if args.skip_ttft else

@@ -16,9 +16,10 @@ request in the last ``Engine.l0_recent_s`` seconds, or after a failure here (log
 **Two lanes.** A prompt is issued without waiting for it; an L0 request arriving while another
 one's prompt is still on the device goes on the second *lane* at once -- a second set of L0 graphs
 (``RowRunner.static_prefill_l0b``) on a second side stream -- instead of waiting for it (at ~10 L0
-requests a second and ~3 ms a prompt, ~3 % of them would). Each prompt's first token is taken as
-soon as the device has run it. A failure on the second lane switches that lane off
-(``second_reason``); with both busy, the next prompt waits for the older one.
+requests a second and ~3 ms a prompt, ~3 % of them would). Each prompt's first tokens are taken by
+its lane's waiter thread as soon as the device has run it, holding the engine's lock (one hand-off
+of the interpreter lock: the engine thread need not wake first). A failure on the second lane
+switches that lane off (``second_reason``); with both busy, the next prompt waits for a free one.
 
 **Rows.** The L0 prompt's row is never one the forward in flight writes (``writing``) -- except,
 for the decode, a row whose decode slot lies beyond every queued L0 prompt (``protected``): the
@@ -28,7 +29,8 @@ and that request rewinds (``Generation.rewind``), as any preempted one.
 
 **Waiting.** The engine thread waits on its condition for whichever comes first, a new request or
 the device: ``DeviceWaiter`` threads -- one for the forward, one per lane -- block on a CUDA event
-recorded after the forward or the prompt (off the interpreter lock) and wake it -- no polling.
+recorded after the forward or the prompt (off the interpreter lock), a lane's then takes the
+prompt's first tokens, and each wakes it -- no polling.
 
 What the engine provides (``L0Beside(engine)``): ``_lock`` (its condition; the scheduler and the
 rows are touched under it), ``scheduler``, ``runner`` (``static_prefill_l0``/``_l0b``, ``side``/
@@ -50,8 +52,9 @@ log = logging.getLogger("deepseek_flash.serve")
 
 class DeviceWaiter:
     """A thread that waits for CUDA events (``event.synchronize()``, which lets the interpreter
-    lock go) and then sets ``flag[0]`` and wakes every waiter on ``cond``: the engine thread waits
-    on its condition for whichever comes first, the device or a new request."""
+    lock go) and then -- holding ``cond`` -- runs the job's ``then`` (if any), sets ``flag[0]`` and
+    wakes every waiter on ``cond``: the engine thread waits on its condition for whichever comes
+    first, the device or a new request."""
 
     def __init__(self, cond: threading.Condition):
         import queue
@@ -61,8 +64,8 @@ class DeviceWaiter:
         self._thread = threading.Thread(target=self._run, name="serve-device-waiter", daemon=True)
         self._thread.start()
 
-    def watch(self, event, flag: list) -> None:
-        self._jobs.put((event, flag))
+    def watch(self, event, flag: list, then=None) -> None:
+        self._jobs.put((event, flag, then))
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -73,13 +76,18 @@ class DeviceWaiter:
             job = self._jobs.get()
             if job is None:
                 return
-            event, flag = job
+            event, flag, then = job
             try:
                 event.synchronize()
             except Exception:   # noqa: BLE001 -- the step's own wait on the device reports it
                 log.exception("waiting for the device failed")
             finally:
                 with self.cond:
+                    try:
+                        if then is not None:
+                            then()
+                    except Exception:   # noqa: BLE001 -- ``then`` reports its own failures
+                        log.exception("after waiting for the device")
                     flag[0] = True
                     self.cond.notify_all()
 
@@ -150,6 +158,7 @@ class Launched:
     def __init__(self, group, lane: Lane, started: tuple, done: list):
         self.group, self.lane, self.done = group, lane, done
         self.logits, self.began, self.launch_s = started
+        self.taken = False                      # its first tokens taken (``L0Beside._finish``)
 
 
 class L0Beside:
@@ -183,13 +192,13 @@ class L0Beside:
             lanes.append(Lane(1, runner.static_prefill_l0b, runner.side_b))
         return lanes
 
-    def _watch(self, key, event, flag: list) -> None:
-        """Wake the engine's condition once ``event`` has happened (``flag[0]`` set then), from
-        ``key``'s waiter thread (``"forward"``, or a lane's index)."""
+    def _watch(self, key, event, flag: list, then=None) -> None:
+        """Wake the engine's condition once ``event`` has happened (``flag[0]`` set then, after
+        ``then()``), from ``key``'s waiter thread (``"forward"``, or a lane's index)."""
         waiter = self._waiters.get(key)
         if waiter is None:
             waiter = self._waiters[key] = DeviceWaiter(self.engine._lock)
-        waiter.watch(event, flag)
+        waiter.watch(event, flag, then)
 
     def run(self, writing, issued, slots: dict | None = None) -> None:
         """Until ``issued`` -- a CUDA event after the forward over ``writing`` -- has happened (None:
@@ -217,35 +226,33 @@ class L0Beside:
                 group = [(g, n) for g, n in eng._l0_group() if id(g) not in tried]
                 if group:
                     tried.update(id(g) for g, _ in group)
-                    if not lanes or not lanes[0].graphs.covers(len(group), *eng._prefill_shape(group)):
+                    if not (self.enabled and lanes
+                            and lanes[0].graphs.covers(len(group), *eng._prefill_shape(group))):
                         group = []
+                # A prompt's first tokens are taken by its lane's waiter thread as soon as the
+                # device has run it (``_launch``); here only where it ran as issued (off CUDA).
                 finished = [f for f in inflight if f.done[0]]
-                if not group and not finished:
-                    if not inflight and (done[0] or issued.query()):
-                        return
-                    eng._lock.wait(0.05)
-                    continue
-            for f in finished:
-                inflight.remove(f)
-                self._finish(f)
-            if group and lanes:
-                free = [lane for lane in lanes if all(f.lane is not lane for f in inflight)]
-                if not free:                    # every lane busy: the oldest prompt first
-                    oldest = inflight.pop(0)
-                    self._finish(oldest)
-                    free = [oldest.lane]
-                launched = self._launch(group, free[0], concurrent=bool(inflight))
-                if launched is not None:
-                    inflight.append(launched)
-            if not self.enabled:                # failed: what was issued is taken, then the step goes on
-                for f in inflight:
-                    self._finish(f)
-                return
-            lanes = [lane for lane in lanes if lane.index == 0 or self.second_reason is None]
+                for f in finished:
+                    inflight.remove(f)
+                    if not f.taken:
+                        self._finish(f)
+                if group:
+                    free = [lane for lane in lanes if all(f.lane is not lane for f in inflight)]
+                    if free:
+                        launched = self._launch(group, free[0], concurrent=bool(inflight))
+                        if launched is not None:
+                            inflight.append(launched)
+                        lanes = [lane for lane in lanes if lane.index == 0 or self.second_reason is None]
+                        continue
+                    tried.difference_update(id(g) for g, _ in group)     # every lane busy: later
+                if not inflight and (done[0] or issued.query()):
+                    return
+                eng._lock.wait(0.05)
 
     def _launch(self, group, lane: Lane, concurrent: bool) -> Launched | None:
         """Issue the prompt forward of ``group`` on ``lane`` (None: not issued -- failed, or no
-        graph has its shape -- and its requests wait for the next step)."""
+        graph has its shape -- and its requests wait for the next step). Lock held: the books a
+        lane's waiter thread changes (``_finish``) are not read meanwhile."""
         eng = self.engine
         try:
             ids, pos, kv_len = eng._prefill_inputs(group)
@@ -261,15 +268,19 @@ class L0Beside:
             eng.stats["l0_beside_concurrent"] += 1
         launched = Launched(group, lane, started, [event is None])
         if event is not None:
-            self._watch(lane.index, event, launched.done)
+            # Its first tokens taken by the waiter thread itself, as soon as the event has
+            # happened: one hand-off of the interpreter lock, not two.
+            self._watch(lane.index, event, launched.done, lambda: self._finish(launched))
         return launched
 
     def _finish(self, f: Launched) -> None:
-        """Wait for ``f`` (done already, unless every lane was busy), take its first tokens."""
+        """Take the first tokens of ``f``, done on the device (lock held: the engine thread's, or
+        its lane's waiter thread's once the prompt's event happened)."""
         eng = self.engine
+        f.taken = True
         width = max(n for _, n in f.group)
         try:
-            with f.lane.side.use():
+            with eng.runner.torch.inference_mode(), f.lane.side.use():
                 spent = eng.runner.prefill_end(len(f.group), width, f.began, f.launch_s)
                 eng._prefilled(f.group, f.logits, spent)
             eng.stats["l0_beside"] += 1

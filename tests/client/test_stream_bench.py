@@ -44,3 +44,13 @@ def test_gc_pauses_are_recorded_while_entered_only():
         gc.collect()
     gc.collect()
     assert [g for g, _ in pauses.pauses] == [2] and pauses.pauses[0][1] >= 0
+
+
+def test_rebound_recomputes_the_ratios_for_a_faster_link():
+    stream = bench_stream()
+    run = {"plan": {"streamed_bytes_per_token": 10 * 10**9}, "streamed_tok_s": {1: 5.0, 8: 30.0},
+           "bound_batch1_tok_s": 5.0, "vs_bound": {1: 1.0, 8: 0.75}}
+    # A 60 GB/s link: 6 tok/s at batch 1, 48 at batch 8 -- unless the resident rate is lower.
+    stream.rebound(run, 60.0, {8: 40.0})
+    assert run["bound_batch1_tok_s"] == 6.0 and run["bound_h2d_gbps"] == 60.0
+    assert run["vs_bound"] == {1: round(5 / 6, 3), 8: 0.75}

@@ -862,12 +862,21 @@ def test_a_second_l0_request_arriving_while_one_runs_beside_goes_on_the_second_l
             assert eng.submit(b).admitted           # arrives while a's prompt is on the device
         return out
     runner.prefill_start, runner.issued_event = start_logged, event
+    taken_by, prefilled = [], eng._prefilled
+
+    def prefilled_logged(group, *args):            # who takes a prompt's first tokens
+        taken_by.append((group[0][0] is a, threading.current_thread().name))
+        return prefilled(group, *args)
+    eng._prefilled = prefilled_logged
     if not second_lane:                             # a's event: the waiter's, set in time
         threading.Timer(0.2, lambda: [e.happened.set() for e in events]).start()
     try:
         log = step_with_l0_during_decode(eng, a)
     finally:
         runner.prefill_start, runner.issued_event = start, issued_event
+    # Each prompt's first tokens taken by its lane's waiter thread once its event happened (one
+    # hand-off of the interpreter lock), not by the engine thread after a wake-up.
+    assert sorted(taken_by) == [(False, "serve-device-waiter"), (True, "serve-device-waiter")]
     if second_lane:
         # b issued on the second lane while a's prompt had not happened yet.
         assert launches == [([a.row], False, 0, []), ([b.row], True, 0, [False])]
