@@ -6,9 +6,27 @@ index), exactly as a user's checkpoint directory looks.
 """
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+#: The source checkout's bench scripts (tests load them as modules: a bench's own arithmetic).
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench_module(name: str):
+    """bench/NAME.py of the source checkout imported as a module (``bench_NAME``), its folder on
+    the path while it loads (a bench imports its siblings)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
 
 
 def tiny_config(arch: str = "llama", *, hidden_size: int = 64, num_layers: int = 2,

@@ -3,22 +3,12 @@ the collector's pauses (``_GcPauses``)."""
 from __future__ import annotations
 
 import gc
-import importlib.util
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from deepseek_flash.testing import bench_module
 
 
 def bench_stream():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_stream", BENCH / "stream.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return bench_module("stream")
 
 
 def test_copy_idle_places_each_gap_before_the_copy_that_ended_it():

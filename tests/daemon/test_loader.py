@@ -76,19 +76,9 @@ def test_a_finished_load_logs_its_bytes_and_duration(controller, tiny_store, cap
 
 
 def _bench_paths():
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from deepseek_flash.testing import bench_module
 
-    folder = Path(__file__).parents[2] / "bench"
-    sys.path.insert(0, str(folder))
-    try:
-        spec = importlib.util.spec_from_file_location("flash_bench_paths", folder / "paths.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(folder))
-    return module
+    return bench_module("paths")
 
 
 def test_gpu_copy_serves_as_a_recovery_source(controller, tiny_store):

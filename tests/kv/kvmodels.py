@@ -1,32 +1,14 @@
 """Tiny random models, greedy runs and the bench scripts as modules, shared by the KV cache tests
 (imported as kvmodels)."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
 from transformers import DynamicCache
 
 from deepseek_flash.kv import cache_kwargs
-from deepseek_flash.testing import tiny_config
+from deepseek_flash.testing import bench_module, tiny_config  # noqa: F401 (bench_module: for the kv tests)
 
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def bench_module(name):
-    """bench/NAME.py imported as a module (``bench_NAME``), its folder on the path while it loads
-    (a bench imports its siblings)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
 
 
 def tiny_model(arch="llama", seed=0, layers=2, **kw):
