@@ -656,27 +656,17 @@ def test_the_device_waiter_wakes_the_engine_when_the_device_is_done():
 
     from deepseek_flash.serve.beside import DeviceWaiter
 
-    class Event:                        # a CUDA event's two methods
-        def __init__(self):
-            self.happened = threading.Event()
-
-        def synchronize(self):
-            self.happened.wait(10)
-
-        def query(self):
-            return self.happened.is_set()
-
     cond = threading.Condition()
     waiter = DeviceWaiter(cond)
     try:
-        event, flag = Event(), [False]
+        event, flag = DeviceEvent(), [False]
         waiter.watch(event, flag)
         with cond:
             assert not cond.wait(0.05) and flag == [False]      # the device still busy: no wake-up
         threading.Timer(0.05, event.happened.set).start()
         with cond:
             assert cond.wait_for(lambda: flag[0], 10)
-        event, flag = Event(), [False]             # and again, for the next step
+        event, flag = DeviceEvent(), [False]             # and again, for the next step
         waiter.watch(event, flag)
         event.happened.set()
         with cond:
