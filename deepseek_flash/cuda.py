@@ -78,12 +78,7 @@ def sdpa_backends(device=None):
     elsewhere (no cuDNN attention on a CPU)."""
     import contextlib
 
-    if device is None:
-        cuda = cuda_available()
-    else:
-        cuda = getattr(device, "type", None) == "cuda" or (
-            not hasattr(device, "type") and str(device).split(":")[0] == "cuda")
-    if not cuda:
+    if not (cuda_available() if device is None else _is_cuda(device)):
         return contextlib.nullcontext()
     if _SdpaFlags.bind():
         return _SdpaFlags()
@@ -93,7 +88,10 @@ def sdpa_backends(device=None):
 
 
 def _is_cuda(device) -> bool:
-    return getattr(device, "type", str(device).split(":")[0]) == "cuda"
+    """A ``torch.device`` or a string names CUDA (the string formatted only where there is no
+    ``type``: this runs once per layer of an eager step)."""
+    kind = getattr(device, "type", None)
+    return kind == "cuda" if kind is not None else str(device).split(":")[0] == "cuda"
 
 
 def attention_without_cudnn(model, device) -> bool:
