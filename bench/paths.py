@@ -204,6 +204,8 @@ from deepseek_flash import _core
 path, depth, request = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 EXTENT, DEST = 32 << 20, 256 << 20
 size = os.path.getsize(path) // EXTENT * EXTENT
+if size == 0:       # nothing to read: refuse rather than loop on no requests until SIGTERM
+    sys.exit(f"{path}: {os.path.getsize(path)} bytes, less than one {EXTENT >> 20} MiB extent to read")
 dest = _core.HostArena(DEST, "bench-reader")
 dest.populate()
 stop = []

@@ -75,6 +75,20 @@ def test_a_finished_load_logs_its_bytes_and_duration(controller, tiny_store, cap
     assert bench._proc_cpu_s(os.getpid()) > 0 and bench._proc_cpu_s(1 << 30) is None
 
 
+def test_the_paths_bench_reader_refuses_a_file_below_one_extent(tmp_path):
+    # bench/paths.py's engine reader beside the imports: a file shorter than its 32 MiB extent
+    # gives no requests; it exits naming the file instead of spinning until it is killed.
+    import subprocess
+    import sys
+
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"\0" * 4096)
+    done = subprocess.run([sys.executable, "-c", _bench_paths().ENGINE_READER_SCRIPT, str(small), "4",
+                           str(1 << 20)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"{small}: 4096 bytes, less than one 32 MiB extent to read"
+
+
 def _bench_paths():
     from deepseek_flash.testing import bench_module
 
