@@ -227,9 +227,29 @@ print(json.dumps({"gbps": round(total / (time.perf_counter() - t) / 1e9, 3), "ba
 """
 
 
-def skeleton_beside_engine(store_dir, data, depth: int, request: int) -> dict:
+def skeleton_beside_dd(store_dir, data) -> dict:
+    """The skeleton built in a fresh interpreter while ``dd`` reads the model's file again and
+    again (O_DIRECT, 4 MiB; its own process group, ended as one when the build is done)."""
+    reader = subprocess.Popen(["sh", "-c", 'while :; do dd if="$0" of=/dev/null iflag=direct '
+                               'bs=4M 2>/dev/null || exit 1; done', str(data)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        result = run_script(SKELETON_ALONE_SCRIPT, store_dir)
+        result["dd_still_reading"] = reader.poll() is None
+    finally:
+        os.killpg(reader.pid, signal.SIGKILL)
+        reader.wait()
+    return result
+
+
+def skeleton_beside_engine(store_dir, data, shape: str) -> dict:
     """The skeleton built in a fresh interpreter (page cache dropped first) while a process reads
-    the model's file with the IO engine at ``depth`` x ``request``."""
+    the model's file with the IO engine at ``shape``, depth x request size (``32x1MiB``)."""
+    from deepseek_flash.daemon.config import parse_size
+
+    depth, _, size = shape.partition("x")
+    depth, request = int(depth), parse_size("request", size)
     drop_caches()
     reader = subprocess.Popen([sys.executable, "-c", ENGINE_READER_SCRIPT, str(data), str(depth),
                                str(request)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -384,25 +404,13 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
                                       **run_script(SKELETON_ALONE_SCRIPT, store_dir)}
         save(res, args.output)
         for spec in filter(None, args.beside_engine.split(",")):
-            depth, _, request = spec.partition("x")
-            out.setdefault("skeleton_beside_engine", {})[spec] = skeleton_beside_engine(
-                store_dir, data, int(depth), parse_size("request", request))
+            out.setdefault("skeleton_beside_engine", {})[spec] = skeleton_beside_engine(store_dir, data, spec)
             save(res, args.output)
         if not args.diagnose:
             return
         # The same beside a plain reader of the model's file (dd, no daemon): whether any disk
         # stream slows the imports on this machine, or the daemon's load in particular.
-        # dd again and again until the build is done (its own process group, ended as one).
-        reader = subprocess.Popen(["sh", "-c", 'while :; do dd if="$0" of=/dev/null iflag=direct '
-                                   'bs=4M 2>/dev/null || exit 1; done', str(data)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  start_new_session=True)
-        try:
-            out["skeleton_beside_dd"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
-            out["skeleton_beside_dd"]["dd_still_reading"] = reader.poll() is None
-        finally:
-            os.killpg(reader.pid, signal.SIGKILL)
-            reader.wait()
+        out["skeleton_beside_dd"] = skeleton_beside_dd(store_dir, data)
         save(res, args.output)
         runtimes.append(Path(tempfile.mkdtemp(prefix="flash-paths-")))
         out["model_class_imported"] = _cold_load(runtimes[-1], store_dir, best, nbytes)
@@ -420,29 +428,17 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
 def imports_phase(res, args, store_dir, data) -> None:
     """``--only imports``: the skeleton's imports alone and beside each reader (see the module
     docstring); nothing else runs."""
-    from deepseek_flash.daemon.config import parse_size
 
     out = res.setdefault("imports", {})
     out["alone_cold"] = {"cache_dropped": drop_caches(), **run_script(SKELETON_ALONE_SCRIPT, store_dir)}
     out["alone_cold"].pop("profile", None)
     save(res, args.output)
     for spec in filter(None, args.beside_engine.split(",")):
-        depth, _, request = spec.partition("x")
-        out.setdefault("beside_engine", {})[spec] = skeleton_beside_engine(
-            store_dir, data, int(depth), parse_size("request", request))
+        out.setdefault("beside_engine", {})[spec] = skeleton_beside_engine(store_dir, data, spec)
         save(res, args.output)
     drop_caches()
-    reader = subprocess.Popen(["sh", "-c", 'while :; do dd if="$0" of=/dev/null iflag=direct '
-                               'bs=4M 2>/dev/null || exit 1; done', str(data)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
-    try:
-        out["beside_dd"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
-        out["beside_dd"].pop("profile", None)
-        out["beside_dd"]["dd_still_reading"] = reader.poll() is None
-    finally:
-        os.killpg(reader.pid, signal.SIGKILL)
-        reader.wait()
+    out["beside_dd"] = skeleton_beside_dd(store_dir, data)
+    out["beside_dd"].pop("profile", None)
     save(res, args.output)
 
 
