@@ -185,15 +185,17 @@ def main():
                      and str(M) in args.sweep_ms.split(","))
             if sweep:
                 sw = []
-                variants = [gemv.mma_config(N, K, nt, bc, warps, ctas)
-                            for nt, bc, warps, ctas in ((2, 4, 4, 528), (8, 1, 4, 528),
-                                                        (4, 2, 2, 528), (4, 2, 4, 1056),
-                                                        (2, 2, 4, 528), (4, 4, 4, 528),
-                                                        (4, 2, 4, 264), (1, 4, 4, 528))]
+                variants = [gemv.mma_config(N, K, nt, bc, warps, ctas, pf)
+                            for nt, bc, warps, ctas, pf in (
+                                (4, 2, 4, 264, 1), (2, 4, 4, 528, 0), (8, 1, 4, 528, 0),
+                                (4, 2, 4, 132, 1), (4, 2, 2, 528, 0), (4, 2, 4, 1056, 0),
+                                (4, 4, 4, 528, 0), (2, 2, 4, 528, 0), (4, 2, 4, 528, 1))]
                 variants = [dict(t) for t in dict.fromkeys(tuple(sorted(v.items()))
                                                            for v in variants)]
+                t_sweep = time.time()
                 for v in variants:
-                    if v == cfg or time.time() - t0 > args.budget_s:
+                    if (v == cfg or time.time() - t0 > args.budget_s
+                            or time.time() - t_sweep > args.budget_s / len(shapes)):
                         continue
                     try:
                         yv = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K, v)

@@ -5,8 +5,8 @@
 #            kernel (default shape, plus a sweep of others at batch 1) vs torch's int4 kernel, a
 #            bf16 matmul and the copy rate, same run -> gemv.json, gemv.log (GEMV_TIMEOUT, 50 s)
 #   old   -- the same with the CUDA-core kernels of 2026-12-01 and the int8 ones (only when named)
-#   tests -- pytest -m gpu tests/quant/test_gemv.py -k "int4 or graph" (the int4 kernels vs the
-#            reference, split-K bits, the layer in a CUDA graph; TESTS_K to change the selection)
+#   tests -- pytest -m gpu tests/quant/test_gemv.py -k "mma or graph" (the tensor-core kernel vs
+#            the reference, split-K bits, the layer in a CUDA graph; TESTS_K to change the selection)
 #            -> gpu_tests.log (TESTS_TIMEOUT, 45 s)
 #   int4  -- (only when named) bench/gpu_decode_show.sh OUT/show int4: the 8B int4 decode with
 #            graphs (about 140 s)
@@ -34,7 +34,7 @@ if has old; then
 fi
 if has tests; then
   timeout "${TESTS_TIMEOUT:-45}" $py -m pytest -q -m gpu tests/quant/test_gemv.py \
-    -k "${TESTS_K:-int4 or graph}" -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
+    -k "${TESTS_K:-mma or graph}" -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
   rc=$?; lap "gpu tests rc=$rc: $(tail -1 "$out/gpu_tests.log")"; [ $rc -eq 0 ] || status=1
   grep -E "^(FAILED|ERROR)|^E  " "$out/gpu_tests.log" | head -10
 fi

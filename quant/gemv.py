@@ -248,7 +248,7 @@ if triton is not None:
                 pid_k, SPLIT)
 
 
-def _mma_asm(NT: int, BC: int, GROUP: int) -> str:
+def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0) -> str:
     """PTX of one warp's step of the tensor-core int4 kernel (``_int4_tiles_mma``): ``NT`` n-tiles
     (8 output rows each) times ``BC`` chunks (128 input columns each) of the tile layout.
 
@@ -265,7 +265,9 @@ def _mma_asm(NT: int, BC: int, GROUP: int) -> str:
     -136), so it ends at ``sum x * (q - 8)`` in float32; one float32 FMA applies the group's scale.
     Lanes of rows ``g < M`` store their two float32 sums per n-tile (columns ``2r, 2r+1``) to the
     split-K workspace. Loads are never predicated: an n-tile past the end re-reads the last valid
-    one and is not stored."""
+    one and is not stored. ``PF``: lane 0 first asks the L2 for the same chunks of the n-tiles
+    ``$10`` (the program's n-tiles per step) further on, where the program has them -- its next
+    step (``cp.async.bulk.prefetch``, no registers held)."""
     gp = 128 // GROUP            # scale groups per chunk
     tiles = GROUP // 16          # k16 tiles per group
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
@@ -289,6 +291,17 @@ def _mma_asm(NT: int, BC: int, GROUP: int) -> str:
     e("mul.lo.u32 ntl, wid, %d;" % NT)
     e("sub.u32 nlast, $5, 1;")
     e("setp.lt.u32 pg, g, $8;")
+    if PF:
+        e(".reg .pred pp;")
+        e(".reg .b64 pa;")
+        for j in range(NT):
+            e("add.u32 tmp, ntl, %d;" % j)
+            e("add.u32 tmp, tmp, $10;")
+            e("setp.lt.u32 pp, tmp, $5;")
+            e("setp.eq.and.u32 pp, lane, 0, pp;")
+            e("mul.wide.u32 t64, tmp, $6;")
+            e("add.s64 pa, $1, t64;")
+            e("@pp cp.async.bulk.prefetch.L2.global [pa], %d;" % (BC * 512))
     for j in range(NT):
         e("add.u32 tmp, ntl, %d;" % j)
         e("setp.lt.and.u32 ps%d, tmp, $5, pg;" % j)
@@ -395,9 +408,9 @@ if triton is not None:
             sb = (s_ptr + (c0 * (128 // GROUP) * N + n0) * 2).to(tl.int64, bitcast=True)
             xb = (x_ptr + c0 * 128).to(tl.int64, bitcast=True)
             ob = (ws_ptr + pid_k * M * N + n0).to(tl.int64, bitcast=True)
-            tl.inline_asm_elementwise(ASM, "=r,l,l,l,l,r,r,r,r,r",
+            tl.inline_asm_elementwise(ASM, "=r,l,l,l,l,r,r,r,r,r,r",
                                       [wb, sb, xb, ob, (r1 - n0) // 8, KO * 512, N * 4, M,
-                                       stride_xm * 2],
+                                       stride_xm * 2, WARPS * NT],
                                       dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
@@ -451,7 +464,7 @@ def rows_config(N: int, K: int, block_n: int = 16, block_c: int = 4, ctas: int =
 
 
 def mma_config(N: int, K: int, nt: int | None = None, bc: int = 2, warps: int | None = None,
-               ctas: int = 528, sms: int = 132) -> dict:
+               ctas: int = 528, pf: int = 0, sms: int = 132) -> dict:
     """The tensor-core kernel's shape: K cut into slices of ``bc`` chunks of 128 (``bc`` halved
     until it divides K / 128), each warp's step ``nt`` n-tiles of 8 rows, ``warps`` warps a
     program; rows into groups of whole steps such that about ``ctas`` programs run. Unless given,
@@ -472,7 +485,7 @@ def mma_config(N: int, K: int, nt: int | None = None, bc: int = 2, warps: int | 
     steps = _cdiv(N, step)
     groups = max(1, min(steps, _cdiv(ctas, split)))
     rows = _cdiv(steps, groups) * step
-    return dict(kernel="mma", NT=n, BC=bc, WARPS=w, SPLIT=split, ROWS=rows)
+    return dict(kernel="mma", NT=n, BC=bc, WARPS=w, SPLIT=split, ROWS=rows, PF=pf)
 
 
 def int4_config(M: int, N: int, K: int, sms: int = 132) -> dict:
@@ -545,9 +558,10 @@ def _mma_matmul(x, words, sz, group, N, K, cfg):
     nt, bc, warps, split, rows = cfg["NT"], cfg["BC"], cfg["WARPS"], cfg["SPLIT"], cfg["ROWS"]
     assert 1 <= M <= 8 and N % 8 == 0 and K % 128 == 0 and group in (32, 64, 128), (M, N, K)
     assert bc * split == K // 128 and rows % (warps * nt * 8) == 0, (K, cfg)
-    asm = _ASM.get((nt, bc, group))
+    pf = cfg.get("PF", 0)
+    asm = _ASM.get((nt, bc, group, pf))
     if asm is None:
-        asm = _ASM[(nt, bc, group)] = _mma_asm(nt, bc, group)
+        asm = _ASM[(nt, bc, group, pf)] = _mma_asm(nt, bc, group, pf)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     groups = _cdiv(N, rows)
     ws, cnt = _workspace(x.device, split, M, N, groups)

@@ -123,6 +123,12 @@ def run(asm: str, args: list, mem: Memory, warp: int = 0) -> None:
                 reg[d] = val(ops[1]) + val(ops[2])
             elif op == "setp.lt.u32":
                 pred[d] = (val(ops[1]) & M32) < (val(ops[2]) & M32)
+            elif op == "setp.eq.and.u32":
+                pred[d] = ((val(ops[1]) & M32) == (val(ops[2]) & M32)) & pred[ops[3]]
+            elif op == "cp.async.bulk.prefetch.L2.global":        # a hint: check the range only
+                base = addr(ops[0])[mask].astype(np.int64) - BASE
+                assert ((base >= 0) & (base + int(ops[1]) <= mem.buf.size)).all()
+                assert (base % 16 == 0).all() and int(ops[1]) % 16 == 0
             elif op == "setp.lt.and.u32":
                 pred[d] = ((val(ops[1]) & M32) < (val(ops[2]) & M32)) & pred[ops[3]]
             elif op == "lop3.b32":

@@ -103,9 +103,9 @@ def test_configs_are_a_function_of_the_shape_and_cover_k():
         assert (K // 4) % (c8["SPLIT"] * c8["BLOCK_W"]) == 0
     # the 8B shapes: programs of 4 warps where there is work enough, at least 264 warp steps
     assert gemv.mma_config(4096, 4096) == dict(kernel="mma", NT=4, BC=2, WARPS=4, SPLIT=16,
-                                               ROWS=128)
+                                               ROWS=128, PF=0)
     assert gemv.mma_config(1024, 4096) == dict(kernel="mma", NT=4, BC=2, WARPS=1, SPLIT=16,
-                                               ROWS=32)
+                                               ROWS=32, PF=0)
     assert gemv.mma_config(4096, 14336)["SPLIT"] == 56
 
 
@@ -180,7 +180,7 @@ def test_kernels_compile_for_the_h200_at_the_8b_shapes():
 def _mma_kernel(cfg, group=128):
     """The tensor-core kernel compiled for sm_90 with ``cfg``."""
     sp2 = 1 << (cfg["SPLIT"] - 1).bit_length()
-    consts = {"ASM": gemv._mma_asm(cfg["NT"], cfg["BC"], group), "NT": cfg["NT"],
+    consts = {"ASM": gemv._mma_asm(cfg["NT"], cfg["BC"], group, cfg["PF"]), "NT": cfg["NT"],
               "BC": cfg["BC"], "GROUP": group, "WARPS": cfg["WARPS"], "SP2": sp2,
               "RB": max(16, min(256, 4096 // sp2))}
     sig = dict(_COMMON, s_ptr="*bf16", rows_per_group="i32", split="i32")
@@ -192,9 +192,10 @@ def test_tensor_core_kernel_compiles_for_the_h200():
     (n-tile, chunk), two mma per weight word plus the groups' bias, one predicated store per
     n-tile, the asm once per loop iteration in every thread (never under a branch of its own)."""
     pytest.importorskip("triton")
-    for N, K in ((4096, 4096), (1024, 4096)):
-        cfg = gemv.mma_config(N, K)
+    for N, K, pf in ((4096, 4096, 0), (1024, 4096, 1)):
+        cfg = gemv.mma_config(N, K, pf=pf)
         ptx = _mma_kernel(cfg).asm["ptx"]
+        assert ptx.count("cp.async.bulk.prefetch.L2.global") == pf * cfg["NT"]
         nt, bc = cfg["NT"], cfg["BC"]
         assert ptx.count("ld.global.nc.L1::no_allocate.v4.u32") == nt * bc
         assert ptx.count("mma.sync.aligned.m16n8k16") == nt * bc * 8 + bc * 8
@@ -212,7 +213,7 @@ def _simulate_mma(x, words, sz, group, N, K, cfg):
 
     M = x.shape[0]
     nt, bc, warps, split, rows = cfg["NT"], cfg["BC"], cfg["WARPS"], cfg["SPLIT"], cfg["ROWS"]
-    asm = gemv._mma_asm(nt, bc, group)
+    asm = gemv._mma_asm(nt, bc, group, cfg.get("PF", 0))
     mem = ptx_warp.Memory(x.numel() * 2 + words.numel() * 4 + sz.numel() * 2
                           + split * M * N * 4 + 4096)
     xa = mem.put(x.view(torch.int16).numpy())
@@ -228,7 +229,7 @@ def _simulate_mma(x, words, sz, group, N, K, cfg):
                 args = [wa + ((n0 // 8) * (KO * 128) + c0 * 128) * 4,
                         sa + (c0 * (128 // group) * N + n0) * 2 * 2,
                         xa + c0 * 128 * 2, oa + (pid_k * M * N + n0) * 4,
-                        (r1 - n0) // 8, KO * 512, N * 4, M, x.stride(0) * 2]
+                        (r1 - n0) // 8, KO * 512, N * 4, M, x.stride(0) * 2, warps * nt]
                 for w in range(warps):
                     ptx_warp.run(asm, args, mem, w)
     part = mem.get(oa, split * M * N * 4).view(np.float32).reshape(split, M, N)
@@ -237,9 +238,9 @@ def _simulate_mma(x, words, sz, group, N, K, cfg):
 
 @pytest.mark.parametrize("M,N,K,group,cfg", [
     (1, 64, 512, 128, None),
-    (3, 40, 768, 32, dict(kernel="mma", NT=2, BC=2, WARPS=2, SPLIT=3, ROWS=32)),
+    (3, 40, 768, 32, dict(kernel="mma", NT=2, BC=2, WARPS=2, SPLIT=3, ROWS=32, PF=1)),
     (8, 24, 256, 64, dict(kernel="mma", NT=4, BC=1, WARPS=1, SPLIT=2, ROWS=32)),
-    (5, 48, 1024, 128, dict(kernel="mma", NT=1, BC=4, WARPS=2, SPLIT=2, ROWS=16))])
+    (5, 48, 1024, 128, dict(kernel="mma", NT=1, BC=4, WARPS=2, SPLIT=2, ROWS=32, PF=1))])
 def test_tensor_core_asm_executed_on_the_cpu_matches_the_reference(M, N, K, group, cfg):
     """The asm text of the tensor-core kernel, executed lane by lane (``ptx_warp``) over the
     programs' steps: every output written once, their sum within the dequantize + matmul
@@ -331,28 +332,57 @@ def _check(y, x, W):
     return ((y.double() - ref).abs() / allowance).max().item()
 
 
+def _int4_case(N, K, group, device="cuda"):
+    spec = QuantSpec("int4_symmetric", "per_block", group)
+    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=device)
+    scales = (torch.rand(N, K // group, device=device) * 0.02 + 1e-3).half()
+    words = int4pack.cuda_layout(codes, 8)
+    sz = int4pack.scales_and_zeros(scales, spec, (N, K), group, BF16)
+    W = dequantize(codes, sz[..., 0].t().float(), spec, (N, K), torch.float32)
+    return words, sz, W
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("group", (32, 64, 128))
-def test_int4_kernels_match_the_reference(group):
+def test_mma_kernel_matches_the_reference(group):
+    """The tensor-core kernel: every output within its allowance of float64 dequantize + matmul,
+    1..8 rows, its default shapes and others (with and without the L2 prefetch), the same bits on
+    a second call (no atomics on data, the counters back at zero)."""
     torch.manual_seed(group)
-    spec = QuantSpec("int4_symmetric", "per_block", group)
     for N, K in ((4096, 4096), (1024, 14336), (264, 1152)):
-        codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda")
-        scales = (torch.rand(N, K // group, device="cuda") * 0.02 + 1e-3).half()
-        words = int4pack.cuda_layout(codes, 8)
-        sz = int4pack.scales_and_zeros(scales, spec, (N, K), group, BF16)
-        W = dequantize(codes, sz[..., 0].t().float(), spec, (N, K), torch.float32)
+        words, sz, W = _int4_case(N, K, group)
+        for M in (1, 3, 8):
+            x = torch.randn(M, K, device="cuda").to(BF16)
+            cfgs = [None]
+            if M != 3:
+                cfgs += [gemv.mma_config(N, K, nt=2, bc=4, warps=2, pf=1),
+                         gemv.mma_config(N, K, nt=8, bc=1, warps=4, ctas=132, pf=1)]
+            for cfg in cfgs:
+                y = gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg)
+                assert y.dtype == BF16 and _check(y, x, W) <= 1, (N, K, M, cfg)
+                assert torch.equal(y, gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg))
+        if N == 264:      # the reference of the same arithmetic, on the device
+            x = torch.randn(8, K, device="cuda").to(BF16)
+            ref = gemv.mma_reference(x, words, sz, group, N, K, gemv.mma_config(N, K)["SPLIT"])
+            assert _check(ref, x, W) <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("group", (32, 64, 128))
+def test_cuda_core_int4_kernels_match_the_reference(group):
+    torch.manual_seed(group)
+    for N, K in ((4096, 4096), (1024, 14336), (264, 1152)):
+        words, sz, W = _int4_case(N, K, group)
         for M in (1, 2, 5, 8):
             x = torch.randn(M, K, device="cuda").to(BF16)
-            cfgs = [None]                                 # the tensor-core kernel's default
-            if group == 128 and M in (1, 8):
-                cfgs += [gemv.mma_config(N, K, nt=2, bc=4, warps=2),
-                         gemv.mma_config(N, K, nt=8, bc=1, warps=4, ctas=264)]
             if M == 1:
-                cfgs += [gemv.rows_config(N, K, 32, 8, 264, 3), gemv.rows_config(N, K, 16, 1, 132)]
+                cfgs = [gemv.rows_config(N, K), gemv.rows_config(N, K, 32, 8, 264, 3),
+                        gemv.rows_config(N, K, 16, 1, 132)]
             else:
-                cfgs += [dict(kernel="dot", BLOCK_N=64, BLOCK_C=1, SPLIT=3 if K == 1152 else 4)]
+                cfgs = [gemv.int4_config(16, N, K),
+                        dict(kernel="dot", BLOCK_N=64, BLOCK_C=1, SPLIT=3 if K == 1152 else 4)]
             for cfg in cfgs:
                 y = gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg)
                 assert y.dtype == BF16 and _check(y, x, W) <= 1, (N, K, M, cfg)
