@@ -15,7 +15,9 @@ Batch 1, random-weight model of the ``--arch`` 7-8B shape (bf16, resident), cont
   faster of the two (``dynamic_baseline``) is what the ratios and goals use -- vs top-K 25 % of
   the pages (each top-K layer's choice and gather as a captured CUDA graph, the default;
   ``--eager`` adds ``topk25_eager_tok_s`` without; ``topk25_nocache_tok_s``: the same steps with
-  the page cache left out) vs lossless (every page fetched from the host
+  the page cache left out; ``topk25_fused_*``: the same steps through kv/fused.py's Triton
+  kernels, five per top-K layer, while the torch path is the default -- ``topk25_torch_*`` once
+  the fused step is) vs lossless (every page fetched from the host
   each step) vs ``DynamicCache(offloading=True)`` (transformers' own layer-by-layer offload, with
   cuDNN left out, up to ``--peer-max`` tokens);
 * the PCIe bound of the lossless mode: host->GPU bytes per token (every page of every layer) over
@@ -270,6 +272,31 @@ def stronger_dynamic(tok_s: dict) -> str:
     return max(tok_s, key=tok_s.get)
 
 
+def fused_timing(model, cache, tok, steps, device, args, r):
+    """Top-K decode through the other path than the cache's default (kv/fused.py's Triton
+    step when the default is the torch path, and the other way round): ``topk25_fused_*`` or
+    ``topk25_torch_*`` -- tok/s, hit rate, host ms, layers served."""
+    from deepseek_flash.kv import fused as kv_fused
+
+    default = cache.fused
+    name = "topk25_torch" if default else "topk25_fused"
+    cache.fused = not default
+    before = cache.stats()
+    tok, r[f"{name}_tok_s"], r[f"{name}_host_share"] = decode(model, cache, tok, steps, device,
+                                                              args.warmup, args.repeats)
+    s = cache.stats()
+    hits = s["page_cache_hits"] - before["page_cache_hits"]
+    misses = s["page_cache_misses"] - before["page_cache_misses"]
+    r[f"{name}_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
+    tok, r[f"{name}_host_ms"] = host_ms(model, cache, tok, device)
+    r["fused_layers"] = sum(layer._fused is not None for layer in cache.layers)
+    r["fused_failed_layers"] = sum(layer._fused_failed for layer in cache.layers)
+    r["fused_default"] = default
+    r["fused_available"] = kv_fused.available(cache.layers[-1].device)
+    cache.fused = default
+    return tok
+
+
 def run_context(model, T, args, device, h2d, record=True):
     import torch
     from transformers import DynamicCache
@@ -349,6 +376,9 @@ def run_context(model, T, args, device, h2d, record=True):
     r["gpu_kv_ratio"] = round(r["tiered_gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     r["topk25_gpu_kv_ratio"] = round(s["gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     tok, r["topk25_host_ms"] = host_ms(model, cache, tok, device)  # after the counts above
+    if cuda and args.fused:
+        # the same top-K steps through kv/fused.py's Triton kernels (the other of the two paths)
+        tok = fused_timing(model, cache, tok, steps, device, args, r)
     # the same top-K steps with the page cache left out: every chosen page crosses PCIe each step
     setting, cache.page_cache = cache.page_cache, 0
     before = cache.stats()["pages_fetched"]
@@ -420,6 +450,9 @@ def run_context(model, T, args, device, h2d, record=True):
     r["topk25_vs_dynamic"] = round(r["topk25_tok_s"] / r["dynamic_best_tok_s"], 3)
     r["topk25_vs_dynamic_default"] = round(r["topk25_tok_s"] / r["dynamic_tok_s"], 3)
     r["topk25_nocache_vs_dynamic"] = round(r["topk25_nocache_tok_s"] / r["dynamic_best_tok_s"], 3)
+    for name in ("topk25_fused", "topk25_torch"):
+        if f"{name}_tok_s" in r:
+            r[f"{name}_vs_dynamic"] = round(r[f"{name}_tok_s"] / r["dynamic_best_tok_s"], 3)
     r["ttft_ratio"] = round(r["ttft_tiered_s"] / r["ttft_dynamic_best_s"], 3)
     r["ttft_first_ratio"] = round(r["ttft_tiered_first_s"] / r["ttft_dynamic_best_s"], 3)
     for k, v in list(r.items()):
@@ -470,11 +503,17 @@ def profile_context(model, T, args, device) -> dict:
     cache = TieredCache.for_model(model, top_k_pages=0.25)
     tok, _ = prefill(model, ids, cache, device)
     tok = past_page_write(model, cache, tok)
-    for mode, top_k in (("topk25", 0.25), ("lossless", None)):
-        cache.top_k_pages = top_k
+    default = cache.fused
+    other = "topk25_torch" if default else "topk25_fused"  # kv/fused.py's step, or not
+    modes = [("topk25", 0.25, default), ("lossless", None, default)]
+    if args.fused:
+        modes.insert(1, (other, 0.25, not default))
+    for mode, top_k, use_fused in modes:
+        cache.top_k_pages, cache.fused = top_k, use_fused
         tok, _, _ = decode(model, cache, tok, 1, device, 2, 1)
         out[f"{mode}_profile"] = profile_steps(model, cache, tok, device,
                                                path.with_suffix(f".{mode}-{T}.txt"))
+    cache.fused = default
     cache.close()
     del cache
     free(device)
@@ -500,6 +539,10 @@ def main(argv=None) -> int:
                     help="also time top-K without its captured CUDA graphs (topk25_eager_tok_s)")
     ap.add_argument("--page-cache-multiples", type=float, nargs="*", default=[],
                     help="also time top-K with these page_cache multiples (topk25_pc<m>_*)")
+    ap.add_argument("--no-fused", dest="fused", action="store_false",
+                    help="leave out top-K through the other path (kv/fused.py's Triton step "
+                         "or the torch path, whichever is not the default: topk25_fused_* / "
+                         "topk25_torch_*)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
@@ -567,7 +610,9 @@ def main(argv=None) -> int:
             "dynamic_nocudnn_host_ms", "topk25_host_ms"]
     cols += list(dict.fromkeys(k for r in result["contexts"] for k in r
                                if (k.startswith("topk25_pc") and k.endswith(("_tok_s", "_hit_rate")))
-                               or k == "topk25_again_tok_s"))
+                               or k == "topk25_again_tok_s"
+                               or (k.startswith(("topk25_fused", "topk25_torch"))
+                                   and k.endswith(("_tok_s", "_hit_rate", "_host_ms")))))
     print(" ".join(f"{c:>14}" for c in cols), file=sys.stderr)
     for r in result["contexts"]:
         print(" ".join(f"{str(r.get(c, '-')):>14}" for c in cols), file=sys.stderr)

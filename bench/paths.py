@@ -335,6 +335,8 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int) -> dict:
         # The skeleton's imports on their own thread (started after open_model): their time.
         out["imports_thread_s"] = None if imports is None else round(imports.seconds or 0, 3)
         out["imports_thread_cpu_s"] = None if imports is None else round(imports.cpu_seconds or 0, 3)
+        # How long the daemon read shallow (one 4 MiB read at a time) for these imports.
+        out["shallow_read_s"] = m.flash.shallow_read_s
         m.flash.close()
         c.close()
     except Exception as exc:   # noqa: BLE001 -- recorded with the daemon's own account of it
@@ -357,8 +359,13 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int) -> dict:
         out["daemon_load_s"] = seconds
         out["daemon_load_gbps"] = gbps(int(done.group(1)), seconds)
         out["daemon_load_vs_best_raw"] = round(out["daemon_load_gbps"] / best_raw, 3)
+        # The daemon's side after the request: its attach (CUDA's start) and then its load.
+        attach_s = out["phases_ms"].get("attach_ms", 0) / 1e3
+        out["daemon_side_after_request_s"] = round(attach_s + seconds, 3)
+        out["daemon_side_vs_best_raw"] = round(gbps(nbytes, attach_s + seconds) / best_raw, 3)
     out["daemon_log_pin"] = [ln for ln in log.splitlines()
-                             if "page-locked" in ln or "segment" in ln or " done: " in ln][:6]
+                             if "page-locked" in ln or "segment" in ln or " done: " in ln
+                             or "reads at " in ln or "staged" in ln][:12]
     return out
 
 

@@ -33,7 +33,7 @@ __all__ = ["Client", "Lease", "ModelInfo"]
 # lost that state died with the daemon, so they are answered here (None) instead of reconnecting:
 # under socket activation a reconnect would start a stopped daemon just to be told so.
 RELEASING_OPS = frozenset({"release", "detach", "close_model", "report_stream", "report_kv",
-                           "kv_free"})
+                           "kv_free", "imports_done"})
 
 
 class _SocketBackend:
@@ -311,11 +311,14 @@ class Client:
 
     # --- device tier (used by load_model) ---------------------------------------------------------
     def attach(self, model, device, weight_budget: int | None = None, priority: int = 0,
-               blocks: list[int] | None = None, part: int = 0) -> dict:
+               blocks: list[int] | None = None, part: int = 0, importing: bool = False) -> dict:
         """The model's memory on ``device`` ("cpu" or a CUDA index) for this client: plan,
         control page (gates, block offsets), GPU arena and events, streaming slots. A load this
         attach starts reads with ``priority`` (higher goes to the disk first). ``blocks``/``part``:
-        one device's share of a model split over devices (``load_model(device_map=...)``)."""
+        one device's share of a model split over devices (``load_model(device_map=...)``).
+        ``importing``: this process is still importing (its model class): the controller reads
+        shallow, as ``dd`` does, until ``imports_done`` -- thousands of small file reads would
+        otherwise wait behind every read the load keeps queued on the disk."""
         # Only a client in another process needs CUDA IPC handles; sharing memory with oneself
         # would pin it in torch's IPC bookkeeping for good.
         args = {"model": _name(model), "device": device, "ipc": self.mode == "daemon"}
@@ -326,7 +329,15 @@ class Client:
         if blocks is not None:
             args["blocks"] = [int(b) for b in blocks]
             args["part"] = int(part)
+        if importing:
+            args["importing"] = True
         return self._backend.call("attach", args)
+
+    def imports_done(self) -> float | None:
+        """This process's imports are done (after ``attach(..., importing=True)``): the controller
+        reads at full depth again. The seconds it read shallow for this client (None: it did not)."""
+        out = self._backend.call("imports_done", {})
+        return None if out is None else out.get("shallow_s")
 
     def detach(self, model=None) -> None:
         self._backend.call("detach", {"model": _name(model)} if model is not None else {})

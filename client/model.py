@@ -125,6 +125,7 @@ class FlashModelHandle:
         self.decoder = None                     # decode.GraphDecoder with decode="graphs"
         self.timings: dict[str, float] = {}     # load_model's phases, ms
         self.imports = None                     # skeleton.Imports of a fresh process (ahead)
+        self.shallow_read_s = None              # how long the controller read shallow for them
         self.priority = 0                       # of this model's reads in the controller
         self.parts: list[PartHandle] = []      # device_map: one per device slice
         self._hooks: list = []                  # device_map: activation moves between devices
@@ -310,11 +311,19 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         handle.timings = timings
         # Attach first: a cold load starts reading and copying while the skeleton is built.
         handle.priority = priority
-        handle.desc = client.attach(info.name, target, weight_budget=budget, priority=priority)
+        # Still importing: the controller reads shallow until this process says its imports are
+        # done (they are system-call bound; a deep read queue on the same disk slows them).
+        importing = imports is not None and not imports.done
+        handle.desc = client.attach(info.name, target, weight_budget=budget, priority=priority,
+                                    importing=importing)
         lap("attach_ms")
         handle.imports = imports
         if imports is not None:
-            imports.wait()
+            try:
+                imports.wait()
+            finally:
+                if importing:
+                    handle.shallow_read_s = client.imports_done()
             lap("imports_ms")
         model = build_skeleton(info.config)
         if dev.type != "cpu":

@@ -116,6 +116,10 @@ class Imports:
         self.cpu_seconds = time.thread_time() - cpu
         self.seconds = time.perf_counter() - started
 
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def wait(self) -> None:
         self._thread.join()
 

@@ -72,6 +72,11 @@ class BlockManager:
         self.release = leases.release
         self.prefetch = leases.prefetch
         self.load = leases.load
+        # the read shape while a client imports (reads.py)
+        self.hold_shallow = reads.hold_shallow
+        self.end_shallow = reads.end_shallow
+        self.read_outside = reads.read_outside
+        state.disconnect_hooks.append(lambda cid: reads.end_shallow(cid, "it disconnected"))
         # device state (driven by daemon.recovery)
         self.set_device = recovery.set_device
         self.set_host_only = recovery.set_host_only

@@ -192,8 +192,11 @@ class Fabric:
         return placement
 
     def copy_gate(self, placement: DevicePlacement, gate: int, host_offsets: dict[int, int],
-                  lengths: dict[int, int]) -> None:
-        """Enqueue a gate's host->device copies and record its event (the loader opens the gate)."""
+                  lengths: dict[int, int], sources: dict | None = None) -> None:
+        """Enqueue a gate's host->device copies and record its event (the loader opens the gate).
+        A block in ``sources`` (block id -> a buffer of its bytes outside the host arena: the
+        reads beyond it while CUDA started) is copied from there, synchronously (pageable
+        memory: the buffer may go once this returns); the others from ``host_offsets``."""
         import torch
 
         arena = placement.arena
@@ -203,8 +206,14 @@ class Fabric:
         copied = 0
         with torch.cuda.stream(arena.copy_stream):
             for block_id in placement.stages[gate]:
-                src, dst, n = host_offsets[block_id], placement.offsets[block_id], lengths[block_id]
-                arena[dst:dst + n].copy_(host[src:src + n], non_blocking=pinned)
+                dst, n = placement.offsets[block_id], lengths[block_id]
+                if sources is not None and block_id in sources:
+                    src = torch.frombuffer(sources[block_id], dtype=torch.uint8, count=n)
+                    arena[dst:dst + n].copy_(src, non_blocking=False)
+                    del src
+                else:
+                    src = host_offsets[block_id]
+                    arena[dst:dst + n].copy_(host[src:src + n], non_blocking=pinned)
                 copied += n
             placement.events[gate].record(arena.copy_stream)
         with self._count_lock:

@@ -193,6 +193,9 @@ class HostState:
         self.tick = 0
         self.generation = 0           # bumped on every state change (the status publisher polls it)
         self.counters = dict.fromkeys(COUNTERS, 0)
+        # Clients importing (attach with importing): client -> (since, until), monotonic; the
+        # engine reads shallow while any is here (reads.py).
+        self.shallow: dict[int, tuple[float, float]] = {}
         # The tiers above: called outside the lock (see BlockManager.on_*), except copy sources.
         self.disconnect_hooks: list = []
         self.open_hooks: list = []

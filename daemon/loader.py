@@ -48,7 +48,7 @@ class Load:
     """One model's memory on one device, and the thread that fills it."""
 
     def __init__(self, manager, arena, info, device, owner: int, resident: list[int],
-                 placement=None, requester: int | None = None, priority: int = 0):
+                 placement=None, requester: int | None = None, priority: int = 0, startup=None):
         self.manager = manager
         self.arena = arena
         self.info = info
@@ -73,6 +73,10 @@ class Load:
         self.finished: Future = Future()        # resolved (or failed) when the walk ends
         self.seconds: float | None = None        # start -> every block on the device (logged)
         self._stop: FlashError | None = None     # set by close(): the walk ends at its next stage
+        # Blocks read beyond the host arena while CUDA started (GPU loads; startup_reads.py).
+        self.startup = startup if placement is not None else None
+        if self.startup is not None:
+            self.startup.load = self
         if placement is not None:
             for bid, off in placement.offsets.items():
                 self.offsets[self.index[bid]] = off
@@ -96,17 +100,26 @@ class Load:
         # Keep at most half the host arena in flight for a GPU load: stages leave the host tier
         # once copied, so a model larger than the host cache streams through it.
         window = self.arena.size // 2 if self.placement is not None else None
-        futures: dict[int, object] = {}
-        stage_bytes = [sum(self.info.blocks[self.index[b]].length for b in s) for s in stages]
+        futures: dict[int, object] = {}         # gate -> its host acquire (None: nothing to lease)
+        beyond: dict[int, list[int]] = {}       # gate -> its blocks read beyond the arena
+        length = {b.id: b.length for b in self.info.blocks}
+        stage_bytes = [sum(length[b] for b in s) for s in stages]
+        host_bytes: dict[int, int] = {}         # gate -> bytes its host lease holds
         submitted = 0
         inflight = 0
         copied: deque = deque()
+        startup = self.startup
         try:
             for gate in range(self.num_gates):
                 if self._stop is not None:
                     raise self._stop
                 while submitted < self.num_gates:
-                    fits = window is None or inflight + stage_bytes[submitted] <= window
+                    stage = stages[submitted]
+                    # Blocks read beyond the host arena while CUDA started take no host lease.
+                    outside = [] if startup is None else startup.covered(stage)
+                    from_host = [b for b in stage if b not in outside]
+                    cost = sum(length[b] for b in from_host)
+                    fits = window is None or inflight + cost <= window
                     if not fits and submitted <= gate and copied:
                         # The window is full of stages whose copies are still on the link (the
                         # walk outruns the copies when the host tier already holds the stages):
@@ -116,37 +129,70 @@ class Load:
                         g, lease_id = copied.popleft()
                         self.placement.events[g].synchronize()
                         self._release(lease_id)
-                        inflight -= stage_bytes[g]
+                        inflight -= host_bytes.pop(g)
                         continue
                     if not fits and submitted > gate:
                         break
-                    if stages[submitted]:
+                    if outside:
+                        beyond[submitted] = outside
+                    futures[submitted] = None
+                    if from_host:
                         futures[submitted] = self.manager.acquire_async(
-                            self.owner, self.info.name, blocks=list(stages[submitted]),
+                            self.owner, self.info.name, blocks=from_host,
                             priority=self.priority, requester=self.requester)
-                        inflight += stage_bytes[submitted]
+                        inflight += cost
+                        host_bytes[submitted] = cost
                     submitted += 1
+                future = futures.pop(gate)
                 if not stages[gate]:
                     self.gates[gate] = GATE_READY
                     continue
-                lease = futures.pop(gate).result()
-                self.leases.append(lease.id)
+                buffers = None
+                if gate in beyond:
+                    try:
+                        buffers = startup.take(beyond[gate])
+                    except FlashError as exc:
+                        # Read the stage again, whole, through the host tier (its typed errors
+                        # and recovery); what was leased of it is handed back first.
+                        log.warning("loading %s: a block read while CUDA started failed (%s); "
+                                    "reading it again", self.info.name, exc)
+                        del beyond[gate]
+                        if future is not None:
+                            self.manager.release(self.owner, future.result().id)
+                            inflight -= host_bytes.pop(gate)
+                        future = self.manager.acquire_async(
+                            self.owner, self.info.name, blocks=list(stages[gate]),
+                            priority=self.priority, requester=self.requester)
+                        host_bytes[gate] = stage_bytes[gate]
+                        inflight += stage_bytes[gate]
+                lease = None if future is None else future.result()
+                if lease is not None:
+                    self.leases.append(lease.id)
                 if self.placement is None:
                     for bid, off in lease.blocks.items():
                         if bid in self.index:
                             self.offsets[self.index[bid]] = off
                     self.gates[gate] = GATE_READY
                     continue
-                lengths = {b: self.info.blocks[self.index[b]].length for b in stages[gate]}
+                lengths = {b: length[b] for b in stages[gate]}
                 # Copies enqueued and the gate's event recorded: only now may clients wait on it.
-                self.placement.fabric.copy_gate(self.placement, gate, lease.blocks, lengths)
+                if buffers is None:
+                    self.placement.fabric.copy_gate(self.placement, gate, lease.blocks, lengths)
+                else:
+                    self.placement.fabric.copy_gate(self.placement, gate,
+                                                    {} if lease is None else lease.blocks,
+                                                    lengths, sources=buffers)
+                    # Copied from pageable memory: done once copy_gate returned.
+                    del buffers
+                    startup.drop(beyond.pop(gate))
                 self.gates[gate] = GATE_READY
-                copied.append((gate, lease.id))
+                if lease is not None:
+                    copied.append((gate, lease.id))
                 # Hand host blocks back once their copies are done (never blocks the walk).
                 while copied and self.placement.events[copied[0][0]].query():
                     g, lease_id = copied.popleft()
                     self._release(lease_id)
-                    inflight -= stage_bytes[g]
+                    inflight -= host_bytes.pop(g)
             while copied:
                 g, lease_id = copied.popleft()
                 self.placement.events[g].synchronize()
@@ -154,9 +200,11 @@ class Load:
             self.seconds = time.monotonic() - started
             nbytes = sum(stage_bytes)
             # What a cold load after start waits for on the daemon's side (bench/paths.py reads it).
-            log.info("load of %s onto %s done: %d bytes in %.3f s (%.3f GB/s)", self.info.name,
+            log.info("load of %s onto %s done: %d bytes in %.3f s (%.3f GB/s)%s", self.info.name,
                      _device_name(self.device), nbytes, self.seconds,
-                     nbytes / max(self.seconds, 1e-9) / 1e9)
+                     nbytes / max(self.seconds, 1e-9) / 1e9,
+                     "" if startup is None else f"; {startup.taken} of them read beyond the host "
+                                                f"arena while CUDA started")
         except Exception as exc:   # noqa: BLE001 -- any failure closes the gates, typed
             if not isinstance(exc, FlashError):
                 exc = DeviceError(f"loading {self.info.name} onto {self.device} failed: "
@@ -169,8 +217,11 @@ class Load:
             else:
                 log.error("loading %s onto %s failed: %s", self.info.name, self.device, exc)
             for fut in futures.values():
-                fut.add_done_callback(self._release_future)
+                if fut is not None:      # None: nothing leased (blocks read beyond the arena)
+                    fut.add_done_callback(self._release_future)
         finally:
+            if startup is not None:
+                startup.close()
             if self.error is not None:
                 self.finished.set_exception(self.error)
             else:
@@ -224,7 +275,7 @@ class Loader:
         self.evictions = 0                       # idle GPU loads dropped to make room
 
     def attach(self, client_id: int, info, device, resident: list[int], priority: int = 0,
-               part: int = 0) -> Load:
+               part: int = 0, startup=None) -> Load:
         """A load of ``resident`` blocks of the model on ``device`` for this client.
 
         CPU loads are per client and ``part`` (a model split over several devices attaches each
@@ -266,7 +317,7 @@ class Loader:
                     load = self._loads[key] = Load(self.manager, self.arena, info, device,
                                                    owner=DAEMON_CLIENT, resident=resident,
                                                    placement=placement, requester=client_id,
-                                                   priority=priority).start()
+                                                   priority=priority, startup=startup).start()
             load.clients.add(client_id)
             load.last_used = time.monotonic()
             return load
@@ -362,6 +413,7 @@ class Attachments:
         self.fabric = fabric
         self._slots: dict[tuple, int] = {}     # (client, model) -> device holding its slots
         self._slots_lock = threading.Lock()
+        self._startup: dict = {}                 # model -> StartupReads while its attach waits
 
     def attach(self, client_id: int, model: str, device, weight_budget=None,
                ipc: bool = True, priority: int = 0, blocks: list[int] | None = None,
@@ -376,7 +428,7 @@ class Attachments:
         blocks are planned and placed, as part ``part`` of this client's attachment of the
         model; each part has its own load, plan and slot ring."""
         if device != "cpu" and self.fabric is not None and not self.fabric.ready(int(device)):
-            self.read_ahead(client_id, model)
+            startup = self.read_ahead(client_id, model, weight_budget if blocks is None else 0)
             future: Future = Future()
 
             def run():
@@ -384,10 +436,16 @@ class Attachments:
                     # Outside the loader's lock, which other clients' attaches need meanwhile.
                     self.fabric.arena(int(device))
                     out = self._attach(client_id, model, device, weight_budget, ipc, priority,
-                                       blocks, part)
+                                       blocks, part, startup)
                 except BaseException as exc:   # noqa: BLE001 -- delivered to the client, typed
                     future.set_exception(exc)
                     return
+                finally:
+                    if startup is not None:
+                        with self._slots_lock:
+                            self._startup.pop(startup.model, None)
+                        if startup.load is None:     # no new GPU load took them
+                            startup.close()
                 if not self.manager.connected(client_id):
                     # The client left while its attach ran: its disconnect found nothing to end.
                     self.detach(client_id)
@@ -397,32 +455,64 @@ class Attachments:
             return future
         return self._attach(client_id, model, device, weight_budget, ipc, priority, blocks, part)
 
-    def read_ahead(self, client_id: int, model: str) -> int:
+    def read_ahead(self, client_id: int, model: str, weight_budget=0):
         """Start reading the model's first blocks in forward order while the device is not ready
         yet, into the host arena's free space (at least half the arena, what a GPU load keeps in
         flight): CUDA's start in a fresh daemon lasts seconds, as long as reading several GB, and
         the disk must not wait for it. The load then finds them read or in flight: it takes
         blocks in forward order and holds at most its window of them while their copies are in
         flight (``Load._run``), so the ones beyond stay unleased until it reaches them and its own
-        reads find released, copied blocks to replace. Advisory: returns the reads started, 0 on
-        any refusal (the attach itself reports errors)."""
+        reads find released, copied blocks to replace.
+
+        Where the whole model goes onto the device (``weight_budget`` None) and it is larger than
+        that room, the blocks after it are read on into ordinary memory (``StartupReads``, at most
+        half the memory available), which the new GPU load copies from: returned (None
+        otherwise). Advisory: nothing is raised (the attach itself reports errors)."""
+        from .startup_reads import MEMORY_SHARE, StartupReads, available_memory
+
         try:
             info = self.manager.open_model(client_id, model)
             length = {b.id: aligned(b.length) for b in info.blocks}
             arena = self.loader.arena
             room, ids = max(arena.size - arena.used, arena.size // 2), []
-            for bid in (b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage):
-                room -= length[bid]
+            stages = [s for s in ForwardOrder(info.blocks, info.num_layers).stages if s]
+            whole = weight_budget is None
+            taken = 0
+            for stage in stages:
+                # Loading the whole model, the room ends at a stage's end: the blocks after it
+                # are read beyond the arena, and a stage split between the two would be read
+                # twice (a layer's blocks depend on each other: acquiring one reads the rest).
+                need = sum(length[b] for b in stage)
+                if whole and need > room:
+                    break
+                for bid in stage:
+                    room -= length[bid]
+                    if room < 0:
+                        break
+                    ids.append(bid)
                 if room < 0:
                     break
-                ids.append(bid)
-            return self.manager.prefetch(info.name, blocks=ids, client_id=client_id) if ids else 0
+                taken += 1
+            if ids:
+                self.manager.prefetch(info.name, blocks=ids, client_id=client_id)
+            rest = [[info.blocks[b] for b in stage] for stage in stages[taken:]]
+            if not whole or not rest:
+                return None
+            with self._slots_lock:
+                if info.name in self._startup:      # another attach is reading them already
+                    return None
+                budget = int(available_memory() * MEMORY_SHARE)
+                startup = StartupReads.start(self.manager, info.name, rest, budget)
+                if startup is not None:
+                    self._startup[info.name] = startup
+                return startup
         except FlashError as exc:
             log.debug("read-ahead of %s before the device is ready: %s", model, exc)
-            return 0
+            return None
 
     def _attach(self, client_id: int, model: str, device, weight_budget, ipc: bool,
-                priority: int = 0, blocks: list[int] | None = None, part: int = 0) -> dict | Future:
+                priority: int = 0, blocks: list[int] | None = None, part: int = 0,
+                startup=None) -> dict | Future:
         from .planner import plan_residency
 
         info = self.manager.open_model(client_id, model)
@@ -442,7 +532,8 @@ class Attachments:
         where = "" if blocks is None else f" part {part} on {_device_name(device)}"
         plan = plan_residency(placed, weight_budget, info.flash_config["prefetch_window"],
                               info.name + where, link, info.flash_config["stream_unit"])
-        load = self.loader.attach(client_id, info, device, plan.resident, priority, part)
+        load = self.loader.attach(client_id, info, device, plan.resident, priority, part,
+                                  startup=startup)
         out = load.describe()
         out["plan"] = plan.to_wire()
         if device != "cpu":

@@ -140,10 +140,32 @@ class Operations:
         if blocks is not None and not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
             raise MalformedFrame("attach: 'blocks' must be a list of block ids", op="attach",
                                  argument="blocks")
+        importing = _arg("attach", args, "importing", bool, required=False, default=False)
         if self.attachments is None:
             raise UnknownOperation("attach: this controller has no device tier", op="attach")
-        return self.attachments.attach(cid, model, device, budget, ipc=ipc, priority=priority,
-                                       blocks=blocks, part=part)
+        if not importing:
+            return self.attachments.attach(cid, model, device, budget, ipc=ipc, priority=priority,
+                                           blocks=blocks, part=part)
+        # The client still imports its model class: the load reads shallow until it says
+        # imports_done (or detaches, disconnects, or its attach fails).
+        self.manager.hold_shallow(cid)
+        try:
+            out = self.attachments.attach(cid, model, device, budget, ipc=ipc, priority=priority,
+                                          blocks=blocks, part=part)
+        except BaseException:
+            self.manager.end_shallow(cid, "its attach failed")
+            raise
+        if isinstance(out, Future):
+            out.add_done_callback(lambda f: f.exception() is not None
+                                  and self.manager.end_shallow(cid, "its attach failed"))
+        return out
+
+    def op_imports_done(self, cid, args):
+        """The client's imports (``attach`` with ``importing``) are done: the load reads at full
+        depth again unless another client still imports. ``shallow_s``: how long this client
+        held shallow reads (null: it held none)."""
+        seconds = self.manager.end_shallow(cid)
+        return {"shallow_s": None if seconds is None else round(seconds, 3)}
 
     def op_shard(self, cid, args):
         """Rank ``rank`` of a ``world``-wide tensor-parallel split of ``model``: its shard,
@@ -158,6 +180,7 @@ class Operations:
         return self.shards.shard(cid, model, rank, world, context)
 
     def op_detach(self, cid, args):
+        self.manager.end_shallow(cid, "it detached")
         if self.attachments is not None:
             self.attachments.detach(cid, _arg("detach", args, "model", str, required=False))
 

@@ -8,6 +8,12 @@ engine serves what it was given in submission order, so without this an urgent a
 request's layers) would queue behind all of another model's cold load; with it, behind at most
 ``inflight_bytes`` (a few times the engine's own queue, so the disk stays busy).
 
+While a client says it is importing (``attach`` with ``importing``: a fresh process building
+its model class, thousands of small file reads that wait behind every read the load keeps queued
+on the same disk), the engine reads at ``SHALLOW_SHAPE``, one 4 MiB read at a time as ``dd`` does;
+``imports_done``, that client's disconnect or detach, or ``SHALLOW_MAX_S`` bring its full depth
+back (``hold_shallow``/``end_shallow``; docs/benchmarks.md has the measurements behind it).
+
 A block of a model quantized as it enters the host tier (``quant.host_tier``) is read from its
 source block into a staging buffer (crc32c-checked against the source); the completion thread
 hands such a batch to the ``flash-quantize`` thread, which transcodes the blocks into their arena
@@ -39,6 +45,10 @@ log = logging.getLogger("deepseek_flash.block_manager")
 # Reads are handed to the engine in chunks of about this many bytes (at least one block each).
 CHUNK_BYTES = 8 << 20
 RETRY_PRIORITY = 1 << 30
+# The engine's shape while a client imports: one 4 MiB read in flight (dd's), and for how long at
+# most one client's word keeps it there (a client that never says it is done).
+SHALLOW_SHAPE = (1, 4 << 20)
+SHALLOW_MAX_S = 60.0
 
 
 class ReadPipeline:
@@ -65,6 +75,55 @@ class ReadPipeline:
         self._thread.start()
         self._transcodes: queue.Queue = queue.Queue()
         self._transcoder: threading.Thread | None = None   # started by the first staged batch
+        self.shallow = state.shallow          # client -> (since, until), monotonic
+        self._outside: dict[int, tuple] = {}  # token -> (callback, BlockInfo, model) of read_outside
+        shape = getattr(state.engine, "shape", None)
+        self.full_shape = tuple(shape) if shape is not None else None
+
+    # --- the read shape while a client imports -------------------------------------------------
+    def hold_shallow(self, client_id: int, max_s: float = SHALLOW_MAX_S) -> None:
+        """Read at ``SHALLOW_SHAPE`` until ``end_shallow(client_id)`` or ``max_s`` seconds."""
+        with self.s.lock:
+            now = time.monotonic()
+            since = self.shallow.get(client_id, (now, 0.0))[0]
+            self.shallow[client_id] = (since, now + max_s)
+            self._reshape_locked(f"client {client_id} imports")
+
+    def end_shallow(self, client_id: int, why: str = "its imports are done") -> float | None:
+        """Client ``client_id`` no longer needs shallow reads: the seconds it held them (None when
+        it held none); full depth again once no client holds them."""
+        with self.s.lock:
+            held = self.shallow.pop(client_id, None)
+            if held is None:
+                return None
+            seconds = time.monotonic() - held[0]
+            self._reshape_locked(f"client {client_id}: {why} after {seconds:.2f} s")
+            return seconds
+
+    def _expire_shallow_locked(self) -> None:
+        if not self.shallow:
+            return
+        now = time.monotonic()
+        for cid, (since, until) in list(self.shallow.items()):
+            if now >= until:
+                del self.shallow[cid]
+                self._reshape_locked(f"client {cid} held shallow reads for {now - since:.0f} s, "
+                                     f"the most one client may")
+
+    def _reshape_locked(self, why: str) -> None:
+        engine = self.s.engine
+        if self.full_shape is None or not hasattr(engine, "set_shape"):
+            return
+        want = SHALLOW_SHAPE if self.shallow else self.full_shape
+        want = (min(want[0], self.full_shape[0]), want[1])
+        if tuple(engine.shape) != want:
+            try:
+                engine.set_shape(*want)
+            except FlashError as exc:   # a closed engine: nothing more will be read anyway
+                log.debug("read shape %s not set: %s", want, exc)
+                return
+        log.info("reads at %d x %d KiB (%d clients importing): %s", want[0], want[1] >> 10,
+                 len(self.shallow), why)
 
     def close(self) -> None:
         """Stop the completion thread once every read asked for has finished (the waiting chunks
@@ -119,6 +178,42 @@ class ReadPipeline:
             heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, requests, size))
         self._pump_locked()
 
+    def read_outside(self, model: str, reads, priority: int = 0) -> bool:
+        """``read_outside_locked`` for an open model's name; False (nothing read) where the host
+        tier would not read it from disk as it is: a model whose device is gone (host only) or one
+        quantized as it enters the host tier."""
+        with self.s.lock:
+            m = self.s.model(model)
+            if m.host_only or getattr(m.store, "source_block", None) is not None:
+                return False
+            self.read_outside_locked(m, reads, priority)
+            return True
+
+    def read_outside_locked(self, model, reads, priority: int = 0) -> None:
+        """Read blocks of ``model`` (a ``ModelState``) into memory outside the host arena: ``reads``
+        is ``[(BlockInfo, dest, callback)]``, in the order to read them; each ``callback(error)``
+        (None: the block's exact bytes are in ``dest``, crc32c checked) runs on the completion
+        thread outside the lock. They queue with the host tier's reads (same priority order, same
+        engine shape) and count in ``bytes_read_nvme``; the host tier's books are not touched
+        (``daemon.staging``: the read-ahead beyond the arena while CUDA starts)."""
+        from .._core import ReadRequest
+
+        requests, tokens, size = [], [], 0
+        for info, dest, callback in reads:
+            token = next(self.s.token_ids)
+            self._outside[token] = (callback, info, model.name)
+            tokens.append(token)
+            requests.append(ReadRequest(path=str(model.store.data_path(info)), offset=info.offset,
+                                        length=info.length, dest=dest, dest_offset=0,
+                                        block_id=token, expected_crc=info.crc32c))
+            size += info.length
+            if size >= self.chunk_bytes:
+                heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, requests, size))
+                requests, tokens, size = [], [], 0
+        if tokens:
+            heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, requests, size))
+        self._pump_locked()
+
     def promote_locked(self, blocks, priority: int) -> int:
         """Reads of ``blocks`` still waiting in the pipeline at a lower priority move up to
         ``priority`` (a chunk of their own; the rest of their chunk keeps its place), so an urgent
@@ -152,6 +247,7 @@ class ReadPipeline:
     def _pump_locked(self) -> None:
         """Hand the engine the most urgent waiting chunks while it holds less than ``inflight_bytes``
         (always at least one chunk, however large)."""
+        self._expire_shallow_locked()
         while self._waiting and (self.inflight == 0
                                  or self.inflight + self._waiting[0][4] <= self.inflight_bytes):
             _, _, tokens, requests, size = heapq.heappop(self._waiting)
@@ -232,8 +328,12 @@ class ReadPipeline:
         (requests carry a token as their block id)."""
         block = self.s.tokens.get(completion.block_id)
         if block is None:
-            return None
-        info, model = block.info, block.model.name
+            outside = self._outside.get(completion.block_id)
+            if outside is None:
+                return None
+            _, info, model = outside
+        else:
+            info, model = block.info, block.model.name
         err = error_of(completion, info.id, f"model {model}, block {info.id} ({info.role}, layer "
                                             f"{info.layer})", model=model)
         if err is not None and getattr(err, "eof", False):
@@ -248,9 +348,19 @@ class ReadPipeline:
         resolved = []
         retry = []
         device_errors = []
+        outside = []
         with s.lock:
             self.inflight -= size
             for token in tokens:
+                if token in self._outside:
+                    callback, info, _ = self._outside.pop(token)
+                    error = batch_error or results.get(token, FlashIOError(
+                        f"block {info.id}: the IO engine reported no completion", errno=0,
+                        path=info.file, offset=info.offset, block_id=info.id))
+                    if error is None:
+                        s.counters["bytes_read_nvme"] += info.length
+                    outside.append((callback, error))
+                    continue
                 block = s.tokens.pop(token, None)
                 if block is None:
                     continue
@@ -281,6 +391,11 @@ class ReadPipeline:
             self.residency.evict_to_threshold()
             s.generation += 1
         resolve_futures(resolved)
+        for callback, error in outside:
+            try:
+                callback(error)
+            except Exception:   # a bug there must not kill the only completion thread
+                log.exception("callback of a read outside the host arena failed")
         for name, error in device_errors:
             for hook in s.device_error_hooks:
                 try:

@@ -158,6 +158,10 @@ class Telemetry:
         c["resident_blocks"] = sum(1 for m in s.models.values() for b in m.blocks.values()
                                    if b.state == RESIDENT)
         c["loading_blocks"] = len(s.tokens)
+        shape = getattr(s.engine, "shape", None)
+        if shape is not None:
+            c["read_depth"], c["read_request_bytes"] = int(shape[0]), int(shape[1])
+        c["shallow_read_clients"] = len(s.shallow)
         c["open_models"] = len(s.models)
         c["quarantined_blocks"] = sum(1 for m in s.models.values() for b in m.blocks.values()
                                       if b.quarantined)

@@ -159,6 +159,13 @@ class IOEngine:
         """Completions finished since the last call, any batch, without blocking."""
     def cancel(self, batch: int) -> int:
         """Cancel the batch's extents not yet fully issued (-ECANCELED); return how many."""
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(depth, request_size) of the reads issued now (``set_shape``)."""
+    def set_shape(self, depth: int, request_size: int) -> None:
+        """From now on at most ``depth`` reads in flight (1..queue_depth) of at most
+        ``request_size`` bytes (a positive multiple of 4096, <= 1 GiB); reads in flight finish as
+        issued. InvalidArgument otherwise."""
     def read(self, path: str, offset: int, length: int, dest: Buffer, dest_offset: int = 0,
              block_id: int = -1, expected_crc: int | None = None) -> None:
         """Synchronous read (GIL released). Raises FlashIOError or BlockChecksumError."""
@@ -169,8 +176,9 @@ class IOEngine:
     def forget_files(self) -> None:
         """Close cached descriptors; paths reopen on next use."""
     def stats(self) -> dict[str, Any]:
-        """backend, queue_depth, request_size, direct, bytes_read, extents_done, extents_failed,
-        reads_issued, short_reads, open_files."""
+        """backend, queue_depth, request_size, shape_depth, shape_request_size, peak_in_flight
+        (most reads in flight at once since start or the last set_shape), direct, bytes_read,
+        extents_done, extents_failed, reads_issued, short_reads, open_files."""
     def close(self) -> None:
         """Finish reads in flight, cancel queued extents, stop threads. Idempotent."""
     def __enter__(self) -> IOEngine: ...

@@ -24,7 +24,7 @@ from .fsutil import align_up
 
 OPS = ("hello", "list_models", "open_model", "close_model", "acquire", "release", "prefetch",
        "status", "stats", "get_tunable", "set_tunable", "load", "unload", "attach", "detach",
-       "report_stream", "profile", "shard", "report_kv", "kv_alloc", "kv_free")
+       "report_stream", "profile", "shard", "report_kv", "kv_alloc", "kv_free", "imports_done")
 
 GATE_PENDING, GATE_READY, GATE_FAILED = 0, 1, 2
 

@@ -218,7 +218,8 @@ struct IOEngine::Ring {
 // ---- engine ------------------------------------------------------------------------------------
 
 IOEngine::IOEngine(const std::string& backend, unsigned queue_depth, size_t request_size, bool direct)
-    : queue_depth_(queue_depth), request_size_(request_size), direct_(direct) {
+    : queue_depth_(queue_depth), request_size_(request_size), depth_limit_(queue_depth),
+      request_limit_(request_size), direct_(direct) {
     if (backend != "auto" && backend != "io_uring" && backend != "threads")
         throw argument_failure("backend must be 'auto', 'io_uring' or 'threads', not '" + backend + "'");
     if (queue_depth < 1 || queue_depth > 4096) throw argument_failure("queue_depth must be in 1..4096");
@@ -320,7 +321,34 @@ uint64_t IOEngine::submit(std::vector<ReadSpec> specs) {
     return id;
 }
 
+void IOEngine::set_shape(unsigned depth, size_t request_size) {
+    if (depth < 1 || depth > queue_depth_)
+        throw argument_failure("depth must be in 1.." + std::to_string(queue_depth_) + " (the engine's queue_depth), not " +
+                               std::to_string(depth));
+    if (request_size < kAlign || request_size % kAlign || request_size > (size_t(1) << 30))
+        throw argument_failure("request_size must be a positive multiple of 4096 of at most 1 GiB, not " +
+                               std::to_string(request_size));
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        depth_limit_ = depth;
+        request_limit_ = request_size;
+        stats_.peak_in_flight = active_;
+    }
+    work_cv_.notify_all();
+}
+
+unsigned IOEngine::shape_depth() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return depth_limit_;
+}
+
+size_t IOEngine::shape_request_size() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return request_limit_;
+}
+
 bool IOEngine::carve(Chunk* c) {
+    if (active_ >= depth_limit_) return false;
     while (!queue_.empty()) {
         Extent* e = queue_.front();
         if (e->carving_done()) {
@@ -331,7 +359,7 @@ bool IOEngine::carve(Chunk* c) {
         c->rel = e->next;
         c->done = 0;
         if (e->next < e->body_end) {
-            c->need = static_cast<size_t>(std::min<uint64_t>(request_size_, e->body_end - e->next));
+            c->need = static_cast<size_t>(std::min<uint64_t>(request_limit_, e->body_end - e->next));
             c->bounce = false;
         } else {
             c->need = static_cast<size_t>(e->spec.length - e->next);  // < 4 KiB: the unaligned tail
@@ -340,6 +368,7 @@ bool IOEngine::carve(Chunk* c) {
         e->next += c->need;
         e->outstanding++;
         if (e->carving_done()) queue_.pop_front();
+        if (++active_ > stats_.peak_in_flight) stats_.peak_in_flight = active_;
         return true;
     }
     return false;
@@ -402,6 +431,7 @@ bool IOEngine::on_result(Chunk* c, ssize_t res, std::vector<Extent*>& finished) 
     }
     if (!chunk_done) return true;
     c->ext = nullptr;
+    active_--;
     if (--e->outstanding == 0 && e->carving_done()) finished.push_back(e);
     return false;
 }

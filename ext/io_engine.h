@@ -60,6 +60,7 @@ struct CompletionRec {
 struct EngineStats {
     uint64_t bytes_read = 0, extents_done = 0, extents_failed = 0, reads_issued = 0, short_reads = 0,
              open_files = 0;
+    uint64_t peak_in_flight = 0;  // most reads in flight at once since start or the last set_shape
 };
 
 class IOEngine {
@@ -75,6 +76,12 @@ public:
     const std::string& backend() const { return backend_; }
     unsigned queue_depth() const { return queue_depth_; }
     size_t request_size() const { return request_size_; }
+    // The read shape from now on: at most `depth` reads in flight (1..queue_depth) of at most
+    // `request_size` bytes (a positive multiple of 4096). Reads already in flight finish as they
+    // were issued; the next ones follow the new shape. Constructed at (queue_depth, request_size).
+    void set_shape(unsigned depth, size_t request_size);
+    unsigned shape_depth() const;
+    size_t shape_request_size() const;
     bool direct() const { return direct_; }
     // Why "auto" did not pick io_uring (empty when it did or was not asked).
     const std::string& fallback_reason() const { return fallback_reason_; }
@@ -118,6 +125,9 @@ private:
     std::string fallback_reason_;
     unsigned queue_depth_;
     size_t request_size_;
+    unsigned depth_limit_;     // under mu_: reads in flight allowed now (set_shape)
+    size_t request_limit_;     // under mu_: size of the reads carved now (set_shape)
+    unsigned active_ = 0;      // under mu_: chunks carved and not yet finished
     bool direct_;
     std::atomic<bool> closed_{false};
 

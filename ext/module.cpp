@@ -122,6 +122,9 @@ py::dict engine_stats(const flash::IOEngine& e) {
     d["backend"] = e.backend();
     d["queue_depth"] = e.queue_depth();
     d["request_size"] = e.request_size();
+    d["shape_depth"] = e.shape_depth();
+    d["shape_request_size"] = e.shape_request_size();
+    d["peak_in_flight"] = s.peak_in_flight;
     d["direct"] = e.direct();
     d["bytes_read"] = s.bytes_read;
     d["extents_done"] = s.extents_done;
@@ -345,6 +348,13 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("request_size", &flash::IOEngine::request_size, "Largest single read.")
         .def_property_readonly("direct", &flash::IOEngine::direct, "O_DIRECT requested.")
         .def_property_readonly("closed", &flash::IOEngine::closed, "True after close().")
+        .def_property_readonly("shape", [](const flash::IOEngine& e) {
+                return py::make_tuple(e.shape_depth(), e.shape_request_size());
+            }, "(depth, request_size) of the reads issued now (set_shape; at first queue_depth, request_size).")
+        .def("set_shape", &flash::IOEngine::set_shape, py::arg("depth"), py::arg("request_size"),
+             "From now on keep at most `depth` reads in flight (1..queue_depth) of at most `request_size` "
+             "bytes (a positive multiple of 4096, <= 1 GiB); reads in flight finish as issued. Raises "
+             "InvalidArgument otherwise.")
         .def(
             "submit",
             [](flash::IOEngine& e, const std::vector<ReadRequest>& reqs) {
@@ -406,8 +416,9 @@ PYBIND11_MODULE(_core, m) {
         .def("forget_files", &flash::IOEngine::forget_files,
              "Close the cached file descriptors (reads in flight keep theirs); paths reopen on next use.")
         .def("stats", &engine_stats,
-             "dict: backend, queue_depth, request_size, direct, bytes_read, extents_done, extents_failed, "
-             "reads_issued, short_reads, open_files.")
+             "dict: backend, queue_depth, request_size, shape_depth, shape_request_size, peak_in_flight "
+             "(most reads in flight at once since start or the last set_shape), direct, bytes_read, "
+             "extents_done, extents_failed, reads_issued, short_reads, open_files.")
         .def("close", &flash::IOEngine::close, py::call_guard<py::gil_scoped_release>(),
              "Finish reads in flight, cancel queued ones, stop the threads. Idempotent.")
         .def("__enter__", [](py::object self) { return self; }, "Return self.")

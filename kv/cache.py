@@ -21,6 +21,7 @@ from . import compat
 from .compat import cache_keyword
 from .compute import sdpa as _sdpa  # noqa: F401  (kept importable from here)
 from .config import CONFIG_KEYS, DEFAULTS, explicit_args, flash_kv_settings, validate
+from .fused import default_on as _fused_default
 from .graphs import LayerGraphs, SharedOut
 from .layer import TieredLayer
 from .layout import PageLayout, auto_page_tokens
@@ -115,6 +116,8 @@ class TieredCache(Cache):
         # CUDA: each top-K layer's choice and gather replayed as a captured graph (kv/graphs.py);
         # False: eager, as on the CPU
         self.select_graphs = True
+        # a top-K decode step as kv/fused.py's five Triton kernels (CUDA; DEEPSEEK_FLASH_KV_FUSED)
+        self.fused = _fused_default()
         self._select_out = SharedOut()
         self._graph_pool_handle = None
         self._page_cache_budget = False  # device bytes for page caches, once known (None: none)
@@ -385,6 +388,7 @@ class TieredCache(Cache):
         self.counters["pages_fetched"] += misses
         layer.page_cache = None
         layer.graphs = LayerGraphs()  # its graphs wrote into the slots
+        layer._fused, layer._fused_holds = None, False  # and so did its fused step
 
     def _staging(self, n_pages: int) -> torch.Tensor:
         """A new host buffer of ``n_pages`` pages. Fresh every time: torch's pinned-memory cache
@@ -503,6 +507,11 @@ class TieredCache(Cache):
         self._reporter.send(self)
         return True
 
+    def _fused_settings(self) -> tuple:
+        """What a fused top-K step (kv/fused.py) was built for, of the cache's settings."""
+        return (self.top_k_pages, self.page_cache, self.score, self.window_pages,
+                self.select_graphs, self.fused)
+
     def _graph_pool(self):
         """One memory pool for the captured graphs of all layers (replayed one after the other
         on one stream, their temporaries may share memory)."""
@@ -525,6 +534,7 @@ class TieredCache(Cache):
             if layer.page_cache is not None:
                 self._release_page_cache(layer)
             layer.graphs = LayerGraphs()  # the graphs read the host pages freed below
+            layer._fused, layer._fused_holds = None, False
             layer.pages.clear()
         if self.spill is not None:
             self.spill.close()

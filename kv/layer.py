@@ -19,6 +19,7 @@ except ImportError:  # transformers too old: TieredCache.for_model says so (KVUn
 
 from deepseek_flash.errors import KVCacheMismatch, KVError
 
+from . import fused as _fused
 from .attention import _ACTIVE
 from .compute import attend_columns, sdpa
 from . import graphs
@@ -67,6 +68,11 @@ class TieredLayer(CacheLayerMixin):
         self.mirror: DenseMirror | None = None  # a dense layer's pages on the device as well
         self.page_cache: PageCache | None = None  # top-K: chosen pages kept on the device
         self.prune = LayerPrune(self, cache.prune) if cache.prune is not None else None
+        self._fused: _fused.FusedStep | None = None  # kv/fused.py: the Triton decode step
+        self._fused_failed = False
+        # the last step was fused and nothing it depends on changed since (no page written, no
+        # other path taken): the next one replays it with no decision made again
+        self._fused_holds = False
 
     # --- the recent window: its own tensors, or views of a RecentWindow's buffers --------------
     @property
@@ -237,6 +243,17 @@ class TieredLayer(CacheLayerMixin):
         cache = self._cache
         k_new, v_new = self.pending
         q_len = query.shape[2]
+        if (cache.fused and pad_mask is None and q_len == 1 and self.prune is None
+                and not self.dense and not self._fused_failed):
+            step = self._fused
+            if (self._fused_holds and step.settings == cache._fused_settings()
+                    and query.shape == step.shape and query.dtype == step.dtype
+                    and scaling == step.scaling):
+                return self._attend_fused_again(step, query, k_new, v_new)
+            out = self._attend_fused(query, k_new, v_new, scaling)
+            if out is not None:
+                return out
+        self._fused_holds = False
         plan = self._plan
         if plan is not None and pad_mask is None:
             if plan.holds(self, cache, query):
@@ -267,6 +284,113 @@ class TieredLayer(CacheLayerMixin):
         if self.prune is not None:
             self.prune.committed(k_new, v_new, *shares, q_len)
         return out
+
+    def _attend_fused(self, query, k_new, v_new, scaling):
+        """A top-K decode step through kv/fused.py's kernels (one CUDA graph of five kernels):
+        the output ``[b, 1, q_heads, d]``, or None where the fused step does not serve (the torch
+        path then runs)."""
+        cache = self._cache
+        n = self.n_pages
+        if not n or self.lost_pages or not cache.page_cache or not _fused.available(self.device):
+            return None
+        k = resolve_top_k(cache.top_k_pages, n)
+        if k is None or _fused.applies(self, cache, k) is not None:
+            return None
+        pc = self.page_cache
+        if (pc is not None and pc.refused) or self.pages.span() is None:
+            return None
+        cap = cache.gpu_tokens + cache.page_tokens + cache.select_max_queries
+        if self.sinks < cache.sink_tokens or self.recent_tokens + 1 > cap:
+            return None
+        try:
+            if cache.pinned:
+                if self.pages._unread_writes:
+                    self.pages.before_read()
+                if self.index in cache._prefetched:
+                    cache._drop_prefetched(self)
+                cache._prefetch_next(self)
+            if pc is None:
+                pc = self.page_cache = PageCache(cache.page_cache)
+            pc.ensure(self, k)
+            span = None if pc.refused else pc.span(self)
+            if span is None:
+                return None
+            if self.window is None or self.window.capacity != cap:
+                self.window = RecentWindow(self.recent_k, self.recent_v, cap)
+                self._recent_k = self._recent_v = None
+            if self._sinks_kv is None or self._sinks_kv.shape[3] != self.sinks:
+                self._sinks_kv = torch.stack((self.sink_k, self.sink_v))  # final: made once
+            window = self.window
+            key = (n, k, id(span), self.summaries.minmax.data_ptr(), pc.key(),
+                   window.kv.data_ptr(), window.pos.data_ptr(), self._sinks_kv.data_ptr(),
+                   tuple(query.shape), query.dtype, scaling, cache.scale, cache.window_pages)
+            self._plan = None
+            window.sync_pos()
+            step = self._fused
+            if step is None or step.key != key:
+                self._fused = None
+                try:
+                    step = _fused.FusedStep(key, self, span, pc, window, self._sinks_kv, query,
+                                            k, scaling)
+                    step.load(query, k_new, v_new)
+                    if graphs.applies(self.device) and cache.select_graphs:
+                        step.capture(cache._graph_pool())
+                    else:
+                        step.run()
+                except Exception as exc:  # refused by Triton, torch or the driver: torch path
+                    self._fused_failed = True
+                    window.pos_value = None
+                    pc.refuse()  # its tables may be part-updated: no slots read from now on
+                    graphs.log.warning("layer %d: the fused top-K step failed (%s); the torch "
+                                       "path serves from now on", self.index, exc)
+                    return None
+                self._fused = step
+            else:
+                step.load(query, k_new, v_new)
+                if step.graph is not None:
+                    step.graph.replay()
+                else:
+                    step.run()
+            window.ahead = 1
+            window.pos_value = window.length + 1
+            out = step.out
+        except BaseException:
+            self.pending = None
+            cache._poison(f"layer {self.index} failed during attention")
+            raise
+        self.pending = None
+        self._fused_holds = self._fused is step and step.settings == cache._fused_settings()
+        self._commit(k_new, v_new)  # a page written out ends the hold
+        return out
+
+    def _attend_fused_again(self, step, query, k_new, v_new):
+        """``_attend_fused`` of a step that repeats the last one: the graph replayed (or its
+        kernels launched), the commit."""
+        cache = self._cache
+        window = self.window
+        try:
+            if cache.pinned:
+                if self.pages._unread_writes:
+                    self.pages.before_read()
+                if self.index in cache._prefetched:
+                    cache._drop_prefetched(self)
+                cache._prefetch_next(self)
+            window.sync_pos()
+            step.load(query, k_new, v_new)
+            if step.graph is not None:
+                step.graph.replay()
+            else:
+                step.run()
+            window.ahead = 1
+            window.pos_value = window.length + 1
+        except BaseException:
+            self.pending = None
+            self._fused_holds = False
+            cache._poison(f"layer {self.index} failed during attention")
+            raise
+        self.pending = None
+        self._commit(k_new, v_new)
+        return step.out
 
     def _attend_planned(self, plan, query, k_new, v_new, scaling):
         """``attend`` of a decode step that repeats the last one's path (``StepPlan``): the
@@ -467,6 +591,7 @@ class TieredLayer(CacheLayerMixin):
         """Full pages leave the recent window: summaries on the device (when top-K reads them), BICL
         pages to the host (or, pruning, to level 1)."""
         cache = self._cache
+        self._fused_holds = False  # pages, k, the host view and the summaries change
         p = cache.page_tokens
         if self.keeps_summaries:
             self.summaries.append_keys(keys, p)

@@ -129,7 +129,8 @@ def test_a_fresh_process_imports_on_a_thread_while_it_attaches(tmp_path):
     """In a process that has not imported the model's transformers module, load_model starts the
     skeleton's imports on a thread from the store's config.json, before its open_model round
     trip: they are under way while the open and the attach run (``imports_ms`` is what is left of
-    them after it); a second load in the same process imports nothing."""
+    them after it), and the attach asks for shallow reads until they are done; a second load in
+    the same process imports nothing."""
     import json
     import subprocess
     import sys
@@ -153,10 +154,12 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
     client.open_model, client.attach = spy(client.open_model), spy(client.attach)
     model = load_model({str(store)!r}, device="cpu", client=client)
     print(json.dumps({{"timings": list(model.flash.timings), "at_open": seen[0], "at_attach": seen[1],
-                      "imports_s": model.flash.imports.seconds}}))
+                      "imports_s": model.flash.imports.seconds, "shallow_s": model.flash.shallow_read_s,
+                      "after": [client.stats()[k] for k in ("read_depth", "shallow_read_clients")]}}))
     model.flash.close()
     again = load_model({str(store)!r}, device="cpu", client=client)
-    print(json.dumps({{"timings": list(again.flash.timings), "imports": again.flash.imports}}))
+    print(json.dumps({{"timings": list(again.flash.timings), "imports": again.flash.imports,
+                      "shallow_s": again.flash.shallow_read_s}}))
     again.flash.close()
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -166,6 +169,10 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
                                 "device_memory_ms", "bind_ms", "total_ms"]
     assert first["at_open"] == first["at_attach"] == ["flash-skeleton-imports"]
     assert first["imports_s"] > 0
+    # Attached while importing: the controller read shallow until the imports were done (they
+    # ended after the attach here), then went back to full depth.
+    assert 0 < first["shallow_s"] <= first["imports_s"] and first["after"] == [32, 0]
+    assert again["shallow_s"] is None
     assert again["timings"] == ["open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms",
                                 "bind_ms", "total_ms"]
     assert again["imports"] is None

@@ -226,3 +226,38 @@ def test_range_allocator_books_stay_exact_under_concurrent_use(monkeypatch):
         w.join()
     assert errors == []
     assert alloc.used == 0 and alloc.free_bytes() == alloc.size and alloc.largest_free() == alloc.size
+
+
+def test_copy_gate_copies_each_block_from_the_host_arena_or_its_buffer_beyond_it(monkeypatch):
+    """A stage partly read beyond the host arena while CUDA started (``startup_reads``): those
+    blocks come from their own page-aligned buffers, the rest from the host arena's offsets;
+    the device gets each block's exact bytes and ``bytes_h2d`` counts both."""
+    import mmap
+    import random
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    rng = random.Random(3)
+    host = bytearray(rng.randbytes(1 << 16))
+    fabric = Fabric(host_arena=host, unified_memory_ratio=0.5)
+    monkeypatch.setattr(fabric, "pin_host", lambda wait=True: False)
+    arena = cpu_arena(0)
+    assert arena.alloc(1 << 16) == 0
+    placement = DevicePlacement.__new__(DevicePlacement)
+    placement.arena = arena
+    placement.offsets = {0: 0, 1: 8192, 2: 20480}
+    placement.stages = [[0, 1, 2]]
+    placement.events = [types.SimpleNamespace(record=lambda stream: None)]
+    outside = {1: mmap.mmap(-1, 12288), 2: mmap.mmap(-1, 4096)}
+    want = {1: rng.randbytes(10000), 2: rng.randbytes(4096)}
+    for bid, data in want.items():
+        outside[bid][:len(data)] = data
+    want[0] = bytes(host[4096:4096 + 5000])
+    lengths = {0: 5000, 1: 10000, 2: 4096}
+    fabric.copy_gate(placement, 0, {0: 4096}, lengths, sources=outside)
+    device = arena[0:1 << 16].numpy().tobytes()
+    for bid, data in want.items():
+        off = placement.offsets[bid]
+        assert device[off:off + lengths[bid]] == data, bid
+    assert fabric.bytes_h2d == 5000 + 10000 + 4096
+    for buf in outside.values():
+        buf.close()                    # nothing holds the buffers after the copy

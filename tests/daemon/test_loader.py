@@ -160,7 +160,7 @@ class _FakeFabric:
         self.placements[key] = placement
         return placement
 
-    def copy_gate(self, placement, gate, host_offsets, lengths):
+    def copy_gate(self, placement, gate, host_offsets, lengths, sources=None):
         pass
 
     def evict(self, key):
@@ -401,7 +401,8 @@ def test_read_ahead_starts_the_first_blocks_in_forward_order(controller, tiny_st
     cid = manager.connect({"name": "t"})
     info = manager.open_model(cid, str(tiny_store))
     attachments = Attachments(manager, Loader(manager, arena))
-    started = attachments.read_ahead(cid, info.name)
+    # The whole model fits the free arena: nothing is read beyond it.
+    assert attachments.read_ahead(cid, info.name, weight_budget=None) is None
     order = [b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage]
     length = {b.id: b.length for b in info.blocks}
     fits, room = 0, arena.size
@@ -410,13 +411,13 @@ def test_read_ahead_starts_the_first_blocks_in_forward_order(controller, tiny_st
         if room < 0:
             break
         fits += 1
-    assert started == fits > 0
+    assert fits > 0
     assert manager.stats()["prefetch_issued"] == fits
     # The blocks read ahead are the ones the load asks for first.
     lease = manager.acquire(cid, info.name, blocks=order[:fits])
     assert set(lease.blocks) == set(order[:fits])
     manager.release(cid, lease.id)
-    assert attachments.read_ahead(cid, "no-such-model") == 0
+    assert attachments.read_ahead(cid, "no-such-model", weight_budget=None) is None
 
 
 def test_a_client_leaving_during_a_cpu_load_does_not_wait_for_it(controller, tiny_store, monkeypatch):
@@ -518,14 +519,17 @@ def test_read_ahead_fills_the_free_host_arena_and_the_load_reads_nothing_twice(w
     try:
         cid = manager.connect({"name": "first"})
         info = manager.open_model(cid, str(wide_store))
-        order = [b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage]
+        stages = [s for s in ForwardOrder(info.blocks, info.num_layers).stages if s]
+        order = [b for stage in stages for b in stage]
         size = {b.id: aligned(b.length) for b in info.blocks}
+        # Whole stages (the rest is read beyond the arena; a layer split between the two would
+        # be read twice, its blocks depending on each other).
         fits, room = 0, arena.size
-        for bid in order:
-            room -= size[bid]
+        for stage in stages:
+            room -= sum(size[b] for b in stage)
             if room < 0:
                 break
-            fits += 1
+            fits += len(stage)
         assert sum(size[b] for b in order[:fits]) > arena.size // 2 and fits < len(order)
         pending = attachments.attach(cid, info.name, 0)
         assert_eventually_true(lambda: manager.stats()["loading_blocks"] == 0)
@@ -595,3 +599,189 @@ class _SlowLaggingFabric(_SlowFirstFabric):
         placement = super().place(key, device, blocks, num_layers)
         placement.events = [_LaggingEvent() for _ in placement.events]
         return placement
+
+
+class _CopyingFabric(_SlowFirstFabric):
+    """CUDA still starting at the first attach; the device is a bytearray the copies really fill
+    (from the host arena's offsets, or from the buffers read beyond it), so a test can compare
+    the device's bytes with the store's."""
+
+    def __init__(self, size, host_arena):
+        super().__init__(size)
+        self.memory = bytearray(size)
+        self.host = memoryview(host_arena)
+        self.from_sources = 0
+
+    def copy_gate(self, placement, gate, host_offsets, lengths, sources=None):
+        for bid, n in lengths.items():
+            dst = placement.offsets[bid]
+            if sources is not None and bid in sources:
+                self.memory[dst:dst + n] = memoryview(sources[bid])[:n]
+                self.from_sources += n
+            else:
+                self.memory[dst:dst + n] = self.host[host_offsets[bid]:host_offsets[bid] + n]
+
+
+def _startup_rig(store, arena_bytes=3 << 20):
+    arena = _core.HostArena(arena_bytes)
+    engine = _core.IOEngine()
+    manager = BlockManager(FlashConfig({"host_cache_bytes": arena_bytes}), arena, engine)
+    fabric = _CopyingFabric(64 << 20, arena)
+    attachments = Attachments(manager, Loader(manager, arena, fabric), fabric)
+    cid = manager.connect({"name": "first"})
+    info = manager.open_model(cid, str(store))
+    order = [b for stage in ForwardOrder(info.blocks, info.num_layers).stages for b in stage]
+    return SimpleNamespace(arena=arena, engine=engine, manager=manager, fabric=fabric,
+                           attachments=attachments, cid=cid, info=info, order=order)
+
+
+def _close_rig(rig):
+    rig.attachments.loader.close()
+    rig.manager.close()
+    rig.engine.close()
+
+
+def _device_bytes_are_the_store(rig, load, store):
+    placement = next(iter(rig.fabric.placements.values()))
+    for block in rig.info.blocks:
+        off = placement.offsets[block.id]
+        assert bytes(rig.fabric.memory[off:off + block.length]) == store.read_block(block.id), block.id
+
+
+def test_reads_go_on_beyond_the_host_arena_while_cuda_starts_and_land_on_the_device_exactly(wide_store):
+    """A model larger than the free host arena, CUDA still starting: the blocks after the arena's
+    read-ahead are read on into memory of their own, so the whole model is read before the device
+    is ready; the load then copies them from there -- the device's bytes are the store's, no
+    block is read twice, and the memory of those reads is given back once copied."""
+    store = Store.open(wide_store)
+    rig = _startup_rig(wide_store)
+    try:
+        pending = rig.attachments.attach(rig.cid, rig.info.name, 0)
+        startup = rig.attachments._startup[rig.info.name]
+        beyond = [b for b in rig.order if b in startup.blocks]
+        assert beyond == rig.order[len(rig.order) - len(beyond):] and 0 < len(beyond) < len(rig.order)
+        for fut in list(startup.done.values()):
+            fut.result(timeout=30)
+        assert_eventually_true(lambda: rig.manager.stats()["loading_blocks"] == 0)
+        total = sum(b.length for b in rig.info.blocks)
+        assert rig.manager.stats()["bytes_read_nvme"] == total        # all of it, device not ready
+        rig.fabric.opened.set()
+        pending.result(timeout=30)
+        load = next(iter(rig.attachments.loader.loads()))
+        load.finished.result(timeout=30)
+        assert (load.gates == GATE_READY).all() and not load.leases
+        _device_bytes_are_the_store(rig, load, store)
+        assert rig.manager.stats()["bytes_read_nvme"] == total        # nothing read twice
+        assert rig.fabric.from_sources == startup.taken == startup.bytes
+        assert startup.buffers == {} and rig.attachments._startup == {}
+    finally:
+        _close_rig(rig)
+
+
+def test_a_failed_read_beyond_the_arena_is_read_again_through_the_host_tier(wide_store):
+    """One block read beyond the arena fails: the load reads that stage again, whole, through
+    the host tier (typed errors and recovery as any read) and the device still gets the exact
+    bytes."""
+    from deepseek_flash.errors import FlashIOError
+
+    store = Store.open(wide_store)
+    rig = _startup_rig(wide_store)
+    read_outside = rig.manager.read_outside
+    failed = []
+
+    def failing_first(model, reads, priority=0):
+        info, dest, callback = reads[0]
+
+        def fail(error):
+            failed.append(info)
+            callback(FlashIOError(f"block {info.id}: injected", errno=5, path=info.file,
+                                  offset=info.offset, block_id=info.id))
+        return read_outside(model, [(info, dest, fail)] + list(reads[1:]), priority)
+
+    rig.manager.read_outside = failing_first
+    try:
+        pending = rig.attachments.attach(rig.cid, rig.info.name, 0)
+        startup = rig.attachments._startup[rig.info.name]
+        rig.fabric.opened.set()
+        pending.result(timeout=30)
+        load = next(iter(rig.attachments.loader.loads()))
+        load.finished.result(timeout=30)
+        assert (load.gates == GATE_READY).all() and len(failed) == 1
+        _device_bytes_are_the_store(rig, load, store)
+        total = sum(b.length for b in rig.info.blocks)
+        # Its stage (the failed block's layer) is read again, whole, through the host tier; the
+        # reads beyond the arena counted once each as their bytes came.
+        layer = [b.length for b in rig.info.blocks if b.layer == failed[0].layer]
+        assert len(layer) == 4
+        assert rig.manager.stats()["bytes_read_nvme"] == total + sum(layer)
+        assert startup.buffers == {}
+    finally:
+        _close_rig(rig)
+
+
+def test_nothing_is_read_beyond_the_arena_for_a_streamed_plan_or_without_memory(wide_store,
+                                                                                monkeypatch):
+    """Only a load of the whole model (no weight budget) reads beyond the arena, whole stages
+    after the arena's whole stages, and only as much as half the available memory holds."""
+    from deepseek_flash.daemon import startup_reads
+    from deepseek_flash.daemon.host_state import aligned
+
+    store = Store.open(wide_store)
+    for budget, memory, expect in ((1 << 30, 1 << 40, False), (None, 0, False), (None, "next", True)):
+        rig = _startup_rig(wide_store)
+        try:
+            stages = [s for s in ForwardOrder(rig.info.blocks, rig.info.num_layers).stages if s]
+            size = {b.id: aligned(b.length) for b in rig.info.blocks}
+            blocks_fit, stages_fit, room = 0, 0, rig.arena.size
+            for bid in rig.order:                      # a streamed plan: any block that fits
+                room -= size[bid]
+                if room < 0:
+                    break
+                blocks_fit += 1
+            room = rig.arena.size
+            for stage in stages:                       # the whole model: whole stages
+                room -= sum(size[b] for b in stage)
+                if room < 0:
+                    break
+                stages_fit += 1
+            following = stages[stages_fit]
+            need = sum(rig.info.blocks[b].length for b in following)
+            avail = 2 * need + 1 if memory == "next" else memory
+            monkeypatch.setattr(startup_reads, "available_memory", lambda avail=avail: avail)
+            startup = rig.attachments.read_ahead(rig.cid, rig.info.name, weight_budget=budget)
+            issued = blocks_fit if budget is not None else sum(len(s) for s in stages[:stages_fit])
+            assert rig.manager.stats()["prefetch_issued"] == issued
+            if not expect:
+                assert startup is None
+                continue
+            assert list(startup.blocks) == list(following) and startup.bytes == need
+            for bid in following:
+                startup.done[bid].result(timeout=30)
+                view = memoryview(startup.buffers[bid])[:rig.info.blocks[bid].length]
+                assert bytes(view) == store.read_block(bid)
+                del view
+            startup.close()
+            assert startup.buffers == {}
+        finally:
+            _close_rig(rig)
+
+
+def test_reads_beyond_the_arena_are_dropped_when_the_attach_fails(wide_store):
+    """CUDA fails to start: the attach's typed error reaches the client and the memory read
+    beyond the arena is given back (nothing left for a later attach to find)."""
+    from deepseek_flash.errors import DeviceError
+
+    rig = _startup_rig(wide_store)
+
+    def broken(device):
+        raise DeviceError("cuda:0 requested but CUDA is not available in the daemon", device=device)
+
+    rig.fabric.arena = broken
+    try:
+        pending = rig.attachments.attach(rig.cid, rig.info.name, 0)
+        with pytest.raises(DeviceError):
+            pending.result(timeout=30)
+        assert rig.attachments._startup == {}
+        assert_eventually_true(lambda: rig.manager.stats()["loading_blocks"] == 0)
+    finally:
+        _close_rig(rig)

@@ -314,3 +314,47 @@ def test_completion_error_is_the_exception_raise_if_failed_raises(tmp_path):
     assert str(named).startswith("model m, block 3 (attn, layer 0): unexpected end of file reading ")
     assert "(block 3)" in str(named) and "(block 7)" not in str(named)
     assert error_of(good, block_id=1, context="x") is None
+
+
+def test_set_shape_bounds_reads_in_flight_and_their_size(any_dir, backend):
+    """A daemon reading at a shallow shape (one 4 MiB read at a time) while a client imports, then
+    at full depth: the engine's peak of reads in flight and its reads issued follow the shape set,
+    and the bytes are the file's either way."""
+    size = 32 << 20
+    data = random.Random(11).randbytes(size)
+    path = any_dir / "big.dat"
+    path.write_bytes(data)
+    dest = _aligned_buffer(size)
+    e = _core.IOEngine(backend, queue_depth=16, request_size=1 << 20)
+    try:
+        assert e.shape == (16, 1 << 20)
+        e.set_shape(1, 4 << 20)
+        assert e.shape == (1, 4 << 20)
+        reqs = [_core.ReadRequest(str(path), i << 20, 1 << 20, dest, i << 20, block_id=i)
+                for i in range(32)]
+        assert all(c.ok for c in e.wait(e.submit(reqs)))
+        st = e.stats()
+        assert (st["peak_in_flight"], st["shape_depth"], st["shape_request_size"]) == (1, 1, 4 << 20)
+        # 1 MiB extents are read whole (one read each: the shape caps the size, never splits less)
+        assert st["reads_issued"] == 32
+        assert bytes(dest) == data
+        dest[:] = 0
+        e.set_shape(16, 1 << 20)
+        assert e.stats()["peak_in_flight"] == 0      # reset by set_shape, nothing in flight
+        before = e.stats()["reads_issued"]
+        assert all(c.ok for c in e.wait(e.submit([_core.ReadRequest(str(path), 0, size, dest, 0)])))
+        st = e.stats()
+        assert st["reads_issued"] - before == 32     # one 32 MiB extent in 1 MiB reads
+        assert 2 <= st["peak_in_flight"] <= 16
+        assert bytes(dest) == data
+        e.set_shape(1, 8 << 20)
+        before = e.stats()["reads_issued"]
+        assert all(c.ok for c in e.wait(e.submit([_core.ReadRequest(str(path), 0, size, dest, 0)])))
+        assert e.stats()["reads_issued"] - before == 4
+        assert e.stats()["peak_in_flight"] == 1
+        for depth, request in ((0, 4096), (17, 4096), (1, 0), (1, 4097), (1, 2 << 30)):
+            with pytest.raises(InvalidArgument):
+                e.set_shape(depth, request)
+        assert e.shape == (1, 8 << 20)
+    finally:
+        e.close()

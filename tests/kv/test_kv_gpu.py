@@ -149,3 +149,53 @@ def test_topk_dense_layers_copied_ahead_equal_their_pages_copied_when_due():
     # but the first step's layer 0 (nothing was ahead of it yet)
     assert len(used[0]) == len(used[1]) == 2 * 39
     assert [i for i, hit in used[0] if not hit] == [0] and not any(h for _, h in used[1])
+
+
+def _fused_tables(layer):
+    pc = layer.page_cache
+    b = pc.page_of_slot.shape[0]
+    return [pc.slot_of_page, pc.page_of_slot, pc.slots.view(b, pc.capacity, -1)[pc.page_of_slot >= 0]]
+
+
+@pytest.mark.parametrize("batch,dtype", [(2, torch.float32), (1, torch.bfloat16)])
+def test_topk_fused_step_on_cuda(caplog, batch, dtype):
+    # kv/fused.py's five Triton kernels (their misses read from page-locked host memory through
+    # the unified address space) as a CUDA graph: the same tokens and logits as their eager
+    # launches, across page boundaries; in float32 the same chosen pages, tables and slots as
+    # the torch path and its logits within rounding of torch's attention
+    import logging
+
+    import deepseek_flash.kv.fused as fused
+
+    if not fused.available(torch.device("cuda")):
+        pytest.fail("Triton is not importable on this CUDA machine")
+    model = tiny_model(layers=3).cuda().to(dtype)
+    ids = torch.randint(1, 256, (batch, 1500), generator=torch.Generator().manual_seed(5)).cuda()
+    runs, caches = [], []
+    for use_fused, graphs in ((False, True), (True, False), (True, True)):
+        cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
+                                      top_k_pages=0.25, dense_layers=1, window_pages=16)
+        cache.fused, cache.select_graphs = use_fused, graphs
+        with caplog.at_level(logging.WARNING, logger="deepseek_flash.kv.cache"):
+            runs.append(greedy(model, ids, None, cache, 70))  # 70 steps: 2 page boundaries
+        used = [layer._fused is not None for layer in cache.layers]
+        assert used == [False, use_fused, use_fused], caplog.text
+        if use_fused:
+            assert all((layer._fused.graph is not None) == graphs for layer in cache.layers[1:])
+        caches.append(cache)
+    assert "fused top-K step failed" not in caplog.text, caplog.text
+    (t0, l0), (t1, l1), (t2, l2) = runs
+    assert torch.equal(t1, t2) and torch.equal(l1, l2)  # the graph replays its launches
+    torch_path, eager, graphed = caches
+    for key in ("page_cache_hits", "page_cache_misses"):
+        assert eager.stats()[key] == graphed.stats()[key] > 0
+    if dtype == torch.float32:
+        assert torch.equal(t0, t1)
+        assert (l0 - l1).abs().max().item() <= 1e-4
+        for layer, want in zip(eager.layers[1:], torch_path.layers[1:]):
+            for got, expected in zip(_fused_tables(layer), _fused_tables(want)):
+                assert torch.equal(got, expected)
+    else:  # bf16: the first decode step within bf16 rounding of the flash kernel's attention
+        assert (l0[1] - l1[1]).abs().max().item() <= 0.05 * l0[1].abs().max().item()
+    for cache in caches:
+        cache.close()

@@ -1,0 +1,154 @@
+"""The checks of tests/kv/test_kv_fused.py that run kv/fused.py's kernels through Triton's
+interpreter: Triton reads ``TRITON_INTERPRET`` when it is imported, so they run in a process of
+their own (``python fused_checks.py`` prints each check's outcome as JSON)."""
+import contextlib
+import json
+import os
+import sys
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import deepseek_flash.kv.fused as fused  # noqa: E402
+import deepseek_flash.kv.graphs as graphs  # noqa: E402
+from deepseek_flash.kv import TieredCache  # noqa: E402
+
+from kvmodels import greedy, tiny_model  # noqa: E402
+
+
+@contextlib.contextmanager
+def patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def _cache(model, use_fused, **kw):
+    cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=16,
+                                  top_k_pages=0.25, dense_layers=1, window_pages=16, **kw)
+    cache.fused = use_fused
+    return cache
+
+
+def _prompt(batch, n=560):
+    return torch.randint(1, 256, (batch, n), generator=torch.Generator().manual_seed(3))
+
+
+def _tables(layer):
+    """The page cache's tables, the pages in its occupied slots (the others hold whatever the
+    allocation held) and its step counter."""
+    pc = layer.page_cache
+    b = pc.page_of_slot.shape[0]
+    held = pc.slots.view(b, pc.capacity, -1)[pc.page_of_slot >= 0]
+    return [pc.slot_of_page, pc.page_of_slot, pc.last_used, held, pc.step]
+
+
+def equals_the_torch_path(batch, steps):
+    model = tiny_model(layers=2)
+    ids = _prompt(batch)
+    runs = []
+    for use_fused in (False, True):
+        cache = _cache(model, use_fused)
+        runs.append((*greedy(model, ids, None, cache, steps), cache))
+    (t1, l1, torch_path), (t2, l2, fused_path) = runs
+    assert fused_path.layers[1]._fused is not None and torch_path.layers[1]._fused is None
+    assert fused_path.layers[0]._fused is None  # a dense layer: the torch path
+    assert torch.equal(t1, t2)
+    diff = (l1 - l2).abs().max().item()
+    assert diff <= 1e-5, diff
+    # the same pages chosen every step: the page cache's tables, slots and counts are the same
+    for got, want in zip(_tables(fused_path.layers[1]), _tables(torch_path.layers[1])):
+        assert torch.equal(got, want)
+    for key in ("page_cache_hits", "page_cache_misses", "page_cache_step_fetched_bytes"):
+        assert fused_path.stats()[key] == torch_path.stats()[key], key
+    assert fused_path.stats()["page_cache_misses"] > 0
+    w1, w2 = torch_path.layers[1], fused_path.layers[1]
+    assert torch.equal(w1.recent_k, w2.recent_k) and torch.equal(w1.recent_v, w2.recent_v)
+    if steps > 16:  # a page boundary crossed: pages written out, a new fused step built
+        assert w2._fused.n == w2.n_pages == w1.n_pages
+
+
+class _Graph:
+    def __init__(self, owner):
+        self.owner = owner
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        pass
+
+    def capture_end(self):
+        pass
+
+    def replay(self):
+        self.owner._run()
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+
+def graph_replays_the_eager_launches():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(graphs, "applies", lambda device: True))
+        stack.enter_context(patched(graphs, "new_graph", _Graph))
+        stack.enter_context(patched(torch.cuda, "Stream", lambda *a, **k: _Stream()))
+        stack.enter_context(patched(torch.cuda, "current_stream", lambda *a, **k: _Stream()))
+        stack.enter_context(patched(torch.cuda, "stream", lambda s: contextlib.nullcontext()))
+        stack.enter_context(patched(torch.cuda, "graph_pool_handle", lambda: None))
+        model = tiny_model(layers=2)
+        ids = _prompt(1)
+        runs = []
+        for captured in (False, True):
+            cache = _cache(model, True)
+            cache.select_graphs = captured
+            runs.append((*greedy(model, ids, None, cache, 4), cache))
+    (t1, l1, eager), (t2, l2, graphed) = runs
+    assert torch.equal(t1, t2) and torch.equal(l1, l2)
+    assert graphed.layers[1]._fused.graph is not None and eager.layers[1]._fused.graph is None
+    got, want = _tables(graphed.layers[1]), _tables(eager.layers[1])
+    for i in (0, 1, 3):  # where each page is, the pages in the slots
+        assert torch.equal(got[i], want[i])
+    # the capture step ran the step again (its counts put back): the step counter is on by
+    # those runs (one on CUDA; two here, where the emulated capture runs the step as well)
+    assert got[4].item() == want[4].item() + 2
+    for key in ("page_cache_hits", "page_cache_misses", "page_cache_step_fetched_bytes"):
+        assert graphed.stats()[key] == eager.stats()[key], key
+
+
+def failing_step_leaves_the_torch_path():
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no kernel for this device")
+
+    model = tiny_model(layers=2)
+    ids = _prompt(1)
+    want = greedy(model, ids, None, _cache(model, False, page_cache=0), 4)
+    with patched(fused.FusedStep, "run", refuse):
+        cache = _cache(model, True)
+        got = greedy(model, ids, None, cache, 4)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert cache.layers[1]._fused_failed and cache.layers[1].page_cache.refused
+
+
+CHECKS = {
+    "batch1": lambda: equals_the_torch_path(1, 20),
+    "batch2": lambda: equals_the_torch_path(2, 4),
+    "graph": graph_replays_the_eager_launches,
+    "failure": failing_step_leaves_the_torch_path,
+}
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    out = {}
+    for name, check in CHECKS.items():
+        try:
+            check()
+            out[name] = "ok"
+        except Exception:
+            out[name] = traceback.format_exc()
+    print(json.dumps(out))
