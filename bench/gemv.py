@@ -5,11 +5,13 @@ shape against the dequantize + matmul reference.
 
 For each 8B llama layer shape (N x K) and batch M in 1/4/8: microseconds per call (median of graph
 replays of many calls, rotating over enough weight copies that they never sit in L2) and the bytes
-read per second (weights + scales), also as a fraction of the measured copy rate. ``--sweep`` times
-a set of tile shapes per kernel as well (to choose ``gemv.int4_config``/``int8_config``). The
-kernels are off by default in the layers (``gemv.INT4_MAX_M``): this is where they are measured.
+read per second (weights + scales), also as a fraction of the measured copy rate. ``int4`` is the
+default configuration of ``gemv.int4_config`` (the tensor-core kernel up to 8 rows); ``--old``
+adds the CUDA-core kernels it replaced, ``--sweep`` other shapes of the tensor-core kernel (until
+``--budget-s`` seconds into the run), each checked against the reference too. Whether the layers
+use these kernels is ``gemv.INT4_MAX_M``: this is where that is decided.
 
-  python bench/gemv.py --output OUT.json [--sweep] [--shapes 14336x4096,...] [--ms 1,4,8] [--int8]
+  python bench/gemv.py --output OUT.json [--sweep] [--old] [--shapes 14336x4096,...] [--ms 1,8]
 """
 from __future__ import annotations
 
@@ -106,8 +108,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", required=True)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-shapes", default="14336x4096,4096x14336")
-    ap.add_argument("--sweep-ms", default="1,8")
+    ap.add_argument("--sweep-shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES_8B))
+    ap.add_argument("--old", action="store_true",
+                    help="also the CUDA-core int4 kernels (rows at M = 1, dot above)")
+    ap.add_argument("--budget-s", type=float, default=60.0,
+                    help="no further sweep variants after this many seconds")
+    ap.add_argument("--sweep-ms", default="1")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES_8B))
     ap.add_argument("--ms", default="1,4,8")
     ap.add_argument("--int8", action="store_true", help="also int8 (row layout) kernels")
@@ -141,18 +147,21 @@ def main():
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             row = {"N": N, "K": K, "M": M, "int4_bytes": wbytes}
-            # correctness of the default config
-            y = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K)
-            torch.cuda.synchronize()
-            row["int4_check"] = check(y, x, W)
-            yt = torch.ops.aten._weight_int4pack_mm(x, words0, args.group, sz0)
-            row["tinygemm_check"] = check(yt, x, W)
             cfg = gemv.int4_config(M, N, K)
             row["int4_config"] = cfg
-            t = time_calls([lambda w=w, s=s: gemv.int4_tiles_matmul(x, w, s, args.group, N, K)
-                            for _, w, s, _ in mats])
-            row["int4_us"] = round(t * 1e6, 2)
-            row["int4_frac"] = round(wbytes / t / bw, 3)
+            try:        # correctness of the default config, then its time
+                y = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K)
+                torch.cuda.synchronize()
+                row["int4_check"] = check(y, x, W)
+                t = time_calls([lambda w=w, s=s: gemv.int4_tiles_matmul(x, w, s, args.group, N, K)
+                                for _, w, s, _ in mats])
+                row["int4_us"] = round(t * 1e6, 2)
+                row["int4_frac"] = round(wbytes / t / bw, 3)
+            except Exception as exc:          # a compiler error: record it, time the others
+                row["int4_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                row["int4_check"], row["int4_us"], row["int4_frac"] = [None, -1], -1, -1
+            yt = torch.ops.aten._weight_int4pack_mm(x, words0, args.group, sz0)
+            row["tinygemm_check"] = check(yt, x, W)
             t = time_calls([lambda w=w, s=s: torch.ops.aten._weight_int4pack_mm(x, w, args.group, s)
                             for _, w, s, _ in mats])
             row["tinygemm_us"] = round(t * 1e6, 2)
@@ -162,38 +171,32 @@ def main():
             row["bf16_frac"] = round(N * K * 2 / t / bw, 3)
             res["rows"].append(row)
             save()
+            if args.old:              # the CUDA-core kernels of 2026-12-01 (rows / dot)
+                ocfg = gemv.rows_config(N, K) if M == 1 else gemv.int4_config(16, N, K)
+                yo = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K, ocfg)
+                torch.cuda.synchronize()
+                row["old_check"] = check(yo, x, W)
+                t = time_calls([lambda w=w, s=s: gemv.int4_tiles_matmul(
+                    x, w, s, args.group, N, K, ocfg) for _, w, s, _ in mats])
+                row["old_us"] = round(t * 1e6, 2)
+                row["old_frac"] = round(wbytes / t / bw, 3)
+                save()
             sweep = (args.sweep and f"{N}x{K}" in args.sweep_shapes.split(",")
                      and str(M) in args.sweep_ms.split(","))
             if sweep:
                 sw = []
-                variants = []
-                chunks = K // 128
-                shapes_ = []
-                if M == 1:
-                    variants = [gemv.rows_config(N, K, bn, bc, ctas, st)
-                                for bn in (16, 32) for bc in (4, 8) for ctas in (264, 528)
-                                for st in (1, 3)]
-                    variants += [gemv.rows_config(N, K, 64, 4, 528, 1),
-                                 gemv.rows_config(N, K, 16, 4, 1056, 1),
-                                 gemv.rows_config(N, K, 16, 2, 1056, 1)]
-                    variants = [dict(t) for t in dict.fromkeys(tuple(sorted(v.items()))
-                                                               for v in variants)]
-                else:
-                    shapes_ = [(128, 1, 4, 3), (64, 1, 4, 3)]
-                seen = set()
-                for bn, bc, nw, st in shapes_:
-                    for target in (132, 264, 528):
-                        sp = 1
-                        while (-(-N // bn)) * sp < target and chunks % (sp * 2 * bc) == 0 \
-                                and chunks // (sp * 2) >= 4:
-                            sp *= 2
-                        key = (bn, bc, nw, st, sp)
-                        if key not in seen:
-                            seen.add(key)
-                            variants.append(dict(kernel="dot", BLOCK_N=bn, BLOCK_C=bc, SPLIT=sp,
-                                                 num_warps=nw, stages=st))
+                variants = [gemv.mma_config(N, K, nt, bc, warps, ctas, pf, steps)
+                            for nt, bc, warps, ctas, pf, steps in (
+                                (4, 2, 4, 264, 0, 2), (4, 2, 4, 132, 0, 4), (8, 1, 4, 264, 0, 2),
+                                (2, 4, 4, 528, 0, 1), (4, 2, 4, 264, 1, 1), (8, 1, 4, 528, 0, 1),
+                                (4, 2, 2, 528, 0, 1), (4, 2, 4, 1056, 0, 1), (2, 2, 4, 264, 0, 4),
+                                (4, 2, 4, 528, 1, 1))]
+                variants = [dict(t) for t in dict.fromkeys(tuple(sorted(v.items()))
+                                                           for v in variants)]
+                t_sweep = time.time()
                 for v in variants:
-                    if chunks % (v["SPLIT"] * v["BLOCK_C"]):
+                    if (v == cfg or time.time() - t0 > args.budget_s
+                            or time.time() - t_sweep > args.budget_s / len(shapes)):
                         continue
                     try:
                         yv = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K, v)
@@ -206,6 +209,7 @@ def main():
                     except Exception as exc:           # a config the compiler refuses
                         sw.append({**v, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
                 row["int4_sweep"] = sw
+                save()
             if args.int8 and M == 1:
                 i8 = [(torch.randint(-128, 128, (N, K), dtype=torch.int8, device=dev),
                        (torch.rand(N, K // args.group, device=dev) * 0.02 + 0.001).half())
@@ -266,12 +270,20 @@ def main():
               f" | {r['int4_check'][1]:.2f} {r['tinygemm_check'][1]:.2f} "
               f"{r.get('int8_check', [0, 0])[1]:.2f}")
     for r in res["rows"]:
+        if "int4_error" in r:
+            print(r["N"], r["K"], r["M"], "int4 error:", r["int4_error"])
+        if "old_us" in r:
+            print(r["N"], r["K"], r["M"], "old", r["old_us"], r["old_frac"], r["old_check"][1])
         for key in ("int4_sweep", "int8_sweep"):
             if key in r:
                 best = sorted((v for v in r[key] if "us" in v), key=lambda v: v["us"])[:3]
-                print(r["N"], r["K"], r["M"], key, [(v.get("kernel", ""), v["BLOCK_N"],
-                      v.get("BLOCK_C", v.get("BLOCK_W")), v["SPLIT"], v.get("ROWS"),
-                      v.get("stages"), v["us"], v["frac"]) for v in best])
+                print(r["N"], r["K"], r["M"], key, [
+                    (v.get("NT", v.get("BLOCK_N")), v.get("BC", v.get("BLOCK_W")),
+                     v.get("WARPS", v.get("num_warps")), v["SPLIT"], v.get("ROWS"), v.get("PF"),
+                     v.get("S"), v["us"], v["frac"], v.get("check")) for v in best])
+                bad = [v for v in r[key] if "error" in v or v.get("check", 0) > 1]
+                if bad:
+                    print("  sweep errors/over allowance:", bad[:2])
 
 
 if __name__ == "__main__":

@@ -115,6 +115,8 @@ for p in sorted(out.glob("stream-*.json")):
               f"b1 tokens ms {(r.get('batch1_tokens') or {}).get('token_ms')} hit {r.get('steady_prefetch_hit_rate')} "
               f"same_tokens {r.get('tokens_identical_to_resident')} decisions {r.get('window_decisions_by_batch')} "
               f"copy_idle {r.get('batch1_copy_idle')} gc_ms {r.get('gc_pauses_ms')} {r.get('attention', '')}")
+        if r.get("tokens_identical_to_first_run"):
+            print(f"    tokens identical to the first run: {r['tokens_identical_to_first_run']}")
 for p in sorted(out.glob("imports-*.json")):
     d = json.loads(p.read_text()).get("imports", {})
     print("imports alone (cache dropped):", d.get("alone_cold"))

@@ -8,8 +8,9 @@ to hold the model: the one size a user sets for their machine):
   in this run (or the fully resident decode rate, if lower), and vs accelerate's
   ``device_map="auto"`` with ``max_memory={0: budget}`` in the same run (each of its tokens timed
   alone after a warm-up; its median token's rate, the spread kept);
-* ``--windows default,1``: the default window and others, one streamed load after the other in
-  the same run (``windows`` in the JSON; the first sets the top-level keys);
+* ``--windows default,1,projection``: the default window and others (a window, a ring of
+  projections, ``window_context``), one streamed load after the other in the same run
+  (``windows`` in the JSON; the first sets the top-level keys);
 * batch 1, 4, 16, 32: tok/s vs min(B x batch-1 bound, resident decode rate at batch B);
 * prefetch hit rate in steady decode, ``fabric_stall_cycles`` per token;
 * time to first token from a cold model (page cache dropped) vs loading the whole model first.
@@ -151,12 +152,14 @@ def rebound(run: dict, h2d: float, resident_tok_s: dict) -> None:
 
 
 def streamed_run(store, store_dir, client, budget, context, batches, tokens, h2d, resident_tok_s,
-                 resident_out, device="cuda:0", cudnn: bool = False) -> dict:
+                 resident_out, device="cuda:0", cudnn: bool = False, first_out=None) -> dict:
     """One streamed load under ``budget`` with ``flash_context`` ``context`` (None: the default
     a user gets): its plan, tok/s per batch against the bound, hit rate, stalls, window decisions,
     the collector's pauses while decoding, where the copy stream idled (batch 1). ``cudnn``: an
     experiment -- the model's attention left to torch's own choice of kernel (cuDNN's included,
-    as before ``load_model`` left it out)."""
+    as before ``load_model`` left it out). ``first_out``: {batch: tokens} of an earlier run in
+    this process, filled by the first run, compared by the later ones (a plan against another
+    where the resident run is skipped)."""
     import torch
     from deepseek_flash.client.model import load_model
     from deepseek_flash.cuda import unwrapped_forward
@@ -169,12 +172,12 @@ def streamed_run(store, store_dir, client, budget, context, batches, tokens, h2d
         res["attention"] = "torch's choice (cuDNN allowed)"
     runtime = streamed.flash.stream
     plan = runtime.plan
-    per_token = sum(store.block(b).length for layer in plan.streamed_layers
-                    for b in plan.stream_blocks[layer])
+    # What crosses the link per token: every streamed unit's ranges.
+    per_token = sum(n for _, layout in runtime.units for *_, n in layout)
     link1 = h2d * 1e9 / per_token
     bound1 = min(link1, resident_tok_s.get(1, link1))
     res["plan"] = {"streamed_layers": len(plan.streamed_layers), "slots": plan.n_slots,
-                   "window": plan.window,
+                   "window": plan.window, "unit": plan.unit, "streamed_units": runtime.m,
                    "slot_bytes": plan.slot_bytes, "resident_bytes": plan.resident_bytes,
                    "budget_used_bytes": plan.resident_bytes + plan.n_slots * plan.slot_bytes,
                    "streamed_bytes_per_token": per_token}
@@ -196,6 +199,12 @@ def streamed_run(store, store_dir, client, budget, context, batches, tokens, h2d
         res["vs_bound"][b] = round(rate / bound, 3)
         if b in resident_out:
             res["tokens_identical_to_resident"][b] = bool(torch.equal(out.cpu(), resident_out[b]))
+        if first_out is not None:
+            if b in first_out:
+                res.setdefault("tokens_identical_to_first_run", {})[b] = bool(
+                    torch.equal(out.cpu(), first_out[b]))
+            else:
+                first_out[b] = out.cpu()
         res["window_decisions_by_batch"][b] = [
             {k: d[k] for k in ("from", "to", "reason")} for d in after["decisions"]
             if d not in before["decisions"]]
@@ -223,6 +232,26 @@ def streamed_run(store, store_dir, client, budget, context, batches, tokens, h2d
     return res
 
 
+def window_context(name: str) -> dict | None:
+    """A ``--windows`` entry as ``flash_context``: "default" / "cudnn" the default a user gets;
+    else ``:``-separated parts, each a ``prefetch_window`` (an integer) or a ``stream_unit``
+    ("layer", "projection"): "1", "projection", "projection:4"."""
+    from deepseek_flash.wire import STREAM_UNITS
+
+    if name in ("default", "cudnn"):
+        return None
+    context = {}
+    for part in name.split(":"):
+        if part.isdigit():
+            context["prefetch_window"] = int(part)
+        elif part in STREAM_UNITS:
+            context["stream_unit"] = part
+        else:
+            raise SystemExit(f"--windows: {part!r} in {name!r} is neither a window nor a stream "
+                             f"unit ({', '.join(STREAM_UNITS)})")
+    return context
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default="/var/tmp/flash-bench")
@@ -237,9 +266,10 @@ def main(argv=None) -> int:
                         help="streamed runs, one after the other in this run: 'default' (the "
                              "prefetch_window a user gets) and/or explicit windows to compare, "
                              "e.g. 'default,1' (an experiment: the ring has window + 1 slots, out "
-                             "of the same budget), 'cudnn' (the default with torch's own choice of "
-                             "attention kernel); a name given again runs again (its key gets "
-                             "'#2'); the first one sets the top-level results")
+                             "of the same budget), 'projection' (stream_unit projection: each slot "
+                             "one MLP projection), 'projection:4' (both), 'cudnn' (the default with "
+                             "torch's own choice of attention kernel); a name given again runs "
+                             "again (its key gets '#2'); the first one sets the top-level results")
     parser.add_argument("--accelerate-tokens", type=int, default=8,
                         help="accelerate's decode tokens, each timed alone (after the warm-up)")
     parser.add_argument("--accelerate-warmup", type=int, default=2)
@@ -308,11 +338,13 @@ def main(argv=None) -> int:
 
     # Streamed under the budget: the default window, then any other asked for, same run.
     res["windows"] = {}
+    first_out: dict = {}
     for name in args.windows.split(","):
         phase = time.perf_counter()
-        context = None if name in ("default", "cudnn") else {"prefetch_window": int(name)}
+        context = window_context(name)
         run = streamed_run(store, store_dir, client, budget, context, batches, args.tokens, h2d,
-                           res["resident_tok_s"], resident_out, cudnn=name == "cudnn")
+                           res["resident_tok_s"], resident_out, cudnn=name == "cudnn",
+                           first_out=first_out)
         key, again = name, 1
         while key in res["windows"]:
             again += 1

@@ -1,14 +1,17 @@
 """Streamed execution: decoder layers whose MLP does not fit the weight budget pass through slots.
 
 The plan (``wire.Plan``, computed by the daemon's planner) keeps anchors resident and streams the
-MLP blocks of a run of layers (the first ones) through a ring of ``N`` slots. Streamed layer ``idx`` (in forward order) is bound for good
-to slot ``idx % N``: its parameters are views into that slot, so nothing is rebound per token.
+MLP blocks of a run of layers (the first ones) through a ring of ``N`` slots, one *unit* per
+slot: a layer's whole MLP, or with ``stream_unit: projection`` one of its projections (gate, up,
+down; ``wire.stream_units``). Streamed unit ``idx`` (in forward order) is bound for good to slot
+``idx % N``: its parameters are views into that slot, so nothing is rebound per token.
 
-Per streamed layer, two hooks on the decoder layer (never per tensor) keep the ring moving:
+Per unit, two hooks on the module that runs it (the decoder layer, or the projection's linear
+module) keep the ring moving:
 
-* pre-forward: issue the layer's copy if the window has not already done so, then make the
+* pre-forward: issue the unit's copy if the window has not already done so, then make the
   compute stream wait on the slot's *copy-done* event (the GPU waits, not the CPU);
-* post-forward: record the slot's *compute-done* event, then issue the copies of the next layers
+* post-forward: record the slot's *compute-done* event, then issue the copies of the next units
   within the prefetch window whose slots are free; each copy first makes the copy stream wait on
   the slot's compute-done event, so a slot is overwritten only after its last reader ran. The
   window may be every slot: the slot just computed is refilled at once (on the GPU, after that
@@ -33,7 +36,8 @@ from ..errors import FlashError
 from ..fsutil import align_up
 from ..prefetch import WindowController
 from ..store.views import block_tensors
-from ..wire import SLOT_ALIGNMENT, Plan
+from ..store.views import range_tensors
+from ..wire import SLOT_ALIGNMENT, Plan, stream_units, unit_module
 from .link import LinkSampler, _sm_clock_mhz
 from .skeleton import bind_parameters, decoder_parts
 from .static_ring import StaticRing
@@ -150,8 +154,19 @@ class StreamRuntime(_Reporting):
         self.fetch_host = fetch_host         # layer -> {block id: host offset}, for cold layers
         self.slots = slots                   # uint8 tensors, one per slot, on the device
         self.layers = list(plan.streamed_layers)
+        # (layer, [(block id, offset in the block, offset in the slot, length)]) per unit.
+        self.units: list[tuple[int, list]] = []
+        for layer in self.layers:
+            group = [blocks[bid] for bid in plan.stream_blocks[layer]]
+            for ranges in stream_units(group, plan.unit):
+                offset, layout = 0, []
+                for bid, start, length in ranges:
+                    layout.append((bid, start, offset, length))
+                    offset += align_up(length, SLOT_ALIGNMENT)
+                self.units.append((layer, layout))
         self.n = len(slots)
-        self.m = len(self.layers)
+        self.m = len(self.units)
+        self._suspended = False              # a static schedule runs the ring (``StaticRing``)
         self.ops = _CpuOps() if device == "cpu" else _CudaOps(int(device))
         self.is_cuda = device != "cpu"
         # Up to every slot ahead: the copy into a slot waits (on the GPU) for its last reader.
@@ -179,34 +194,44 @@ class StreamRuntime(_Reporting):
         self._copy_trace = None              # trace_copies(): (seq, start, end) timing events
         self._copy_trace_limit = 0
         self.close_hooks: list = []          # run once at close (the host leases go back)
-        self._slot_layout = {}
-        for layer in self.layers:
-            offset, layout = 0, []
-            for bid in plan.stream_blocks[layer]:
-                layout.append((bid, offset))
-                offset += align_up(blocks[bid].length, SLOT_ALIGNMENT)
-            self._slot_layout[layer] = layout
         self._bind(model, complete)
         self.link = LinkSampler(int(device), self.completed_bytes).start() if self.is_cuda else None
         self._hooks = []
         embed, decoder_layers, _, _ = decoder_parts(model)
-        self._hooked = [embed] + [decoder_layers[layer] for layer in self.layers]
+        # The module that runs each unit (after binding: a quantized weight's module is swapped).
+        if plan.unit == "layer":
+            self.unit_modules = [decoder_layers[layer] for layer, _ in self.units]
+        else:
+            self.unit_modules = [model.get_submodule(self._unit_name(layout))
+                                 for _, layout in self.units]
+        self._hooked = [embed] + self.unit_modules
         # The first copies are issued when a pass starts (at the embeddings), not here: an
         # attach never waits for the streamed blocks' host leases or their disk reads.
         self._hooks.append(embed.register_forward_pre_hook(self._start_hook))
-        for idx, layer in enumerate(self.layers):
-            module = decoder_layers[layer]
+        for idx, module in enumerate(self.unit_modules):
             self._hooks.append(module.register_forward_pre_hook(self._pre_hook(idx)))
             self._hooks.append(module.register_forward_hook(self._post_hook(idx)))
 
     # --- binding ---------------------------------------------------------------------------------
+    def _unit_name(self, layout) -> str:
+        """The module a unit's first range serves (``stream_unit: projection``)."""
+        bid, start = layout[0][0], layout[0][1]
+        name = next(t.name for t in self.blocks[bid].tensors if t.offset == start)
+        return unit_module(name)
+
     def _bind(self, model, complete: bool) -> None:
         tensors = {}
-        for idx, layer in enumerate(self.layers):
+        for idx, (_, layout) in enumerate(self.units):
             slot = self.slots[idx % self.n]
-            for bid, offset in self._slot_layout[layer]:
+            placed: dict[int, dict] = {}
+            for bid, start, offset, length in layout:
+                placed.setdefault(bid, {})[start] = slot[offset:offset + length]
+            for bid, ranges in placed.items():
                 block = self.blocks[bid]
-                tensors.update(block_tensors(block, slot[offset:offset + block.length]))
+                if list(ranges) == [0] and ranges[0].numel() == block.length:
+                    tensors.update(block_tensors(block, ranges[0]))
+                else:
+                    tensors.update(range_tensors(block, ranges))
         # ``complete``: every parameter is bound afterwards (not so for one part of a split model);
         # not ``fixed``: a slot's bytes change every pass.
         bind_parameters(model, tensors, complete=complete, fixed=False)
@@ -216,8 +241,8 @@ class StreamRuntime(_Reporting):
         return (seq % self.m) % self.n
 
     def _issue(self, seq: int) -> None:
-        """Copy the blocks of ``seq``'s layer into its slot (after the slot's last reader)."""
-        layer = self.layers[seq % self.m]
+        """Copy the ranges of ``seq``'s unit into its slot (after the slot's last reader)."""
+        layer, layout = self.units[seq % self.m]
         slot = self._slot_of(seq)
         wait_for = self.compute_done[slot] if self._slot_owner[slot] is not None else None
         traced = self._copy_trace is not None and len(self._copy_trace) < self._copy_trace_limit
@@ -228,12 +253,12 @@ class StreamRuntime(_Reporting):
                 wait_for = None
             start, end = self.ops.event(timing=True), self.ops.event(timing=True)
             start.record(stream)
-        for bid, offset in self._slot_layout[layer]:
+        for bid, start, offset, n in layout:
             src_off = self.host_offsets.get(bid)
             if src_off is None:
                 self.host_offsets.update(self.fetch_host(layer))
                 src_off = self.host_offsets[bid]
-            n = self.blocks[bid].length
+            src_off += start
             self.ops.copy(self.slots[slot][offset:offset + n], self.host[src_off:src_off + n], wait_for)
             wait_for = None
             self.bytes_streamed += n
@@ -258,13 +283,17 @@ class StreamRuntime(_Reporting):
             self._issue(seq)
 
     def _start_hook(self, module, args):
-        """A pass starts: copies up to the window ahead of the next streamed layer (normally
-        issued already by the previous pass's last layers; on the first pass, here)."""
+        """A pass starts: copies up to the window ahead of the next streamed unit (normally
+        issued already by the previous pass's last units; on the first pass, here)."""
+        if self._suspended:
+            return
         with self._lock:
             self._fill(self._next - 1)
 
     def _pre_hook(self, idx: int):
         def pre(module, args):
+            if self._suspended:
+                return
             with self._lock:
                 if self._next % self.m != idx:
                     self._resync(idx)
@@ -288,6 +317,8 @@ class StreamRuntime(_Reporting):
 
     def _post_hook(self, idx: int):
         def post(module, args, output):
+            if self._suspended:
+                return
             with self._lock:
                 seq = self._next
                 slot = self._slot_of(seq)
@@ -301,8 +332,8 @@ class StreamRuntime(_Reporting):
 
     def _resync(self, idx: int) -> None:
         """A forward pass was cut short (an exception mid-model): restart the ring at ``idx``."""
-        log.warning("streamed pass resynchronised at layer %d (expected %d)", self.layers[idx],
-                    self.layers[self._next % self.m])
+        log.warning("streamed pass resynchronised at unit %d of layer %d (expected unit %d)", idx,
+                    self.units[idx][0], self._next % self.m)
         self.ops.synchronize()
         base = (self._issued // self.m + 1) * self.m + idx
         self._slot_owner = [None] * self.n
@@ -363,7 +394,8 @@ class StreamRuntime(_Reporting):
             if self.is_cuda:
                 self._harvest(block=settle)
             total = self.hits + self.misses
-            return {"streamed_layers": self.m, "slots": self.n, "prefetch_window": self.controller.window,
+            return {"streamed_layers": len(self.layers), "streamed_units": self.m, "slots": self.n,
+                    "prefetch_window": self.controller.window,
                     "prefetch_hits": self.hits, "prefetch_miss_count": self.misses,
                     "prefetch_hit_rate": self.hits / total if total else 0.0,
                     "fabric_stall_us": self.stall_us,
@@ -372,16 +404,16 @@ class StreamRuntime(_Reporting):
                     "decisions": list(self.controller.decisions)}
 
     def trace_copies(self, limit: int = 512) -> None:
-        """A diagnostic (CUDA): time the next ``limit`` layers' copies on the copy stream
-        (``copy_trace``), to see where the link idles. Off by default; a few microseconds a layer."""
+        """A diagnostic (CUDA): time the next ``limit`` units' copies on the copy stream
+        (``copy_trace``), to see where the link idles. Off by default; a few microseconds a unit."""
         with self._lock:
             self._copy_trace = [] if self.is_cuda else None
             self._copy_trace_limit = limit
 
     def copy_trace(self) -> list[dict]:
         """The traced copies, in issue order (= copy-stream order): the pass, the streamed
-        layer's index in it, start and end in ms from the first traced copy's start. Waits for
-        them; stops tracing."""
+        unit's index in it (``units``), start and end in ms from the first traced copy's start.
+        Waits for them; stops tracing."""
         with self._lock:
             trace, self._copy_trace = self._copy_trace or [], None
         if not trace:
@@ -401,9 +433,15 @@ class StreamRuntime(_Reporting):
         """The same ring as a fixed schedule the caller runs itself (``StaticRing``)."""
         return StaticRing(self)
 
+    def suspend(self) -> None:
+        """Static steps run the ring (``StaticRing.enter``): the hooks do nothing until ``resume``
+        (a static step calls the units' modules too, when they are projections)."""
+        self._suspended = True
+
     def resume(self) -> None:
         """Hooks take over again after static steps: nothing in a slot is trusted (the static
-        steps left other layers there), and the next copies wait for the last compute."""
+        steps left other units there), and the next copies wait for the last compute."""
+        self._suspended = False
         with self._lock:
             if self.is_cuda:
                 import torch
@@ -430,7 +468,8 @@ class StreamRuntime(_Reporting):
         self.close_hooks = []
 
 
-_SUMMED = ("streamed_layers", "slots", "prefetch_hits", "prefetch_miss_count", "fabric_stall_us",
+_SUMMED = ("streamed_layers", "streamed_units", "slots", "prefetch_hits", "prefetch_miss_count",
+           "fabric_stall_us",
            "fabric_stall_cycles", "bytes_streamed")
 
 

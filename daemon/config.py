@@ -28,6 +28,7 @@ from typing import Any
 from .. import paths
 from ..errors import ConfigError
 from ..sizes import parse_size
+from ..wire import DEFAULT_STREAM_UNIT, STREAM_UNITS
 
 log = logging.getLogger("deepseek_flash.config")
 
@@ -209,6 +210,11 @@ KEYS: dict[str, Key] = {
     "prefetch_window": Key("auto", _window, "\"auto\" | 0..64", "model", True,
                            "decoder layers loaded ahead of the one being acquired (auto: chosen "
                            "from the plan's slot size and the PCIe link)"),
+    "stream_unit": Key(DEFAULT_STREAM_UNIT, _choice(*STREAM_UNITS), " | ".join(STREAM_UNITS),
+                       "model", False,
+                       "what one streaming slot holds: a streamed layer's whole MLP, or one of its "
+                       "projections (gate, up, down; slots a third of the size, so more MLPs stay "
+                       "resident under the same weight_budget)"),
     "block_eviction_policy": Key("lru", _choice("lru", "access_frequency_weighted"),
                                  "lru | access_frequency_weighted", "daemon", True,
                                  "which unleased block leaves the host tier first"),

@@ -531,7 +531,7 @@ class Attachments:
         link = None if device == "cpu" else link_bytes_per_s(int(device))
         where = "" if blocks is None else f" part {part} on {_device_name(device)}"
         plan = plan_residency(placed, weight_budget, info.flash_config["prefetch_window"],
-                              info.name + where, link)
+                              info.name + where, link, info.flash_config["stream_unit"])
         load = self.loader.attach(client_id, info, device, plan.resident, priority, part,
                                   startup=startup)
         out = load.describe()

@@ -2,7 +2,10 @@
 
 Anchors stay: embeddings, norms, the head and every layer's attention (small, and needed every
 token). The MLP matrices (gate+up and down, about two thirds of a Llama layer) are what streams:
-each streamed layer's MLP passes through a ring of *slots*, each slot holding one layer's MLP.
+each streamed layer's MLP passes through a ring of *slots*. ``stream_unit`` sets what a slot holds
+(``wire.stream_units``): one layer's whole MLP, or one projection of it (gate, up or down) -- a
+slot a third of the size, so the ring takes a third of the budget and the rest keeps more MLPs
+resident (fewer bytes stream per token).
 Whatever budget is left after the anchors and the ring keeps whole layers' MLPs resident, the
 *last* layers first, so the ring serves a contiguous head of the model: between two tokens the
 host samples and starts the next pass, issuing no copy until the first streamed layer has run --
@@ -17,16 +20,18 @@ from __future__ import annotations
 
 from ..errors import BudgetTooSmall
 from ..fsutil import align_up
-from ..prefetch import AUTO, auto_window
-from ..wire import MIN_SLOTS, SLOT_ALIGNMENT, STREAM_ROLES, Plan
+from ..prefetch import AUTO, MAX_AUTO_WINDOW, auto_window
+from ..wire import (DEFAULT_STREAM_UNIT, MIN_SLOTS, SLOT_ALIGNMENT, STREAM_ROLES, Plan,
+                    stream_units, unit_bytes)
 
 
 def _aligned(n: int) -> int:
     return align_up(n, SLOT_ALIGNMENT)
 
 
-def _split(blocks):
-    """(anchor blocks, {layer: MLP blocks}, anchor bytes, slot bytes)."""
+def _split(blocks, unit: str = DEFAULT_STREAM_UNIT):
+    """(anchor blocks, {layer: MLP blocks}, anchor bytes, slot bytes): a slot holds the largest
+    streaming unit (``wire.stream_units``)."""
     mlp: dict[int, list] = {}
     anchors = []
     for b in blocks:
@@ -35,42 +40,47 @@ def _split(blocks):
         else:
             anchors.append(b)
     anchor_bytes = sum(_aligned(b.length) for b in anchors)
-    # A slot holds one layer's MLP blocks back to back, each at an aligned offset.
-    slot = max((sum(_aligned(b.length) for b in group) for group in mlp.values()), default=0)
+    # A slot holds one unit's ranges back to back, each at an aligned offset.
+    slot = max((unit_bytes(u) for group in mlp.values() for u in stream_units(group, unit)),
+               default=0)
     return anchors, mlp, anchor_bytes, slot
 
 
-def resident_minimum(blocks) -> int:
+def resident_minimum(blocks, unit: str = DEFAULT_STREAM_UNIT) -> int:
     """The smallest weight budget that can run the model: anchors plus two streaming slots."""
-    _, _, anchor_bytes, slot = _split(blocks)
+    _, _, anchor_bytes, slot = _split(blocks, unit)
     return anchor_bytes + MIN_SLOTS * slot
 
 
 def plan_residency(blocks, budget: int | None, prefetch_window, model: str = "model",
-                   link_bytes_per_s: float | None = None) -> Plan:
+                   link_bytes_per_s: float | None = None, unit: str = DEFAULT_STREAM_UNIT) -> Plan:
     """The plan for ``blocks`` (BlockInfo list) under ``budget`` bytes (None: all resident).
 
     ``prefetch_window`` sets the ring: ``prefetch_window + 1`` slots (at least two), fewer only
     when the budget cannot hold them; ``"auto"`` resolves it from the slot size and the link
     (``prefetch.auto_window``; ``link_bytes_per_s`` None: a nominal link). The plan's ``window``
     is where the client's window starts: an explicit one as asked (at most the slots), ``"auto"``
-    the whole ring (``n_slots`` copies ahead: a slot is refilled as soon as its layer has run,
+    the whole ring (``n_slots`` copies ahead: a slot is refilled as soon as its unit has run,
     so between two tokens, while the host samples and runs the resident layers up to the first
-    streamed one, every slot's copy is on the link). Raises ``BudgetTooSmall`` naming the sizes
-    when the budget cannot hold the anchors plus two slots.
+    streamed one, every slot's copy is on the link); with ``"auto"`` the budget left over after
+    the resident MLPs (less than one more of them) becomes more slots, at most
+    ``MAX_AUTO_WINDOW + 1`` in all and never more than the streamed units. Raises
+    ``BudgetTooSmall`` naming the sizes when the budget cannot hold the anchors plus two slots.
+    ``unit``: what a slot holds (``wire.STREAM_UNITS``); the plan's ``slot_bytes`` is its
+    largest unit.
     """
     total = sum(_aligned(b.length) for b in blocks)
     if budget is None or budget >= total:
         return Plan(budget=budget or total, resident=[b.id for b in blocks], streamed_layers=[],
                     resident_bytes=total)
-    anchors, mlp, anchor_bytes, slot = _split(blocks)
+    anchors, mlp, anchor_bytes, slot = _split(blocks, unit)
     minimum = anchor_bytes + MIN_SLOTS * slot
     if budget < minimum:
         raise BudgetTooSmall(
             f"model {model}: weight budget {budget} bytes is below the resident minimum: anchors "
             f"(embeddings, norms, attention, head) {anchor_bytes} bytes + {MIN_SLOTS} streaming "
-            f"slots of {slot} bytes = {minimum} bytes", model=model, budget=budget,
-            anchors=anchor_bytes, slot_bytes=slot, minimum=minimum)
+            f"slots of {slot} bytes (stream_unit {unit}) = {minimum} bytes", model=model,
+            budget=budget, anchors=anchor_bytes, slot_bytes=slot, minimum=minimum)
     auto = prefetch_window == AUTO
     if auto:
         prefetch_window = auto_window(slot, link_bytes_per_s)
@@ -78,6 +88,7 @@ def plan_residency(blocks, budget: int | None, prefetch_window, model: str = "mo
     n_slots = max(MIN_SLOTS, min(wanted_slots, (budget - anchor_bytes) // slot))
     left = budget - anchor_bytes - n_slots * slot
     resident = [b.id for b in anchors]
+    by_id = {b.id: b for b in blocks}
     streamed = []
     stream_blocks = {}
     for layer in sorted(mlp, reverse=True):
@@ -91,9 +102,15 @@ def plan_residency(blocks, budget: int | None, prefetch_window, model: str = "mo
             stream_blocks[layer] = [b.id for b in mlp[layer]]
     streamed.reverse()
     # The budget is below the total, so at least n_slots + 1 layers stream (n_slots < streamed).
+    if auto:
+        # What is left (less than one more resident MLP) is more slots: copies queued further
+        # ahead for free (between two tokens the host issues none). Never more than the units.
+        units = sum(len(stream_units([by_id[b] for b in stream_blocks[layer]], unit))
+                    for layer in streamed)
+        n_slots += max(0, min(left // slot, MAX_AUTO_WINDOW + 1 - n_slots, units - n_slots))
     resident_set = set(resident)
     resident = [b.id for b in blocks if b.id in resident_set]
     return Plan(budget=budget, resident=resident, streamed_layers=streamed,
                 stream_blocks=stream_blocks, slot_bytes=slot, n_slots=n_slots,
                 resident_bytes=sum(_aligned(b.length) for b in blocks if b.id in resident_set),
-                window=n_slots if auto else min(prefetch_window, n_slots))
+                window=n_slots if auto else min(prefetch_window, n_slots), unit=unit)

@@ -194,13 +194,16 @@ class FusedForward:
         with torch.no_grad():
             for i, layer in enumerate(model.model.layers):
                 attn, mlp = layer.self_attn, layer.mlp
+                # A streamed projection (the ring's projection units) runs through the ring.
+                wrap = ring.wrap if i in streamed else (lambda module: module)
                 self.layers.append(_Layer(
                     layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
                     Merged((attn.q_proj, attn.k_proj, attn.v_proj), self.stats, i not in streamed),
                     attn.o_proj,
                     layer.post_attention_layernorm.weight,
                     float(layer.post_attention_layernorm.variance_epsilon),
-                    Merged((mlp.gate_proj, mlp.up_proj), self.stats, i not in streamed), mlp.down_proj,
+                    Merged((wrap(mlp.gate_proj), wrap(mlp.up_proj)), self.stats, i not in streamed),
+                    wrap(mlp.down_proj),
                     float(attn.scaling), kinds[i] if kinds else "full_attention"))
         return self
 

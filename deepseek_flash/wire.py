@@ -36,6 +36,47 @@ SLOT_ALIGNMENT = 4096
 # MIN_SLOTS of them.
 STREAM_ROLES = ("mlp_gate_up", "mlp_down")
 MIN_SLOTS = 2
+# What one slot of the ring holds (``stream_unit``): a streamed layer's whole MLP, or one of its
+# projections (gate, up, down: a slot a third of the size, so the budget the ring no longer
+# takes keeps more MLPs resident).
+STREAM_UNITS = ("layer", "projection")
+DEFAULT_STREAM_UNIT = "layer"
+
+
+def unit_module(name: str) -> str:
+    """The module a tensor of a unit belongs to (``model.layers.3.mlp.gate_proj.weight`` ->
+    ``model.layers.3.mlp.gate_proj``)."""
+    return name.rpartition(".")[0]
+
+
+def stream_units(blocks, unit: str) -> list[list[tuple[int, int, int]]]:
+    """One streamed layer's *units* in forward order, each the ``(block id, offset in the block,
+    length)`` byte ranges one slot receives, laid out back to back in the slot at
+    ``SLOT_ALIGNMENT`` (``unit_bytes``). ``blocks``: the layer's streamed blocks (``BlockInfo``)
+    in store order. ``"layer"``: one unit, every block whole. ``"projection"``: one unit per
+    module (a projection's weight and bias), in the order the blocks list them -- gate, up,
+    then down, the order the MLP runs them; a quantized weight's unit holds its codes and its
+    scales."""
+    if unit == "layer":
+        return [[(b.id, 0, b.length) for b in blocks]]
+    if unit != "projection":
+        raise ValueError(f"stream_unit must be one of {', '.join(STREAM_UNITS)}, not {unit!r}")
+    out, owner = [], None
+    for b in blocks:
+        for t in b.tensors:
+            module = unit_module(t.name)
+            if module != owner:
+                out.append([])
+                owner = module
+            out[-1].append((b.id, t.offset, t.nbytes))
+            if t.quant:
+                out[-1].append((b.id, t.quant["scales_offset"], t.quant["scales_nbytes"]))
+    return out
+
+
+def unit_bytes(ranges) -> int:
+    """A unit's size in a slot: its ranges back to back, each at ``SLOT_ALIGNMENT``."""
+    return sum(-(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT for _, _, n in ranges)
 
 
 # --- the control page ------------------------------------------------------------------------------
@@ -130,6 +171,7 @@ class Plan:
     n_slots: int = 0
     resident_bytes: int = 0
     window: int = 0                     # the streaming client's starting prefetch window
+    unit: str = DEFAULT_STREAM_UNIT     # what one slot holds (``STREAM_UNITS``, ``stream_units``)
 
     @property
     def streaming(self) -> bool:
@@ -140,7 +182,8 @@ class Plan:
                 "streamed_layers": self.streamed_layers,
                 "stream_blocks": {str(k): v for k, v in self.stream_blocks.items()},
                 "slot_bytes": self.slot_bytes, "n_slots": self.n_slots,
-                "resident_bytes": self.resident_bytes, "window": self.window}
+                "resident_bytes": self.resident_bytes, "window": self.window,
+                "unit": self.unit}
 
     @classmethod
     def from_wire(cls, w: dict) -> Plan:
@@ -148,4 +191,5 @@ class Plan:
                    streamed_layers=list(w["streamed_layers"]),
                    stream_blocks={int(k): list(v) for k, v in w["stream_blocks"].items()},
                    slot_bytes=w["slot_bytes"], n_slots=w["n_slots"],
-                   resident_bytes=w["resident_bytes"], window=int(w.get("window", 0)))
+                   resident_bytes=w["resident_bytes"], window=int(w.get("window", 0)),
+                   unit=w.get("unit", "layer"))

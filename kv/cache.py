@@ -388,6 +388,7 @@ class TieredCache(Cache):
         self.counters["pages_fetched"] += misses
         layer.page_cache = None
         layer.graphs = LayerGraphs()  # its graphs wrote into the slots
+        layer._fused, layer._fused_holds = None, False  # and so did its fused step
 
     def _staging(self, n_pages: int) -> torch.Tensor:
         """A new host buffer of ``n_pages`` pages. Fresh every time: torch's pinned-memory cache
@@ -533,6 +534,7 @@ class TieredCache(Cache):
             if layer.page_cache is not None:
                 self._release_page_cache(layer)
             layer.graphs = LayerGraphs()  # the graphs read the host pages freed below
+            layer._fused, layer._fused_holds = None, False
             layer.pages.clear()
         if self.spill is not None:
             self.spill.close()

@@ -1,29 +1,36 @@
 """Weight-only int4/int8 matmul kernels for decode-sized inputs (Triton), and when the layers use
-them (``choose``). **Off by default** (``INT4_MAX_M = INT8_MAX_M = 0``): on the H200 (2026-12-01,
-docs/benchmarks.md) they are slower than what the layers run otherwise -- torch's int4 kernel
-(tinygemm) at batch 1 on every 8B layer shape (0.23-0.36 of the copy rate against its
-0.31-0.42), our tiled Triton kernel for int8 -- and at batch 8 they win on the 14336 x 4096
-shape only. They stay as a tested starting point; ``bench/gemv.py`` measures them against the
-others and the copy rate in one run.
+them (``choose``). **Off by default** (``INT4_MAX_M = INT8_MAX_M = 0``) until measured faster than
+what the layers run otherwise (torch's int4 kernel, tinygemm; the tiled Triton int8 kernel):
+``bench/gemv.py`` measures them against those and the copy rate in one run (docs/benchmarks.md).
 
-* ``_int4_tiles_gemv_rows`` (one row of x): reads the tile layout of torch's CUDA int4 kernel
-  (``int4pack.cuda_layout``, ``inner_k_tiles`` 8; the host tier's ``int4_cuda_tiles``): for each
-  8 output rows and 128 input columns 512 contiguous bytes, each row's share 64 contiguous bytes
-  (16 int32 words). Word ``j = 4r + i`` of a row's share holds, in nibble ``p = 4b + a`` (bits
-  ``4p..4p+3``), the code of column ``32i + 2r + 8a + b`` of the 128 (int4pack derives this). A
-  program owns a slice of K -- its activations gathered once into registers in the nibbles'
-  order, so the weight is never permuted -- and streams the rows of a row group through it in
-  16-byte loads.
+* ``_int4_tiles_mma`` (1..8 rows of x; ``int4_config``'s choice there): the tensor cores straight
+  from the tile layout of torch's CUDA int4 kernel (``int4pack.cuda_layout``, ``inner_k_tiles``
+  8; the host tier's ``int4_cuda_tiles``), whose 16 bytes per lane and (8 rows x 128 columns)
+  are, nibble for nibble, the B fragments of ``mma.m16n8k16``. Each warp's step is one inline
+  PTX block (``_mma_asm``, which says how): 16-byte loads, two nibbles into a bfloat16x2
+  register with one shift and one ``lop3`` (``128 + q`` exactly), two ``mma`` per weight word,
+  the ``-8`` folded into each group's accumulator start (``-136 * sum(x)``), float32 sums, one
+  float32 FMA per group applying the scale. The block finds its lane and warp itself, so Triton's
+  register layout cannot change what it computes. Inline asm does not run in Triton's
+  interpreter: the CPU tests execute the asm text lane by lane (``tests/quant/ptx_warp.py``) and
+  check ``mma_reference`` (the same arithmetic in torch); the GPU tests run the kernel.
+* ``_int4_tiles_gemv_rows`` (one row of x; the CUDA-core kernel of 2026-12-01): the same layout.
+  For each 8 output rows and 128 input columns 512 contiguous bytes, each row's share 64
+  contiguous bytes (16 int32 words). Word ``j = 4r + i`` of a row's share holds, in nibble
+  ``p = 4b + a`` (bits ``4p..4p+3``), the code of column ``32i + 2r + 8a + b`` of the 128
+  (int4pack derives this). A program owns a slice of K -- its activations gathered once into
+  registers in the nibbles' order, so the weight is never permuted -- and streams the rows of a
+  row group through it in 16-byte loads.
 * ``_int4_tiles_dot`` (2..16 rows of x): the same layout through the tensor cores, one
-  ``tl.dot`` per nibble position.
+  ``tl.dot`` per nibble position (what ``int4_config`` picks for 9..16 rows).
 * ``_int8_rows_gemv`` (one row of x): the stored ``[N, K]`` int8 codes, 16 bytes a load.
 
-Nibbles and bytes become floats without integer-to-float conversions: a code placed in the low
-mantissa bits of the float 2^23 (``(w & mask) | 0x4B000000``, the constant a kernel argument so
-it stays in a register) is ``2^23 + c * 16^pos`` exactly; one subtraction leaves
-``(c - 8) * 16^pos`` and the activation is pre-scaled by ``16^-pos`` (exact: a power of two).
-Everything accumulates in float32, a group's scale multiplies the group's partial sum (the dot
-kernel at groups 32/64: each weight, rounded to bf16 as the reference does) and the result is
+The CUDA-core kernels turn nibbles and bytes into floats without integer-to-float conversions: a
+code placed in the low mantissa bits of the float 2^23 (``(w & mask) | 0x4B000000``, the constant
+a kernel argument so it stays in a register) is ``2^23 + c * 16^pos`` exactly; one subtraction
+leaves ``(c - 8) * 16^pos`` and the activation is pre-scaled by ``16^-pos`` (exact: a power of
+two). Everything accumulates in float32, a group's scale multiplies the group's partial sum (the
+dot kernel at groups 32/64: each weight, rounded to bf16 as the reference does) and the result is
 rounded once to the activation dtype: within half a bfloat16 unit in the last place of the exact
 product, plus float32 summation order.
 
@@ -241,6 +248,210 @@ if triton is not None:
                 pid_k, SPLIT)
 
 
+def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0, S: int = 1) -> str:
+    """PTX of one warp's work in the tensor-core int4 kernel (``_int4_tiles_mma``): ``S`` steps of
+    ``NT`` n-tiles (8 output rows each) times ``BC`` chunks (128 input columns each) of the tile
+    layout; step ``s`` takes the n-tiles ``s * $10 + warp * NT + j`` (``$10``: the program's
+    n-tiles per step).
+
+    Lane ``t`` (``g = t // 4``, ``r = t % 4``) loads its 16 bytes of each (n-tile, chunk): words
+    ``i = 0..3`` of row ``g`` of the n-tile, whose nibble ``p = 4b + a`` is column
+    ``32i + 2r + 8a + b`` (``int4pack.cuda_layout``). That is the ``mma.m16n8k16`` B fragment as it
+    stands: for k-tile ``2i + a // 2`` of the chunk, register ``b0`` holds columns ``2r, 2r+1``
+    (nibbles ``a`` and ``a + 4``: bits ``4a`` and ``16 + 4a``) and ``b1`` columns ``2r+8, 2r+9``
+    (``a + 1``, ``a + 5``). ``((w >> 4a) & 0x000F000F) | 0x43004300`` -- one shift, one ``lop3``
+    -- puts both nibbles of a pair in the mantissas of bfloat16 128.0: ``128 + q`` exactly. The A
+    fragment is x, loaded once: row ``g`` (a row ``>= M`` reads row ``M - 1`` and is never stored;
+    rows 8..15 are zero registers), columns ``2r, 2r+1`` and ``2r+8, 2r+9`` of each k-tile. Each
+    scale group's accumulator starts at ``-136 * sum(x)`` over the group (the tensor cores with B
+    all -136, once), so it ends at ``sum x * (q - 8)`` in float32; one float32 FMA applies the
+    group's scale. Lanes of rows ``g < M`` store their two float32 sums per n-tile (columns
+    ``2r, 2r+1``) to the split-K workspace. Loads are never predicated: an n-tile past the end
+    re-reads the last valid one and is not stored. With ``S > 1`` the weights of step ``s + 1``
+    are loaded (into a second set of registers) before step ``s`` is computed. ``PF`` (``S``
+    1): lane 0 first asks the L2 for the same chunks of the n-tiles ``$10`` further on, where the
+    program has them -- its next call (``cp.async.bulk.prefetch``, no registers held)."""
+    gp = 128 // GROUP            # scale groups per chunk
+    tiles = GROUP // 16          # k16 tiles per group
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    zero4 = "{0f00000000, 0f00000000, 0f00000000, 0f00000000}"
+    nw, ns = NT * BC * 4, NT * BC * gp * 2
+    L = []
+    e = L.append
+    e("{")
+    e(".reg .pred pg, pst;")
+    e(".reg .b32 lane, wid, g, gx, r, ntl, nt, nlast, tmp, zr, bneg, q0, q1, sc0, sc1;")
+    for buf in "AB"[:min(S, 2)]:
+        e(".reg .b32 w%s<%d>, s%s<%d>;" % (buf, nw, buf, ns))
+    e(".reg .b32 xa<%d>, xb<%d>;" % (BC * 8, BC * 8))
+    e(".reg .f32 bias<%d>, acc<%d>, d<4>;" % (BC * gp * 4, NT * 2))
+    e(".reg .b64 wa, sa, xr, ob, oa, t64, n464;")
+    e("mov.u32 lane, %laneid;")
+    e("mov.u32 tmp, %tid.x;")
+    e("shr.u32 wid, tmp, 5;")
+    e("shr.u32 g, lane, 2;")
+    e("and.b32 r, lane, 3;")
+    e("mov.b32 zr, 0;")
+    e("mov.b32 bneg, 0xC308C308;")                  # bfloat16 -136, twice
+    e("cvt.u64.u32 n464, $7;")
+    e("mul.lo.u32 ntl, wid, %d;" % NT)
+    e("sub.u32 nlast, $5, 1;")
+    e("setp.lt.u32 pg, g, $8;")
+    if PF and S == 1:
+        e(".reg .pred pp;")
+        e(".reg .b64 pa;")
+        for j in range(NT):
+            e("add.u32 tmp, ntl, %d;" % j)
+            e("add.u32 tmp, tmp, $10;")
+            e("setp.lt.u32 pp, tmp, $5;")
+            e("setp.eq.and.u32 pp, lane, 0, pp;")
+            e("mul.wide.u32 t64, tmp, $6;")
+            e("add.s64 pa, $1, t64;")
+            e("@pp cp.async.bulk.prefetch.L2.global [pa], %d;" % (BC * 512))
+
+    def n_tile(step, j):             # nt = step * $10 + ntl + j
+        e("add.u32 nt, ntl, %d;" % j)
+        if step:
+            e("mad.lo.u32 nt, $10, %d, nt;" % step)
+
+    def load(step, buf):
+        for j in range(NT):
+            n_tile(step, j)
+            e("min.u32 tmp, nt, nlast;")
+            # weights: w_base + n-tile * ntstride + lane * 16 (+ c * 512)
+            e("mul.wide.u32 t64, tmp, $6;")
+            e("add.s64 wa, $1, t64;")
+            e("mul.wide.u32 t64, lane, 16;")
+            e("add.s64 wa, wa, t64;")
+            # scales: s_base + n-tile * 32 + r * 8 (+ (c * gp + h) * N * 4)
+            e("shl.b32 tmp, tmp, 5;")
+            e("mad.lo.u32 tmp, r, 8, tmp;")
+            e("cvt.u64.u32 t64, tmp;")
+            e("add.s64 sa, $2, t64;")
+            for c in range(BC):
+                k = (j * BC + c) * 4
+                e("ld.global.nc.L1::no_allocate.v4.u32 {w%s%d, w%s%d, w%s%d, w%s%d}, [wa+%d];"
+                  % (buf, k, buf, k + 1, buf, k + 2, buf, k + 3, c * 512))
+            for ch in range(BC * gp):
+                k = (j * BC * gp + ch) * 2
+                e("ld.global.nc.v2.u32 {s%s%d, s%s%d}, [sa];" % (buf, k, buf, k + 1))
+                if ch + 1 < BC * gp:
+                    e("add.s64 sa, sa, n464;")
+
+    def compute(step, buf):
+        for j in range(NT):
+            e("mov.f32 acc%d, 0f00000000;" % (2 * j))
+            e("mov.f32 acc%d, 0f00000000;" % (2 * j + 1))
+        for j in range(NT):
+            for c in range(BC):
+                for h in range(gp):
+                    b = (c * gp + h) * 4
+                    for tt in range(tiles):
+                        t = h * tiles + tt
+                        word = "w%s%d" % (buf, (j * BC + c) * 4 + t // 2)
+                        i = c * 8 + t
+                        if t % 2 == 0:
+                            e("lop3.b32 q0, %s, 0x000F000F, 0x43004300, 0xEA;" % word)
+                            e("shr.u32 tmp, %s, 4;" % word)
+                        else:
+                            e("shr.u32 tmp, %s, 8;" % word)
+                            e("lop3.b32 q0, tmp, 0x000F000F, 0x43004300, 0xEA;")
+                            e("shr.u32 tmp, %s, 12;" % word)
+                        e("lop3.b32 q1, tmp, 0x000F000F, 0x43004300, 0xEA;")
+                        src = ("{bias%d, bias%d, bias%d, bias%d}" % (b, b + 1, b + 2, b + 3)
+                               if tt == 0 else "{d0, d1, d2, d3}")
+                        e("%s {d0, d1, d2, d3}, {xa%d, zr, xb%d, zr}, {q0, q1}, %s;"
+                          % (mma, i, i, src))
+                    k = (j * BC * gp + c * gp + h) * 2
+                    e("shl.b32 sc0, s%s%d, 16;" % (buf, k))
+                    e("shl.b32 sc1, s%s%d, 16;" % (buf, k + 1))
+                    e("fma.rn.f32 acc%d, d0, sc0, acc%d;" % (2 * j, 2 * j))
+                    e("fma.rn.f32 acc%d, d1, sc1, acc%d;" % (2 * j + 1, 2 * j + 1))
+        # the partial sums of rows g < M: ws_base + g * N * 4 + r * 8 + n-tile * 32
+        for j in range(NT):
+            n_tile(step, j)
+            e("setp.lt.and.u32 pst, nt, $5, pg;")
+            e("mul.wide.u32 t64, nt, 32;")
+            e("add.s64 oa, ob, t64;")
+            e("@pst st.global.v2.f32 [oa], {acc%d, acc%d};" % (2 * j, 2 * j + 1))
+
+    load(0, "A")
+    # activations: x_base + min(g, M - 1) * xstride + r * 4 (+ c * 256 + t * 32, + 16)
+    e("sub.u32 gx, $8, 1;")
+    e("min.u32 gx, g, gx;")
+    e("mul.wide.u32 t64, gx, $9;")
+    e("add.s64 xr, $3, t64;")
+    e("mul.wide.u32 t64, r, 4;")
+    e("add.s64 xr, xr, t64;")
+    for c in range(BC):
+        for t in range(8):
+            i = c * 8 + t
+            e("ld.global.b32 xa%d, [xr+%d];" % (i, c * 256 + t * 32))
+            e("ld.global.b32 xb%d, [xr+%d];" % (i, c * 256 + t * 32 + 16))
+    # each group's bias: -136 * the sum of its x, on the tensor cores
+    for c in range(BC):
+        for h in range(gp):
+            b = (c * gp + h) * 4
+            dst = "{bias%d, bias%d, bias%d, bias%d}" % (b, b + 1, b + 2, b + 3)
+            for tt in range(tiles):
+                i = c * 8 + h * tiles + tt
+                e("%s %s, {xa%d, zr, xb%d, zr}, {bneg, bneg}, %s;"
+                  % (mma, dst, i, i, zero4 if tt == 0 else dst))
+    e("mul.wide.u32 t64, g, $7;")
+    e("add.s64 ob, $4, t64;")
+    e("mul.wide.u32 t64, r, 8;")
+    e("add.s64 ob, ob, t64;")
+    for step in range(S):
+        if step + 1 < S:
+            load(step + 1, "AB"[(step + 1) % 2])
+        compute(step, "AB"[step % 2])
+    e("mov.b32 $0, 0;")
+    e("}")
+    return "\n".join(L)
+
+
+if triton is not None:
+    @triton.jit
+    def _int4_tiles_mma(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+                        rows_per_group, split, ASM: tl.constexpr, NT: tl.constexpr,
+                        BC: tl.constexpr, GROUP: tl.constexpr, WARPS: tl.constexpr,
+                        SP2: tl.constexpr, RB: tl.constexpr, S: tl.constexpr):
+        # Program (row group, K slice): steps of WARPS * NT n-tiles, each warp's step one PTX block
+        # (_mma_asm) writing float32 partial sums; the last program of a row group to arrive adds
+        # the SPLIT partials in a fixed order and writes y. Every value the asm block takes is the
+        # same in all threads (it finds its lane and warp itself), so its layout cannot matter.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        KO = K // 128
+        c0 = pid_k * BC
+        r0 = pid_n * rows_per_group
+        r1 = tl.minimum(r0 + rows_per_group, N)
+        for n0 in range(r0, r1, WARPS * NT * 8 * S):
+            wb = (w_ptr + (n0 // 8) * (KO * 128) + c0 * 128).to(tl.int64, bitcast=True)
+            sb = (s_ptr + (c0 * (128 // GROUP) * N + n0) * 2).to(tl.int64, bitcast=True)
+            xb = (x_ptr + c0 * 128).to(tl.int64, bitcast=True)
+            ob = (ws_ptr + pid_k * M * N + n0).to(tl.int64, bitcast=True)
+            tl.inline_asm_elementwise(ASM, "=r,l,l,l,l,r,r,r,r,r,r",
+                                      [wb, sb, xb, ob, (r1 - n0) // 8, KO * 512, N * 4, M,
+                                       stride_xm * 2, WARPS * NT],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == split - 1:
+            tl.debug_barrier()
+            ks = tl.arange(0, SP2)[:, None]
+            for m in range(M):
+                for n1 in range(r0, r1, RB):
+                    offs = n1 + tl.arange(0, RB)[None, :]
+                    part = tl.load(ws_ptr + (ks * M + m) * N + offs,
+                                   mask=(ks < split) & (offs < r1), other=0.0,
+                                   cache_modifier=".cg")
+                    tot = tl.sum(part, axis=0)
+                    o = n1 + tl.arange(0, RB)
+                    tl.store(y_ptr + m * N + o, tot.to(y_ptr.dtype.element_ty), mask=o < r1)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -275,10 +486,36 @@ def rows_config(N: int, K: int, block_n: int = 16, block_c: int = 4, ctas: int =
                 stages=stages, num_warps=num_warps)
 
 
+def mma_config(N: int, K: int, nt: int | None = None, bc: int = 2, warps: int | None = None,
+               ctas: int = 528, pf: int = 0, steps: int = 1, sms: int = 132) -> dict:
+    """The tensor-core kernel's shape: K cut into slices of ``bc`` chunks of 128 (``bc`` halved
+    until it divides K / 128), each warp's step ``nt`` n-tiles of 8 rows, ``warps`` warps a
+    program; rows into groups of whole steps such that about ``ctas`` programs run. Unless given,
+    ``warps`` then ``nt`` are halved (from 4 and 4) until the steps number at least ``2 * sms``."""
+    chunks = K // 128
+    while bc > 1 and chunks % bc:
+        bc //= 2
+    split = chunks // bc
+    w, n = warps or 4, nt or 4
+    while _cdiv(N, w * n * 8) * split < 2 * sms:
+        if warps is None and w > 1:
+            w //= 2
+        elif nt is None and n > 1:
+            n //= 2
+        else:
+            break
+    step = w * n * 8 * steps
+    blocks = _cdiv(N, step)
+    groups = max(1, min(blocks, _cdiv(ctas, split)))
+    rows = _cdiv(blocks, groups) * step
+    return dict(kernel="mma", NT=n, BC=bc, WARPS=w, SPLIT=split, ROWS=rows, PF=pf, S=steps)
+
+
 def int4_config(M: int, N: int, K: int, sms: int = 132) -> dict:
-    """Tile shape for the int4 kernel: a pure function of the problem shape."""
-    if M == 1:
-        return rows_config(N, K)
+    """Tile shape for the int4 kernel: a pure function of the problem shape (the tensor-core
+    kernel up to 8 rows of x)."""
+    if M <= 8:
+        return mma_config(N, K)
     kernel, block_n, block_c, stages = "dot", 128, 1, 3
     chunks = K // 128
     split = 1
@@ -310,6 +547,8 @@ def int4_tiles_matmul(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, gr
         x = x.contiguous()
     M = x.shape[0]
     cfg = cfg or int4_config(M, N, K)
+    if cfg["kernel"] == "mma":
+        return _mma_matmul(x, words, sz, group, N, K, cfg)
     bn, bc, split = cfg["BLOCK_N"], cfg["BLOCK_C"], cfg["SPLIT"]
     chunks = K // 128
     assert chunks % (split * bc) == 0, (K, cfg)
@@ -332,6 +571,68 @@ def int4_tiles_matmul(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, gr
                                     SPLIT=split, num_warps=cfg.get("num_warps", 4),
                                     num_stages=cfg.get("stages", 3))
     return y
+
+
+_ASM: dict = {}
+
+
+def _mma_matmul(x, words, sz, group, N, K, cfg):
+    M = x.shape[0]
+    nt, bc, warps, split, rows = cfg["NT"], cfg["BC"], cfg["WARPS"], cfg["SPLIT"], cfg["ROWS"]
+    assert 1 <= M <= 8 and N % 8 == 0 and K % 128 == 0 and group in (32, 64, 128), (M, N, K)
+    assert bc * split == K // 128 and rows % (warps * nt * 8 * steps) == 0, (K, cfg)
+    pf, steps = cfg.get("PF", 0), cfg.get("S", 1)
+    asm = _ASM.get((nt, bc, group, pf, steps))
+    if asm is None:
+        asm = _ASM[(nt, bc, group, pf, steps)] = _mma_asm(nt, bc, group, pf, steps)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    groups = _cdiv(N, rows)
+    ws, cnt = _workspace(x.device, split, M, N, groups)
+    sp2 = 1 << (split - 1).bit_length()
+    _int4_tiles_mma[(groups, split)](
+        x, words, sz, y, ws, cnt, M, N, K, x.stride(0), rows, split, ASM=asm, NT=nt, BC=bc,
+        GROUP=group, WARPS=warps, SP2=sp2, RB=max(16, min(256, 4096 // sp2)), S=steps,
+        num_warps=warps)
+    return y
+
+
+def mma_reference(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group: int, N: int,
+                  K: int, split: int = 1) -> torch.Tensor:
+    """The arithmetic of ``_int4_tiles_mma`` in torch (any device, float32): each weight taken
+    from the tile layout's words by the asm's shifts, masks and lane mapping as the bfloat16
+    ``128 + q``, each scale group's sum started at ``-136 * sum(x)``, scaled in float32, the
+    ``split`` K slices added in order, rounded once to ``x.dtype``. CPU tests hold it to the
+    dequantize + matmul allowance; the kernel's own sums differ only in float32 order."""
+    M = x.shape[0]
+    KO = K // 128
+    w = words.reshape(N // 8, KO, 32, 4).to(torch.int64) & 0xFFFFFFFF
+    lane = torch.arange(32, device=words.device)
+    g, r = lane // 4, lane % 4
+    B = torch.empty(N // 8, 8, KO, 128, dtype=torch.float32, device=words.device)
+    for i in range(4):
+        for a in range(4):
+            v = ((w[..., i] >> (4 * a)) & 0x000F000F) | 0x43004300          # [N/8, KO, 32]
+            for half in range(2):
+                bits = ((v >> (16 * half)) & 0xFFFF) << 16
+                val = bits.to(torch.int32).view(torch.float32)
+                col = 32 * i + 8 * a + 2 * r + half                           # [32]
+                B[:, g, :, col] = val.permute(2, 0, 1)      # indexed dims first
+    B = B.reshape(N, K)
+    xf = x.float()
+    s = sz[..., 0].float()                                                    # [K/group, N]
+    parts = []
+    per = K // split
+    for k in range(split):
+        acc = torch.zeros(M, N, dtype=torch.float32, device=x.device)
+        for k0 in range(k * per, (k + 1) * per, group):
+            xs = xf[:, k0:k0 + group]
+            d = xs @ B[:, k0:k0 + group].t() + (-136.0 * xs).sum(dim=1, keepdim=True)
+            acc = acc + d * s[k0 // group]
+        parts.append(acc)
+    tot = parts[0]
+    for p in parts[1:]:
+        tot = tot + p
+    return tot.to(x.dtype)
 
 
 def int8_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int,

@@ -76,3 +76,33 @@ def block_tensors(block: BlockInfo, payload) -> dict:
         for name in names:
             out[name] = view
     return out
+
+
+def range_tensors(block: BlockInfo, ranges: dict) -> dict:
+    """``block_tensors`` for a block whose bytes lie in pieces: ``ranges`` maps a payload offset
+    to a 1-D uint8 tensor holding the payload's bytes from there (a streaming slot holds one
+    projection's weight and scales, ``wire.stream_units``). Every tensor whose bytes (and
+    scales) lie wholly inside the pieces gets a view; the others are left out."""
+    def piece(offset: int, nbytes: int):
+        for start, payload in ranges.items():
+            if start <= offset and offset + nbytes <= start + payload.numel():
+                return payload[offset - start:offset - start + nbytes]
+        return None
+
+    out = {}
+    for names, offset, nbytes, dtype, shape, quant in _spec(block):
+        data = piece(offset, nbytes)
+        if data is None:
+            continue
+        view = data.view(dtype).view(shape)
+        if quant is not None:
+            from ..quant import QuantizedTensor
+            qspec, logical, compute, (s_off, s_len, s_shape, s_dtype), layout, kernel = quant
+            scales = piece(s_off, s_len)
+            if scales is None:
+                continue
+            view = QuantizedTensor(qspec, logical, view, scales.view(s_dtype).view(s_shape), compute,
+                                   layout, kernel)
+        for name in names:
+            out[name] = view
+    return out

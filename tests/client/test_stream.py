@@ -30,17 +30,17 @@ def aligned(n):
     return -(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
 
 
-def budgets(store):
+def budgets(store, unit="layer"):
     slot = max(sum(aligned(b.length) for b in store.blocks if b.layer == i and b.role.startswith("mlp"))
                for i in range(store.num_layers))
-    minimum = resident_minimum(store.blocks)
+    minimum = resident_minimum(store.blocks, unit)
     total = sum(aligned(b.length) for b in store.blocks)
     return {"all": total, "one-resident-layer": minimum + 2 * slot, "minimum": minimum}
 
 
-def streamed_model(store, host, budget, window):
+def streamed_model(store, host, budget, window, unit="layer"):
     by_id = {b.id: b for b in store.blocks}
-    plan = plan_residency(store.blocks, budget, window)
+    plan = plan_residency(store.blocks, budget, window, unit=unit)
     model = build_skeleton(store.config)
     tensors = {}
     for bid in plan.resident:
@@ -55,11 +55,12 @@ def streamed_model(store, host, budget, window):
     return model, plan, runtime
 
 
+@pytest.mark.parametrize("unit", ["layer", "projection"])
 @pytest.mark.parametrize("budget_name", ["all", "one-resident-layer", "minimum"])
 @pytest.mark.parametrize("window", [0, 1, 2, 3, 4])
-def test_streamed_logits_and_tokens_equal_resident(packed, budget_name, window):
+def test_streamed_logits_and_tokens_equal_resident(packed, budget_name, window, unit):
     store, host, ref = packed
-    model, plan, runtime = streamed_model(store, host, budgets(store)[budget_name], window)
+    model, plan, runtime = streamed_model(store, host, budgets(store, unit)[budget_name], window, unit)
     assert plan.streaming == (budget_name != "all")
     torch.manual_seed(window)
     for batch in (1, 3):
@@ -68,7 +69,9 @@ def test_streamed_logits_and_tokens_equal_resident(packed, budget_name, window):
         stats = runtime.stats()
         passes = stats["passes"]
         assert passes == 2 * (1 + 5)   # two batches, a forward plus five decode steps each
-        assert stats["prefetch_hits"] + stats["prefetch_miss_count"] == passes * len(plan.streamed_layers)
+        units = len(plan.streamed_layers) * (3 if unit == "projection" else 1)
+        assert stats["streamed_units"] == units
+        assert stats["prefetch_hits"] + stats["prefetch_miss_count"] == passes * units
         assert stats["bytes_streamed"] >= passes * sum(
             store.block(b).length for layer in plan.streamed_layers for b in plan.stream_blocks[layer])
         if window >= 1:
@@ -108,14 +111,18 @@ class _RecordingOps:
         pass
 
 
-def test_the_default_window_refills_every_slot_between_passes(packed):
+@pytest.mark.parametrize("unit", ["layer", "projection"])
+def test_the_default_window_refills_every_slot_between_passes(packed, unit):
     """``"auto"``: the window is the whole ring. When a pass ends -- the host then samples the
     token and runs the resident layers before the next streamed one, issuing nothing -- the
-    next pass's first ``n`` layers are already issued, one into each slot; and every copy into
-    a slot that held a layer waits for the compute event recorded after that layer ran."""
+    next pass's first ``n`` units are already issued, one into each slot; unit ``seq`` goes to
+    slot ``seq % n`` in every pass; and every copy into a slot that held a unit waits for the
+    compute event recorded after that unit ran."""
     store, host, ref = packed
-    model, plan, runtime = streamed_model(store, host, budgets(store)["one-resident-layer"], "auto")
-    n, m = plan.n_slots, len(plan.streamed_layers)
+    model, plan, runtime = streamed_model(store, host, budgets(store, unit)["one-resident-layer"],
+                                          "auto", unit)
+    n, m = plan.n_slots, runtime.m
+    assert m == len(plan.streamed_layers) * (3 if unit == "projection" else 1)
     assert plan.window == n == runtime.controller.window and m > n
     ops = runtime.ops = _RecordingOps(runtime.slots)
     runtime.copy_done = [ops.event() for _ in range(n)]
@@ -126,7 +133,7 @@ def test_the_default_window_refills_every_slot_between_passes(packed):
             model(ids)
             assert runtime._issued == runtime._next + n - 1     # n copies ahead of the next pass
     recorded, used, group = set(), [False] * n, []
-    layers_copied = 0
+    layers_copied, slots = 0, []
     for entry in ops.log:
         if entry[0] == "compute_done":
             recorded.add(entry[1])
@@ -142,15 +149,18 @@ def test_the_default_window_refills_every_slot_between_passes(packed):
             assert all(c[2] is None for c in group[1:])
             used[slot] = True
             layers_copied += 1
+            slots.append(slot)
             group = []
     assert layers_copied == 3 * m + n
+    assert slots == [(seq % m) % n for seq in range(3 * m + n)]
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
-def test_aborted_pass_resynchronises(packed):
+@pytest.mark.parametrize("unit", ["layer", "projection"])
+def test_aborted_pass_resynchronises(packed, unit):
     store, host, ref = packed
-    model, plan, runtime = streamed_model(store, host, budgets(store)["minimum"], 1)
+    model, plan, runtime = streamed_model(store, host, budgets(store, unit)["minimum"], 1, unit)
     ids = torch.randint(0, 256, (1, 5))
     layer = model.model.layers[plan.streamed_layers[1]]
     handle = layer.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(RuntimeError("boom")))
@@ -159,6 +169,29 @@ def test_aborted_pass_resynchronises(packed):
     handle.remove()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_projection_slots_equal_resident_for_every_arch(tmp_path, arch):
+    """Qwen2 (attention biases) and Mistral under the smallest budget, each projection in a slot
+    of its own: logits and tokens identical to the resident model, every unit prefetched."""
+    src = make_tiny_model(tmp_path / "src", arch, num_layers=4, seed=5)
+    pack(src, tmp_path / "store")
+    store = Store.open(tmp_path / "store")
+    host = torch.from_numpy(np.fromfile(store.data_path(store.blocks[0]), dtype=np.uint8))
+    model, plan, runtime = streamed_model(store, host, resident_minimum(store.blocks, "projection"),
+                                          "auto", "projection")
+    assert plan.unit == "projection" and plan.streamed_layers == [0, 1, 2, 3] and plan.n_slots == 2
+    assert [type(m).__name__ for m in runtime.unit_modules[:3]] == ["Linear"] * 3
+    assert runtime.unit_modules[:3] == [getattr(model.model.layers[0].mlp, f"{p}_proj")
+                                        for p in ("gate", "up", "down")]
+    ref = load_reference(src)
+    for batch in (1, 3):
+        assert_same_outputs(model, ref, torch.randint(0, 256, (batch, 6)), new_tokens=4)
+    stats = runtime.stats()
+    assert stats["streamed_units"] == 12 and stats["prefetch_hits"] + stats["prefetch_miss_count"] \
+        == stats["passes"] * 12
+    assert stats["prefetch_miss_count"] <= plan.n_slots
 
 
 @pytest.mark.parametrize("speed, width, gbps", [

@@ -44,3 +44,17 @@ def test_rebound_recomputes_the_ratios_for_a_faster_link():
     stream.rebound(run, 60.0, {8: 40.0})
     assert run["bound_batch1_tok_s"] == 6.0 and run["bound_h2d_gbps"] == 60.0
     assert run["vs_bound"] == {1: round(5 / 6, 3), 8: 0.75}
+
+
+def test_window_names_become_flash_contexts():
+    stream = bench_stream()
+    assert stream.window_context("default") is None and stream.window_context("cudnn") is None
+    assert stream.window_context("1") == {"prefetch_window": 1}
+    assert stream.window_context("projection") == {"stream_unit": "projection"}
+    assert stream.window_context("projection:4") == {"stream_unit": "projection", "prefetch_window": 4}
+    try:
+        stream.window_context("tensor")
+    except SystemExit as exc:
+        assert "'tensor'" in str(exc) and "layer, projection" in str(exc)
+    else:
+        raise AssertionError("an unknown part must be refused")

@@ -110,3 +110,91 @@ def test_auto_window_is_resolved_from_slot_size_and_link():
     plan = plan_residency(bs, anchors + 3 * slot, 4)
     assert plan.n_slots == 3 and plan.window == 3
     assert plan_residency(bs, anchors + 6 * slot, 0).window == 0
+
+
+def seven_b_blocks(arch):
+    """The blocks of the bench's 7-8B shapes (bench/_common.ARCH_SHAPES), bf16, from the store's
+    layout alone (no weights)."""
+    from deepseek_flash.store.layout import TensorSpec, plan_blocks
+
+    shapes = {"llama": (4096, 32, 14336, 128256, 32, 8), "qwen2": (3584, 28, 18944, 152064, 28, 4),
+              "mistral": (4096, 32, 14336, 32768, 32, 8)}
+    hidden, layers, inter, vocab, heads, kv = shapes[arch]
+    dim = hidden // heads
+    shape = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+             "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shape.update({p + "input_layernorm.weight": (hidden,),
+                      p + "post_attention_layernorm.weight": (hidden,),
+                      p + "self_attn.q_proj.weight": (heads * dim, hidden),
+                      p + "self_attn.k_proj.weight": (kv * dim, hidden),
+                      p + "self_attn.v_proj.weight": (kv * dim, hidden),
+                      p + "self_attn.o_proj.weight": (hidden, heads * dim),
+                      p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                      p + "mlp.down_proj.weight": (hidden, inter)})
+        if arch == "qwen2":
+            shape.update({p + f"self_attn.{x}_proj.bias": (n * dim,)
+                          for x, n in (("q", heads), ("k", kv), ("v", kv))})
+    specs = {name: TensorSpec(name, "bfloat16", s) for name, s in shape.items()}
+    config = {"num_hidden_layers": layers, "model_type": arch}
+    return plan_blocks(config, specs, lambda a, b: False, arch), hidden * inter * 2
+
+
+@pytest.mark.parametrize("arch, layer_plan, projection_plan", [
+    # (streamed layers, slots) with whole-MLP slots, then with projection slots.
+    ("llama", (25, 3), (23, 5)),
+    ("qwen2", (20, 3), (18, 5)),
+    ("mistral", (20, 3), (18, 3)),
+])
+def test_projection_slots_keep_more_mlps_resident_under_8_gib(arch, layer_plan, projection_plan):
+    """8 GiB at a 55.4 GB/s link: a slot of one projection is a third of a whole-MLP slot, so a
+    ring of three takes two MLPs' bytes less and two more MLPs stay resident; what is left after
+    them (less than one MLP) becomes more slots (llama, qwen2: two more)."""
+    from deepseek_flash.wire import stream_units
+
+    bs, projection = seven_b_blocks(arch)
+    mlp = 3 * projection                               # gate, up, down: each aligned already
+    budget = 8 << 30
+    anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))
+    layers = len({b.layer for b in bs if b.layer >= 0})
+    by_id = {b.id: b for b in bs}
+    for unit, (streamed, slots), slot in (("layer", layer_plan, mlp),
+                                          ("projection", projection_plan, projection)):
+        plan = plan_residency(bs, budget, "auto", arch, 55.4e9, unit)
+        assert plan.unit == unit and plan.slot_bytes == slot
+        assert (len(plan.streamed_layers), plan.n_slots, plan.window) == (streamed, slots, slots)
+        # A contiguous head streams; the rest of the budget holds whole MLPs resident.
+        assert plan.streamed_layers == list(range(streamed))
+        assert plan.resident_bytes == anchors + (layers - streamed) * mlp
+        assert plan.resident_bytes + plan.n_slots * slot <= budget
+        left = budget - plan.resident_bytes - plan.n_slots * slot
+        assert left < min(mlp, slot) or plan.n_slots == 9
+        units = [u for layer in plan.streamed_layers
+                 for u in stream_units([by_id[b] for b in plan.stream_blocks[layer]], unit)]
+        assert len(units) == streamed * (1 if unit == "layer" else 3)
+        # What crosses the link per token: every streamed MLP byte once.
+        assert sum(n for u in units for _, _, n in u) == streamed * mlp
+    # The ring of three projections takes two MLPs less than the ring of three MLPs: two more
+    # MLPs resident; llama's and qwen2's budget left over is two more projection slots.
+    assert layer_plan[0] - projection_plan[0] == 2
+
+
+def test_projection_units_follow_the_mlp_order_and_hold_codes_with_scales():
+    """gate, up, down -- the order the MLP runs them -- each unit one module's ranges; a
+    quantized weight's unit is its codes and its scales."""
+    from deepseek_flash.wire import stream_units, unit_bytes
+
+    t = lambda name, off, n, quant=None: SimpleNamespace(name=name, offset=off, nbytes=n, quant=quant)
+    p = "model.layers.2.mlp."
+    gate_up = SimpleNamespace(id=7, length=300, tensors=[
+        t(p + "gate_proj.weight", 0, 100, {"scales_offset": 200, "scales_nbytes": 10}),
+        t(p + "up_proj.weight", 100, 100, {"scales_offset": 210, "scales_nbytes": 10})])
+    down = SimpleNamespace(id=8, length=120, tensors=[t(p + "down_proj.weight", 0, 100),
+                                                      t(p + "down_proj.bias", 100, 20)])
+    assert stream_units([gate_up, down], "projection") == [
+        [(7, 0, 100), (7, 200, 10)], [(7, 100, 100), (7, 210, 10)], [(8, 0, 100), (8, 100, 20)]]
+    assert stream_units([gate_up, down], "layer") == [[(7, 0, 300), (8, 0, 120)]]
+    assert unit_bytes([(7, 0, 100), (7, 200, 10)]) == 2 * SLOT_ALIGNMENT
+    with pytest.raises(ValueError, match="layer, projection"):
+        stream_units([down], "tensor")

@@ -81,8 +81,9 @@ def test_what_auto_resolves_to_on_a_cuda_device(mode, kw, want, words):
         resolve_decode_mode("fast", torch.device("cuda:0"))
 
 
+@pytest.mark.parametrize("unit", ["layer", "projection"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_streamed_model_runs_the_slot_ring_inside_the_step(store, device):
+def test_streamed_model_runs_the_slot_ring_inside_the_step(store, device, unit):
     """Under the minimum budget the MLPs of a tail of layers stream through slots; the decode
     steps run the ring as a fixed schedule (captured on CUDA) and give transformers' tokens, and
     a later generate() -- whose prefill runs the ring through its hooks again -- does too."""
@@ -95,11 +96,13 @@ def test_streamed_model_runs_the_slot_ring_inside_the_step(store, device):
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
     ids2, mask2 = left_padded(1, 5, device, seed=3)
     want2 = ref.generate(ids2, attention_mask=mask2, max_new_tokens=40, do_sample=False, pad_token_id=0)
-    budget = resident_minimum(Store.open(path).blocks)
+    budget = resident_minimum(Store.open(path).blocks, unit)
     with Client(embedded=True, config=CONFIG) as client:
-        model = load_model(path, device=device, client=client, weight_budget=budget, decode="graphs")
+        model = load_model(path, device=device, client=client, weight_budget=budget, decode="graphs",
+                           flash_context={"stream_unit": unit})
         runtime = model.flash.stream
-        assert runtime is not None and runtime.n < runtime.m          # fewer slots than layers
+        assert runtime is not None and runtime.n < runtime.m          # fewer slots than units
+        assert runtime.m == len(runtime.layers) * (3 if unit == "projection" else 1)
         got = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
         assert torch.equal(got, want)
         stats = model.flash.decoder.stats()
@@ -116,22 +119,25 @@ def test_streamed_model_runs_the_slot_ring_inside_the_step(store, device):
         model.flash.close()
 
 
-def test_static_ring_schedule_is_the_same_every_step(store):
-    """The copies of a step: the first n layers at its start, then layer idx + n after layer idx,
+@pytest.mark.parametrize("unit", ["layer", "projection"])
+def test_static_ring_schedule_is_the_same_every_step(store, unit):
+    """The copies of a step: the first n units at its start, then unit idx + n after unit idx,
     each into slot idx % n -- the same list at every step (what a graph replays)."""
     from deepseek_flash.daemon.planner import resident_minimum
     from deepseek_flash.store import Store
 
     _, path = store
-    budget = resident_minimum(Store.open(path).blocks)
+    budget = resident_minimum(Store.open(path).blocks, unit)
     with Client(embedded=True, config=CONFIG) as client:
-        model = load_model(path, client=client, weight_budget=budget, decode="graphs")
+        model = load_model(path, client=client, weight_budget=budget, decode="graphs",
+                           flash_context={"stream_unit": unit})
         ring = model.flash.decoder.ring
         ids, mask = left_padded(1, 6)
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
         first = list(ring.copies)
         model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
         assert ring.copies == first
-        layers = model.flash.stream.layers
-        assert first == [(layer, idx % ring.n) for idx, layer in enumerate(layers)]
+        units = model.flash.stream.units
+        assert len(units) == len(model.flash.stream.layers) * (3 if unit == "projection" else 1)
+        assert first == [(layer, idx % ring.n) for idx, (layer, _) in enumerate(units)]
         model.flash.close()

@@ -38,7 +38,7 @@ for M, N, K, g, cfg in [(1, 72, 1024, 64, dict(kernel="rows", BLOCK_N=16, BLOCK_
                                               ROWS=2048)),
                         (1, 40, 512, 128, dict(kernel="rows", BLOCK_N=8, BLOCK_C=4, SPLIT=1,
                                                ROWS=16)),
-                        (1, 64, 2048, 128, None)]:
+                        (1, 64, 2048, 128, gemv.rows_config(64, 2048))]:
     codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)
     spec = QuantSpec("int4_symmetric", "per_block", g)
     sz = int4pack.scales_and_zeros((torch.rand(N, K // g) * 0.02 + 1e-3).half(), spec, (N, K), g,
@@ -87,15 +87,30 @@ def test_choose_takes_decode_rows_on_cuda_only(monkeypatch):
 def test_configs_are_a_function_of_the_shape_and_cover_k():
     for N, K in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (256, 128),
                  (264, 1152)):
-        rows = gemv.int4_config(1, N, K)
-        assert rows == gemv.int4_config(1, N, K) and rows["kernel"] == "rows"
+        rows = gemv.rows_config(N, K)
         assert rows["BLOCK_C"] * rows["SPLIT"] == K // 128            # the slices cover K
         assert rows["BLOCK_C"] & (rows["BLOCK_C"] - 1) == 0 and rows["ROWS"] % rows["BLOCK_N"] == 0
-        for M in range(2, 9):
+        for M in range(1, 9):                                         # the tensor-core kernel
+            mma = gemv.int4_config(M, N, K)
+            assert mma == gemv.mma_config(N, K) and mma["kernel"] == "mma"
+            assert mma["BC"] * mma["SPLIT"] == K // 128
+            assert mma["ROWS"] % (mma["WARPS"] * mma["NT"] * 8) == 0
+            assert _cdiv(N, mma["ROWS"]) * mma["ROWS"] >= N > (_cdiv(N, mma["ROWS"]) - 1) * mma["ROWS"]
+        for M in range(9, 17):
             dot = gemv.int4_config(M, N, K)
             assert dot["kernel"] == "dot" and (K // 128) % dot["SPLIT"] == 0
         c8 = gemv.int8_config(1, N, K)
         assert (K // 4) % (c8["SPLIT"] * c8["BLOCK_W"]) == 0
+    # the 8B shapes: programs of 4 warps where there is work enough, at least 264 warp steps
+    assert gemv.mma_config(4096, 4096) == dict(kernel="mma", NT=4, BC=2, WARPS=4, SPLIT=16,
+                                               ROWS=128, PF=0, S=1)
+    assert gemv.mma_config(1024, 4096) == dict(kernel="mma", NT=4, BC=2, WARPS=1, SPLIT=16,
+                                               ROWS=32, PF=0, S=1)
+    assert gemv.mma_config(4096, 14336)["SPLIT"] == 56
+
+
+def _cdiv(a, b):
+    return -(-a // b)
 
 
 def test_kernels_match_the_reference_in_the_interpreter():
@@ -112,19 +127,33 @@ def test_kernels_match_the_reference_in_the_interpreter():
     assert len(worst) == 7 and max(worst) <= 1.01, worst
 
 
-def test_kernels_compile_for_the_h200_at_the_8b_shapes():
-    """Triton's compiler with its bundled ptxas, sm_90: the default configurations of the 8B
-    layer shapes; the int4 batch-1 kernel loads its weights 16 bytes at a time."""
-    triton = pytest.importorskip("triton")
+def _compile_sm90(fn, sig, consts, num_warps):
+    """Triton's compiler with its bundled ptxas, sm_90 (no device)."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    common = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*bf16", "ws_ptr": "*fp32",
-              "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32"}
+    sig = dict(sig, **{k: "constexpr" for k in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8)}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+_COMMON = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32"}
+
+
+def test_kernels_compile_for_the_h200_at_the_8b_shapes():
+    """The default configurations of the 8B layer shapes compile for sm_90; the int4 batch-1
+    kernel loads its weights 16 bytes at a time."""
+    pytest.importorskip("triton")
     seen = set()
     for M, N, K in ((1, 4096, 4096), (1, 14336, 4096), (1, 4096, 14336), (8, 1024, 4096)):
         for bits in ((4, 8) if M == 1 else (4,)):
-            cfg = (gemv.int4_config if bits == 4 else gemv.int8_config)(M, N, K)
+            if bits == 4:
+                cfg = gemv.rows_config(N, K) if M == 1 else gemv.int4_config(16, N, K)
+            else:
+                cfg = gemv.int8_config(M, N, K)
             fn = {(4, "rows"): gemv._int4_tiles_gemv_rows, (4, "dot"): gemv._int4_tiles_dot,
                   (8, None): gemv._int8_rows_gemv}[(bits, cfg.get("kernel"))]
             block = ("BLOCK_C", cfg["BLOCK_C"]) if bits == 4 else ("BLOCK_W", cfg["BLOCK_W"])
@@ -132,7 +161,7 @@ def test_kernels_compile_for_the_h200_at_the_8b_shapes():
             if key in seen:
                 continue
             seen.add(key)
-            sig = dict(common, s_ptr="*bf16" if bits == 4 else "*fp16",
+            sig = dict(_COMMON, s_ptr="*bf16" if bits == 4 else "*fp16",
                        **{("chunks_per_split" if bits == 4 else "words_per_split"): "i32"})
             sig["magic"] = "i32"
             consts = {"GROUP": 128, "BLOCK_M": 16 if M > 1 else 1,
@@ -141,15 +170,104 @@ def test_kernels_compile_for_the_h200_at_the_8b_shapes():
                 consts["STAGES"] = cfg["stages"]
             if fn is gemv._int4_tiles_gemv_rows:
                 sig["rows_per_group"] = "i32"
-            sig.update({k: "constexpr" for k in consts})
-            attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 10)}
-            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                                    target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": cfg["num_warps"]})
+            kernel = _compile_sm90(fn, sig, consts, cfg["num_warps"])
             assert ".entry" in kernel.asm["ptx"]
             if fn is gemv._int4_tiles_gemv_rows:
                 assert "ld.global.v4" in kernel.asm["ptx"]           # 16-byte weight loads
     assert len(seen) >= 3
+
+
+def _mma_kernel(cfg, group=128):
+    """The tensor-core kernel compiled for sm_90 with ``cfg``."""
+    sp2 = 1 << (cfg["SPLIT"] - 1).bit_length()
+    consts = {"ASM": gemv._mma_asm(cfg["NT"], cfg["BC"], group, cfg["PF"], cfg["S"]),
+              "S": cfg["S"], "NT": cfg["NT"],
+              "BC": cfg["BC"], "GROUP": group, "WARPS": cfg["WARPS"], "SP2": sp2,
+              "RB": max(16, min(256, 4096 // sp2))}
+    sig = dict(_COMMON, s_ptr="*bf16", rows_per_group="i32", split="i32")
+    return _compile_sm90(gemv._int4_tiles_mma, sig, consts, cfg["WARPS"])
+
+
+def test_tensor_core_kernel_compiles_for_the_h200():
+    """ptxas takes the asm of the 8B shapes' configurations: per warp step one 16-byte load per
+    (n-tile, chunk), two mma per weight word plus the groups' bias, one predicated store per
+    n-tile, the asm once per loop iteration in every thread (never under a branch of its own)."""
+    pytest.importorskip("triton")
+    for N, K, pf, steps in ((4096, 4096, 0, 1), (1024, 4096, 1, 1), (4096, 4096, 0, 2)):
+        cfg = gemv.mma_config(N, K, pf=pf, steps=steps)
+        ptx = _mma_kernel(cfg).asm["ptx"]
+        assert ptx.count("cp.async.bulk.prefetch.L2.global") == pf * cfg["NT"]
+        nt, bc = cfg["NT"], cfg["BC"]
+        assert ptx.count("ld.global.nc.L1::no_allocate.v4.u32") == nt * bc * steps
+        assert ptx.count("mma.sync.aligned.m16n8k16") == (nt * bc * steps + bc) * 8
+        assert ptx.count("st.global.v2.f32") == nt * steps
+        assert ptx.count("mov.u32 lane, %laneid;") == 1
+        assert ".local" not in ptx
+
+
+def _simulate_mma(x, words, sz, group, N, K, cfg):
+    """The programs of ``gemv._int4_tiles_mma`` step by step as the Triton code walks them (the
+    same bases and operands), each warp's asm block executed by ``ptx_warp``; the float32 partial
+    sums ``[split, M, N]`` it leaves in the workspace (NaN where nothing was written)."""
+    import numpy as np
+    import ptx_warp          # tests/quant, beside this file
+
+    M = x.shape[0]
+    nt, bc, warps, split, rows = cfg["NT"], cfg["BC"], cfg["WARPS"], cfg["SPLIT"], cfg["ROWS"]
+    steps = cfg.get("S", 1)
+    asm = gemv._mma_asm(nt, bc, group, cfg.get("PF", 0), steps)
+    mem = ptx_warp.Memory(x.numel() * 2 + words.numel() * 4 + sz.numel() * 2
+                          + split * M * N * 4 + 4096)
+    xa = mem.put(x.view(torch.int16).numpy())
+    wa = mem.put(words.contiguous().numpy())
+    sa = mem.put(sz.view(torch.int16).numpy())
+    oa = mem.put(np.full(split * M * N, np.nan, dtype=np.float32))
+    KO = K // 128
+    for pid_n in range(_cdiv(N, rows)):
+        for pid_k in range(split):
+            c0, r0 = pid_k * bc, pid_n * rows
+            r1 = min(r0 + rows, N)
+            for n0 in range(r0, r1, warps * nt * 8 * steps):
+                args = [wa + ((n0 // 8) * (KO * 128) + c0 * 128) * 4,
+                        sa + (c0 * (128 // group) * N + n0) * 2 * 2,
+                        xa + c0 * 128 * 2, oa + (pid_k * M * N + n0) * 4,
+                        (r1 - n0) // 8, KO * 512, N * 4, M, x.stride(0) * 2, warps * nt]
+                for w in range(warps):
+                    ptx_warp.run(asm, args, mem, w)
+    part = mem.get(oa, split * M * N * 4).view(np.float32).reshape(split, M, N)
+    return torch.from_numpy(part.copy())
+
+
+@pytest.mark.parametrize("M,N,K,group,cfg", [
+    (1, 64, 512, 128, None),
+    (3, 40, 768, 32, dict(kernel="mma", NT=2, BC=2, WARPS=2, SPLIT=3, ROWS=32, PF=1)),
+    (8, 24, 256, 64, dict(kernel="mma", NT=4, BC=1, WARPS=1, SPLIT=2, ROWS=32)),
+    (2, 72, 512, 64, dict(kernel="mma", NT=2, BC=2, WARPS=2, SPLIT=2, ROWS=64, S=2)),
+    (1, 56, 256, 128, dict(kernel="mma", NT=1, BC=1, WARPS=2, SPLIT=2, ROWS=48, S=3)),
+    (5, 48, 1024, 128, dict(kernel="mma", NT=1, BC=4, WARPS=2, SPLIT=2, ROWS=32, PF=1))])
+def test_tensor_core_asm_executed_on_the_cpu_matches_the_reference(M, N, K, group, cfg):
+    """The asm text of the tensor-core kernel, executed lane by lane (``ptx_warp``) over the
+    programs' steps: every output written once, their sum within the dequantize + matmul
+    allowance, as is ``gemv.mma_reference`` (the same arithmetic in torch). Shapes cover row groups
+    that end inside a step (n-tiles past N re-read the last and are not stored), 1..8 rows of x,
+    groups 32/64/128, 1..4 chunks a step and 1..3 steps a call (the next step's weights loaded
+    before the step is computed)."""
+    torch.manual_seed(M * N)
+    cfg = cfg or gemv.mma_config(N, K)
+    spec = QuantSpec("int4_symmetric", "per_block", group)
+    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)
+    sz = int4pack.scales_and_zeros((torch.rand(N, K // group) * 0.02 + 1e-3).half(), spec, (N, K),
+                                   group, BF16)
+    W = dequantize(codes, sz[..., 0].t().float(), spec, (N, K), torch.float32)
+    x = torch.randn(M, K).to(BF16)
+    words = int4pack.cuda_layout(codes, 8)
+    part = _simulate_mma(x, words, sz, group, N, K, cfg)
+    assert part.shape == (cfg["SPLIT"], M, N) and not torch.isnan(part).any()
+    assert _check(part.sum(0).to(BF16), x, W) <= 1
+    ref = gemv.mma_reference(x, words, sz, group, N, K, cfg["SPLIT"])
+    assert _check(ref, x, W) <= 1
+    # the same products: the slices' sums agree to float32 summation order
+    assert torch.allclose(part.sum(0), ref.float(), rtol=2e-2, atol=1e-3)
 
 
 def _layer(N, K, spec, tiles: bool, seed=0):
@@ -219,25 +337,58 @@ def _check(y, x, W):
     return ((y.double() - ref).abs() / allowance).max().item()
 
 
+def _int4_case(N, K, group, device="cuda"):
+    spec = QuantSpec("int4_symmetric", "per_block", group)
+    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=device)
+    scales = (torch.rand(N, K // group, device=device) * 0.02 + 1e-3).half()
+    words = int4pack.cuda_layout(codes, 8)
+    sz = int4pack.scales_and_zeros(scales, spec, (N, K), group, BF16)
+    W = dequantize(codes, sz[..., 0].t().float(), spec, (N, K), torch.float32)
+    return words, sz, W
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("group", (32, 64, 128))
-def test_int4_kernels_match_the_reference(group):
+def test_mma_kernel_matches_the_reference(group):
+    """The tensor-core kernel: every output within its allowance of float64 dequantize + matmul,
+    1..8 rows, its default shapes and others (the L2 prefetch, 2 and 4 steps a call), the same
+    bits on a second call (no atomics on data, the counters back at zero)."""
     torch.manual_seed(group)
-    spec = QuantSpec("int4_symmetric", "per_block", group)
     for N, K in ((4096, 4096), (1024, 14336), (264, 1152)):
-        codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda")
-        scales = (torch.rand(N, K // group, device="cuda") * 0.02 + 1e-3).half()
-        words = int4pack.cuda_layout(codes, 8)
-        sz = int4pack.scales_and_zeros(scales, spec, (N, K), group, BF16)
-        W = dequantize(codes, sz[..., 0].t().float(), spec, (N, K), torch.float32)
-        for M in (1, 2, 5, 8):
+        words, sz, W = _int4_case(N, K, group)
+        for M in (1, 3, 8):
             x = torch.randn(M, K, device="cuda").to(BF16)
             cfgs = [None]
+            if M != 3:
+                cfgs += [gemv.mma_config(N, K, nt=2, bc=4, warps=2, pf=1),
+                         gemv.mma_config(N, K, nt=8, bc=1, warps=4, ctas=132, steps=2),
+                         gemv.mma_config(N, K, nt=4, bc=2, warps=4, ctas=132, steps=4)]
+            for cfg in cfgs:
+                y = gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg)
+                assert y.dtype == BF16 and _check(y, x, W) <= 1, (N, K, M, cfg)
+                assert torch.equal(y, gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg))
+        if N == 264:      # the reference of the same arithmetic, on the device
+            x = torch.randn(8, K, device="cuda").to(BF16)
+            ref = gemv.mma_reference(x, words, sz, group, N, K, gemv.mma_config(N, K)["SPLIT"])
+            assert _check(ref, x, W) <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("group", (32, 64, 128))
+def test_cuda_core_int4_kernels_match_the_reference(group):
+    torch.manual_seed(group)
+    for N, K in ((4096, 4096), (1024, 14336), (264, 1152)):
+        words, sz, W = _int4_case(N, K, group)
+        for M in (1, 2, 5, 8):
+            x = torch.randn(M, K, device="cuda").to(BF16)
             if M == 1:
-                cfgs += [gemv.rows_config(N, K, 32, 8, 264, 3), gemv.rows_config(N, K, 16, 1, 132)]
+                cfgs = [gemv.rows_config(N, K), gemv.rows_config(N, K, 32, 8, 264, 3),
+                        gemv.rows_config(N, K, 16, 1, 132)]
             else:
-                cfgs += [dict(kernel="dot", BLOCK_N=64, BLOCK_C=1, SPLIT=3 if K == 1152 else 4)]
+                cfgs = [gemv.int4_config(16, N, K),
+                        dict(kernel="dot", BLOCK_N=64, BLOCK_C=1, SPLIT=3 if K == 1152 else 4)]
             for cfg in cfgs:
                 y = gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg)
                 assert y.dtype == BF16 and _check(y, x, W) <= 1, (N, K, M, cfg)
@@ -265,14 +416,14 @@ def test_int8_kernel_matches_the_reference(granularity, group):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_layer_in_a_cuda_graph_matches_eager_and_tinygemm(monkeypatch):
-    """With the kernel on (it is off by default), a tile-layout layer's batch-1 call takes it,
-    replays from a graph with the same bits, and agrees with torch's int4 kernel within bf16
-    rounding."""
-    monkeypatch.setattr(gemv, "INT4_MAX_M", 1)
+@pytest.mark.parametrize("M", (1, 8))
+def test_layer_in_a_cuda_graph_matches_eager_and_tinygemm(monkeypatch, M):
+    """With the kernel on, a tile-layout layer's decode call (1 or 8 rows) takes it, replays from
+    a graph with the same bits, and agrees with torch's int4 kernel within bf16 rounding."""
+    monkeypatch.setattr(gemv, "INT4_MAX_M", 8)
     spec = QuantSpec("int4_symmetric", "per_block", 128)
     lin = _layer(4096, 4096, spec, True).cuda()
-    x = torch.randn(1, 4096, device="cuda").to(BF16)
+    x = torch.randn(M, 4096, device="cuda").to(BF16)
     eager = lin(x)
     tiny = torch.ops.aten._weight_int4pack_mm(x, lin.codes, 128, lin.scales)
     assert not torch.equal(eager, tiny)          # a different kernel ran
@@ -285,7 +436,7 @@ def test_layer_in_a_cuda_graph_matches_eager_and_tinygemm(monkeypatch):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = lin(x)
-    x.copy_(torch.randn(1, 4096, device="cuda").to(BF16))
+    x.copy_(torch.randn(M, 4096, device="cuda").to(BF16))
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, lin(x))

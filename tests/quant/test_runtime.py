@@ -123,18 +123,26 @@ def test_embedded_resident_equals_transformers_on_dequantized_weights(stores, ca
         model.flash.close()
 
 
-@pytest.mark.parametrize("mode", ["embedded", "daemon"])
-def test_streamed_equals_resident_bit_exact(stores, mode, tmp_path):
+@pytest.mark.parametrize("mode, unit", [("embedded", "layer"), ("daemon", "layer"),
+                                        ("embedded", "projection"), ("daemon", "projection")])
+def test_streamed_equals_resident_bit_exact(stores, mode, unit, tmp_path):
+    """With ``stream_unit: projection`` a slot holds one projection's int4 codes and its scales."""
     src, store = stores[("llama", "bfloat16", "int4-g32")]
-    budget = resident_minimum(Store.open(store).blocks)
+    budget = resident_minimum(Store.open(store).blocks, unit)
     ids = inputs(2)
     daemon = Daemon(tmp_path / "d", CONFIG).start() if mode == "daemon" else None
     try:
         client = Client(daemon.socket, embedded=False) if daemon else Client(embedded=True, config=CONFIG)
         with client:
             resident = load_model(store, device="cpu", client=client)
-            streamed = load_model(store, device="cpu", client=client, weight_budget=budget)
-            assert streamed.flash.stream is not None and streamed.flash.stream.m == 4
+            streamed = load_model(store, device="cpu", client=client, weight_budget=budget,
+                                  flash_context={"stream_unit": unit})
+            runtime = streamed.flash.stream
+            assert runtime is not None and len(runtime.layers) == 4
+            assert runtime.m == 4 * (3 if unit == "projection" else 1)
+            if unit == "projection":
+                assert all(isinstance(m, QuantLinear) for m in runtime.unit_modules)
+                assert [len(layout) for _, layout in runtime.units] == [2] * 12   # codes, scales
             with torch.no_grad():
                 want = resident(ids).logits
                 for _ in range(2):
