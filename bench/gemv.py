@@ -185,11 +185,12 @@ def main():
                      and str(M) in args.sweep_ms.split(","))
             if sweep:
                 sw = []
-                variants = [gemv.mma_config(N, K, nt, bc, warps, ctas, pf)
-                            for nt, bc, warps, ctas, pf in (
-                                (4, 2, 4, 264, 1), (2, 4, 4, 528, 0), (8, 1, 4, 528, 0),
-                                (4, 2, 4, 132, 1), (4, 2, 2, 528, 0), (4, 2, 4, 1056, 0),
-                                (4, 4, 4, 528, 0), (2, 2, 4, 528, 0), (4, 2, 4, 528, 1))]
+                variants = [gemv.mma_config(N, K, nt, bc, warps, ctas, pf, steps)
+                            for nt, bc, warps, ctas, pf, steps in (
+                                (4, 2, 4, 264, 0, 2), (4, 2, 4, 132, 0, 4), (8, 1, 4, 264, 0, 2),
+                                (2, 4, 4, 528, 0, 1), (4, 2, 4, 264, 1, 1), (8, 1, 4, 528, 0, 1),
+                                (4, 2, 2, 528, 0, 1), (4, 2, 4, 1056, 0, 1), (2, 2, 4, 264, 0, 4),
+                                (4, 2, 4, 528, 1, 1))]
                 variants = [dict(t) for t in dict.fromkeys(tuple(sorted(v.items()))
                                                            for v in variants)]
                 t_sweep = time.time()
@@ -278,8 +279,8 @@ def main():
                 best = sorted((v for v in r[key] if "us" in v), key=lambda v: v["us"])[:3]
                 print(r["N"], r["K"], r["M"], key, [
                     (v.get("NT", v.get("BLOCK_N")), v.get("BC", v.get("BLOCK_W")),
-                     v.get("WARPS", v.get("num_warps")), v["SPLIT"], v.get("ROWS"), v["us"],
-                     v["frac"], v.get("check")) for v in best])
+                     v.get("WARPS", v.get("num_warps")), v["SPLIT"], v.get("ROWS"), v.get("PF"),
+                     v.get("S"), v["us"], v["frac"], v.get("check")) for v in best])
                 bad = [v for v in r[key] if "error" in v or v.get("check", 0) > 1]
                 if bad:
                     print("  sweep errors/over allowance:", bad[:2])

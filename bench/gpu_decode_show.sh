@@ -12,6 +12,8 @@
 #   tests   -- (only when named) pytest -m gpu tests/decode (about 30 s).
 # qwen2 runs while the 16 GB checkpoint is written (CPU and disk only); everything else alone.
 #   bash bench/gpu_decode_show.sh OUTDIR [STEPS] [--smoke]
+# INT4_PHASES: bench/quant.py's phases for int4 (default int4_budget,int4_small_budget; add
+# int4_budget_tinygemm for the resident phase on torch's int4 kernel too), INT4_TIMEOUT its limit (95 s).
 # STEPS: comma-separated subset of int4,stream,qwen2,mistral,tests (default all but tests). --smoke: the same steps
 # on the CPU with tiny models (what CI proves). Work files go under /var/tmp/flash-decode-show
 # (OUTDIR/work with --smoke) and are deleted at the end. OUTDIR keeps the JSON results, steps.txt
@@ -26,7 +28,7 @@ cd "$(dirname "$0")"
 start=$(date +%s)
 lap() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$out/steps.txt"; }
 has() { [[ ",$steps," == *,$1,* ]]; }
-work=/var/tmp/flash-decode-show; flags=(); t_dec=60; t_int4=95; t_stream=65
+work=/var/tmp/flash-decode-show; flags=(); t_dec=60; t_int4=${INT4_TIMEOUT:-95}; t_stream=65
 if [ "$smoke" = "--smoke" ]; then
   work="$out/work"; flags=(--smoke); t_dec=300; t_int4=300; t_stream=300
 fi
@@ -53,7 +55,7 @@ if has qwen2; then decode_arch qwen2; fi
 if [ -n "$writer" ]; then wait "$writer"; lap "checkpoint written rc=$?"; fi
 if has int4; then
   timeout "$t_int4" $py quant.py --arch llama --dir "$work" "${flags[@]}" --decode graphs \
-    --phases int4_budget,int4_small_budget --tokens 48 --output "$out/quant_int4_graphs.json" \
+    --phases "${INT4_PHASES:-int4_budget,int4_small_budget}" --tokens 48 --output "$out/quant_int4_graphs.json" \
     > "$out/quant_int4_graphs.log" 2>&1
   rc=$?; lap "quant.py --decode graphs rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -5 "$out/quant_int4_graphs.log"; }
   rm -rf "$work"/store-llama-*          # disk for the bf16 store of the next step
@@ -99,6 +101,9 @@ if q:
           f"x bound {r.get('vs_hbm_bound')}, decoder {[(b, s.get('mode'), s.get('captures')) for b, s in r.get('decoder', {}).items()]}")
     s = q.get("int4_small_budget", {})
     print(f"int4 streamed 3 GiB: {s.get('tok_s')} tok/s, bound b1 {s.get('bound_batch1_tok_s')}, x bound {s.get('vs_bound')}")
+    t = q.get("int4_budget_tinygemm")
+    if t:
+        print(f"int4 resident on tinygemm: {t.get('tok_s')} tok/s, x bound {t.get('vs_hbm_bound')}")
     print("goals", q.get("goals"))
 s = load("decode_stream_8b.json")
 if s:

@@ -32,7 +32,9 @@ decoder's ``stats()`` (mode, the step, captures, capture time, the graphs' pool)
 the resident int4 phase its HBM bound -- weight bytes read per step (every parameter and int4
 buffer but the input embedding table) / device-to-device copy bandwidth measured in the same run
 -- and tok/s against it (goal >= 0.9). ``--phases`` runs a subset of int4_budget, bf16_budget,
-int4_small_budget, peer (comparisons need both their phases).
+int4_small_budget, peer (comparisons need both their phases), and int4_budget_tinygemm: the
+resident phase with the decode rows on torch's int4 kernel instead of ``quant.gemv``'s (run
+first; what the default kernel choice is measured against).
 
 ``--kernel``: each linear shape of the model at M = 1, 8, 16, 32, 128: a bf16 ``F.linear``, our
 Triton kernel (int4 g128, int8 g128), torch's int4 kernel on our int4 codes (its layout derived
@@ -318,7 +320,7 @@ def step_weight_bytes(model) -> int:
 DECODE_STATS = ("mode", "eager_reason", "step", "fused_reason", "merged", "captures", "capture_s",
                 "replays", "eager_steps", "fallback_calls", "last_fallback", "graph_pool_bytes",
                 "kv_bytes")
-PHASES = ("int4_budget", "bf16_budget", "int4_small_budget", "peer")
+PHASES = ("int4_budget", "bf16_budget", "int4_small_budget", "peer", "int4_budget_tinygemm")
 
 
 def main(argv=None) -> int:
@@ -471,6 +473,16 @@ def main(argv=None) -> int:
         return rates, outs
 
     int4_res = bf16_res = small_res = None
+    if "int4_budget_tinygemm" in phases:
+        # The resident phase again with the decode rows on torch's int4 kernel (tinygemm) instead
+        # of ours (``quant.gemv.INT4_MAX_M`` 0 for the phase): the two kernels in one run.
+        from deepseek_flash.quant import gemv
+
+        saved, gemv.INT4_MAX_M = gemv.INT4_MAX_M, 0
+        try:
+            run(int4, budget, "int4_budget_tinygemm")
+        finally:
+            gemv.INT4_MAX_M = saved
     if "int4_budget" in phases:
         int4_res, int4_out = run(int4, budget, "int4_budget")
     if "bf16_budget" in phases:

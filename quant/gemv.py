@@ -248,9 +248,11 @@ if triton is not None:
                 pid_k, SPLIT)
 
 
-def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0) -> str:
-    """PTX of one warp's step of the tensor-core int4 kernel (``_int4_tiles_mma``): ``NT`` n-tiles
-    (8 output rows each) times ``BC`` chunks (128 input columns each) of the tile layout.
+def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0, S: int = 1) -> str:
+    """PTX of one warp's work in the tensor-core int4 kernel (``_int4_tiles_mma``): ``S`` steps of
+    ``NT`` n-tiles (8 output rows each) times ``BC`` chunks (128 input columns each) of the tile
+    layout; step ``s`` takes the n-tiles ``s * $10 + warp * NT + j`` (``$10``: the program's
+    n-tiles per step).
 
     Lane ``t`` (``g = t // 4``, ``r = t % 4``) loads its 16 bytes of each (n-tile, chunk): words
     ``i = 0..3`` of row ``g`` of the n-tile, whose nibble ``p = 4b + a`` is column
@@ -259,27 +261,31 @@ def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0) -> str:
     (nibbles ``a`` and ``a + 4``: bits ``4a`` and ``16 + 4a``) and ``b1`` columns ``2r+8, 2r+9``
     (``a + 1``, ``a + 5``). ``((w >> 4a) & 0x000F000F) | 0x43004300`` -- one shift, one ``lop3``
     -- puts both nibbles of a pair in the mantissas of bfloat16 128.0: ``128 + q`` exactly. The A
-    fragment is x: row ``g`` (a row ``>= M`` reads row ``M - 1`` and is never stored; rows 8..15
-    are zero registers), columns ``2r, 2r+1`` and ``2r+8, 2r+9`` of each k-tile. Each scale
-    group's accumulator starts at ``-136 * sum(x)`` over the group (the tensor cores with B all
-    -136), so it ends at ``sum x * (q - 8)`` in float32; one float32 FMA applies the group's scale.
-    Lanes of rows ``g < M`` store their two float32 sums per n-tile (columns ``2r, 2r+1``) to the
-    split-K workspace. Loads are never predicated: an n-tile past the end re-reads the last valid
-    one and is not stored. ``PF``: lane 0 first asks the L2 for the same chunks of the n-tiles
-    ``$10`` (the program's n-tiles per step) further on, where the program has them -- its next
-    step (``cp.async.bulk.prefetch``, no registers held)."""
+    fragment is x, loaded once: row ``g`` (a row ``>= M`` reads row ``M - 1`` and is never stored;
+    rows 8..15 are zero registers), columns ``2r, 2r+1`` and ``2r+8, 2r+9`` of each k-tile. Each
+    scale group's accumulator starts at ``-136 * sum(x)`` over the group (the tensor cores with B
+    all -136, once), so it ends at ``sum x * (q - 8)`` in float32; one float32 FMA applies the
+    group's scale. Lanes of rows ``g < M`` store their two float32 sums per n-tile (columns
+    ``2r, 2r+1``) to the split-K workspace. Loads are never predicated: an n-tile past the end
+    re-reads the last valid one and is not stored. With ``S > 1`` the weights of step ``s + 1``
+    are loaded (into a second set of registers) before step ``s`` is computed. ``PF`` (``S``
+    1): lane 0 first asks the L2 for the same chunks of the n-tiles ``$10`` further on, where the
+    program has them -- its next call (``cp.async.bulk.prefetch``, no registers held)."""
     gp = 128 // GROUP            # scale groups per chunk
     tiles = GROUP // 16          # k16 tiles per group
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
     zero4 = "{0f00000000, 0f00000000, 0f00000000, 0f00000000}"
+    nw, ns = NT * BC * 4, NT * BC * gp * 2
     L = []
     e = L.append
     e("{")
-    e(".reg .pred pg, ps<%d>;" % NT)
-    e(".reg .b32 lane, wid, g, gx, r, ntl, nlast, tmp, zr, bneg, q0, q1, sc0, sc1;")
-    e(".reg .b32 w<%d>, s<%d>, xa<%d>, xb<%d>;" % (NT * BC * 4, NT * BC * gp * 2, BC * 8, BC * 8))
+    e(".reg .pred pg, pst;")
+    e(".reg .b32 lane, wid, g, gx, r, ntl, nt, nlast, tmp, zr, bneg, q0, q1, sc0, sc1;")
+    for buf in "AB"[:min(S, 2)]:
+        e(".reg .b32 w%s<%d>, s%s<%d>;" % (buf, nw, buf, ns))
+    e(".reg .b32 xa<%d>, xb<%d>;" % (BC * 8, BC * 8))
     e(".reg .f32 bias<%d>, acc<%d>, d<4>;" % (BC * gp * 4, NT * 2))
-    e(".reg .b64 wa, sa, xr, oa, t64, n464;")
+    e(".reg .b64 wa, sa, xr, ob, oa, t64, n464;")
     e("mov.u32 lane, %laneid;")
     e("mov.u32 tmp, %tid.x;")
     e("shr.u32 wid, tmp, 5;")
@@ -291,7 +297,7 @@ def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0) -> str:
     e("mul.lo.u32 ntl, wid, %d;" % NT)
     e("sub.u32 nlast, $5, 1;")
     e("setp.lt.u32 pg, g, $8;")
-    if PF:
+    if PF and S == 1:
         e(".reg .pred pp;")
         e(".reg .b64 pa;")
         for j in range(NT):
@@ -302,29 +308,74 @@ def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0) -> str:
             e("mul.wide.u32 t64, tmp, $6;")
             e("add.s64 pa, $1, t64;")
             e("@pp cp.async.bulk.prefetch.L2.global [pa], %d;" % (BC * 512))
-    for j in range(NT):
-        e("add.u32 tmp, ntl, %d;" % j)
-        e("setp.lt.and.u32 ps%d, tmp, $5, pg;" % j)
-        e("min.u32 tmp, tmp, nlast;")
-        # weights: w_base + n-tile * ntstride + lane * 16 (+ c * 512)
-        e("mul.wide.u32 t64, tmp, $6;")
-        e("add.s64 wa, $1, t64;")
-        e("mul.wide.u32 t64, lane, 16;")
-        e("add.s64 wa, wa, t64;")
-        # scales: s_base + n-tile * 32 + r * 8 (+ (c * gp + h) * N * 4)
-        e("shl.b32 tmp, tmp, 5;")
-        e("mad.lo.u32 tmp, r, 8, tmp;")
-        e("cvt.u64.u32 t64, tmp;")
-        e("add.s64 sa, $2, t64;")
-        for c in range(BC):
-            b = (j * BC + c) * 4
-            e("ld.global.nc.L1::no_allocate.v4.u32 {w%d, w%d, w%d, w%d}, [wa+%d];"
-              % (b, b + 1, b + 2, b + 3, c * 512))
-        for ch in range(BC * gp):
-            k = (j * BC * gp + ch) * 2
-            e("ld.global.nc.v2.u32 {s%d, s%d}, [sa];" % (k, k + 1))
-            if ch + 1 < BC * gp:
-                e("add.s64 sa, sa, n464;")
+
+    def n_tile(step, j):             # nt = step * $10 + ntl + j
+        e("add.u32 nt, ntl, %d;" % j)
+        if step:
+            e("mad.lo.u32 nt, $10, %d, nt;" % step)
+
+    def load(step, buf):
+        for j in range(NT):
+            n_tile(step, j)
+            e("min.u32 tmp, nt, nlast;")
+            # weights: w_base + n-tile * ntstride + lane * 16 (+ c * 512)
+            e("mul.wide.u32 t64, tmp, $6;")
+            e("add.s64 wa, $1, t64;")
+            e("mul.wide.u32 t64, lane, 16;")
+            e("add.s64 wa, wa, t64;")
+            # scales: s_base + n-tile * 32 + r * 8 (+ (c * gp + h) * N * 4)
+            e("shl.b32 tmp, tmp, 5;")
+            e("mad.lo.u32 tmp, r, 8, tmp;")
+            e("cvt.u64.u32 t64, tmp;")
+            e("add.s64 sa, $2, t64;")
+            for c in range(BC):
+                k = (j * BC + c) * 4
+                e("ld.global.nc.L1::no_allocate.v4.u32 {w%s%d, w%s%d, w%s%d, w%s%d}, [wa+%d];"
+                  % (buf, k, buf, k + 1, buf, k + 2, buf, k + 3, c * 512))
+            for ch in range(BC * gp):
+                k = (j * BC * gp + ch) * 2
+                e("ld.global.nc.v2.u32 {s%s%d, s%s%d}, [sa];" % (buf, k, buf, k + 1))
+                if ch + 1 < BC * gp:
+                    e("add.s64 sa, sa, n464;")
+
+    def compute(step, buf):
+        for j in range(NT):
+            e("mov.f32 acc%d, 0f00000000;" % (2 * j))
+            e("mov.f32 acc%d, 0f00000000;" % (2 * j + 1))
+        for j in range(NT):
+            for c in range(BC):
+                for h in range(gp):
+                    b = (c * gp + h) * 4
+                    for tt in range(tiles):
+                        t = h * tiles + tt
+                        word = "w%s%d" % (buf, (j * BC + c) * 4 + t // 2)
+                        i = c * 8 + t
+                        if t % 2 == 0:
+                            e("lop3.b32 q0, %s, 0x000F000F, 0x43004300, 0xEA;" % word)
+                            e("shr.u32 tmp, %s, 4;" % word)
+                        else:
+                            e("shr.u32 tmp, %s, 8;" % word)
+                            e("lop3.b32 q0, tmp, 0x000F000F, 0x43004300, 0xEA;")
+                            e("shr.u32 tmp, %s, 12;" % word)
+                        e("lop3.b32 q1, tmp, 0x000F000F, 0x43004300, 0xEA;")
+                        src = ("{bias%d, bias%d, bias%d, bias%d}" % (b, b + 1, b + 2, b + 3)
+                               if tt == 0 else "{d0, d1, d2, d3}")
+                        e("%s {d0, d1, d2, d3}, {xa%d, zr, xb%d, zr}, {q0, q1}, %s;"
+                          % (mma, i, i, src))
+                    k = (j * BC * gp + c * gp + h) * 2
+                    e("shl.b32 sc0, s%s%d, 16;" % (buf, k))
+                    e("shl.b32 sc1, s%s%d, 16;" % (buf, k + 1))
+                    e("fma.rn.f32 acc%d, d0, sc0, acc%d;" % (2 * j, 2 * j))
+                    e("fma.rn.f32 acc%d, d1, sc1, acc%d;" % (2 * j + 1, 2 * j + 1))
+        # the partial sums of rows g < M: ws_base + g * N * 4 + r * 8 + n-tile * 32
+        for j in range(NT):
+            n_tile(step, j)
+            e("setp.lt.and.u32 pst, nt, $5, pg;")
+            e("mul.wide.u32 t64, nt, 32;")
+            e("add.s64 oa, ob, t64;")
+            e("@pst st.global.v2.f32 [oa], {acc%d, acc%d};" % (2 * j, 2 * j + 1))
+
+    load(0, "A")
     # activations: x_base + min(g, M - 1) * xstride + r * 4 (+ c * 256 + t * 32, + 16)
     e("sub.u32 gx, $8, 1;")
     e("min.u32 gx, g, gx;")
@@ -346,42 +397,14 @@ def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0) -> str:
                 i = c * 8 + h * tiles + tt
                 e("%s %s, {xa%d, zr, xb%d, zr}, {bneg, bneg}, %s;"
                   % (mma, dst, i, i, zero4 if tt == 0 else dst))
-    for j in range(NT):
-        e("mov.f32 acc%d, 0f00000000;" % (2 * j))
-        e("mov.f32 acc%d, 0f00000000;" % (2 * j + 1))
-    for j in range(NT):
-        for c in range(BC):
-            for h in range(gp):
-                b = (c * gp + h) * 4
-                for tt in range(tiles):
-                    t = h * tiles + tt
-                    word = "w%d" % ((j * BC + c) * 4 + t // 2)
-                    i = c * 8 + t
-                    if t % 2 == 0:
-                        e("lop3.b32 q0, %s, 0x000F000F, 0x43004300, 0xEA;" % word)
-                        e("shr.u32 tmp, %s, 4;" % word)
-                    else:
-                        e("shr.u32 tmp, %s, 8;" % word)
-                        e("lop3.b32 q0, tmp, 0x000F000F, 0x43004300, 0xEA;")
-                        e("shr.u32 tmp, %s, 12;" % word)
-                    e("lop3.b32 q1, tmp, 0x000F000F, 0x43004300, 0xEA;")
-                    src = ("{bias%d, bias%d, bias%d, bias%d}" % (b, b + 1, b + 2, b + 3)
-                           if tt == 0 else "{d0, d1, d2, d3}")
-                    e("%s {d0, d1, d2, d3}, {xa%d, zr, xb%d, zr}, {q0, q1}, %s;" % (mma, i, i, src))
-                k = (j * BC * gp + c * gp + h) * 2
-                e("shl.b32 sc0, s%d, 16;" % k)
-                e("shl.b32 sc1, s%d, 16;" % (k + 1))
-                e("fma.rn.f32 acc%d, d0, sc0, acc%d;" % (2 * j, 2 * j))
-                e("fma.rn.f32 acc%d, d1, sc1, acc%d;" % (2 * j + 1, 2 * j + 1))
-    # the partial sums of rows g < M: ws_base + g * N * 4 + n-tile * 32 + r * 8
     e("mul.wide.u32 t64, g, $7;")
-    e("add.s64 oa, $4, t64;")
-    e("shl.b32 tmp, ntl, 5;")
-    e("mad.lo.u32 tmp, r, 8, tmp;")
-    e("cvt.u64.u32 t64, tmp;")
-    e("add.s64 oa, oa, t64;")
-    for j in range(NT):
-        e("@ps%d st.global.v2.f32 [oa+%d], {acc%d, acc%d};" % (j, j * 32, 2 * j, 2 * j + 1))
+    e("add.s64 ob, $4, t64;")
+    e("mul.wide.u32 t64, r, 8;")
+    e("add.s64 ob, ob, t64;")
+    for step in range(S):
+        if step + 1 < S:
+            load(step + 1, "AB"[(step + 1) % 2])
+        compute(step, "AB"[step % 2])
     e("mov.b32 $0, 0;")
     e("}")
     return "\n".join(L)
@@ -392,7 +415,7 @@ if triton is not None:
     def _int4_tiles_mma(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                         rows_per_group, split, ASM: tl.constexpr, NT: tl.constexpr,
                         BC: tl.constexpr, GROUP: tl.constexpr, WARPS: tl.constexpr,
-                        SP2: tl.constexpr, RB: tl.constexpr):
+                        SP2: tl.constexpr, RB: tl.constexpr, S: tl.constexpr):
         # Program (row group, K slice): steps of WARPS * NT n-tiles, each warp's step one PTX block
         # (_mma_asm) writing float32 partial sums; the last program of a row group to arrive adds
         # the SPLIT partials in a fixed order and writes y. Every value the asm block takes is the
@@ -403,7 +426,7 @@ if triton is not None:
         c0 = pid_k * BC
         r0 = pid_n * rows_per_group
         r1 = tl.minimum(r0 + rows_per_group, N)
-        for n0 in range(r0, r1, WARPS * NT * 8):
+        for n0 in range(r0, r1, WARPS * NT * 8 * S):
             wb = (w_ptr + (n0 // 8) * (KO * 128) + c0 * 128).to(tl.int64, bitcast=True)
             sb = (s_ptr + (c0 * (128 // GROUP) * N + n0) * 2).to(tl.int64, bitcast=True)
             xb = (x_ptr + c0 * 128).to(tl.int64, bitcast=True)
@@ -464,7 +487,7 @@ def rows_config(N: int, K: int, block_n: int = 16, block_c: int = 4, ctas: int =
 
 
 def mma_config(N: int, K: int, nt: int | None = None, bc: int = 2, warps: int | None = None,
-               ctas: int = 528, pf: int = 0, sms: int = 132) -> dict:
+               ctas: int = 528, pf: int = 0, steps: int = 1, sms: int = 132) -> dict:
     """The tensor-core kernel's shape: K cut into slices of ``bc`` chunks of 128 (``bc`` halved
     until it divides K / 128), each warp's step ``nt`` n-tiles of 8 rows, ``warps`` warps a
     program; rows into groups of whole steps such that about ``ctas`` programs run. Unless given,
@@ -481,11 +504,11 @@ def mma_config(N: int, K: int, nt: int | None = None, bc: int = 2, warps: int | 
             n //= 2
         else:
             break
-    step = w * n * 8
-    steps = _cdiv(N, step)
-    groups = max(1, min(steps, _cdiv(ctas, split)))
-    rows = _cdiv(steps, groups) * step
-    return dict(kernel="mma", NT=n, BC=bc, WARPS=w, SPLIT=split, ROWS=rows, PF=pf)
+    step = w * n * 8 * steps
+    blocks = _cdiv(N, step)
+    groups = max(1, min(blocks, _cdiv(ctas, split)))
+    rows = _cdiv(blocks, groups) * step
+    return dict(kernel="mma", NT=n, BC=bc, WARPS=w, SPLIT=split, ROWS=rows, PF=pf, S=steps)
 
 
 def int4_config(M: int, N: int, K: int, sms: int = 132) -> dict:
@@ -557,18 +580,19 @@ def _mma_matmul(x, words, sz, group, N, K, cfg):
     M = x.shape[0]
     nt, bc, warps, split, rows = cfg["NT"], cfg["BC"], cfg["WARPS"], cfg["SPLIT"], cfg["ROWS"]
     assert 1 <= M <= 8 and N % 8 == 0 and K % 128 == 0 and group in (32, 64, 128), (M, N, K)
-    assert bc * split == K // 128 and rows % (warps * nt * 8) == 0, (K, cfg)
-    pf = cfg.get("PF", 0)
-    asm = _ASM.get((nt, bc, group, pf))
+    assert bc * split == K // 128 and rows % (warps * nt * 8 * steps) == 0, (K, cfg)
+    pf, steps = cfg.get("PF", 0), cfg.get("S", 1)
+    asm = _ASM.get((nt, bc, group, pf, steps))
     if asm is None:
-        asm = _ASM[(nt, bc, group, pf)] = _mma_asm(nt, bc, group, pf)
+        asm = _ASM[(nt, bc, group, pf, steps)] = _mma_asm(nt, bc, group, pf, steps)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     groups = _cdiv(N, rows)
     ws, cnt = _workspace(x.device, split, M, N, groups)
     sp2 = 1 << (split - 1).bit_length()
     _int4_tiles_mma[(groups, split)](
         x, words, sz, y, ws, cnt, M, N, K, x.stride(0), rows, split, ASM=asm, NT=nt, BC=bc,
-        GROUP=group, WARPS=warps, SP2=sp2, RB=max(16, min(256, 4096 // sp2)), num_warps=warps)
+        GROUP=group, WARPS=warps, SP2=sp2, RB=max(16, min(256, 4096 // sp2)), S=steps,
+        num_warps=warps)
     return y
 
 

@@ -103,9 +103,9 @@ def test_configs_are_a_function_of_the_shape_and_cover_k():
         assert (K // 4) % (c8["SPLIT"] * c8["BLOCK_W"]) == 0
     # the 8B shapes: programs of 4 warps where there is work enough, at least 264 warp steps
     assert gemv.mma_config(4096, 4096) == dict(kernel="mma", NT=4, BC=2, WARPS=4, SPLIT=16,
-                                               ROWS=128, PF=0)
+                                               ROWS=128, PF=0, S=1)
     assert gemv.mma_config(1024, 4096) == dict(kernel="mma", NT=4, BC=2, WARPS=1, SPLIT=16,
-                                               ROWS=32, PF=0)
+                                               ROWS=32, PF=0, S=1)
     assert gemv.mma_config(4096, 14336)["SPLIT"] == 56
 
 
@@ -180,7 +180,8 @@ def test_kernels_compile_for_the_h200_at_the_8b_shapes():
 def _mma_kernel(cfg, group=128):
     """The tensor-core kernel compiled for sm_90 with ``cfg``."""
     sp2 = 1 << (cfg["SPLIT"] - 1).bit_length()
-    consts = {"ASM": gemv._mma_asm(cfg["NT"], cfg["BC"], group, cfg["PF"]), "NT": cfg["NT"],
+    consts = {"ASM": gemv._mma_asm(cfg["NT"], cfg["BC"], group, cfg["PF"], cfg["S"]),
+              "S": cfg["S"], "NT": cfg["NT"],
               "BC": cfg["BC"], "GROUP": group, "WARPS": cfg["WARPS"], "SP2": sp2,
               "RB": max(16, min(256, 4096 // sp2))}
     sig = dict(_COMMON, s_ptr="*bf16", rows_per_group="i32", split="i32")
@@ -192,14 +193,14 @@ def test_tensor_core_kernel_compiles_for_the_h200():
     (n-tile, chunk), two mma per weight word plus the groups' bias, one predicated store per
     n-tile, the asm once per loop iteration in every thread (never under a branch of its own)."""
     pytest.importorskip("triton")
-    for N, K, pf in ((4096, 4096, 0), (1024, 4096, 1)):
-        cfg = gemv.mma_config(N, K, pf=pf)
+    for N, K, pf, steps in ((4096, 4096, 0, 1), (1024, 4096, 1, 1), (4096, 4096, 0, 2)):
+        cfg = gemv.mma_config(N, K, pf=pf, steps=steps)
         ptx = _mma_kernel(cfg).asm["ptx"]
         assert ptx.count("cp.async.bulk.prefetch.L2.global") == pf * cfg["NT"]
         nt, bc = cfg["NT"], cfg["BC"]
-        assert ptx.count("ld.global.nc.L1::no_allocate.v4.u32") == nt * bc
-        assert ptx.count("mma.sync.aligned.m16n8k16") == nt * bc * 8 + bc * 8
-        assert ptx.count("st.global.v2.f32") == nt
+        assert ptx.count("ld.global.nc.L1::no_allocate.v4.u32") == nt * bc * steps
+        assert ptx.count("mma.sync.aligned.m16n8k16") == (nt * bc * steps + bc) * 8
+        assert ptx.count("st.global.v2.f32") == nt * steps
         assert ptx.count("mov.u32 lane, %laneid;") == 1
         assert ".local" not in ptx
 
@@ -213,7 +214,8 @@ def _simulate_mma(x, words, sz, group, N, K, cfg):
 
     M = x.shape[0]
     nt, bc, warps, split, rows = cfg["NT"], cfg["BC"], cfg["WARPS"], cfg["SPLIT"], cfg["ROWS"]
-    asm = gemv._mma_asm(nt, bc, group, cfg.get("PF", 0))
+    steps = cfg.get("S", 1)
+    asm = gemv._mma_asm(nt, bc, group, cfg.get("PF", 0), steps)
     mem = ptx_warp.Memory(x.numel() * 2 + words.numel() * 4 + sz.numel() * 2
                           + split * M * N * 4 + 4096)
     xa = mem.put(x.view(torch.int16).numpy())
@@ -225,7 +227,7 @@ def _simulate_mma(x, words, sz, group, N, K, cfg):
         for pid_k in range(split):
             c0, r0 = pid_k * bc, pid_n * rows
             r1 = min(r0 + rows, N)
-            for n0 in range(r0, r1, warps * nt * 8):
+            for n0 in range(r0, r1, warps * nt * 8 * steps):
                 args = [wa + ((n0 // 8) * (KO * 128) + c0 * 128) * 4,
                         sa + (c0 * (128 // group) * N + n0) * 2 * 2,
                         xa + c0 * 128 * 2, oa + (pid_k * M * N + n0) * 4,
@@ -240,13 +242,16 @@ def _simulate_mma(x, words, sz, group, N, K, cfg):
     (1, 64, 512, 128, None),
     (3, 40, 768, 32, dict(kernel="mma", NT=2, BC=2, WARPS=2, SPLIT=3, ROWS=32, PF=1)),
     (8, 24, 256, 64, dict(kernel="mma", NT=4, BC=1, WARPS=1, SPLIT=2, ROWS=32)),
+    (2, 72, 512, 64, dict(kernel="mma", NT=2, BC=2, WARPS=2, SPLIT=2, ROWS=64, S=2)),
+    (1, 56, 256, 128, dict(kernel="mma", NT=1, BC=1, WARPS=2, SPLIT=2, ROWS=48, S=3)),
     (5, 48, 1024, 128, dict(kernel="mma", NT=1, BC=4, WARPS=2, SPLIT=2, ROWS=32, PF=1))])
 def test_tensor_core_asm_executed_on_the_cpu_matches_the_reference(M, N, K, group, cfg):
     """The asm text of the tensor-core kernel, executed lane by lane (``ptx_warp``) over the
     programs' steps: every output written once, their sum within the dequantize + matmul
     allowance, as is ``gemv.mma_reference`` (the same arithmetic in torch). Shapes cover row groups
     that end inside a step (n-tiles past N re-read the last and are not stored), 1..8 rows of x,
-    groups 32/64/128 and 1..4 chunks a step."""
+    groups 32/64/128, 1..4 chunks a step and 1..3 steps a call (the next step's weights loaded
+    before the step is computed)."""
     torch.manual_seed(M * N)
     cfg = cfg or gemv.mma_config(N, K)
     spec = QuantSpec("int4_symmetric", "per_block", group)
@@ -347,8 +352,8 @@ def _int4_case(N, K, group, device="cuda"):
 @pytest.mark.parametrize("group", (32, 64, 128))
 def test_mma_kernel_matches_the_reference(group):
     """The tensor-core kernel: every output within its allowance of float64 dequantize + matmul,
-    1..8 rows, its default shapes and others (with and without the L2 prefetch), the same bits on
-    a second call (no atomics on data, the counters back at zero)."""
+    1..8 rows, its default shapes and others (the L2 prefetch, 2 and 4 steps a call), the same
+    bits on a second call (no atomics on data, the counters back at zero)."""
     torch.manual_seed(group)
     for N, K in ((4096, 4096), (1024, 14336), (264, 1152)):
         words, sz, W = _int4_case(N, K, group)
@@ -357,7 +362,8 @@ def test_mma_kernel_matches_the_reference(group):
             cfgs = [None]
             if M != 3:
                 cfgs += [gemv.mma_config(N, K, nt=2, bc=4, warps=2, pf=1),
-                         gemv.mma_config(N, K, nt=8, bc=1, warps=4, ctas=132, pf=1)]
+                         gemv.mma_config(N, K, nt=8, bc=1, warps=4, ctas=132, steps=2),
+                         gemv.mma_config(N, K, nt=4, bc=2, warps=4, ctas=132, steps=4)]
             for cfg in cfgs:
                 y = gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg)
                 assert y.dtype == BF16 and _check(y, x, W) <= 1, (N, K, M, cfg)
