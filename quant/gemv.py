@@ -577,6 +577,15 @@ _ASM: dict = {}
 
 
 def _mma_matmul(x, words, sz, group, N, K, cfg):
+    if words.data_ptr() % 16 or sz.data_ptr() % 8:
+        # The asm's 16- and 8-byte loads need aligned operands (a fresh or arena-slot tensor is);
+        # torch's int4 kernel reads the same layout.
+        return torch.ops.aten._weight_int4pack_mm(x.contiguous(), words, group, sz)
+    if x.data_ptr() % 4 or x.stride(0) % 2:
+        x = x.contiguous()                      # 4-byte loads of column pairs
+    if x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):
+            return _mma_matmul(x, words, sz, group, N, K, cfg)
     M = x.shape[0]
     nt, bc, warps, split, rows = cfg["NT"], cfg["BC"], cfg["WARPS"], cfg["SPLIT"], cfg["ROWS"]
     assert 1 <= M <= 8 and N % 8 == 0 and K % 128 == 0 and group in (32, 64, 128), (M, N, K)
