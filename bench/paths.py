@@ -18,6 +18,8 @@ Default configuration everywhere except the host cache size (the machine's sizin
   process's and the daemon's CPU, the daemon's own load time (its log); then, no load running,
   the skeleton built in a fresh interpreter (``skeleton_alone``: the imports' own time on this
   machine; ``skeleton_alone_cold``: the same after dropping the page cache;
+  ``skeleton_alone_cold_parallel``: the same with ``--parallel-imports`` packages imported on
+  threads beside it -- whether the imports' system calls overlap on the machine;
   ``skeleton_beside_engine``: the same beside a process reading the model's file with the IO
   engine at each ``--beside-engine`` depth x request size, 32 x 1 MiB being the daemon's); with
   ``--diagnose`` also again beside ``dd`` reading the model's file (``skeleton_beside_dd``) and
@@ -183,17 +185,41 @@ class StackSampler:
 exec(SAMPLER)
 
 SKELETON_ALONE_SCRIPT = SAMPLER + r"""
-import json, sys, time
+import importlib, json, sys, time
 import torch
 from deepseek_flash.client.skeleton import build_skeleton
 from deepseek_flash.store import Store
 config = Store.open(sys.argv[1]).config
-t, c = time.perf_counter(), time.thread_time()
+# Optional (argv[2], before run_script's clock): packages imported on threads of their own beside
+# the build -- self-contained ones the model class pulls in, to see whether imports overlap here.
+ahead = sys.argv[2].split(",") if len(sys.argv) > 3 and sys.argv[2] else []
+errors = []
+def ahead_import(name):
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        errors.append(f"{name}: {exc!r}"[:200])
+t, c, p = time.perf_counter(), time.thread_time(), time.process_time()
+threads = [threading.Thread(target=ahead_import, args=(m,)) for m in ahead]
+for th in threads:
+    th.start()
 with StackSampler(threading.get_ident()) as sampler:
     build_skeleton(config)
-print(json.dumps({"skeleton_s": round(time.perf_counter() - t, 3),
-                  "skeleton_cpu_s": round(time.thread_time() - c, 3), "profile": sampler.report()}))
+for th in threads:
+    th.join()
+out = {"skeleton_s": round(time.perf_counter() - t, 3),
+       "skeleton_cpu_s": round(time.thread_time() - c, 3), "profile": sampler.report(),
+       "modules": len(sys.modules)}
+if ahead:
+    out.update(process_cpu_s=round(time.process_time() - p, 3), imported_ahead=ahead,
+               ahead_errors=errors)
+print(json.dumps(out))
 """
+
+# Self-contained packages transformers' modeling stack imports (sympy via torch.fx, scipy via the
+# detection losses, boto3 via accelerate, trio via the hub client, ...): none imports torch or
+# transformers, so importing them on other threads cannot deadlock with the model class's import.
+PARALLEL_IMPORTS = "sympy,scipy.optimize,boto3,trio,huggingface_hub,jinja2"
 
 # Reads one file again and again with the daemon's IO engine at a given depth and request size,
 # until SIGTERM; prints its rate. Beside a skeleton build: does the engine's read pattern (not the
@@ -410,6 +436,14 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
         out["skeleton_alone_cold"] = {"cache_dropped": drop_caches(),
                                       **run_script(SKELETON_ALONE_SCRIPT, store_dir)}
         save(res, args.output)
+        if args.parallel_imports:
+            # The same, with self-contained packages imported on threads beside the build: do
+            # the imports' system calls overlap on this machine (they hold no interpreter lock)?
+            out["skeleton_alone_cold_parallel"] = {
+                "cache_dropped": drop_caches(),
+                **run_script(SKELETON_ALONE_SCRIPT, store_dir, args.parallel_imports)}
+            out["skeleton_alone_cold_parallel"].pop("profile", None)
+            save(res, args.output)
         for spec in filter(None, args.beside_engine.split(",")):
             out.setdefault("skeleton_beside_engine", {})[spec] = skeleton_beside_engine(store_dir, data, spec)
             save(res, args.output)
@@ -474,6 +508,9 @@ def main(argv=None) -> int:
                         help="shared_gpu_cold: the skeleton (cache dropped) beside a process reading "
                              "the model's file with the IO engine at DEPTHxREQUEST, for each "
                              "(32x1MiB: the daemon's engine); '' to skip (~12 s each)")
+    parser.add_argument("--parallel-imports", default=PARALLEL_IMPORTS,
+                        help="shared_gpu_cold: packages imported on threads beside a cold skeleton "
+                             "build (skeleton_alone_cold_parallel); '' to skip")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
 
