@@ -142,6 +142,30 @@ def test_streamed_under_budget_is_bit_exact(stores, daemon, device, window, mode
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: "-".join(c))
+@pytest.mark.parametrize("mode", ["embedded", "daemon"])
+def test_projection_slots_are_bit_exact(stores, daemon, device, case, mode):
+    """``stream_unit: projection`` for each arch: every projection of the four layers' MLPs in a
+    slot of its own (12 units through the smallest ring), logits and tokens those of the
+    reference -- on CUDA through the copy stream, events and the per-projection hooks."""
+    src, store = stores[case]
+    ref = load_reference(src, device=device)
+    budget = resident_minimum(Store.open(store).blocks, "projection")
+    client = Client(embedded=True, config=CONFIG) if mode == "embedded" else Client(daemon.socket,
+                                                                                   embedded=False)
+    with client:
+        model = load_model(store, device=device, client=client, weight_budget=budget,
+                           flash_context={"stream_unit": "projection"})
+        runtime = model.flash.stream
+        assert runtime.plan.unit == "projection" and (runtime.m, runtime.n) == (12, 2)
+        assert_same_as_reference(model, ref, device)
+        stats = runtime.stats()
+        assert stats["prefetch_hits"] + stats["prefetch_miss_count"] == 12 * stats["passes"]
+        model.flash.close()
+        assert client.stats()["active_leases"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_two_clients_stream_the_same_model_at_once(stores, daemon, device):
     src, store = stores[("qwen2", "bfloat16")]
     ref = load_reference(src, device=device)
