@@ -208,6 +208,14 @@ def main():
                                    "check": c[1], "rel": c[0]})
                     except Exception as exc:           # a config the compiler refuses
                         sw.append({**v, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                # the access pattern alone (LO: the loads and stores, no arithmetic; wrong results)
+                for v in (dict(cfg, LO=1), dict(gemv.mma_config(N, K, 4, 2, 4, 264, 0, 2), LO=1)):
+                    try:
+                        t = time_calls([lambda w=w, s=s, v=v: gemv.int4_tiles_matmul(
+                            x, w, s, args.group, N, K, v) for _, w, s, _ in mats], reps=3)
+                        sw.append({**v, "us": round(t * 1e6, 2), "frac": round(wbytes / t / bw, 3)})
+                    except Exception as exc:
+                        sw.append({**v, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
                 row["int4_sweep"] = sw
                 save()
             if args.int8 and M == 1:
@@ -276,7 +284,11 @@ def main():
             print(r["N"], r["K"], r["M"], "old", r["old_us"], r["old_frac"], r["old_check"][1])
         for key in ("int4_sweep", "int8_sweep"):
             if key in r:
-                best = sorted((v for v in r[key] if "us" in v), key=lambda v: v["us"])[:3]
+                best = sorted((v for v in r[key] if "us" in v and not v.get("LO")),
+                              key=lambda v: v["us"])[:3]
+                lo = [(v["S"], v["us"], v["frac"]) for v in r[key] if v.get("LO") and "us" in v]
+                if lo:
+                    print(r["N"], r["K"], r["M"], "loads only (S, us, frac):", lo)
                 print(r["N"], r["K"], r["M"], key, [
                     (v.get("NT", v.get("BLOCK_N")), v.get("BC", v.get("BLOCK_W")),
                      v.get("WARPS", v.get("num_warps")), v["SPLIT"], v.get("ROWS"), v.get("PF"),

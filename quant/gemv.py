@@ -248,7 +248,7 @@ if triton is not None:
                 pid_k, SPLIT)
 
 
-def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0, S: int = 1) -> str:
+def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0, S: int = 1, LO: int = 0) -> str:
     """PTX of one warp's work in the tensor-core int4 kernel (``_int4_tiles_mma``): ``S`` steps of
     ``NT`` n-tiles (8 output rows each) times ``BC`` chunks (128 input columns each) of the tile
     layout; step ``s`` takes the n-tiles ``s * $10 + warp * NT + j`` (``$10``: the program's
@@ -270,7 +270,10 @@ def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0, S: int = 1) -> str:
     re-reads the last valid one and is not stored. With ``S > 1`` the weights of step ``s + 1``
     are loaded (into a second set of registers) before step ``s`` is computed. ``PF`` (``S``
     1): lane 0 first asks the L2 for the same chunks of the n-tiles ``$10`` further on, where the
-    program has them -- its next call (``cp.async.bulk.prefetch``, no registers held)."""
+    program has them -- its next call (``cp.async.bulk.prefetch``, no registers held). ``LO``: a
+    measurement aid, not a kernel -- the same loads and stores with the arithmetic replaced by an
+    xor of the loaded words (wrong results; ``bench/gemv.py`` times it as the access pattern's own
+    ceiling)."""
     gp = 128 // GROUP            # scale groups per chunk
     tiles = GROUP // 16          # k16 tiles per group
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
@@ -342,7 +345,14 @@ def _mma_asm(NT: int, BC: int, GROUP: int, PF: int = 0, S: int = 1) -> str:
         for j in range(NT):
             e("mov.f32 acc%d, 0f00000000;" % (2 * j))
             e("mov.f32 acc%d, 0f00000000;" % (2 * j + 1))
-        for j in range(NT):
+        for j in range(NT if LO else 0):
+            e("mov.b32 q0, 0;")
+            for k in range((j * BC) * 4, (j * BC + BC) * 4):
+                e("xor.b32 q0, q0, w%s%d;" % (buf, k))
+            for k in range(j * BC * gp * 2, (j + 1) * BC * gp * 2):
+                e("xor.b32 q0, q0, s%s%d;" % (buf, k))
+            e("mov.b32 acc%d, q0;" % (2 * j))
+        for j in range(0 if LO else NT):
             for c in range(BC):
                 for h in range(gp):
                     b = (c * gp + h) * 4
@@ -577,14 +587,24 @@ _ASM: dict = {}
 
 
 def _mma_matmul(x, words, sz, group, N, K, cfg):
+    if words.data_ptr() % 16 or sz.data_ptr() % 8:
+        # The asm's 16- and 8-byte loads need aligned operands (a fresh or arena-slot tensor is);
+        # torch's int4 kernel reads the same layout.
+        return torch.ops.aten._weight_int4pack_mm(x.contiguous(), words, group, sz)
+    if x.data_ptr() % 4 or x.stride(0) % 2:
+        x = x.contiguous()                      # 4-byte loads of column pairs
+    if x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):
+            return _mma_matmul(x, words, sz, group, N, K, cfg)
     M = x.shape[0]
     nt, bc, warps, split, rows = cfg["NT"], cfg["BC"], cfg["WARPS"], cfg["SPLIT"], cfg["ROWS"]
     assert 1 <= M <= 8 and N % 8 == 0 and K % 128 == 0 and group in (32, 64, 128), (M, N, K)
     assert bc * split == K // 128 and rows % (warps * nt * 8 * steps) == 0, (K, cfg)
-    pf, steps = cfg.get("PF", 0), cfg.get("S", 1)
-    asm = _ASM.get((nt, bc, group, pf, steps))
+    key = (nt, bc, group, cfg.get("PF", 0), cfg.get("S", 1), cfg.get("LO", 0))
+    steps = key[4]
+    asm = _ASM.get(key)
     if asm is None:
-        asm = _ASM[(nt, bc, group, pf, steps)] = _mma_asm(nt, bc, group, pf, steps)
+        asm = _ASM[key] = _mma_asm(*key)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     groups = _cdiv(N, rows)
     ws, cnt = _workspace(x.device, split, M, N, groups)

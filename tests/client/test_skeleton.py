@@ -230,3 +230,55 @@ def test_local_config_and_imports_begun_from_it(tmp_path):
     assert begun.seconds is not None               # joined before the other one started
     assert other is not begun and other.module.endswith("modeling_no_such_arch_b")
     other.wait()
+
+
+def test_packages_imported_ahead_are_those_the_model_class_imports_and_land_whole():
+    """``skeleton.AHEAD``: each package is one the model class's import pulls in anyway (a fresh
+    process importing only the modeling module ends with every one of them), and imported on
+    threads beside it they all land, without an error; the module set is the same either way
+    (qwen2 and mistral import the same stack)."""
+    import json
+    import subprocess
+    import sys
+
+    from deepseek_flash.client.skeleton import AHEAD
+
+    plain = """
+import json, sys
+import torch
+before = set(sys.modules)
+import transformers.models.llama.modeling_llama
+from deepseek_flash.client.skeleton import AHEAD
+print(json.dumps({"ahead": [n for n in AHEAD if n in sys.modules and n not in before],
+                  "modules": sorted(set(sys.modules) - before)}))
+"""
+    ahead = """
+import json, logging, sys
+import torch
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+before = set(sys.modules)
+from deepseek_flash.client.skeleton import build_skeleton, start_imports
+config = {"model_type": sys.argv[1], "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "vocab_size": 256}
+imports = start_imports(config)
+threads = len(imports._ahead_threads)
+model = build_skeleton(config, imports)
+print(json.dumps({"threads": threads, "done": imports.done, "params": sum(p.numel() for p in model.parameters()),
+                  "modules": sorted(set(sys.modules) - before)}))
+"""
+    out = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    base = json.loads(out.stdout.strip().splitlines()[-1])
+    assert base["ahead"] == list(AHEAD)
+    out = subprocess.run([sys.executable, "-c", ahead, "llama"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ahead failed" not in out.stderr, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["threads"] == len(AHEAD) and res["done"] and res["params"] > 0
+    # Nothing imported that the plain import of the model class does not import too (the
+    # skeleton's own modules aside: deepseek_flash's, transformers' auto classes).
+    extra = {m for m in set(res["modules"]) - set(base["modules"])
+             if not m.startswith(("deepseek_flash", "transformers"))}
+    assert extra == set(), sorted(extra)[:20]

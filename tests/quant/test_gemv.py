@@ -372,6 +372,17 @@ def test_mma_kernel_matches_the_reference(group):
             x = torch.randn(8, K, device="cuda").to(BF16)
             ref = gemv.mma_reference(x, words, sz, group, N, K, gemv.mma_config(N, K)["SPLIT"])
             assert _check(ref, x, W) <= 1
+            # x at an odd element offset: copied first (the asm's 4-byte loads)
+            big = torch.randn(2, K + 1, device="cuda").to(BF16)
+            xo = big[:1, 1:]
+            assert xo.data_ptr() % 4 == 2
+            assert _check(gemv.int4_tiles_matmul(xo, words, sz, group, N, K), xo, W) <= 1
+            # words not 16-byte aligned: torch's int4 kernel on the same layout instead
+            buf = torch.empty(words.numel() + 1, dtype=words.dtype, device="cuda")
+            wo = buf[1:].view(words.shape)
+            wo.copy_(words)
+            assert torch.equal(gemv.int4_tiles_matmul(x, wo, sz, group, N, K),
+                               torch.ops.aten._weight_int4pack_mm(x, words, group, sz))
 
 
 @pytest.mark.gpu
