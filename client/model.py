@@ -22,7 +22,8 @@ from ..cuda import attention_without_cudnn
 from ..errors import BudgetTooSmall, ConfigError, DeviceMapError, FlashIOError
 from ..sizes import parse_size
 from ..store.views import block_tensors
-from ..wire import GATE_FAILED, GATE_PENDING, GATE_READY, SLOT_ALIGNMENT, Plan, control_views
+from ..wire import (DEFAULT_STREAM_UNIT, GATE_FAILED, GATE_PENDING, GATE_READY, SLOT_ALIGNMENT, Plan,
+                    control_views)
 from .skeleton import bind_parameters, build_skeleton, decoder_parts, local_config, start_imports
 from .placement import block_sizes, resolve
 from .stream import StreamGroup, start_reports, start_streaming
@@ -416,7 +417,8 @@ def _load_parts(client, info, device_map, weight_budget, priority, owns_client, 
     # minimum (anchors + slots) first.
     available, free = _devices_here()
     parts = resolve(device_map, weight_budget=weight_budget, available=available, free_bytes=free,
-                    **block_sizes(info.blocks, info.num_layers, SLOT_ALIGNMENT))
+                    **block_sizes(info.blocks, info.num_layers, SLOT_ALIGNMENT,
+                                  info.flash_config.get("stream_unit", DEFAULT_STREAM_UNIT)))
     first = torch.device(parts[0].device)
     handle = FlashModelHandle(client, info, first, None, owns_client)
     handle.priority = priority

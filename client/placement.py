@@ -28,7 +28,7 @@ lm_head with the last layer's part (and, for tied embeddings, a copy of the embe
 capped), or a list with one budget per part. A total (or a device's budget over its slices) is
 split so that every part first gets its *resident minimum* -- what the planner needs before
 anything can stream: the part's anchors (its embeddings, norms, attention, head) plus two
-streaming slots of its largest MLP -- and the rest in proportion to what each part could still
+streaming slots of its largest unit (``stream_unit``: an MLP, or one projection) -- and the rest in proportion to what each part could still
 keep resident beyond that, so the parts stream the same share of their MLPs. (A split by bytes
 alone ignores that every part pays its own anchors and slots: half of each part's bytes can be
 below its minimum while half of the model is well above the one-device minimum.) A budget below
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from ..errors import BudgetTooSmall, DeviceMapError
 from ..sizes import parse_size
-from ..wire import MIN_SLOTS, STREAM_ROLES
+from ..wire import DEFAULT_STREAM_UNIT, MIN_SLOTS, STREAM_ROLES, stream_units, unit_bytes
 
 EMBED_PREFIX = "model.embed_tokens."
 HEAD_PREFIXES = ("model.norm.", "lm_head.")
@@ -190,11 +190,12 @@ def _auto(devices: list[str], capacity: list[float], layer_bytes: list[int], edg
 
 def resolve(device_map, *, num_layers: int, layer_bytes: list[int], edge_bytes: tuple[int, int],
             weight_budget=None, available: list[str], free_bytes: dict | None = None,
-            stream_bytes: list[int] | None = None) -> list[Part]:
+            stream_bytes: list[int] | None = None, slot_bytes: list[int] | None = None) -> list[Part]:
     """The parts of ``device_map`` (see the module docstring) for a model of ``num_layers``
     layers of ``layer_bytes`` each plus ``edge_bytes`` (embeddings, norm + head) bytes.
     ``stream_bytes``: of each layer's bytes, those that may stream (its MLP); the rest of a layer
     stays resident. With it a total budget's split gives every part its resident minimum first.
+    ``slot_bytes``: each layer's largest streaming unit (``stream_unit``; default: its MLP).
 
     ``available``: the devices that exist (``"cpu"`` and ``"cuda:N"``); ``free_bytes``: free
     memory per CUDA device for automatic maps. Raises ``DeviceMapError`` naming the device or
@@ -254,7 +255,7 @@ def resolve(device_map, *, num_layers: int, layer_bytes: list[int], edge_bytes: 
         size += edge_bytes[0] if 0 in layers else 0
         size += edge_bytes[1] if num_layers - 1 in layers else 0
         part_bytes.append(size)
-    minimums = _minimums(runs, part_bytes, stream_bytes)
+    minimums = _minimums(runs, part_bytes, stream_bytes, slot_bytes)
     if l0 is None:
         part_budgets = _split_budget(weight_budget, budgets, runs, part_bytes, minimums)
     else:
@@ -264,7 +265,7 @@ def resolve(device_map, *, num_layers: int, layer_bytes: list[int], edge_bytes: 
             for k, (device, layers) in enumerate(runs)]
 
 
-def block_sizes(blocks, num_layers: int, alignment: int) -> dict:
+def block_sizes(blocks, num_layers: int, alignment: int, unit: str = DEFAULT_STREAM_UNIT) -> dict:
     """``resolve``'s size arguments for a model's blocks (BlockInfo list), counted as the planner
     counts them (each block at an ``alignment``-aligned offset): ``layer_bytes``, ``stream_bytes``
     (each layer's MLP: the blocks of ``wire.STREAM_ROLES``) and ``edge_bytes``
@@ -274,29 +275,35 @@ def block_sizes(blocks, num_layers: int, alignment: int) -> dict:
         return (n + alignment - 1) // alignment * alignment
 
     layer_bytes, stream_bytes, edges = [0] * num_layers, [0] * num_layers, [0, 0]
+    mlp: list[list] = [[] for _ in range(num_layers)]
     for b in blocks:
         size = aligned(b.length)
         if b.layer >= 0:
             layer_bytes[b.layer] += size
             if b.role in STREAM_ROLES:
                 stream_bytes[b.layer] += size
+                mlp[b.layer].append(b)
         else:
             edges[0 if b.role == "embed" else 1] += size
     if not any(b.role == "lm_head" for b in blocks):
         edges[1] += edges[0]
+    slot_bytes = [max((unit_bytes(u) for u in stream_units(group, unit)), default=0) if group else 0
+                  for group in mlp]
     return {"num_layers": num_layers, "layer_bytes": layer_bytes, "stream_bytes": stream_bytes,
-            "edge_bytes": tuple(edges)}
+            "slot_bytes": slot_bytes, "edge_bytes": tuple(edges)}
 
 
-def _minimums(runs, part_bytes, stream_bytes) -> list[int] | None:
-    """Each part's resident minimum (anchors + ``MIN_SLOTS`` slots of its largest MLP; its whole
-    size where that is less), or None without ``stream_bytes``."""
+def _minimums(runs, part_bytes, stream_bytes, slot_bytes=None) -> list[int] | None:
+    """Each part's resident minimum (anchors + ``MIN_SLOTS`` slots of its largest streaming
+    unit -- ``slot_bytes``, else its largest MLP; its whole size where that is less), or None
+    without ``stream_bytes``."""
     if stream_bytes is None:
         return None
+    slots = slot_bytes if slot_bytes is not None else stream_bytes
     out = []
     for (_, layers), size in zip(runs, part_bytes):
         streamable = sum(stream_bytes[i] for i in layers)
-        slot = max((stream_bytes[i] for i in layers), default=0)
+        slot = max((slots[i] for i in layers), default=0)
         out.append(min(size, size - streamable + MIN_SLOTS * slot))
     return out
 

@@ -459,6 +459,7 @@ class StreamRuntime(_Reporting):
         # closed model and its slot views die with their last reference, not at the next cyclic
         # garbage collection (device memory the arena has already handed out again).
         self._hooked = []
+        self.unit_modules = []
         if self.link is not None:
             self.link.stop()
         self.ops.synchronize()

@@ -69,6 +69,32 @@ def test_a_total_below_the_parts_minimums_is_refused_naming_each_part():
     assert [p.budget for p in resolve({"devices": ["cuda:0"]}, **SKEWED, weight_budget=10)] == [10]
 
 
+def test_projection_slots_lower_each_parts_minimum():
+    """With ``stream_unit: projection`` a slot holds the largest projection (20 of the 60 here):
+    minimums 500 - 180 + 40 = 360 and 520 - 300 + 40 = 260."""
+    projection = dict(SKEWED, slot_bytes=[20] * 8)
+    with pytest.raises(BudgetTooSmall) as exc:
+        resolve({"devices": ["cuda:0", "cuda:1"]}, **projection, weight_budget=619)
+    assert exc.value.minimum == 620 and exc.value.part_minimums == [360, 260]
+    assert [p.budget for p in resolve({"devices": ["cuda:0", "cuda:1"]}, **projection,
+                                      weight_budget=620)] == [360, 260]
+
+
+def test_block_sizes_give_the_largest_unit_of_each_layer(tmp_path):
+    from deepseek_flash.client.placement import block_sizes
+    from deepseek_flash.store import Store, pack
+    from deepseek_flash.testing import make_tiny_model
+    from deepseek_flash.wire import SLOT_ALIGNMENT
+
+    store = Store.open(pack(make_tiny_model(tmp_path / "src", "mistral", num_layers=2), tmp_path / "s"))
+    whole = block_sizes(store.blocks, 2, SLOT_ALIGNMENT, "layer")
+    split = block_sizes(store.blocks, 2, SLOT_ALIGNMENT, "projection")
+    assert whole["slot_bytes"] == whole["stream_bytes"] == split["stream_bytes"]
+    down = next(t for b in store.blocks if b.layer == 0 and b.role == "mlp_down" for t in b.tensors)
+    assert split["slot_bytes"] == [-(-down.nbytes // SLOT_ALIGNMENT) * SLOT_ALIGNMENT] * 2
+    assert 3 * split["slot_bytes"][0] == split["stream_bytes"][0]
+
+
 def test_a_budget_per_device_steers_an_automatic_map_and_is_split_among_its_slices():
     parts = resolve({"devices": ["cuda:1", "cuda:0", "cuda:0"]}, **EIGHT,
                     weight_budget={"cuda:1": 450, "cuda:0": "900"})

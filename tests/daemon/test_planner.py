@@ -25,9 +25,14 @@ def aligned(n):
     return -(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
 
 
+def layer_plan(*args, **kw):
+    """Whole-MLP slots (these blocks list no tensors, so they have no projections)."""
+    return plan_residency(*args, unit="layer", **kw)
+
+
 def test_no_budget_keeps_everything_resident():
     bs = blocks()
-    plan = plan_residency(bs, None, 2)
+    plan = layer_plan(bs, None, 2)
     assert plan.resident == [b.id for b in bs]
     assert plan.streamed_layers == [] and plan.n_slots == 0 and not plan.streaming
 
@@ -36,7 +41,7 @@ def test_minimum_budget_streams_every_mlp_through_two_slots():
     bs = blocks()
     anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))
     slot = 32768 + 16384
-    plan = plan_residency(bs, anchors + 2 * slot, 4)
+    plan = layer_plan(bs, anchors + 2 * slot, 4)
     assert plan.streamed_layers == [0, 1, 2, 3]
     assert plan.n_slots == 2 and plan.slot_bytes == slot
     assert {bs[i].role for i in plan.resident} == {"embed", "norms", "attn", "final_norm", "lm_head"}
@@ -47,7 +52,7 @@ def test_budget_below_minimum_names_the_sizes():
     bs = blocks()
     anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))
     with pytest.raises(BudgetTooSmall) as exc:
-        plan_residency(bs, anchors + 2 * 49152 - 1, 1, model="tiny")
+        layer_plan(bs, anchors + 2 * 49152 - 1, 1, model="tiny")
     err = exc.value
     assert err.code == 402
     assert err.minimum == anchors + 2 * 49152 and err.anchors == anchors and err.slot_bytes == 49152
@@ -58,13 +63,13 @@ def test_spare_budget_keeps_a_suffix_of_layers_resident_and_window_sets_slots():
     bs = blocks(layers=6)
     anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))
     slot = 49152
-    plan = plan_residency(bs, anchors + 3 * slot + slot, 2)   # 3 slots + one resident layer
+    plan = layer_plan(bs, anchors + 3 * slot + slot, 2)   # 3 slots + one resident layer
     assert plan.n_slots == 3
     # The ring serves the first layers; the last one stays (a pass then starts streaming at once).
     assert plan.streamed_layers == [0, 1, 2, 3, 4]
     assert {b.id for b in bs if b.layer == 5} <= set(plan.resident)
     assert plan.resident_bytes == anchors + slot
-    plan = plan_residency(bs, anchors + 3 * slot + 2 * slot, 2)
+    plan = layer_plan(bs, anchors + 3 * slot + 2 * slot, 2)
     assert plan.streamed_layers == [0, 1, 2, 3]
     assert plan.resident == sorted(plan.resident)
 
@@ -72,7 +77,7 @@ def test_spare_budget_keeps_a_suffix_of_layers_resident_and_window_sets_slots():
 def test_large_window_is_capped_by_the_budget():
     bs = blocks(layers=3)
     anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))
-    plan = plan_residency(bs, anchors + 2 * 49152 + 100, 8)
+    plan = layer_plan(bs, anchors + 2 * 49152 + 100, 8)
     assert plan.streamed_layers == [0, 1, 2] and plan.n_slots == 2
 
 
@@ -81,7 +86,7 @@ def test_plan_round_trips_through_the_wire():
 
     bs = blocks()
     anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))
-    plan = plan_residency(bs, anchors + 2 * 49152, 1)
+    plan = layer_plan(bs, anchors + 2 * 49152, 1)
     again = Plan.from_wire(plan.to_wire())
     assert again == plan
 
@@ -92,24 +97,24 @@ def test_auto_window_is_resolved_from_slot_size_and_link():
     slot = (32 << 20) + (16 << 20)
     # 48 MiB a slot: 0.8 ms at 63 GB/s -> a ring of three slots, the window starting at all three
     # (every slot refilled as soon as its layer has run).
-    plan = plan_residency(bs, anchors + 6 * slot, "auto", link_bytes_per_s=63e9)
+    plan = layer_plan(bs, anchors + 6 * slot, "auto", link_bytes_per_s=63e9)
     assert plan.window == 3 and plan.n_slots == 3
     assert plan.streamed_layers == list(range(0, 9))
     # A slow link makes the same slot last longer: the same ring.
-    plan = plan_residency(bs, anchors + 6 * slot, "auto", link_bytes_per_s=8e9)
+    plan = layer_plan(bs, anchors + 6 * slot, "auto", link_bytes_per_s=8e9)
     assert (plan.window, plan.n_slots) == (3, 3)
     # Tiny slots on a fast link: more slots, the window still the whole ring.
     small = blocks(layers=40, gate_up=64 << 10, down=32 << 10)
     small_slot = aligned((64 << 10)) + aligned(32 << 10)
     small_anchors = sum(aligned(b.length) for b in small if not b.role.startswith("mlp"))
-    plan = plan_residency(small, small_anchors + 20 * small_slot, "auto", link_bytes_per_s=63e9)
+    plan = layer_plan(small, small_anchors + 20 * small_slot, "auto", link_bytes_per_s=63e9)
     assert plan.n_slots == auto_window(small_slot, 63e9) + 1 > 3 and plan.window == plan.n_slots
     # An explicit window is the one asked for (three slots for two ahead); the budget caps it.
-    plan = plan_residency(bs, anchors + 6 * slot, 2)
+    plan = layer_plan(bs, anchors + 6 * slot, 2)
     assert plan.n_slots == 3 and plan.window == 2
-    plan = plan_residency(bs, anchors + 3 * slot, 4)
+    plan = layer_plan(bs, anchors + 3 * slot, 4)
     assert plan.n_slots == 3 and plan.window == 3
-    assert plan_residency(bs, anchors + 6 * slot, 0).window == 0
+    assert layer_plan(bs, anchors + 6 * slot, 0).window == 0
 
 
 def seven_b_blocks(arch):
