@@ -103,6 +103,8 @@ def run(asm: str, args: list, mem: Memory, warp: int = 0) -> None:
                 reg[d] = (val(ops[1]) & M32) >> val(ops[2])
             elif op == "shl.b32":
                 reg[d] = (val(ops[1]) << val(ops[2])) & M32
+            elif op == "xor.b32":
+                reg[d] = (val(ops[1]) ^ val(ops[2])) & M32
             elif op == "and.b32":
                 reg[d] = val(ops[1]) & val(ops[2]) & M32
             elif op == "add.u32":
