@@ -84,7 +84,7 @@ def test_the_paths_bench_reader_refuses_a_file_below_one_extent(tmp_path):
     small = tmp_path / "small.bin"
     small.write_bytes(b"\0" * 4096)
     done = subprocess.run([sys.executable, "-c", _bench_paths().ENGINE_READER_SCRIPT, str(small), "4",
-                           str(1 << 20)], capture_output=True, text=True, timeout=60)
+                           str(1 << 20), "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.strip() == f"{small}: 4096 bytes, less than one 32 MiB extent to read"
 
