@@ -398,7 +398,8 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int) -> dict:
         out["daemon_side_vs_best_raw"] = round(gbps(nbytes, attach_s + seconds) / best_raw, 3)
     out["daemon_log_pin"] = [ln for ln in log.splitlines()
                              if "page-locked" in ln or "segment" in ln or " done: " in ln
-                             or "reads at " in ln or "staged" in ln][:12]
+                             or "reads at " in ln or "beyond the host arena" in ln
+                             or "faulted in" in ln or "IO engine" in ln][:14]
     return out
 
 
