@@ -26,8 +26,21 @@ import torch
 SHAPES_8B = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]   # q/o, k/v, gate/up, down
 
 
+SMOKE = False          # --smoke: the CPU, tiny shapes, wall-clock timing (what CI proves runs)
+
+
+def sync():
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
 def copy_rate(dev) -> float:
     """Device-to-device copy, bytes read + written per second (1 GiB each way)."""
+    if SMOKE:
+        a = torch.empty(1 << 24, dtype=torch.uint8)
+        t = time.perf_counter()
+        a.clone()
+        return 2 * a.numel() / (time.perf_counter() - t)
     a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     for _ in range(3):
@@ -48,6 +61,11 @@ def copy_rate(dev) -> float:
 def time_calls(fns, reps: int = 5) -> float:
     """Seconds per call: the calls ``fns`` (one per weight copy) captured once in a graph,
     ``rounds`` times over, replayed; median of ``reps`` replays."""
+    if SMOKE:
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t) / len(fns)
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -104,7 +122,22 @@ def check(y, x, W):
     return rel, round(((y.double() - ref).abs() / allowance).max().item(), 3)
 
 
-def main():
+def ncopies(nbytes: int) -> int:
+    """Weight copies enough that a round of calls never finds its weight in the L2 (2 on the
+    smoke run)."""
+    return 2 if SMOKE else max(2, math.ceil(400e6 / nbytes))
+
+
+def tinygemm(x, w, group, s, N, K):
+    """torch's int4 kernel (on the CPU smoke run: the reference of the same arithmetic)."""
+    if SMOKE:
+        from deepseek_flash.quant import gemv
+        return gemv.mma_reference(x, w, s, group, N, K)
+    return torch.ops.aten._weight_int4pack_mm(x, w, group, s)
+
+
+def main(argv=None):
+    global SMOKE
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", required=True)
     ap.add_argument("--sweep", action="store_true")
@@ -119,12 +152,19 @@ def main():
     ap.add_argument("--int8", action="store_true", help="also int8 (row layout) kernels")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--int8-sweep", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, tiny shapes, wall-clock timing: proves the script runs (CI)")
+    args = ap.parse_args(argv)
+    SMOKE = args.smoke
+    if SMOKE:
+        if args.shapes == ",".join(f"{n}x{k}" for n, k in SHAPES_8B):
+            args.shapes = "64x512,24x384"
+        args.sweep_shapes = args.shapes
     from deepseek_flash.quant import gemv, kernels
     from deepseek_flash.quant.codec import dequantize
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if SMOKE else "cuda")
     torch.manual_seed(0)
-    res = {"benchmark": "gemv", "device": torch.cuda.get_device_name(),
+    res = {"benchmark": "gemv", "device": "cpu" if SMOKE else torch.cuda.get_device_name(),
            "torch": torch.__version__, "group": args.group, "rows": []}
     t0 = time.time()
     bw = copy_rate(dev)
@@ -138,10 +178,10 @@ def main():
     ms = [int(v) for v in args.ms.split(",")]
     for N, K in shapes:
         wbytes = N * K // 2 + (K // args.group) * N * 4          # codes + bf16 (scale, zero) pairs
-        copies = max(2, math.ceil(400e6 / wbytes))
+        copies = ncopies(wbytes)
         mats = make_int4(N, K, args.group, copies, dev)
         bf = [torch.randn(N, K, device=dev, dtype=torch.bfloat16)
-              for _ in range(max(2, math.ceil(400e6 / (N * K * 2))))]
+              for _ in range(ncopies(N * K * 2))]
         codes0, words0, sz0, spec = mats[0]
         W = dequantize(codes0, sz0[..., 0].t().float(), spec, (N, K), torch.float32)
         for M in ms:
@@ -151,7 +191,7 @@ def main():
             row["int4_config"] = cfg
             try:        # correctness of the default config, then its time
                 y = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K)
-                torch.cuda.synchronize()
+                sync()
                 row["int4_check"] = check(y, x, W)
                 t = time_calls([lambda w=w, s=s: gemv.int4_tiles_matmul(x, w, s, args.group, N, K)
                                 for _, w, s, _ in mats])
@@ -160,9 +200,9 @@ def main():
             except Exception as exc:          # a compiler error: record it, time the others
                 row["int4_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 row["int4_check"], row["int4_us"], row["int4_frac"] = [None, -1], -1, -1
-            yt = torch.ops.aten._weight_int4pack_mm(x, words0, args.group, sz0)
+            yt = tinygemm(x, words0, args.group, sz0, N, K)
             row["tinygemm_check"] = check(yt, x, W)
-            t = time_calls([lambda w=w, s=s: torch.ops.aten._weight_int4pack_mm(x, w, args.group, s)
+            t = time_calls([lambda w=w, s=s: tinygemm(x, w, args.group, s, N, K)
                             for _, w, s, _ in mats])
             row["tinygemm_us"] = round(t * 1e6, 2)
             row["tinygemm_frac"] = round(wbytes / t / bw, 3)
@@ -174,7 +214,7 @@ def main():
             if args.old:              # the CUDA-core kernels of 2026-12-01 (rows / dot)
                 ocfg = gemv.rows_config(N, K) if M == 1 else gemv.int4_config(16, N, K)
                 yo = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K, ocfg)
-                torch.cuda.synchronize()
+                sync()
                 row["old_check"] = check(yo, x, W)
                 t = time_calls([lambda w=w, s=s: gemv.int4_tiles_matmul(
                     x, w, s, args.group, N, K, ocfg) for _, w, s, _ in mats])
@@ -200,7 +240,7 @@ def main():
                         continue
                     try:
                         yv = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K, v)
-                        torch.cuda.synchronize()
+                        sync()
                         c = check(yv, x, W)
                         t = time_calls([lambda w=w, s=s, v=v: gemv.int4_tiles_matmul(
                             x, w, s, args.group, N, K, v) for _, w, s, _ in mats], reps=3)
@@ -221,13 +261,13 @@ def main():
             if args.int8 and M == 1:
                 i8 = [(torch.randint(-128, 128, (N, K), dtype=torch.int8, device=dev),
                        (torch.rand(N, K // args.group, device=dev) * 0.02 + 0.001).half())
-                      for _ in range(max(2, math.ceil(400e6 / (N * K))))]
+                      for _ in range(ncopies(N * K))]
                 from deepseek_flash.quant.scheme import QuantSpec
                 spec8 = QuantSpec("int8_symmetric", "per_block", args.group)
                 W8 = dequantize(i8[0][0], i8[0][1], spec8, (N, K), torch.float32)
                 b8 = N * K + N * (K // args.group) * 2
                 y8 = gemv.int8_rows_matmul(x, i8[0][0], i8[0][1], args.group, N, K)
-                torch.cuda.synchronize()
+                sync()
                 row["int8_check"] = check(y8, x, W8)
                 row["int8_config"] = gemv.int8_config(M, N, K)
                 t = time_calls([lambda c=c, s=s: gemv.int8_rows_matmul(x, c, s, args.group, N, K)
@@ -265,7 +305,8 @@ def main():
             save()
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("sweep")}), flush=True)
         del mats, bf
-        torch.cuda.empty_cache()
+        if not SMOKE:
+            torch.cuda.empty_cache()
     res["seconds"] = round(time.time() - t0, 1)
     save()
     print(f"copy {res['copy_bandwidth_gbps']} GB/s")

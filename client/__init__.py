@@ -21,7 +21,8 @@ from pathlib import Path
 
 from .. import paths, protocol
 from ..cuda import open_gpu_arena, register_host_memory, unregister_host_memory
-from ..errors import DaemonNotRunning, FlashError, PermissionDenied, ProtocolError, ShuttingDown
+from ..errors import (DaemonNotRunning, FlashError, PermissionDenied, ProtocolError, ShuttingDown,
+                      UnknownOperation)
 from ..wire import Lease, ModelInfo
 
 log = logging.getLogger("deepseek_flash.client")
@@ -336,7 +337,10 @@ class Client:
     def imports_done(self) -> float | None:
         """This process's imports are done (after ``attach(..., importing=True)``): the controller
         reads at full depth again. The seconds it read shallow for this client (None: it did not)."""
-        out = self._backend.call("imports_done", {})
+        try:
+            out = self._backend.call("imports_done", {})
+        except UnknownOperation:
+            return None     # a daemon older than this library: it read at full depth throughout
         return None if out is None else out.get("shallow_s")
 
     def detach(self, model=None) -> None:

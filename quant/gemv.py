@@ -586,22 +586,26 @@ def int4_tiles_matmul(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, gr
 _ASM: dict = {}
 
 
+def _tinygemm(x, words, group, sz):
+    return torch.ops.aten._weight_int4pack_mm(x.contiguous(), words, group, sz)
+
+
 def _mma_matmul(x, words, sz, group, N, K, cfg):
     if words.data_ptr() % 16 or sz.data_ptr() % 8:
         # The asm's 16- and 8-byte loads need aligned operands (a fresh or arena-slot tensor is);
         # torch's int4 kernel reads the same layout.
-        return torch.ops.aten._weight_int4pack_mm(x.contiguous(), words, group, sz)
+        return _tinygemm(x, words, group, sz)
     if x.data_ptr() % 4 or x.stride(0) % 2:
         x = x.contiguous()                      # 4-byte loads of column pairs
-    if x.device.index != torch.cuda.current_device():
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):
             return _mma_matmul(x, words, sz, group, N, K, cfg)
     M = x.shape[0]
     nt, bc, warps, split, rows = cfg["NT"], cfg["BC"], cfg["WARPS"], cfg["SPLIT"], cfg["ROWS"]
-    assert 1 <= M <= 8 and N % 8 == 0 and K % 128 == 0 and group in (32, 64, 128), (M, N, K)
-    assert bc * split == K // 128 and rows % (warps * nt * 8 * steps) == 0, (K, cfg)
     key = (nt, bc, group, cfg.get("PF", 0), cfg.get("S", 1), cfg.get("LO", 0))
     steps = key[4]
+    assert 1 <= M <= 8 and N % 8 == 0 and K % 128 == 0 and group in (32, 64, 128), (M, N, K)
+    assert bc * split == K // 128 and rows % (warps * nt * 8 * steps) == 0, (K, cfg)
     asm = _ASM.get(key)
     if asm is None:
         asm = _ASM[key] = _mma_asm(*key)

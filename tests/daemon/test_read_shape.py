@@ -133,3 +133,19 @@ def test_a_hold_runs_out_and_the_engine_follows_the_holders(tiny_store):
         assert manager.end_shallow(b) is None
     finally:
         manager.close()
+
+
+def test_a_daemon_without_imports_done_is_not_an_error_for_the_client():
+    """A daemon older than the client library answers ``imports_done`` with UnknownOperation
+    (it ignored ``importing`` and read at full depth): the client goes on, nothing held."""
+    from types import SimpleNamespace
+
+    from deepseek_flash.client import Client
+    from deepseek_flash.errors import UnknownOperation
+
+    def old_daemon(op, args):
+        raise UnknownOperation(f"unknown operation {op!r}", op=op)
+
+    client = Client.__new__(Client)
+    client._backend = SimpleNamespace(call=old_daemon)
+    assert client.imports_done() is None

@@ -11,36 +11,46 @@ import re
 import numpy as np
 
 BASE = 1 << 20
+GAP = 1 << 16          # unowned bytes after each tensor: a read past one cannot land in the next
 M32 = np.uint64(0xFFFFFFFF)
 
 
 class Memory:
     def __init__(self, nbytes: int):
-        self.buf = np.zeros(nbytes, dtype=np.uint8)
+        self.buf = np.zeros(nbytes + 8 * (GAP + 256), dtype=np.uint8)
         self.top = 0
+        self.regions = []           # (start, end) offsets of what was put: every access inside one
 
     def put(self, arr: np.ndarray) -> int:
         """Copy ``arr`` in (256-byte aligned); its address."""
         raw = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
         off = self.top
         self.buf[off:off + raw.size] = raw
-        self.top = (off + raw.size + 255) // 256 * 256
+        self.regions.append((off, off + raw.size))
+        self.top = (off + raw.size + GAP + 255) // 256 * 256
         return BASE + off
 
     def get(self, addr: int, nbytes: int) -> np.ndarray:
         return self.buf[addr - BASE:addr - BASE + nbytes]
 
+    def inside(self, off: np.ndarray, nbytes: int) -> bool:
+        """Whether every ``[off, off + nbytes)`` lies within one tensor that was put."""
+        ok = np.zeros(off.shape, dtype=bool)
+        for start, end in self.regions:
+            ok |= (off >= start) & (off + nbytes <= end)
+        return bool(ok.all())
+
     def load32(self, addrs: np.ndarray) -> np.ndarray:
         off = addrs.astype(np.int64) - BASE
         b = self.buf
-        assert (off >= 0).all() and (off + 4 <= b.size).all() and (off % 4 == 0).all(), off
+        assert self.inside(off, 4) and (off % 4 == 0).all(), off
         return (b[off].astype(np.uint64) | b[off + 1].astype(np.uint64) << np.uint64(8)
                 | b[off + 2].astype(np.uint64) << np.uint64(16)
                 | b[off + 3].astype(np.uint64) << np.uint64(24))
 
     def store32(self, addrs: np.ndarray, vals: np.ndarray, mask: np.ndarray):
         off = addrs.astype(np.int64) - BASE
-        assert (off[mask] >= 0).all() and (off[mask] % 4 == 0).all()
+        assert self.inside(off[mask], 4) and (off[mask] % 4 == 0).all()
         for k in np.nonzero(mask)[0]:
             self.buf[off[k]:off[k] + 4] = np.array([vals[k]], dtype=np.uint32).view(np.uint8)
 
@@ -103,6 +113,8 @@ def run(asm: str, args: list, mem: Memory, warp: int = 0) -> None:
                 reg[d] = (val(ops[1]) & M32) >> val(ops[2])
             elif op == "shl.b32":
                 reg[d] = (val(ops[1]) << val(ops[2])) & M32
+            elif op == "xor.b32":
+                reg[d] = (val(ops[1]) ^ val(ops[2])) & M32
             elif op == "and.b32":
                 reg[d] = val(ops[1]) & val(ops[2]) & M32
             elif op == "add.u32":
@@ -127,7 +139,7 @@ def run(asm: str, args: list, mem: Memory, warp: int = 0) -> None:
                 pred[d] = ((val(ops[1]) & M32) == (val(ops[2]) & M32)) & pred[ops[3]]
             elif op == "cp.async.bulk.prefetch.L2.global":        # a hint: check the range only
                 base = addr(ops[0])[mask].astype(np.int64) - BASE
-                assert ((base >= 0) & (base + int(ops[1]) <= mem.buf.size)).all()
+                assert mem.inside(base, int(ops[1]))
                 assert (base % 16 == 0).all() and int(ops[1]) % 16 == 0
             elif op == "setp.lt.and.u32":
                 pred[d] = ((val(ops[1]) & M32) < (val(ops[2]) & M32)) & pred[ops[3]]
@@ -138,11 +150,15 @@ def run(asm: str, args: list, mem: Memory, warp: int = 0) -> None:
             elif op.startswith("ld.global"):
                 assert mask.all(), "loads are never predicated"
                 base = addr(ops[1])
+                width = 16 if ".v4" in op else 8 if ".v2" in op else 4
+                assert ((base.astype(np.int64) - BASE) % width == 0).all(), (op, "misaligned")
+                assert mem.inside(base.astype(np.int64) - BASE, width), (op, "out of bounds")
                 names = vec(d) if d.startswith("{") else [d]
                 for k, n in enumerate(names):
                     reg[n] = mem.load32(base + np.uint64(4 * k))
             elif op == "st.global.v2.f32":
                 base = addr(ops[0])
+                assert ((base[mask].astype(np.int64) - BASE) % 8 == 0).all(), "misaligned store"
                 for k, n in enumerate(vec(ops[1])):
                     mem.store32(base + np.uint64(4 * k), reg[n] & M32, mask)
             elif op == "fma.rn.f32":

@@ -205,37 +205,65 @@ def test_tensor_core_kernel_compiles_for_the_h200():
         assert ".local" not in ptx
 
 
-def _simulate_mma(x, words, sz, group, N, K, cfg):
-    """The programs of ``gemv._int4_tiles_mma`` step by step as the Triton code walks them (the
-    same bases and operands), each warp's asm block executed by ``ptx_warp``; the float32 partial
-    sums ``[split, M, N]`` it leaves in the workspace (NaN where nothing was written)."""
-    import numpy as np
-    import ptx_warp          # tests/quant, beside this file
+class SimulatedMMA:
+    """Stands in for ``gemv._int4_tiles_mma`` on the CPU, launched as Triton launches it
+    (``kernel[grid](*args, **constexprs)``): the programs' steps walked as the Triton code walks
+    them (the same bases and operands), each warp's asm block executed by ``ptx_warp``, then each
+    row group's split-K partials added in order into ``y`` and its counter checked and reset.
+    ``partials``: the float32 ``[split, M, N]`` workspace of the last launch (NaN where nothing was
+    written)."""
 
-    M = x.shape[0]
-    nt, bc, warps, split, rows = cfg["NT"], cfg["BC"], cfg["WARPS"], cfg["SPLIT"], cfg["ROWS"]
-    steps = cfg.get("S", 1)
-    asm = gemv._mma_asm(nt, bc, group, cfg.get("PF", 0), steps)
-    mem = ptx_warp.Memory(x.numel() * 2 + words.numel() * 4 + sz.numel() * 2
-                          + split * M * N * 4 + 4096)
-    xa = mem.put(x.view(torch.int16).numpy())
-    wa = mem.put(words.contiguous().numpy())
-    sa = mem.put(sz.view(torch.int16).numpy())
-    oa = mem.put(np.full(split * M * N, np.nan, dtype=np.float32))
-    KO = K // 128
-    for pid_n in range(_cdiv(N, rows)):
-        for pid_k in range(split):
-            c0, r0 = pid_k * bc, pid_n * rows
-            r1 = min(r0 + rows, N)
-            for n0 in range(r0, r1, warps * nt * 8 * steps):
-                args = [wa + ((n0 // 8) * (KO * 128) + c0 * 128) * 4,
-                        sa + (c0 * (128 // group) * N + n0) * 2 * 2,
-                        xa + c0 * 128 * 2, oa + (pid_k * M * N + n0) * 4,
-                        (r1 - n0) // 8, KO * 512, N * 4, M, x.stride(0) * 2, warps * nt]
-                for w in range(warps):
-                    ptx_warp.run(asm, args, mem, w)
-    part = mem.get(oa, split * M * N * 4).view(np.float32).reshape(split, M, N)
-    return torch.from_numpy(part.copy())
+    def __init__(self):
+        self.launches = 0
+        self.partials = None
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self._run(grid, *a, **k)
+
+    def _run(self, grid, x, words, sz, y, ws, cnt, M, N, K, stride_xm, rows, split, *, ASM, NT, BC,
+             GROUP, WARPS, SP2, RB, S, num_warps):
+        import numpy as np
+        import ptx_warp          # tests/quant, beside this file
+
+        assert grid == (_cdiv(N, rows), split) and num_warps == WARPS
+        assert SP2 >= split and SP2 & (SP2 - 1) == 0 and RB * SP2 <= 4096
+        assert x.dtype == y.dtype == BF16 and y.shape == (M, N) and ws.numel() >= split * M * N
+        assert cnt.numel() >= grid[0] and int(cnt.abs().sum()) == 0
+        mem = ptx_warp.Memory(x.numel() * 2 + words.numel() * 4 + sz.numel() * 2
+                              + split * M * N * 4 + 8192)
+        xa = mem.put(x.contiguous().view(torch.int16).numpy())
+        assert x.is_contiguous() or x.stride(-1) == 1
+        wa = mem.put(words.contiguous().numpy())
+        sa = mem.put(sz.contiguous().view(torch.int16).numpy())
+        oa = mem.put(np.full(split * M * N, np.nan, dtype=np.float32))
+        KO = K // 128
+        for pid_n in range(grid[0]):
+            for pid_k in range(split):
+                c0, r0 = pid_k * BC, pid_n * rows
+                r1 = min(r0 + rows, N)
+                for n0 in range(r0, r1, WARPS * NT * 8 * S):
+                    args = [wa + ((n0 // 8) * (KO * 128) + c0 * 128) * 4,
+                            sa + (c0 * (128 // GROUP) * N + n0) * 2 * 2,
+                            xa + c0 * 128 * 2, oa + (pid_k * M * N + n0) * 4,
+                            (r1 - n0) // 8, KO * 512, N * 4, M, stride_xm * 2, WARPS * NT]
+                    for w in range(WARPS):
+                        ptx_warp.run(ASM, args, mem, w)
+        part = torch.from_numpy(mem.get(oa, split * M * N * 4).view(np.float32)
+                                .reshape(split, M, N).copy())
+        ws.view(-1)[:split * M * N].copy_(part.view(-1))
+        tot = part[0].clone()
+        for k in range(1, split):
+            tot += part[k]
+        y.copy_(tot.to(y.dtype))
+        self.partials = part
+        self.launches += 1
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    sim = SimulatedMMA()
+    monkeypatch.setattr(gemv, "_int4_tiles_mma", sim)
+    return sim
 
 
 @pytest.mark.parametrize("M,N,K,group,cfg", [
@@ -245,29 +273,54 @@ def _simulate_mma(x, words, sz, group, N, K, cfg):
     (2, 72, 512, 64, dict(kernel="mma", NT=2, BC=2, WARPS=2, SPLIT=2, ROWS=64, S=2)),
     (1, 56, 256, 128, dict(kernel="mma", NT=1, BC=1, WARPS=2, SPLIT=2, ROWS=48, S=3)),
     (5, 48, 1024, 128, dict(kernel="mma", NT=1, BC=4, WARPS=2, SPLIT=2, ROWS=32, PF=1))])
-def test_tensor_core_asm_executed_on_the_cpu_matches_the_reference(M, N, K, group, cfg):
-    """The asm text of the tensor-core kernel, executed lane by lane (``ptx_warp``) over the
-    programs' steps: every output written once, their sum within the dequantize + matmul
-    allowance, as is ``gemv.mma_reference`` (the same arithmetic in torch). Shapes cover row groups
-    that end inside a step (n-tiles past N re-read the last and are not stored), 1..8 rows of x,
-    groups 32/64/128, 1..4 chunks a step and 1..3 steps a call (the next step's weights loaded
-    before the step is computed)."""
+def test_tensor_core_asm_executed_on_the_cpu_matches_the_reference(simulated, M, N, K, group, cfg):
+    """``gemv.int4_tiles_matmul`` with the tensor-core kernel's launch simulated (``SimulatedMMA``:
+    its asm text executed lane by lane over the programs' steps): every partial sum written once,
+    the output within the dequantize + matmul allowance, as is ``gemv.mma_reference`` (the same
+    arithmetic in torch). Shapes cover row groups that end inside a step (n-tiles past N re-read the
+    last and are not stored), 1..8 rows of x, groups 32/64/128, 1..4 chunks a step and 1..3 steps a
+    call (the next step's weights loaded before the step is computed)."""
     torch.manual_seed(M * N)
     cfg = cfg or gemv.mma_config(N, K)
-    spec = QuantSpec("int4_symmetric", "per_block", group)
-    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)
-    sz = int4pack.scales_and_zeros((torch.rand(N, K // group) * 0.02 + 1e-3).half(), spec, (N, K),
-                                   group, BF16)
-    W = dequantize(codes, sz[..., 0].t().float(), spec, (N, K), torch.float32)
+    words, sz, W = _int4_case(N, K, group, "cpu")
     x = torch.randn(M, K).to(BF16)
-    words = int4pack.cuda_layout(codes, 8)
-    part = _simulate_mma(x, words, sz, group, N, K, cfg)
+    y = gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg)
+    assert simulated.launches == 1 and y.dtype == BF16 and y.shape == (M, N)
+    part = simulated.partials
     assert part.shape == (cfg["SPLIT"], M, N) and not torch.isnan(part).any()
-    assert _check(part.sum(0).to(BF16), x, W) <= 1
+    assert _check(y, x, W) <= 1
     ref = gemv.mma_reference(x, words, sz, group, N, K, cfg["SPLIT"])
     assert _check(ref, x, W) <= 1
     # the same products: the slices' sums agree to float32 summation order
     assert torch.allclose(part.sum(0), ref.float(), rtol=2e-2, atol=1e-3)
+
+
+def test_tensor_core_path_on_the_cpu_as_a_layer_and_with_odd_operands(simulated, monkeypatch):
+    """The host side of the tensor-core path end to end with its launch simulated: a tile-layout
+    ``QuantLinear`` with the kernel on takes it for 1 and 8 rows (the default shape of its size),
+    x at an odd element offset is copied first, tiles off 16-byte alignment go to torch's int4
+    kernel (``gemv._tinygemm``) instead."""
+    monkeypatch.setattr(gemv, "choose", lambda *a, **k: None)
+    spec = QuantSpec("int4_symmetric", "per_block", 128)
+    lin = _layer(64, 512, spec, True)
+    W = lin.dequantized_weight(torch.float32)
+    for M in (1, 8):
+        x = torch.randn(M, 512).to(BF16)
+        y = lin(x)
+        assert y.shape == (M, 64) and _check(y, x, W) <= 1
+    assert simulated.launches == 2
+    big = torch.randn(2, 513).to(BF16)
+    xo = big[:1, 1:]
+    assert xo.data_ptr() % 4 == 2
+    assert _check(gemv.int4_tiles_matmul(xo, lin.codes, lin.scales, 128, 64, 512), xo, W) <= 1
+    assert simulated.launches == 3
+    calls = []
+    monkeypatch.setattr(gemv, "_tinygemm", lambda *a: calls.append(a) or "tinygemm")
+    buf = torch.empty(lin.codes.numel() + 1, dtype=lin.codes.dtype)
+    wo = buf[1:].view(lin.codes.shape)
+    wo.copy_(lin.codes)
+    assert gemv.int4_tiles_matmul(xo, wo, lin.scales, 128, 64, 512) == "tinygemm"
+    assert len(calls) == 1 and calls[0][1] is wo and simulated.launches == 3
 
 
 def _layer(N, K, spec, tiles: bool, seed=0):
@@ -347,18 +400,16 @@ def _int4_case(N, K, group, device="cuda"):
     return words, sz, W
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("group", (32, 64, 128))
-def test_mma_kernel_matches_the_reference(group):
-    """The tensor-core kernel: every output within its allowance of float64 dequantize + matmul,
-    1..8 rows, its default shapes and others (the L2 prefetch, 2 and 4 steps a call), the same
-    bits on a second call (no atomics on data, the counters back at zero)."""
+def _mma_cases(group, device, shapes, ms=(1, 3, 8)):
+    """Every output within its allowance of float64 dequantize + matmul, 1..8 rows, the default
+    shape and others (the L2 prefetch, 2 and 4 steps a call), the same bits on a second call (no
+    atomics on data, the counters back at zero); on the last shape also the reference of the same
+    arithmetic, x at an odd offset (copied), tiles off alignment (torch's int4 kernel)."""
     torch.manual_seed(group)
-    for N, K in ((4096, 4096), (1024, 14336), (264, 1152)):
-        words, sz, W = _int4_case(N, K, group)
-        for M in (1, 3, 8):
-            x = torch.randn(M, K, device="cuda").to(BF16)
+    for N, K in shapes:
+        words, sz, W = _int4_case(N, K, group, device)
+        for M in ms:
+            x = torch.randn(M, K, device=device).to(BF16)
             cfgs = [None]
             if M != 3:
                 cfgs += [gemv.mma_config(N, K, nt=2, bc=4, warps=2, pf=1),
@@ -368,21 +419,35 @@ def test_mma_kernel_matches_the_reference(group):
                 y = gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg)
                 assert y.dtype == BF16 and _check(y, x, W) <= 1, (N, K, M, cfg)
                 assert torch.equal(y, gemv.int4_tiles_matmul(x, words, sz, group, N, K, cfg))
-        if N == 264:      # the reference of the same arithmetic, on the device
-            x = torch.randn(8, K, device="cuda").to(BF16)
-            ref = gemv.mma_reference(x, words, sz, group, N, K, gemv.mma_config(N, K)["SPLIT"])
-            assert _check(ref, x, W) <= 1
-            # x at an odd element offset: copied first (the asm's 4-byte loads)
-            big = torch.randn(2, K + 1, device="cuda").to(BF16)
-            xo = big[:1, 1:]
-            assert xo.data_ptr() % 4 == 2
-            assert _check(gemv.int4_tiles_matmul(xo, words, sz, group, N, K), xo, W) <= 1
-            # words not 16-byte aligned: torch's int4 kernel on the same layout instead
-            buf = torch.empty(words.numel() + 1, dtype=words.dtype, device="cuda")
-            wo = buf[1:].view(words.shape)
-            wo.copy_(words)
-            assert torch.equal(gemv.int4_tiles_matmul(x, wo, sz, group, N, K),
-                               torch.ops.aten._weight_int4pack_mm(x, words, group, sz))
+    x = torch.randn(8, K, device=device).to(BF16)
+    ref = gemv.mma_reference(x, words, sz, group, N, K, gemv.mma_config(N, K)["SPLIT"])
+    assert _check(ref, x, W) <= 1
+    big = torch.randn(2, K + 1, device=device).to(BF16)
+    xo = big[:1, 1:]
+    assert xo.data_ptr() % 4 == 2
+    assert _check(gemv.int4_tiles_matmul(xo, words, sz, group, N, K), xo, W) <= 1
+    buf = torch.empty(words.numel() + 1, dtype=words.dtype, device=device)
+    wo = buf[1:].view(words.shape)
+    wo.copy_(words)
+    assert torch.equal(gemv.int4_tiles_matmul(x, wo, sz, group, N, K),
+                       gemv._tinygemm(x, words, group, sz))
+
+
+def test_mma_cases_on_the_cpu(simulated, monkeypatch):
+    """The GPU test's own code at small shapes with the launch simulated (and torch's CUDA int4
+    kernel replaced by the reference), so it cannot fail on the device for a Python reason."""
+    monkeypatch.setattr(gemv, "_tinygemm",
+                        lambda x, w, g, sz: gemv.mma_reference(x, w, sz, g, sz.shape[1],
+                                                               sz.shape[0] * g))
+    _mma_cases(64, "cpu", ((24, 384),), ms=(1, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("group", (32, 64, 128))
+def test_mma_kernel_matches_the_reference(group):
+    """The tensor-core kernel on the device (``_mma_cases``)."""
+    _mma_cases(group, "cuda", ((4096, 4096), (1024, 14336), (264, 1152)))
 
 
 @pytest.mark.gpu
@@ -451,3 +516,71 @@ def test_layer_in_a_cuda_graph_matches_eager_and_tinygemm(monkeypatch, M):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, lin(x))
+
+
+def test_gemv_bench_smoke_runs_every_path_on_the_cpu(simulated, tmp_path):
+    """``bench/gemv.py --smoke`` (the CPU, tiny shapes) with the tensor-core launch simulated: the
+    default rows at 1 and 8 rows, the sweep and the access-pattern rows all run, and what it
+    writes is what the device run writes -- so the device run cannot die on a Python error."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_gemv", ROOT / "bench" / "gemv.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "gemv.json"
+    bench.main(["--smoke", "--output", str(out), "--ms", "1,8", "--sweep", "--budget-s", "1.5",
+                "--shapes", "24x384"])
+    res = json.loads(out.read_text())
+    assert [(r["N"], r["K"], r["M"]) for r in res["rows"]] == [(24, 384, 1), (24, 384, 8)]
+    for r in res["rows"]:
+        assert "int4_error" not in r and r["int4_check"][1] <= 1 and r["int4_us"] > 0
+        assert r["tinygemm_us"] > 0 and r["bf16_us"] > 0
+        assert r["int4_config"]["kernel"] == "mma"
+    sweep = res["rows"][0]["int4_sweep"]
+    assert sweep and not [v for v in sweep if "error" in v], sweep
+    assert all(v["check"] <= 1 for v in sweep if not v.get("LO"))
+    assert sum(1 for v in sweep if v.get("LO")) == 2
+    assert "int4_sweep" not in res["rows"][1]
+
+
+def test_tensor_core_launch_binds_in_tritons_runtime(monkeypatch):
+    """The launch ``_mma_matmul`` makes (its positional arguments, constexprs -- the asm text among
+    them -- and num_warps), handed to Triton's own runtime binder and compiler for sm_90
+    (``warmup``: everything a launch does but the launch), with a stand-in driver that names the
+    target: what would fail on the device for a binding reason fails here."""
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class Target:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    launches = []
+
+    class Grab:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((grid, a, k))
+
+    real = gemv._int4_tiles_mma
+    monkeypatch.setattr(gemv, "_int4_tiles_mma", Grab())
+    words, sz, _ = _int4_case(64, 512, 128, "cpu")
+    x = torch.randn(2, 512).to(BF16)
+    for cfg in (None, gemv.mma_config(64, 512, pf=1), gemv.mma_config(64, 512, steps=2)):
+        gemv.int4_tiles_matmul(x, words, sz, 128, 64, 512, cfg)
+    monkeypatch.setattr(driver, "_active", Target())      # restored after the test
+    for grid, a, k in launches:
+        k = dict(k)
+        kernel = real.warmup(*a, grid=grid, num_warps=k.pop("num_warps"), **k)
+        assert "mma.sync.aligned.m16n8k16" in kernel.asm["ptx"]
+    assert len(launches) == 3
