@@ -48,7 +48,7 @@ if [ "$part" = cold ]; then
   python3 bench/stream.py --arch "$arch" --dir $work --prepare-only > "$logs/prep-$arch.txt" 2>&1
   echo "prepared at $(( $(date +%s) - t0 )) s: $(tail -1 "$logs/prep-$arch.txt")"
   python3 bench/paths.py --arch "$arch" --dir $work --only shared_gpu_cold \
-    --beside-engine "${PATHS_BESIDE_ENGINE-32x1MiB}" \
+    --beside-engine "${PATHS_BESIDE_ENGINE-32x1MiB}" ${PATHS_COLD_ARGS:-} \
     --output "$out/paths-$arch.json" > "$out/cold.log" 2>&1
   rc=$?; echo "cold: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$out/cold.log"
 elif [ "$part" = imports ]; then

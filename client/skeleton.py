@@ -83,15 +83,6 @@ def skeleton_imported(config_dict: dict) -> bool:
     return _modeling_module(config_dict) in sys.modules
 
 
-# Packages transformers' modeling stack imports (transformers 5.x: sympy through torch.fx's symbolic
-# shapes, scipy.optimize through the detection losses, boto3 through accelerate, trio and
-# huggingface_hub through the hub client, jinja2 through chat templates; ~1,000 of its ~2,200
-# modules) that import neither torch nor transformers: imported on threads of their own beside the
-# model class, they cannot deadlock with it (it waits for one of them at most, never the reverse),
-# and their system calls -- the imports' cost where every call goes through a sandbox -- overlap.
-AHEAD = ("sympy", "scipy.optimize", "boto3", "trio", "huggingface_hub", "jinja2")
-
-
 class Imports:
     """The imports of a skeleton build, run on a thread of their own (``start_imports``).
 
@@ -106,20 +97,10 @@ class Imports:
     An error is not raised here: the caller's own import then raises it.
     """
 
-    def __init__(self, module: str, ahead=AHEAD):
-        import sys
-
+    def __init__(self, module: str):
         self.module = module
         self.seconds: float | None = None       # the imports' own time, once done
         self.cpu_seconds: float | None = None   # and this thread's CPU time in it
-        # Self-contained packages the model class pulls in, each imported on a thread of its own
-        # beside it (see AHEAD); the model class's import waits for one only where it needs it.
-        self.ahead = [name for name in ahead if name not in sys.modules]
-        self._ahead_threads = [threading.Thread(target=_import_quietly, args=(name,), daemon=True,
-                                                name="flash-skeleton-imports-ahead")
-                               for name in self.ahead]
-        for thread in self._ahead_threads:
-            thread.start()
         self._thread = threading.Thread(target=self._run, daemon=True, name="flash-skeleton-imports")
         self._thread.start()
 
@@ -137,21 +118,10 @@ class Imports:
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive() and not any(t.is_alive() for t in self._ahead_threads)
+        return not self._thread.is_alive()
 
     def wait(self) -> None:
         self._thread.join()
-        for thread in self._ahead_threads:
-            thread.join()
-
-
-def _import_quietly(name: str) -> None:
-    import importlib
-
-    try:
-        importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001 -- not installed here: the model class may not need it
-        log.debug("importing %s ahead failed: %s", name, exc)
 
 
 def start_imports(config_dict: dict | None, started: Imports | None = None) -> Imports | None:

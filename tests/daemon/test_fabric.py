@@ -261,3 +261,24 @@ def test_copy_gate_copies_each_block_from_the_host_arena_or_its_buffer_beyond_it
     assert fabric.bytes_h2d == 5000 + 10000 + 4096
     for buf in outside.values():
         buf.close()                    # nothing holds the buffers after the copy
+
+
+def test_prepare_faults_the_host_arena_in_beside_cuda_start_and_keeps_its_bytes(monkeypatch, caplog):
+    """Where a driver is present, prepare() faults the host arena's pages in on a thread of its
+    own (the first load's reads then land in present pages); bytes already written stay as they
+    are (a read-ahead may land meanwhile) and close() waits for the thread."""
+    import logging
+
+    from deepseek_flash import _core
+
+    monkeypatch.setattr(fabric_module, "nvidia_driver_present", lambda: True)
+    host = _core.HostArena(8 << 20, "populate-test")
+    memoryview(host)[4096:4100] = b"keep"
+    fabric = Fabric(host_arena=host, unified_memory_ratio=0.5, devices=[])
+    fabric._available = False                   # no CUDA here: only the host side runs
+    with caplog.at_level(logging.INFO, logger="deepseek_flash.fabric"):
+        fabric.prepare()
+        fabric.close()
+    assert fabric._populate_thread is None
+    assert bytes(memoryview(host)[4096:4100]) == b"keep"
+    assert any(f"host arena of {8 << 20} bytes faulted in" in r.getMessage() for r in caplog.records)
