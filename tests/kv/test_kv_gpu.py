@@ -192,6 +192,22 @@ def test_topk_fused_step_on_cuda(caplog, batch, dtype):
     torch_path, eager, graphed = caches
     for key in ("page_cache_hits", "page_cache_misses"):
         assert eager.stats()[key] == graphed.stats()[key] > 0
+    # the choice as three kernels (fused.SPLIT): the same pages, tables, tokens and logits
+    fused.SPLIT[0] = True
+    try:
+        cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
+                                      top_k_pages=0.25, dense_layers=1, window_pages=16)
+        cache.fused, cache.select_graphs = True, False
+        t3, l3 = greedy(model, ids, None, cache, 70)
+    finally:
+        fused.SPLIT[0] = False
+    assert all(layer._fused is not None and layer._fused.split
+               for layer in cache.layers[1:]), caplog.text
+    assert torch.equal(t1, t3) and torch.equal(l1, l3)
+    for layer, want in zip(cache.layers[1:], eager.layers[1:]):
+        for got, expected in zip(_fused_tables(layer), _fused_tables(want)):
+            assert torch.equal(got, expected)
+    cache.close()
     if dtype == torch.float32:
         assert torch.equal(t0, t1)
         assert (l0 - l1).abs().max().item() <= 1e-4
