@@ -62,7 +62,7 @@ def test_window_names_become_flash_contexts():
 
 def test_streamed_run_on_the_cpu_compares_plans(tmp_path, monkeypatch):
     """``streamed_run``'s own Python (CUDA-only in the bench) on the CPU, the CUDA calls stubbed:
-    the default plan, then projection slots, whose tokens equal the first run's."""
+    whole-MLP slots, then projection slots, whose tokens equal the first run's."""
     import torch
     from deepseek_flash.client import Client
     from deepseek_flash.daemon.planner import resident_minimum
@@ -85,7 +85,7 @@ def test_streamed_run_on_the_cpu_compares_plans(tmp_path, monkeypatch):
     with Client(embedded=True, config={"host_cache_bytes": "64MiB"}) as client:
         runs = [stream.streamed_run(store, store_dir, client, budget, stream.window_context(name),
                                     [1, 2], 2, 10.0, {}, {}, device="cpu", first_out=first)
-                for name in ("default", "projection")]
+                for name in ("layer", "projection")]
     layer, projection = (r["plan"] for r in runs)
     assert (layer["unit"], layer["streamed_units"]) == ("layer", 3)
     assert (projection["unit"], projection["streamed_units"]) == ("projection", 9)
