@@ -272,6 +272,49 @@ def stronger_dynamic(tok_s: dict) -> str:
     return max(tok_s, key=tok_s.get)
 
 
+def checkpoint(args, r) -> None:
+    """The context's figures so far next to ``--output`` (``<output>.partial.json``): a run cut
+    short by a time limit keeps what it measured."""
+    if getattr(args, "output", None) and getattr(args, "record", True):
+        Path(args.output).with_suffix(".partial.json").write_text(json.dumps(r, indent=1) + "\n")
+
+
+def split_timing(model, cache, tok, steps, device, args, r):
+    """The fused step with its choice as one program or as three kernels (kv/fused.py
+    ``SPLIT``), whichever is not the default: ``topk25_fused_split_*`` / ``topk25_fused_one_*``."""
+    from deepseek_flash.kv import fused as kv_fused
+
+    default = kv_fused.SPLIT[0]
+    name = "topk25_fused_one" if default else "topk25_fused_split"
+
+    def rebuild():
+        for layer in cache.layers:
+            layer._fused, layer._fused_holds = None, False
+
+    kv_fused.SPLIT[0] = not default
+    rebuild()
+    try:
+        before = cache.stats()
+        tok, r[f"{name}_tok_s"], _ = decode(model, cache, tok, steps, device, args.warmup,
+                                            args.repeats)
+        s = cache.stats()
+        hits = s["page_cache_hits"] - before["page_cache_hits"]
+        misses = s["page_cache_misses"] - before["page_cache_misses"]
+        r[f"{name}_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
+        r[f"{name}_layers"] = sum(layer._fused is not None and layer._fused.split != default
+                                  for layer in cache.layers)
+    finally:
+        kv_fused.SPLIT[0] = default
+        rebuild()
+    return tok
+
+
+def fused_layers(cache, r) -> None:
+    """Layers the fused step served (kv/fused.py) and layers it failed on (then torch's)."""
+    r["fused_layers"] = sum(layer._fused is not None for layer in cache.layers)
+    r["fused_failed_layers"] = sum(layer._fused_failed for layer in cache.layers)
+
+
 def fused_timing(model, cache, tok, steps, device, args, r):
     """Top-K decode through the other path than the cache's default (kv/fused.py's Triton
     step when the default is the torch path, and the other way round): ``topk25_fused_*`` or
@@ -289,8 +332,8 @@ def fused_timing(model, cache, tok, steps, device, args, r):
     misses = s["page_cache_misses"] - before["page_cache_misses"]
     r[f"{name}_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
     tok, r[f"{name}_host_ms"] = host_ms(model, cache, tok, device)
-    r["fused_layers"] = sum(layer._fused is not None for layer in cache.layers)
-    r["fused_failed_layers"] = sum(layer._fused_failed for layer in cache.layers)
+    if not default:
+        fused_layers(cache, r)
     r["fused_default"] = default
     r["fused_available"] = kv_fused.available(cache.layers[-1].device)
     cache.fused = default
@@ -326,6 +369,7 @@ def run_context(model, T, args, device, h2d, record=True):
             r["dynamic_peak_bytes"] = torch.cuda.max_memory_allocated()
         del dc
         free(device)
+    checkpoint(args, r)
     best = stronger_dynamic({n: r[f"{n}_tok_s"] for n, _ in dynamic_variants()})
     r["dynamic_baseline"] = best
     r["dynamic_best_tok_s"] = r[f"{best}_tok_s"]
@@ -376,9 +420,16 @@ def run_context(model, T, args, device, h2d, record=True):
     r["gpu_kv_ratio"] = round(r["tiered_gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     r["topk25_gpu_kv_ratio"] = round(s["gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     tok, r["topk25_host_ms"] = host_ms(model, cache, tok, device)  # after the counts above
+    if cache.fused:
+        fused_layers(cache, r)
+    checkpoint(args, r)
     if cuda and args.fused:
         # the same top-K steps through kv/fused.py's Triton kernels (the other of the two paths)
         tok = fused_timing(model, cache, tok, steps, device, args, r)
+        checkpoint(args, r)
+        if cache.fused:
+            tok = split_timing(model, cache, tok, steps, device, args, r)
+            checkpoint(args, r)
     # the same top-K steps with the page cache left out: every chosen page crosses PCIe each step
     setting, cache.page_cache = cache.page_cache, 0
     before = cache.stats()["pages_fetched"]
@@ -450,7 +501,7 @@ def run_context(model, T, args, device, h2d, record=True):
     r["topk25_vs_dynamic"] = round(r["topk25_tok_s"] / r["dynamic_best_tok_s"], 3)
     r["topk25_vs_dynamic_default"] = round(r["topk25_tok_s"] / r["dynamic_tok_s"], 3)
     r["topk25_nocache_vs_dynamic"] = round(r["topk25_nocache_tok_s"] / r["dynamic_best_tok_s"], 3)
-    for name in ("topk25_fused", "topk25_torch"):
+    for name in ("topk25_fused", "topk25_torch", "topk25_fused_split", "topk25_fused_one"):
         if f"{name}_tok_s" in r:
             r[f"{name}_vs_dynamic"] = round(r[f"{name}_tok_s"] / r["dynamic_best_tok_s"], 3)
     r["ttft_ratio"] = round(r["ttft_tiered_s"] / r["ttft_dynamic_best_s"], 3)
@@ -568,11 +619,17 @@ def main(argv=None) -> int:
               "transformers": transformers.__version__, "build_s": round(time.perf_counter() - t, 1),
               "gpu": torch.cuda.get_device_name(0) if device != "cpu" else None,
               "h2d_gbps": h2d_rate(device, 1 << 30), "contexts": []}
+    # the floor before anything else ran in the process (no tiered cache, no Triton kernel yet):
+    # against dynamic_floor_tok_s, taken after the warm-up, it tells a process slowed by what
+    # ran before from a slow host
+    if not args.smoke:
+        result["dynamic_floor_first_tok_s"] = floor_tok_s(model, args, device)
     # every mode once at a short context, untimed (a few steps each): the first context is not
     # timed cold (kernel selection, allocator growth, the copy stream and pinned pools are all
     # warm by then)
     t = time.perf_counter()
-    warm = argparse.Namespace(**{**vars(args), "decode": 2, "warmup": 2, "repeats": 1})
+    warm = argparse.Namespace(**{**vars(args), "decode": 2, "warmup": 2, "repeats": 1,
+                                 "record": False})
     run_context(model, min(1024, min(args.contexts)), warm, device, result["h2d_gbps"], False)
     result["warmup_s"] = round(time.perf_counter() - t, 1)
     result["dynamic_floor_tok_s"] = floor_tok_s(model, args, device)
@@ -601,8 +658,9 @@ def main(argv=None) -> int:
     result["timed_s"] = round(time.perf_counter() - started, 1)
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"dynamic floor (256-token context): {result['dynamic_floor_tok_s']} tok/s",
-          file=sys.stderr)
+    print(f"dynamic floor (256-token context): {result['dynamic_floor_tok_s']} tok/s"
+          + (f" (before the warm-up: {result['dynamic_floor_first_tok_s']})"
+             if "dynamic_floor_first_tok_s" in result else ""), file=sys.stderr)
     cols = ["context", "gpu_kv_ratio", "topk25_gpu_kv_ratio", "dynamic_tok_s",
             "dynamic_nocudnn_tok_s", "topk25_tok_s", "topk25_nocache_tok_s",
             "topk25_page_cache_hit_rate", "topk25_pages_per_token", "lossless_tok_s",
@@ -612,6 +670,7 @@ def main(argv=None) -> int:
                                if (k.startswith("topk25_pc") and k.endswith(("_tok_s", "_hit_rate")))
                                or k == "topk25_again_tok_s"
                                or (k.startswith(("topk25_fused", "topk25_torch"))
+                                   and not k.endswith("_layers")
                                    and k.endswith(("_tok_s", "_hit_rate", "_host_ms")))))
     print(" ".join(f"{c:>14}" for c in cols), file=sys.stderr)
     for r in result["contexts"]:

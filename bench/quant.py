@@ -62,8 +62,12 @@ GROUP = 128
 SMOKE_SHAPE = dict(hidden=256, intermediate=512, heads=4, kv_heads=2)
 
 
-def decode_rate(model, batch: int, tokens: int, device: str) -> tuple[float, object]:
-    """Decode tokens/s over all sequences: (generate N+1) - (generate 1), prefill excluded."""
+def decode_rate(model, batch: int, tokens: int, device: str, strict: bool = True) -> tuple[float, object]:
+    """Decode tokens/s over all sequences: (generate N+1) - (generate 1), prefill excluded.
+
+    When noise makes N+1 tokens look no slower than one, a ``strict`` run stops; otherwise (the
+    CPU smoke runs, whose rates mean nothing) the rate of the whole N+1-token call, prefill
+    included, stands in: lower than the true rate, never higher."""
     import torch
 
     g = torch.Generator().manual_seed(batch)
@@ -87,6 +91,10 @@ def decode_rate(model, batch: int, tokens: int, device: str) -> tuple[float, obj
     t1 = min(gen(1)[0] for _ in range(2))
     tn, out = min((gen(tokens + 1) for _ in range(2)), key=lambda r: r[0])
     if tn <= t1:
+        if not strict:
+            print(f"timing noise: {tokens + 1} tokens took {tn:.4f} s, one took {t1:.4f} s; "
+                  f"the whole call's rate stands in", file=sys.stderr)
+            return batch * (tokens + 1) / tn, out
         raise RuntimeError(f"timing noise: {tokens + 1} tokens took {tn:.4f} s, one took {t1:.4f} s; "
                            f"raise --tokens")
     return batch * tokens / (tn - t1), out
@@ -427,7 +435,7 @@ def main(argv=None) -> int:
         rates, outs, decoder_stats, graph_profile = {}, {}, {}, None
         decoder = model.flash.decoder
         for b in batches:
-            rate, out = decode_rate(model, b, args.tokens, device)
+            rate, out = decode_rate(model, b, args.tokens, device, strict=not args.smoke)
             rates[b], outs[b] = round(rate, 3), out.cpu()
             if b == batches[0] and device != "cpu" and decoder is not None and decoder.graphs \
                     and label == "int4_budget":

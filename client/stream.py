@@ -253,12 +253,12 @@ class StreamRuntime(_Reporting):
                 wait_for = None
             start, end = self.ops.event(timing=True), self.ops.event(timing=True)
             start.record(stream)
-        for bid, start, offset, n in layout:
+        for bid, begin, offset, n in layout:
             src_off = self.host_offsets.get(bid)
             if src_off is None:
                 self.host_offsets.update(self.fetch_host(layer))
                 src_off = self.host_offsets[bid]
-            src_off += start
+            src_off += begin
             self.ops.copy(self.slots[slot][offset:offset + n], self.host[src_off:src_off + n], wait_for)
             wait_for = None
             self.bytes_streamed += n

@@ -23,8 +23,12 @@ Nothing is assembled: the attention reads the pages where the page cache keeps t
 pages and the tables are the same as the torch path's (the same ranks, ties broken the same way);
 the scores and the attention are the same arithmetic in another order (ulp-level, checked by
 tests/kv/test_kv_fused.py through ``TRITON_INTERPRET=1`` on the CPU and on CUDA by
-tests/kv/test_kv_gpu.py). Off unless ``TieredCache.fused`` (``DEEPSEEK_FLASH_KV_FUSED=1``); the
-torch path stays the fallback (no Triton, the CPU, a spilled chunk, no page cache, another score).
+tests/kv/test_kv_gpu.py). On by default (``TieredCache.fused``; ``DEEPSEEK_FLASH_KV_FUSED=0`` turns
+it off): measured faster than the torch path on an H200 (docs/benchmarks.md, kv). The torch path
+stays the fallback (no Triton, the CPU, a spilled chunk, no page cache, another score). With
+``SPLIT`` (``DEEPSEEK_FLASH_KV_FUSED_SPLIT=1``) ``_choose`` runs as three kernels: ``_rank`` (the
+rankings and the hybrid key, many programs), ``_select`` (the ``k`` smallest keys, many programs)
+and ``_book`` (the page cache's bookkeeping and the window write, one program) -- the same values.
 """
 from __future__ import annotations
 
@@ -43,7 +47,10 @@ except ImportError:  # pragma: no cover - exercised where Triton is absent
     tl = None
 
 _NEVER = 1 << 62
-KERNELS = ("_score", "_choose", "_fetch", "_attend", "_combine")
+KERNELS = ("_score", "_choose", "_rank", "_select", "_book", "_fetch", "_attend", "_combine")
+SPLIT = [os.environ.get("DEEPSEEK_FLASH_KV_FUSED_SPLIT", "0") == "1"]
+"""Whether the choice runs as three kernels (``_rank`` over many programs, ``_select``,
+``_book``) instead of one program (``_choose``): the same values; a list, so the bench flips it."""
 
 
 def interpreted() -> bool:
@@ -59,8 +66,9 @@ def available(device: torch.device) -> bool:
 
 
 def default_on() -> bool:
-    """``TieredCache.fused``'s default: ``DEEPSEEK_FLASH_KV_FUSED`` ("1" on, else off)."""
-    return os.environ.get("DEEPSEEK_FLASH_KV_FUSED", "0") == "1"
+    """``TieredCache.fused``'s default: on (measured faster on an H200: docs/benchmarks.md, kv)
+    unless ``DEEPSEEK_FLASH_KV_FUSED=0``."""
+    return os.environ.get("DEEPSEEK_FLASH_KV_FUSED", "1") != "0"
 
 
 def _p2(x: int) -> int:
@@ -207,6 +215,121 @@ if triton is not None:
         tl.store(misses_ptr, tl.load(misses_ptr) + total_miss)
         tl.store(last_ptr, total_miss)
         # --- the step's keys and values into the recent window at its position ----------------
+        pos = tl.load(winpos_ptr)
+        dd = tl.arange(0, D)
+        for j in range(2 * B * H):
+            v = tl.load(kvin_ptr + j * D + dd)
+            tl.store(win_ptr + (j * CAP + pos) * D + dd, v)
+        tl.store(winpos_ptr, pos + 1)
+
+    # _choose split in three (``SPLIT``): the rankings over many programs, then the choice,
+    # then the page cache's bookkeeping in one program -- the same values as _choose's
+    @triton.jit(do_not_specialize=["n", "NB"])
+    def _rank(bound_ptr, wpart_ptr, key_ptr, n, NB,
+              H: tl.constexpr, HG: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
+              BI: tl.constexpr, NEVER: tl.constexpr):
+        b = tl.program_id(0)
+        i = tl.program_id(1) * BI + tl.arange(0, BI)
+        p = tl.arange(0, NP)
+        valid = p < n
+        iv = i < n
+        quest = tl.full((NP,), float("-inf"), tl.float32)
+        quest_i = tl.full((BI,), float("-inf"), tl.float32)
+        for r0 in range(0, HG, RB):
+            r = r0 + tl.arange(0, RB)
+            rm = r < HG
+            x = tl.load(bound_ptr + (b * HG + r)[:, None] * NB + p[None, :],
+                        mask=rm[:, None] & valid[None, :], other=float("-inf"))
+            mx = tl.max(x, axis=1)
+            lse = tl.log(tl.sum(tl.exp(x - mx[:, None]), axis=1)) + mx
+            share = tl.where(rm[:, None], x - lse[:, None], float("-inf"))
+            quest = tl.maximum(quest, tl.max(share, axis=0))
+            xi = tl.load(bound_ptr + (b * HG + r)[:, None] * NB + i[None, :],
+                         mask=rm[:, None] & iv[None, :], other=float("-inf"))
+            share_i = tl.where(rm[:, None], xi - lse[:, None], float("-inf"))
+            quest_i = tl.maximum(quest_i, tl.max(share_i, axis=0))
+        wsum = tl.zeros((NP,), tl.float32)
+        wsum_i = tl.zeros((BI,), tl.float32)
+        for h in range(H):
+            wsum += tl.load(wpart_ptr + (b * H + h) * NB + p, mask=valid, other=0.0)
+            wsum_i += tl.load(wpart_ptr + (b * H + h) * NB + i, mask=iv, other=0.0)
+        before = p[None, :] < i[:, None]
+        vj = valid[None, :]
+        rq = tl.sum((((quest[None, :] > quest_i[:, None])
+                      | ((quest[None, :] == quest_i[:, None]) & before)) & vj).to(tl.int32),
+                    axis=1).to(tl.int64)
+        rw = tl.sum((((wsum[None, :] > wsum_i[:, None])
+                      | ((wsum[None, :] == wsum_i[:, None]) & before)) & vj).to(tl.int32),
+                    axis=1).to(tl.int64)
+        key = tl.minimum(rq, rw) * (2 * n + 2) + rq
+        tl.store(key_ptr + b * NP + i, tl.where(iv, key, NEVER))
+
+    @triton.jit(do_not_specialize=["n", "k"])
+    def _select(key_ptr, sel_ptr, n, k, NP: tl.constexpr, BI: tl.constexpr):
+        b = tl.program_id(0)
+        i = tl.program_id(1) * BI + tl.arange(0, BI)
+        p = tl.arange(0, NP)
+        ki = tl.load(key_ptr + b * NP + i)
+        kj = tl.load(key_ptr + b * NP + p)
+        below = tl.sum((kj[None, :] < ki[:, None]).to(tl.int32), axis=1)
+        tl.store(sel_ptr + b * NP + i, ((below < k) & (i < n)).to(tl.int64))
+
+    @triton.jit(do_not_specialize=["k", "C"])
+    def _book(sel_ptr, is_ptr, chosen_ptr, slot_out_ptr, src_out_ptr,
+              sop_ptr, sop_w, page_of_slot_ptr, last_used_ptr, step_ptr,
+              table_ptr, table_w, hits_ptr, misses_ptr, last_ptr, win_ptr, winpos_ptr, kvin_ptr,
+              k, B, C, CAP,
+              H: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, BC: tl.constexpr,
+              D: tl.constexpr, NEVER: tl.constexpr):
+        # scratch: is_ptr int64 [2 * CP] (stamps, victim of rank)
+        p = tl.arange(0, NP)
+        step = tl.load(step_ptr)
+        total_miss = tl.sum(tl.zeros((NP,), tl.int64), axis=0)
+        for b in range(B):
+            sel = tl.load(sel_ptr + b * NP + p)
+            at = tl.cumsum(sel, axis=0) - sel
+            chosen = sel != 0
+            tl.store(chosen_ptr + b * k + at, p.to(tl.int64), mask=chosen)
+            slot = tl.load(sop_ptr + b * sop_w + p, mask=chosen, other=-1)
+            miss = chosen & (slot < 0)
+            c = tl.arange(0, CP)
+            cm = c < C
+            pg = tl.load(page_of_slot_ptr + b * C + c, mask=cm, other=-1)
+            held = tl.load(sel_ptr + b * NP + tl.maximum(pg, 0), mask=cm & (pg >= 0), other=0)
+            stamp = tl.load(last_used_ptr + b * (C + 1) + c, mask=cm, other=NEVER)
+            stamp = tl.where(held != 0, NEVER, stamp)
+            stamp = tl.where(cm, stamp, NEVER + 1)
+            tl.store(is_ptr + c, stamp)
+            tl.debug_barrier()
+            for c0 in range(0, CP, BC):
+                ci = c0 + tl.arange(0, BC)
+                si = tl.load(is_ptr + ci)
+                sj = tl.load(is_ptr + c)
+                rank = tl.sum(((sj[None, :] < si[:, None])
+                               | ((sj[None, :] == si[:, None]) & (c[None, :] < ci[:, None])))
+                              .to(tl.int32), axis=1)
+                tl.store(is_ptr + CP + rank, ci.to(tl.int64), mask=ci < C)
+            tl.debug_barrier()
+            m = tl.cumsum(miss.to(tl.int32), axis=0)
+            victim = tl.load(is_ptr + CP + tl.maximum(m - 1, 0), mask=miss, other=0)
+            new_slot = tl.where(miss, victim, slot)
+            evicted = tl.load(page_of_slot_ptr + b * C + new_slot, mask=chosen, other=-1)
+            tl.store(sop_ptr + b * sop_w + evicted, tl.full((NP,), -1, tl.int64),
+                     mask=chosen & (evicted >= 0))
+            tl.debug_barrier()
+            tl.store(sop_ptr + b * sop_w + p, new_slot, mask=chosen)
+            tl.store(page_of_slot_ptr + b * C + new_slot, p.to(tl.int64), mask=chosen)
+            tl.store(last_used_ptr + b * (C + 1) + new_slot, tl.zeros((NP,), tl.int64) + step,
+                     mask=chosen)
+            row = tl.load(table_ptr + b * table_w + p, mask=miss, other=-1)
+            tl.store(slot_out_ptr + b * k + at, new_slot, mask=chosen)
+            tl.store(src_out_ptr + b * k + at, tl.where(miss, row, -1), mask=chosen)
+            total_miss += tl.sum(miss.to(tl.int64), axis=0)
+            tl.debug_barrier()
+        tl.store(step_ptr, step + 1)
+        tl.store(hits_ptr, tl.load(hits_ptr) + B * k - total_miss)
+        tl.store(misses_ptr, tl.load(misses_ptr) + total_miss)
+        tl.store(last_ptr, total_miss)
         pos = tl.load(winpos_ptr)
         dd = tl.arange(0, D)
         for j in range(2 * B * H):
@@ -371,27 +494,39 @@ class FusedStep:
         self.rb = min(_p2(h * self.g), max(1, 8192 // self.np_))
         self.bi = max(1, min(self.np_, 8192 // self.np_))
         self.bc = max(1, min(self.cp, 8192 // self.cp))
+        self.split = SPLIT[0]
+        self.bi_split = max(1, min(self.np_, 16))
+        self.keys = torch.empty((b, self.np_), dtype=torch.int64, device=dev)
+        self.sel = torch.empty((b, self.np_), dtype=torch.int64, device=dev)
         self.graph = None
 
     def load(self, query, k_new, v_new) -> None:
         torch._foreach_copy_([self.q_in, self.k_in, self.v_in], [query, k_new, v_new])
 
     def run(self) -> torch.Tensor:
-        """The five kernels, in order, on the current stream; -> the output ``[b, 1, hq, d]``."""
+        """The kernels, in order, on the current stream (five; seven with ``SPLIT``); -> the
+        chosen pages ``[b, k]`` (the output ``[b, 1, hq, d]`` is in ``out``)."""
         b, h, g, d = self.b, self.h, self.g, self.d
         pc, win = self.pc, self.window
         mm = self.summaries.minmax
         _score[(b * h, -(-self.n // self.w))](
             self.q_in, mm, self.bound, self.wpart, self.n, self.scale, mm.stride(0),
             mm.stride(1), self.nb, H=h, G=g, GP=self.gp, D=d, W=self.w)
-        _choose[(1,)](
-            self.bound, self.wpart, self.fs, self.iscratch, self.chosen, self.slot_out,
-            self.src_out, pc.slot_of_page, pc.slot_of_page.shape[1], pc.page_of_slot,
-            pc.last_used, pc.step, self.span.table, self.span.table.shape[1], pc.hits, pc.misses,
-            pc.last_misses,
-            win.kv, win.pos, self.kv_in, self.n, self.k, b, pc.capacity, self.nb, win.capacity,
-            H=h, HG=h * g, RB=self.rb, NP=self.np_, BI=self.bi, CP=self.cp, BC=self.bc, D=d,
-            NEVER=_NEVER, num_warps=8)
+        if self.split:
+            bi = self.bi_split
+            _rank[(b, self.np_ // bi)](
+                self.bound, self.wpart, self.keys, self.n, self.nb, H=h, HG=h * g, RB=self.rb,
+                NP=self.np_, BI=bi, NEVER=_NEVER)
+            _select[(b, self.np_ // bi)](self.keys, self.sel, self.n, self.k, NP=self.np_, BI=bi)
+            _book[(1,)](
+                self.sel, self.iscratch, self.chosen, self.slot_out, self.src_out,
+                pc.slot_of_page, pc.slot_of_page.shape[1], pc.page_of_slot, pc.last_used,
+                pc.step, self.span.table, self.span.table.shape[1], pc.hits, pc.misses,
+                pc.last_misses, win.kv, win.pos, self.kv_in, self.k, b, pc.capacity,
+                win.capacity, H=h, NP=self.np_, CP=self.cp, BC=self.bc, D=d, NEVER=_NEVER,
+                num_warps=8)
+        else:
+            self._choose_one(b, h, g, d, pc, win)
         _fetch[(b * self.k, -(-self.page_w // self.cw))](
             self.host_words, self.slots_words, self.src_out, self.slot_out, self.k, pc.capacity,
             self.unit_w, self.page_w, CW=self.cw)
@@ -403,6 +538,16 @@ class FusedStep:
         _combine[(b * h,)](self.acc, self.ml, self.out, G=g, GP=self.gp, D=d,
                            NSPLIT=self.nsplit)
         return self.chosen
+
+    def _choose_one(self, b, h, g, d, pc, win) -> None:
+        _choose[(1,)](
+            self.bound, self.wpart, self.fs, self.iscratch, self.chosen, self.slot_out,
+            self.src_out, pc.slot_of_page, pc.slot_of_page.shape[1], pc.page_of_slot,
+            pc.last_used, pc.step, self.span.table, self.span.table.shape[1], pc.hits, pc.misses,
+            pc.last_misses,
+            win.kv, win.pos, self.kv_in, self.n, self.k, b, pc.capacity, self.nb, win.capacity,
+            H=h, HG=h * g, RB=self.rb, NP=self.np_, BI=self.bi, CP=self.cp, BC=self.bc, D=d,
+            NEVER=_NEVER, num_warps=8)
 
     _run = run  # the name kv/graphs.py's test emulation replays
 

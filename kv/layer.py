@@ -243,8 +243,8 @@ class TieredLayer(CacheLayerMixin):
         cache = self._cache
         k_new, v_new = self.pending
         q_len = query.shape[2]
-        if (cache.fused and pad_mask is None and q_len == 1 and self.prune is None
-                and not self.dense and not self._fused_failed):
+        if (cache.fused and cache.top_k_pages is not None and pad_mask is None and q_len == 1
+                and self.prune is None and not self.dense and not self._fused_failed):
             step = self._fused
             if (self._fused_holds and step.settings == cache._fused_settings()
                     and query.shape == step.shape and query.dtype == step.dtype

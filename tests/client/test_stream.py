@@ -2,6 +2,8 @@
 fully resident model, for every budget from all-resident down to the minimum, windows 0..4."""
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 import torch
@@ -295,3 +297,112 @@ def test_streamed_host_leases_each_layer_once_and_pins_only_its_ranges():
     assert side.pinned_bytes == 24576 and side.pin_seconds is not None
     side.close()
     assert unregistered == [0, 65536, 1 << 20] and sorted(released) == [3, 4]
+
+
+class _FakeEvent:
+    """A CUDA event's Python surface: recorded at a tick of a shared clock, always complete."""
+
+    clock = 0
+
+    def __init__(self, timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        _FakeEvent.clock += 1
+        self.t = _FakeEvent.clock
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return float(other.t - self.t)
+
+
+class _FakeStream:
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _FakeCudaOps:
+    """``_CudaOps`` with fake streams and events (copies run at once): the runtime's CUDA-only
+    Python -- traced copies, timing pairs, copies in flight -- on the CPU."""
+
+    device = 0
+
+    def __init__(self):
+        self.copy_stream = _FakeStream()
+
+    def event(self, timing=False):
+        return _FakeEvent(timing)
+
+    def copy(self, dst, src, wait_for):
+        dst.copy_(src)
+
+    def record_copy(self, event):
+        event.record()
+
+    def wait_copy(self, event):
+        pass
+
+    def record_compute(self, event):
+        event.record()
+
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("unit", ["layer", "projection"])
+def test_cuda_side_counters_trace_and_static_ring_with_fake_events(packed, unit, monkeypatch):
+    store, host, ref = packed
+    model, plan, runtime = streamed_model(store, host, budgets(store, unit)["minimum"], "auto", unit)
+    runtime.ops, runtime.is_cuda = _FakeCudaOps(), True
+    runtime.copy_done = [runtime.ops.event() for _ in range(runtime.n)]
+    runtime.compute_done = [runtime.ops.event() for _ in range(runtime.n)]
+    m = runtime.m
+    runtime.trace_copies(limit=2 * m)
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+    trace = runtime.copy_trace()
+    assert [(c["pass"], c["idx"]) for c in trace] == [(seq // m, seq % m) for seq in range(2 * m)]
+    assert all(c["end_ms"] > c["start_ms"] >= 0 for c in trace)
+    stats = runtime.stats()
+    assert stats["passes"] == 3 and stats["streamed_units"] == m
+    assert stats["prefetch_hits"] + stats["prefetch_miss_count"] == 3 * m
+    assert stats["fabric_stall_us"] > 0 and runtime._timing == deque()
+    assert runtime.completed_bytes() == runtime.bytes_streamed > 0
+    # The static schedule with the same fake CUDA surface.
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    ring = runtime.static_ring()
+    ring.enter()
+    assert runtime._suspended
+    ring.begin()
+    for layer in ring.layers:
+        ring.before(layer)
+        if unit == "projection":
+            mlp = model.model.layers[layer].mlp
+            calls = [ring.wrap(getattr(mlp, f"{p}_proj")) for p in ("gate", "up", "down")]
+            assert all(type(c).__name__ == "_UnitCall" for c in calls)
+            for call in calls:
+                call(torch.zeros(1, call.module.in_features, dtype=call.weight.dtype))
+        ring.after(layer)
+    ring.end()
+    before = runtime.bytes_streamed
+    ring.count_step()
+    assert runtime.bytes_streamed - before == ring.step_bytes
+    assert runtime.completed_bytes() == runtime.bytes_streamed
+    assert ring.copies == [(layer, idx % ring.n) for idx, (layer, _) in enumerate(runtime.units)]
+    ring.exit()
+    assert not runtime._suspended
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)

@@ -58,3 +58,39 @@ def test_window_names_become_flash_contexts():
         assert "'tensor'" in str(exc) and "layer, projection" in str(exc)
     else:
         raise AssertionError("an unknown part must be refused")
+
+
+def test_streamed_run_on_the_cpu_compares_plans(tmp_path, monkeypatch):
+    """``streamed_run``'s own Python (CUDA-only in the bench) on the CPU, the CUDA calls stubbed:
+    whole-MLP slots, then projection slots, whose tokens equal the first run's."""
+    import torch
+    from deepseek_flash.client import Client
+    from deepseek_flash.daemon.planner import resident_minimum
+    from deepseek_flash.store import Store, pack
+    from deepseek_flash.testing import make_tiny_model
+
+    class Stream:
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    stream = bench_stream()
+    src = make_tiny_model(tmp_path / "src", "mistral", num_layers=3, vocab_size=32000, seed=2)
+    store_dir = pack(src, tmp_path / "store")
+    store = Store.open(store_dir)
+    budget = resident_minimum(store.blocks, "layer")
+    first: dict = {}
+    with Client(embedded=True, config={"host_cache_bytes": "64MiB"}) as client:
+        runs = [stream.streamed_run(store, store_dir, client, budget, stream.window_context(name),
+                                    [1, 2], 2, 10.0, {}, {}, device="cpu", first_out=first)
+                for name in ("layer", "projection")]
+    layer, projection = (r["plan"] for r in runs)
+    assert (layer["unit"], layer["streamed_units"]) == ("layer", 3)
+    assert (projection["unit"], projection["streamed_units"]) == ("projection", 9)
+    mlp = sum(b.length for b in store.blocks if b.role.startswith("mlp"))
+    assert layer["streamed_bytes_per_token"] == projection["streamed_bytes_per_token"] == mlp
+    assert runs[1]["tokens_identical_to_first_run"] == {1: True, 2: True}
+    assert "tokens_identical_to_first_run" not in runs[0]
+    assert runs[1]["steady_prefetch_hit_rate"] > 0 and runs[1]["batch1_copy_idle"] == {}

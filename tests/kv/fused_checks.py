@@ -59,6 +59,7 @@ def equals_the_torch_path(batch, steps):
     (t1, l1, torch_path), (t2, l2, fused_path) = runs
     assert fused_path.layers[1]._fused is not None and torch_path.layers[1]._fused is None
     assert fused_path.layers[0]._fused is None  # a dense layer: the torch path
+    assert fused_path.layers[1]._fused.split == fused.SPLIT[0]
     assert torch.equal(t1, t2)
     diff = (l1 - l2).abs().max().item()
     assert diff <= 1e-5, diff
@@ -135,9 +136,19 @@ def failing_step_leaves_the_torch_path():
     assert cache.layers[1]._fused_failed and cache.layers[1].page_cache.refused
 
 
+def split(check):
+    """``check`` with the choice as three kernels (kv/fused.py ``SPLIT``)."""
+    def run():
+        with patched(fused, "SPLIT", [True]):
+            check()
+    return run
+
+
 CHECKS = {
     "batch1": lambda: equals_the_torch_path(1, 20),
     "batch2": lambda: equals_the_torch_path(2, 4),
+    "split1": split(lambda: equals_the_torch_path(1, 20)),
+    "split2": split(lambda: equals_the_torch_path(2, 4)),
     "graph": graph_replays_the_eager_launches,
     "failure": failing_step_leaves_the_torch_path,
 }

@@ -38,8 +38,9 @@ def test_smoke_bench_streams_weights_and_pages_kv(tmp_path):
     # weights streamed through the slot ring, under a budget below the model
     assert r["budget_bytes"] < r["model_bytes"] and r["plan"]["streamed_layers"] > 0
     assert r["runtime"]["bytes_streamed"] > 0 and r["runtime"]["prefetch_miss_count"] >= 0
-    # every decode step streams each streamed layer's MLP once (a slot's bytes)
-    per_pass = r["plan"]["streamed_layers"] * r["plan"]["slot_bytes"]
+    # every decode step streams each streamed unit once (a slot's bytes: a layer's MLP, or one
+    # projection of it -- gate, up and down are the same size)
+    per_pass = r["runtime"]["streamed_units"] * r["plan"]["slot_bytes"]
     assert r["topk25_weight_bytes_per_token"] == r["lossless_weight_bytes_per_token"] == per_pass
     # the KV paged to the host after the prefill: 4 layers, 32-token pages past 4 sinks and a
     # 64-token recent window, (400 - 68) // 32 = 10 pages per layer (still 10 after 14 steps)
@@ -77,7 +78,9 @@ def test_generate_with_prefill_chunks_on_a_streamed_model(streamed_store):
     with Client(embedded=True, config={"host_cache_bytes": "64MiB"}) as client:
         model = load_model(store, client=client, weight_budget=budget)
         try:
-            assert model.flash.stream is not None and model.flash.stream.m == 3
+            stream = model.flash.stream      # three layers, each one unit or three (projections)
+            assert stream is not None and len(stream.layers) == 3
+            assert stream.m == 3 * (3 if stream.plan.unit == "projection" else 1)
             cache = TieredCache.for_model(model, gpu_tokens=64)
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=6, do_sample=False,

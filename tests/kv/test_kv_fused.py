@@ -32,7 +32,7 @@ def checks():
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["batch1", "batch2"])
+@pytest.mark.parametrize("name", ["batch1", "batch2", "split1", "split2"])
 def test_the_fused_step_equals_the_torch_path(checks, name):
     assert checks[name] == "ok", checks[name]
 

@@ -52,6 +52,7 @@ def test_topk_one_gather_on_cuda_equals_copied_pages():
         cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
                                       top_k_pages=0.25, dense_layers=1)
         cache.select_graphs = False
+        cache.fused = False  # the torch path's gather (kv/fused.py: test_topk_fused_step_on_cuda)
         if not one_gather:
             for layer in cache.layers:
                 layer.pages._span_failed = True  # copy the chosen pages run by run
@@ -79,6 +80,7 @@ def test_topk_captured_graphs_equal_the_eager_steps(caplog, batch, dtype):
         cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
                                       top_k_pages=0.25, dense_layers=1)
         cache.select_graphs = graphs
+        cache.fused = False  # the torch path's graphs (the fused step: below)
         with caplog.at_level(logging.WARNING, logger="deepseek_flash.kv.cache"):
             runs.append(greedy(model, ids, mask, cache, 80))  # 80 steps: 2 page boundaries
         captured = [layer.graphs.graph is not None for layer in cache.layers]
@@ -103,6 +105,7 @@ def test_topk_page_cache_on_cuda_equals_every_page_fetched(caplog):
     for multiple in (0, 1.25):
         cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
                                       top_k_pages=0.25, dense_layers=1, page_cache=multiple)
+        cache.fused = False  # the torch path's one gather over host pages and slots
         with caplog.at_level(logging.WARNING, logger="deepseek_flash.kv.cache"):
             runs.append(greedy(model, ids, mask, cache, 80))
         assert [layer.graphs.graph is not None for layer in cache.layers] == [False, True, True]
@@ -189,6 +192,22 @@ def test_topk_fused_step_on_cuda(caplog, batch, dtype):
     torch_path, eager, graphed = caches
     for key in ("page_cache_hits", "page_cache_misses"):
         assert eager.stats()[key] == graphed.stats()[key] > 0
+    # the choice as three kernels (fused.SPLIT): the same pages, tables, tokens and logits
+    fused.SPLIT[0] = True
+    try:
+        cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
+                                      top_k_pages=0.25, dense_layers=1, window_pages=16)
+        cache.fused, cache.select_graphs = True, False
+        t3, l3 = greedy(model, ids, None, cache, 70)
+    finally:
+        fused.SPLIT[0] = False
+    assert all(layer._fused is not None and layer._fused.split
+               for layer in cache.layers[1:]), caplog.text
+    assert torch.equal(t1, t3) and torch.equal(l1, l3)
+    for layer, want in zip(cache.layers[1:], eager.layers[1:]):
+        for got, expected in zip(_fused_tables(layer), _fused_tables(want)):
+            assert torch.equal(got, expected)
+    cache.close()
     if dtype == torch.float32:
         assert torch.equal(t0, t1)
         assert (l0 - l1).abs().max().item() <= 1e-4

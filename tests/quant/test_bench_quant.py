@@ -79,3 +79,37 @@ def test_smoke_decode_graphs_phases(tmp_path):
             assert stats["fallback_calls"] == 0 and stats["eager_steps"] == 13 * (1 + (b == "2"))
     assert set(res["goals"]) == {"int4_fits_budget", "small_budget_vs_bound>=0.9"}
     assert res["goals"]["int4_fits_budget"] is True and res["int4_small_budget"]["streaming"] is True
+
+
+class _TimedModel:
+    """generate(n) sleeps ``cost[n]`` seconds: a host whose noise makes one token look slower than seven."""
+
+    def __init__(self, cost):
+        import types
+
+        self.cost = cost
+        self.config = types.SimpleNamespace(vocab_size=32)
+
+    def generate(self, ids, max_new_tokens, **kw):
+        import time
+
+        import torch
+
+        time.sleep(self.cost.get(max_new_tokens, 0.0))
+        return torch.zeros(ids.shape[0], ids.shape[1] + max_new_tokens, dtype=torch.long)
+
+
+def test_decode_rate_noise_stops_a_strict_run_and_bounds_a_smoke_one():
+    from deepseek_flash.testing import bench_module
+
+    quant = bench_module("quant")
+    noisy = _TimedModel({1: 0.3, 7: 0.01})
+    try:
+        quant.decode_rate(noisy, 2, 6, "cpu")
+    except RuntimeError as e:
+        assert "timing noise: 7 tokens took" in str(e) and "raise --tokens" in str(e)
+    else:
+        raise AssertionError("a strict run went on past timing noise")
+    rate, out = quant.decode_rate(noisy, 2, 6, "cpu", strict=False)
+    # The whole 7-token call's rate (prefill included): 2 x 7 tokens in at least 0.01 s.
+    assert out.shape == (2, quant.PROMPT + 7) and 0 < rate <= 2 * 7 / 0.01

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "daemon"))
 
-from deepseek_flash.wire import SLOT_ALIGNMENT
+from deepseek_flash.wire import DEFAULT_STREAM_UNIT, SLOT_ALIGNMENT
 from flashd_harness import Daemon, packed_model
 
 from deepseek_flash.cli import main
@@ -78,10 +78,12 @@ def test_streamed_embedded_reports_streamed_bytes(store, capsys):
     check_common(result, store)
     assert result["streaming"] is True and result["weight_budget_bytes"] == budget
     assert result["prefetch_source"] == "stream"
-    # Every streamed layer passes through a slot once per forward pass: 1 prefill + 2 decode
-    # steps (the first token comes from the prefill) per call, 4 calls, 4 layers.
+    # Every streamed unit passes through a slot once per forward pass: 1 prefill + 2 decode
+    # steps (the first token comes from the prefill) per call, 4 calls, 4 layers of one unit each
+    # (a whole MLP) or three (its projections, ``stream_unit``'s default).
     passes = 4 * 3
-    assert result["prefetch_hits"] + result["prefetch_misses"] == passes * 4
+    units = 4 * (3 if DEFAULT_STREAM_UNIT == "projection" else 1)
+    assert result["prefetch_hits"] + result["prefetch_misses"] == passes * units
     mlp = sum(b.length for b in Store.open(store).blocks if b.role.startswith("mlp"))
     assert result["bytes_streamed"] >= passes * mlp > 0
 
