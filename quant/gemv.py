@@ -596,7 +596,9 @@ def _mma_matmul(x, words, sz, group, N, K, cfg):
         # torch's int4 kernel reads the same layout.
         return _tinygemm(x, words, group, sz)
     if x.data_ptr() % 4 or x.stride(0) % 2:
-        x = x.contiguous()                      # 4-byte loads of column pairs
+        # 4-byte loads of column pairs: a fresh copy (``contiguous()`` keeps a one-row view where
+        # it is -- the device run of 2026-12-02 04:52 faulted on exactly that)
+        x = x.clone(memory_format=torch.contiguous_format)
     if x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):
             return _mma_matmul(x, words, sz, group, N, K, cfg)

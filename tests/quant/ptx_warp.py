@@ -21,10 +21,11 @@ class Memory:
         self.top = 0
         self.regions = []           # (start, end) offsets of what was put: every access inside one
 
-    def put(self, arr: np.ndarray) -> int:
-        """Copy ``arr`` in (256-byte aligned); its address."""
+    def put(self, arr: np.ndarray, like: int = 0) -> int:
+        """Copy ``arr`` in at an address congruent to ``like`` modulo 256 (the real pointer's
+        alignment, so a misaligned operand stays misaligned); its address."""
         raw = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
-        off = self.top
+        off = self.top + like % 256
         self.buf[off:off + raw.size] = raw
         self.regions.append((off, off + raw.size))
         self.top = (off + raw.size + GAP + 255) // 256 * 256

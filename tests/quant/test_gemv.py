@@ -231,10 +231,10 @@ class SimulatedMMA:
         assert cnt.numel() >= grid[0] and int(cnt.abs().sum()) == 0
         mem = ptx_warp.Memory(x.numel() * 2 + words.numel() * 4 + sz.numel() * 2
                               + split * M * N * 4 + 8192)
-        xa = mem.put(x.contiguous().view(torch.int16).numpy())
-        assert x.is_contiguous() or x.stride(-1) == 1
-        wa = mem.put(words.contiguous().numpy())
-        sa = mem.put(sz.contiguous().view(torch.int16).numpy())
+        assert x.stride(-1) == 1 and (x.shape[0] == 1 or x.stride(0) == K)
+        xa = mem.put(x.contiguous().view(torch.int16).numpy(), x.data_ptr())
+        wa = mem.put(words.contiguous().numpy(), words.data_ptr())
+        sa = mem.put(sz.contiguous().view(torch.int16).numpy(), sz.data_ptr())
         oa = mem.put(np.full(split * M * N, np.nan, dtype=np.float32))
         KO = K // 128
         for pid_n in range(grid[0]):
