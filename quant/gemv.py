@@ -1,7 +1,10 @@
 """Weight-only int4/int8 matmul kernels for decode-sized inputs (Triton), and when the layers use
-them (``choose``). **Off by default** (``INT4_MAX_M = INT8_MAX_M = 0``) until measured faster than
-what the layers run otherwise (torch's int4 kernel, tinygemm; the tiled Triton int8 kernel):
-``bench/gemv.py`` measures them against those and the copy rate in one run (docs/benchmarks.md).
+them (``choose``). **Off by default** (``INT4_MAX_M = INT8_MAX_M = 0``): measured slower than what the
+layers run otherwise (torch's int4 kernel, tinygemm; the tiled Triton int8 kernel) -- the
+tensor-core int4 kernel on the H200 (2026-12-02) at 0.087-0.357 of the copy rate at batch 1 by
+default, 0.086-0.409 at its sweep's best, against tinygemm's 0.117-0.416, faster only at 8 rows on
+14336 x 4096; its own loads alone reach no more on this grid (docs/benchmarks.md).
+``bench/gemv.py`` measures them against those and the copy rate in one run.
 
 * ``_int4_tiles_mma`` (1..8 rows of x; ``int4_config``'s choice there): the tensor cores straight
   from the tile layout of torch's CUDA int4 kernel (``int4pack.cuda_layout``, ``inner_k_tiles``
