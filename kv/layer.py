@@ -303,12 +303,7 @@ class TieredLayer(CacheLayerMixin):
         if self.sinks < cache.sink_tokens or self.recent_tokens + 1 > cap:
             return None
         try:
-            if cache.pinned:
-                if self.pages._unread_writes:
-                    self.pages.before_read()
-                if self.index in cache._prefetched:
-                    cache._drop_prefetched(self)
-                cache._prefetch_next(self)
+            self._before_step()
             if pc is None:
                 pc = self.page_cache = PageCache(cache.page_cache)
             pc.ensure(self, k)
@@ -363,18 +358,25 @@ class TieredLayer(CacheLayerMixin):
         self._commit(k_new, v_new)  # a page written out ends the hold
         return out
 
+    def _before_step(self) -> None:
+        """A graphed decode step's host work before its kernels (pinned host pages only): pages
+        written but not yet readable made readable, this layer's prefetched pages dropped, the next
+        layer's prefetch issued."""
+        cache = self._cache
+        if cache.pinned:
+            if self.pages._unread_writes:
+                self.pages.before_read()
+            if self.index in cache._prefetched:
+                cache._drop_prefetched(self)
+            cache._prefetch_next(self)
+
     def _attend_fused_again(self, step, query, k_new, v_new):
         """``_attend_fused`` of a step that repeats the last one: the graph replayed (or its
         kernels launched), the commit."""
         cache = self._cache
         window = self.window
         try:
-            if cache.pinned:
-                if self.pages._unread_writes:
-                    self.pages.before_read()
-                if self.index in cache._prefetched:
-                    cache._drop_prefetched(self)
-                cache._prefetch_next(self)
+            self._before_step()
             window.sync_pos()
             step.load(query, k_new, v_new)
             if step.graph is not None:
@@ -400,12 +402,7 @@ class TieredLayer(CacheLayerMixin):
         cache = self._cache
         window = self.window
         try:
-            if cache.pinned:
-                if self.pages._unread_writes:
-                    self.pages.before_read()
-                if self.index in cache._prefetched:
-                    cache._drop_prefetched(self)
-                cache._prefetch_next(self)
+            self._before_step()
             window.sync_pos()
             torch._foreach_copy_(plan.inputs, [query, k_new, v_new])
             try:
