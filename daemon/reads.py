@@ -152,7 +152,7 @@ class ReadPipeline:
 
         # Forward (file) order turns a cold load into one sequential sweep.
         blocks = sorted(blocks, key=lambda b: (b.model.path, b.info.file, b.info.offset))
-        requests, tokens, size = [], [], 0
+        requests = []
         for b in blocks:
             token = next(s.token_ids)
             b.token = token
@@ -160,7 +160,6 @@ class ReadPipeline:
             if client_id is not None:
                 b.requester = requester
             s.tokens[token] = b
-            tokens.append(token)
             source = _source_block(b)
             if source is None:
                 info, dest = b.info, s.arena.view(b.offset, b.info.length)
@@ -170,13 +169,26 @@ class ReadPipeline:
             requests.append(ReadRequest(path=str(b.model.store.data_path(info)), offset=info.offset,
                                         length=info.length, dest=dest, dest_offset=0,
                                         block_id=token, expected_crc=info.crc32c))
-            size += info.length
+        self._queue_locked(requests, priority)
+
+    def _queue_locked(self, requests, priority: int) -> None:
+        """Queue ``requests`` (their ``block_id`` the token each completion is matched by) in
+        chunks of about ``chunk_bytes``, in their order, before any waiting read of a lower
+        ``priority``; then start what the engine has room for."""
+        chunk, size = [], 0
+        for request in requests:
+            chunk.append(request)
+            size += request.length
             if size >= self.chunk_bytes:
-                heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, requests, size))
-                requests, tokens, size = [], [], 0
-        if tokens:
-            heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, requests, size))
+                self._push_locked(chunk, size, priority)
+                chunk, size = [], 0
+        if chunk:
+            self._push_locked(chunk, size, priority)
         self._pump_locked()
+
+    def _push_locked(self, chunk, size: int, priority: int) -> None:
+        tokens = [request.block_id for request in chunk]
+        heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, chunk, size))
 
     def read_outside(self, model: str, reads, priority: int = 0) -> bool:
         """``read_outside_locked`` for an open model's name; False (nothing read) where the host
@@ -198,21 +210,14 @@ class ReadPipeline:
         (``daemon.staging``: the read-ahead beyond the arena while CUDA starts)."""
         from .._core import ReadRequest
 
-        requests, tokens, size = [], [], 0
+        requests = []
         for info, dest, callback in reads:
             token = next(self.s.token_ids)
             self._outside[token] = (callback, info, model.name)
-            tokens.append(token)
             requests.append(ReadRequest(path=str(model.store.data_path(info)), offset=info.offset,
                                         length=info.length, dest=dest, dest_offset=0,
                                         block_id=token, expected_crc=info.crc32c))
-            size += info.length
-            if size >= self.chunk_bytes:
-                heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, requests, size))
-                requests, tokens, size = [], [], 0
-        if tokens:
-            heapq.heappush(self._waiting, (-priority, next(self._seq), tokens, requests, size))
-        self._pump_locked()
+        self._queue_locked(requests, priority)
 
     def promote_locked(self, blocks, priority: int) -> int:
         """Reads of ``blocks`` still waiting in the pipeline at a lower priority move up to
