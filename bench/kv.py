@@ -152,6 +152,32 @@ def host_ms(model, cache, tok, device, tries: int = 3):
     return tok, round(best * 1e3, 2)
 
 
+def host_profile(model, cache, tok, device, path: Path, steps: int = 10):
+    """Python's profiler (cProfile) over ``steps`` decode steps, the device synchronised after
+    each: where the host's time of a step goes, function by function (by own time, then by
+    cumulative time), written to ``path``. -> the last token."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        for _ in range(steps):
+            sync(device)
+            prof.enable()
+            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+            prof.disable()
+    sync(device)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    text.write(f"{steps} steps, the device synchronised after each\n")
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumtime").print_stats(60)
+    path.write_text(text.getvalue())
+    return tok
+
+
 def profile_steps(model, cache, tok, device, path: Path, steps: int = 2) -> dict:
     """A torch profiler over ``steps`` decode steps: kernels and device time per step (what the
     device does) against the wall time per step (what the step costs); the table goes to
@@ -400,6 +426,9 @@ def run_context(model, T, args, device, h2d, record=True):
             # the same tokens as the tiered stats below (before host_ms's steps)
             r["dynamic_kv_bytes"] = dynamic_kv_bytes(dc)
             tok, r[f"{name}_host_ms"] = host_ms(model, dc, tok, device)
+            if args.host_profile and args.output:
+                tok = host_profile(model, dc, tok, device, Path(args.output).with_name(
+                    f"kv.hostprof-{name}-{T}.txt"))
         if cuda:
             r["dynamic_peak_bytes"] = torch.cuda.max_memory_allocated()
         del dc
@@ -455,6 +484,9 @@ def run_context(model, T, args, device, h2d, record=True):
     r["gpu_kv_ratio"] = round(r["tiered_gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     r["topk25_gpu_kv_ratio"] = round(s["gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     tok, r["topk25_host_ms"] = host_ms(model, cache, tok, device)  # after the counts above
+    if args.host_profile and args.output:
+        tok = host_profile(model, cache, tok, device,
+                           Path(args.output).with_name(f"kv.hostprof-topk25-{T}.txt"))
     if cache.fused:
         fused_layers(cache, r)
     checkpoint(args, r)
@@ -617,6 +649,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=4, help="untimed decode steps per mode")
     ap.add_argument("--repeats", type=int, default=2,
                     help="timed windows per mode (the best counts)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile of 10 decode steps of DynamicCache and top-K per context "
+                         "(kv.hostprof-<mode>-<context>.txt beside --output)")
     ap.add_argument("--pairs", type=int, default=3,
                     help="alternating windows of top-K and DynamicCache (no cuDNN) per context "
                          "(topk25_paired_ratio; 0: none)")
