@@ -39,6 +39,9 @@ import torch
 from . import kernels
 
 ARCHS = ("llama", "qwen2", "mistral")
+# Merge int4 tile-layout projections (``Merged``); False runs each as its module (bench/decode.py's
+# ``graphs_unmerged`` variant measures the two in one run).
+MERGE_QUANTIZED = True
 
 
 def unsupported(model) -> str | None:
@@ -165,7 +168,10 @@ class Merged:
         a view of them (their scales and biases concatenated: ``quant_copy_bytes``); otherwise unmerged."""
         from ..quant.linear import merge_tiles
 
-        merged = merge_tiles(self.modules) if fixed else "bytes that change (a streamed slot)"
+        if not MERGE_QUANTIZED:
+            merged = "MERGE_QUANTIZED off"
+        else:
+            merged = merge_tiles(self.modules) if fixed else "bytes that change (a streamed slot)"
         if isinstance(merged, str):
             stats.unmerged += 1
             return
