@@ -339,6 +339,10 @@ def fused_layers(cache, r) -> None:
     """Layers the fused step served (kv/fused.py) and layers it failed on (then torch's)."""
     r["fused_layers"] = sum(layer._fused is not None for layer in cache.layers)
     r["fused_failed_layers"] = sum(layer._fused_failed for layer in cache.layers)
+    # layers whose fused step replays its graph over the step's own tensors (no copy, kv/fused.py
+    # ``go``): the step's tensors came at the addresses of the step before
+    r["fused_direct_layers"] = sum(layer._fused is not None and layer._fused.direct is not None
+                                   for layer in cache.layers)
 
 
 def fused_timing(model, cache, tok, steps, device, args, r):
