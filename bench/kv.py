@@ -152,6 +152,32 @@ def host_ms(model, cache, tok, device, tries: int = 3):
     return tok, round(best * 1e3, 2)
 
 
+def host_profile(model, cache, tok, device, path: Path, steps: int = 10):
+    """Python's profiler (cProfile) over ``steps`` decode steps, the device synchronised after
+    each: where the host's time of a step goes, function by function (by own time, then by
+    cumulative time), written to ``path``. -> the last token."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        for _ in range(steps):
+            sync(device)
+            prof.enable()
+            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+            prof.disable()
+    sync(device)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    text.write(f"{steps} steps, the device synchronised after each\n")
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumtime").print_stats(60)
+    path.write_text(text.getvalue())
+    return tok
+
+
 def profile_steps(model, cache, tok, device, path: Path, steps: int = 2) -> dict:
     """A torch profiler over ``steps`` decode steps: kernels and device time per step (what the
     device does) against the wall time per step (what the step costs); the table goes to
@@ -340,6 +366,41 @@ def fused_timing(model, cache, tok, steps, device, args, r):
     return tok
 
 
+def paired_timing(model, ids, cache, tok, steps, device, args, r):
+    """Top-K (``cache``, the defaults) and ``DynamicCache`` without cuDNN (a second cache of the
+    same prompt) timed in alternating windows, ``--pairs`` of each: both eager steps are bound by
+    the host, whose speed drifts within a run (the 256-token floor and a later top-K window
+    differ by up to 2x), so a ratio of windows taken side by side is the fair one.
+    ``topk25_paired_ratio``: the median of the pairs' ratios (top-K / DynamicCache);
+    ``*_paired_tok_s``: each side's median."""
+    import statistics
+
+    from transformers import DynamicCache
+
+    from deepseek_flash.kv.attention import NAME
+
+    with backends():
+        model.set_attn_implementation("sdpa")
+        dc = DynamicCache(config=model.config)
+        dtok, _ = prefill(model, ids, dc, device)
+    tiered, dynamic = [], []
+    for _ in range(args.pairs):
+        with backends():
+            model.set_attn_implementation("sdpa")
+            dtok, tok_s, _ = decode(model, dc, dtok, steps, device, args.warmup, 1)
+        dynamic.append(tok_s)
+        model.set_attn_implementation(NAME)
+        tok, tok_s, _ = decode(model, cache, tok, steps, device, args.warmup, 1)
+        tiered.append(tok_s)
+    del dc
+    free(device)
+    r["topk25_paired_tok_s"] = round(statistics.median(tiered), 4)
+    r["dynamic_nocudnn_paired_tok_s"] = round(statistics.median(dynamic), 4)
+    r["topk25_paired_ratio"] = round(statistics.median(t / d for t, d in zip(tiered, dynamic)), 4)
+    r["topk25_paired_windows"] = [tiered, dynamic]
+    return tok
+
+
 def run_context(model, T, args, device, h2d, record=True):
     import torch
     from transformers import DynamicCache
@@ -365,6 +426,9 @@ def run_context(model, T, args, device, h2d, record=True):
             # the same tokens as the tiered stats below (before host_ms's steps)
             r["dynamic_kv_bytes"] = dynamic_kv_bytes(dc)
             tok, r[f"{name}_host_ms"] = host_ms(model, dc, tok, device)
+            if args.host_profile and args.output:
+                tok = host_profile(model, dc, tok, device, Path(args.output).with_name(
+                    f"kv.hostprof-{name}-{T}.txt"))
         if cuda:
             r["dynamic_peak_bytes"] = torch.cuda.max_memory_allocated()
         del dc
@@ -420,9 +484,15 @@ def run_context(model, T, args, device, h2d, record=True):
     r["gpu_kv_ratio"] = round(r["tiered_gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     r["topk25_gpu_kv_ratio"] = round(s["gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     tok, r["topk25_host_ms"] = host_ms(model, cache, tok, device)  # after the counts above
+    if args.host_profile and args.output:
+        tok = host_profile(model, cache, tok, device,
+                           Path(args.output).with_name(f"kv.hostprof-topk25-{T}.txt"))
     if cache.fused:
         fused_layers(cache, r)
     checkpoint(args, r)
+    if args.pairs:
+        tok = paired_timing(model, ids, cache, tok, steps, device, args, r)
+        checkpoint(args, r)
     if cuda and args.fused:
         # the same top-K steps through kv/fused.py's Triton kernels (the other of the two paths)
         tok = fused_timing(model, cache, tok, steps, device, args, r)
@@ -579,6 +649,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=4, help="untimed decode steps per mode")
     ap.add_argument("--repeats", type=int, default=2,
                     help="timed windows per mode (the best counts)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile of 10 decode steps of DynamicCache and top-K per context "
+                         "(kv.hostprof-<mode>-<context>.txt beside --output)")
+    ap.add_argument("--pairs", type=int, default=3,
+                    help="alternating windows of top-K and DynamicCache (no cuDNN) per context "
+                         "(topk25_paired_ratio; 0: none)")
     ap.add_argument("--peer-max", type=int, default=32768,
                     help="longest context DynamicCache(offloading=True) is run at")
     ap.add_argument("--profile", action="store_true",
@@ -668,7 +744,8 @@ def main(argv=None) -> int:
             "dynamic_nocudnn_host_ms", "topk25_host_ms"]
     cols += list(dict.fromkeys(k for r in result["contexts"] for k in r
                                if (k.startswith("topk25_pc") and k.endswith(("_tok_s", "_hit_rate")))
-                               or k == "topk25_again_tok_s"
+                               or k in ("topk25_again_tok_s", "topk25_paired_tok_s",
+                                        "dynamic_nocudnn_paired_tok_s", "topk25_paired_ratio")
                                or (k.startswith(("topk25_fused", "topk25_torch"))
                                    and not k.endswith("_layers")
                                    and k.endswith(("_tok_s", "_hit_rate", "_host_ms")))))

@@ -7,7 +7,8 @@ from kvmodels import bench_module
 def test_kv_bench_smoke(tmp_path):
     bench = bench_module("kv")
     out = tmp_path / "kv.json"
-    assert bench.main(["--smoke", "--contexts", "700", "--decode", "2", "--output", str(out)]) == 0
+    assert bench.main(["--smoke", "--contexts", "700", "--decode", "2", "--pairs", "2",
+                       "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     (r,) = result["contexts"]
     assert result["smoke"] and r["context"] == 700
@@ -16,7 +17,8 @@ def test_kv_bench_smoke(tmp_path):
     tokens = 700 + 4 + 2 * 2
     assert r["dynamic_kv_bytes"] == r["tiered_full_bytes"] == tokens * 4 * 256
     assert r["gpu_kv_ratio"] == round(r["tiered_gpu_bytes"] / r["dynamic_kv_bytes"], 4) < 1
-    pages = (tokens + 4 + 2 * 2 - 4 - 512) // 32  # after the lossless warm-up and steps
+    # after the paired windows (2 of 4 warm-up steps and 2 timed ones) and the lossless warm-up
+    pages = (tokens + 2 * (4 + 2) + 4 + 2 * 2 - 4 - 512) // 32
     assert r["lossless_bytes_per_token"] == pages * 4 * 32 * 256
     assert r["topk25_pages_per_token"] > 0
     # the page cache (on by default with top-K): fewer pages cross than without it, its slots
@@ -40,6 +42,11 @@ def test_kv_bench_smoke(tmp_path):
     assert r["ttft_dynamic_best_s"] == min(r["ttft_dynamic_s"], r["ttft_dynamic_nocudnn_s"])
     assert result["dynamic_floor_tok_s"] > 0 and result["warmup_s"] > 0
     assert r["dynamic_floor_before_tok_s"] == result["dynamic_floor_tok_s"]  # the first context
+    # top-K and DynamicCache timed in alternating windows: the median of the pairs' ratios
+    tiered, dynamic = r["topk25_paired_windows"]
+    assert len(tiered) == len(dynamic) == 2 and min(tiered + dynamic) > 0
+    ratios = sorted(t / d for t, d in zip(tiered, dynamic))
+    assert r["topk25_paired_ratio"] == round((ratios[0] + ratios[1]) / 2, 4)
 
 
 def test_kv_prune_show_smoke(tmp_path):
