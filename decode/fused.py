@@ -17,7 +17,11 @@ The q, k, v (and gate, up) weights become one matrix per layer, so one GEMV read
   the parameters **rebound** to views of it (no extra memory: the old storage is freed);
 * else (views into memory shared with others, e.g. the daemon's arena) one concatenated **copy**
   (extra memory, counted in ``stats()["merged"]``).
-A projection that is not a plain ``nn.Linear`` (a quantized one) runs as its module, unmerged.
+Quantized projections (``QuantLinear``): int4 in the tile layout on fixed bytes whose codes lie
+back to back (the host tier lays a block's codes out so, ``quant.host_tier.tiled_block``) become one
+``QuantLinear`` over a view of the codes and a concatenation of the scales (``quant.linear.merge_tiles``;
+``stats()["merged"]["quantized"]``, the new bytes of the scales and biases in ``quant_copy_bytes``); any other
+projection that is not a plain ``nn.Linear`` runs as its module, unmerged.
 
 Used only where the model is exactly this structure and no module has forward hooks (a hook would
 not run: the step does not call the layer modules); otherwise the step runs transformers' modules.
@@ -35,6 +39,9 @@ import torch
 from . import kernels
 
 ARCHS = ("llama", "qwen2", "mistral")
+# Merge int4 tile-layout projections (``Merged``); False runs each as its module (bench/decode.py's
+# ``graphs_unmerged`` variant measures the two in one run).
+MERGE_QUANTIZED = True
 
 
 def unsupported(model) -> str | None:
@@ -109,6 +116,8 @@ class MergeStats:
     copies: int = 0
     copy_bytes: int = 0
     unmerged: int = 0
+    quantized: int = 0          # int4 tile-layout groups merged over a view of their codes
+    quant_copy_bytes: int = 0   # their concatenated scales and biases (new memory)
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -122,9 +131,9 @@ class Merged:
         self.modules = list(modules)
         self.sizes = [m.out_features if hasattr(m, "out_features") else m.weight.shape[0]
                       for m in self.modules]
-        self.weight = self.bias = None
+        self.weight = self.bias = self.quant = None
         if not _plain(self.modules):
-            stats.unmerged += 1
+            self._merge_quantized(stats, fixed)
             return
         weights = [m.weight.detach() for m in self.modules]
         biases = [m.bias for m in self.modules]
@@ -154,7 +163,26 @@ class Merged:
             stats.copies += 1
             stats.copy_bytes += self.weight.numel() * self.weight.element_size()
 
+    def _merge_quantized(self, stats: MergeStats, fixed: bool) -> None:
+        """int4 layers in the tile layout whose codes lie back to back: one ``QuantLinear`` over
+        a view of them (their scales and biases concatenated: ``quant_copy_bytes``); otherwise unmerged."""
+        from ..quant.linear import merge_tiles
+
+        if not MERGE_QUANTIZED:
+            merged = "MERGE_QUANTIZED off"
+        else:
+            merged = merge_tiles(self.modules) if fixed else "bytes that change (a streamed slot)"
+        if isinstance(merged, str):
+            stats.unmerged += 1
+            return
+        self.quant = merged
+        stats.quantized += 1
+        stats.quant_copy_bytes += sum(t.numel() * t.element_size() for t in (merged.scales, merged.bias)
+                                      if t is not None)
+
     def __call__(self, x):
+        if self.quant is not None:
+            return self.quant(x).split(self.sizes, dim=-1)
         if self.weight is None:
             return [m(x) for m in self.modules]
         return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)

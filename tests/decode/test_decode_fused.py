@@ -50,7 +50,8 @@ def test_owned_weights_are_rebound_to_the_merged_matrix_with_the_same_logits():
     ids = torch.randint(1, 200, (2, 5))
     before = model(ids).logits
     fused = FusedForward.build(model)
-    assert fused.stats.as_dict() == {"views": 0, "rebound": 4, "copies": 0, "copy_bytes": 0, "unmerged": 0}
+    assert fused.stats.as_dict() == {"views": 0, "rebound": 4, "copies": 0, "copy_bytes": 0, "unmerged": 0,
+                                      "quantized": 0, "quant_copy_bytes": 0}
     attn = model.model.layers[1].self_attn
     merged = fused.layers[1].qkv.weight
     assert attn.q_proj.weight.data_ptr() == merged.data_ptr()
