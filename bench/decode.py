@@ -26,7 +26,8 @@ Decode tok/s = batch x (N - 1) / (t(generate N) - t(generate 1)): decode steps o
 ``--int4``: the same model with every projection int4 (g128, tile layout, bound as the host tier
 holds it: ``to_int4``) -- the resident int4 decode, against the HBM bound of its codes, scales,
 bf16 head and norms; variant ``graphs_unmerged`` runs q, k, v (gate, up) one GEMV each beside the
-default merged step (``decode.fused.MERGE_QUANTIZED``).
+default merged step (``decode.fused.MERGE_QUANTIZED``). Variant ``graphs_sdpa`` (any model): the
+default step with torch's sdpa in place of ``decode.kernels.decode_attention`` (``decode.fused.SDPA``).
 
     python bench/decode.py [--arch llama] [--batches 1,8] [--output decode.json]
     python bench/decode.py --int4 --variants graphs,graphs_unmerged --skip-eager --skip-peer
@@ -332,17 +333,18 @@ def main(argv=None) -> int:
                for b in batches}
     capacity = args.prompt + args.new
     decoder = None
-    known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {},
+    known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {}, "graphs_sdpa": {},
              "graphs_transformers_attention": {"fused": False, "packed_attention": False},
              "graphs_transformers_norm": {"fused": False, "fused_norm": False}}
     chosen = ["graphs"] + [v for v in args.variants.split(",") if v and v != "graphs"]
     for variant in chosen if not args.only_peer else ():
         options = known[variant]
-        if variant not in ("graphs", "graphs_modules", "graphs_unmerged") and args.smoke:
+        if variant not in ("graphs", "graphs_modules", "graphs_unmerged", "graphs_sdpa") and args.smoke:
             continue
         if decoder is not None:
             decoder.reset()
         fusion.MERGE_QUANTIZED = variant != "graphs_unmerged"
+        fusion.SDPA = variant == "graphs_sdpa"
         decoder = enable(model, capacity=capacity, **options)
         for b in batches:
             ids = prompts[b]
@@ -356,7 +358,7 @@ def main(argv=None) -> int:
             entry = {"tok_s": round(rate, 2), "generate_s": round(tn, 3), "first_call_s": round(t_first, 3),
                      "mode": stats["mode"], "eager_reason": stats["eager_reason"], "step": stats["step"],
                      "fused_reason": stats["fused_reason"]}
-            if variant in ("graphs", "graphs_unmerged"):
+            if variant in ("graphs", "graphs_unmerged", "graphs_sdpa"):
                 entry.update(merged=stats["merged"], triton=stats["triton"],
                              captures=stats["captures"], capture_s=round(stats["capture_s"], 3),
                              graph_pool_bytes=stats["graph_pool_bytes"], kv_bytes=stats["kv_bytes"],
@@ -376,7 +378,7 @@ def main(argv=None) -> int:
     if not (args.only_peer or args.skip_ops):  # CPU work, after the GPU figures (a cut run keeps those)
         res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
         save(res, args.output)
-    fusion.MERGE_QUANTIZED = True
+    fusion.MERGE_QUANTIZED, fusion.SDPA = True, False
     if decoder is not None:
         decoder.reset()
     decoder = enable(model, capacity=capacity)
@@ -425,6 +427,9 @@ def main(argv=None) -> int:
         if "graphs_unmerged" in res:
             row["unmerged_tok_s"] = res["graphs_unmerged"][b]["tok_s"]
             row["merged_vs_unmerged"] = round(ours / res["graphs_unmerged"][b]["tok_s"], 3)
+        if "graphs_sdpa" in res:
+            row["sdpa_tok_s"] = res["graphs_sdpa"][b]["tok_s"]
+            row["vs_sdpa"] = round(ours / res["graphs_sdpa"][b]["tok_s"], 3)
         if "eager_generate" in res:
             row["eager_tok_s"] = res["eager_generate"][b]["tok_s"]
             row["vs_eager"] = round(ours / res["eager_generate"][b]["tok_s"], 2)

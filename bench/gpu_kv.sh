@@ -30,6 +30,10 @@ elif [ -z "${NO_TESTS:-}" ]; then
   echo "gpu tests: $(tail -1 "$out/gpu_tests.log")"
   grep -E "^(FAILED|ERROR)|^E  " "$out/gpu_tests.log" | head -20
 fi
+if [ -n "${KV_FLAGS:-}" ]; then
+  # shellcheck disable=SC2206
+  flags+=($KV_FLAGS)  # more bench/kv.py flags (--no-fused: the other paths' timings left out)
+fi
 if [ -n "${HOST_PROFILE:-}" ]; then
   flags+=(--host-profile)  # cProfile of decode steps per mode (kv.hostprof-*.txt)
 fi

@@ -339,6 +339,10 @@ def fused_layers(cache, r) -> None:
     """Layers the fused step served (kv/fused.py) and layers it failed on (then torch's)."""
     r["fused_layers"] = sum(layer._fused is not None for layer in cache.layers)
     r["fused_failed_layers"] = sum(layer._fused_failed for layer in cache.layers)
+    # layers whose fused step replays its graph over the step's own tensors (no copy, kv/fused.py
+    # ``go``): the step's tensors came at the addresses of the step before
+    r["fused_direct_layers"] = sum(layer._fused is not None and layer._fused.direct is not None
+                                   for layer in cache.layers)
 
 
 def fused_timing(model, cache, tok, steps, device, args, r):
@@ -399,6 +403,32 @@ def paired_timing(model, ids, cache, tok, steps, device, args, r):
     r["topk25_paired_ratio"] = round(statistics.median(t / d for t, d in zip(tiered, dynamic)), 4)
     r["topk25_paired_windows"] = [tiered, dynamic]
     return tok
+
+
+def peer_figures(model, off, tok, device, args, T, h2d, r) -> None:
+    """What ``DynamicCache(offloading=True)`` moves and where its step goes: each step every
+    layer's whole keys and values go to the device (``prefetch``) and back to the host
+    (``offload``), so both directions carry the full KV a token (``offload_h2d_bytes_per_token``,
+    the same D2H); its bound is the H2D rate of this run over those bytes; with
+    ``--host-profile`` a profiler table of two of its steps (``kv.offload-<T>.txt``: copies,
+    kernels, host calls) and Python's profiler over ten (``kv.hostprof-offload-<T>.txt``)."""
+    moved = dynamic_kv_bytes(off)
+    r["offload_h2d_bytes_per_token"] = r["offload_d2h_bytes_per_token"] = moved
+    if h2d:
+        r["offload_bound_tok_s"] = round(h2d * 1e9 / moved, 3)
+        r["offload_vs_bound"] = round(r["offload_tok_s"] / r["offload_bound_tok_s"], 3)
+        if "lossless_bound_tok_s" in r:
+            # the most lossless could show against the peer as measured: its own PCIe bound
+            r["lossless_bound_vs_offload"] = round(r["lossless_bound_tok_s"]
+                                                   / r["offload_tok_s"], 3)
+    if args.host_profile and args.output:
+        try:
+            out = Path(args.output)
+            tok = host_profile(model, off, tok, device, out.with_name(f"kv.hostprof-offload-{T}.txt"))
+            r["offload_profile"] = profile_steps(model, off, tok, device,
+                                                 out.with_name(f"kv.offload-{T}.txt"))
+        except Exception as exc:  # a figure lost, not the run
+            r["offload_profile_error"] = repr(exc)
 
 
 def run_context(model, T, args, device, h2d, record=True):
@@ -563,8 +593,9 @@ def run_context(model, T, args, device, h2d, record=True):
         with backends():
             off = DynamicCache(config=model.config, offloading=True)
             tok, r["ttft_offload_s"] = prefill(model, ids, off, device)
-            _, r["offload_tok_s"], r["offload_host_share"] = decode(
+            otok, r["offload_tok_s"], r["offload_host_share"] = decode(
                 model, off, tok, steps, device, args.warmup, args.repeats)
+            peer_figures(model, off, otok, device, args, T, h2d, r)
         r["lossless_vs_offload"] = round(r["lossless_tok_s"] / r["offload_tok_s"], 3)
         del off
         free(device)

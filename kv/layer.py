@@ -341,11 +341,7 @@ class TieredLayer(CacheLayerMixin):
                     return None
                 self._fused = step
             else:
-                step.load(query, k_new, v_new)
-                if step.graph is not None:
-                    step.graph.replay()
-                else:
-                    step.run()
+                step.go(query, k_new, v_new, cache._graph_pool)
             window.ahead = 1
             window.pos_value = window.length + 1
             out = step.out
@@ -378,11 +374,7 @@ class TieredLayer(CacheLayerMixin):
         try:
             self._before_step()
             window.sync_pos()
-            step.load(query, k_new, v_new)
-            if step.graph is not None:
-                step.graph.replay()
-            else:
-                step.run()
+            step.go(query, k_new, v_new, cache._graph_pool)
             window.ahead = 1
             window.pos_value = window.length + 1
         except BaseException:

@@ -31,7 +31,7 @@ def test_fused_step_runs_a_handful_of_operations_per_layer():
     assert fused["deepseek_flash::rope_cache"] == layers
     assert fused["deepseek_flash::silu_mul"] == layers
     assert fused["aten::linear"] == 4 * layers + 1           # q|k|v, o, gate|up, down; head
-    assert fused["aten::scaled_dot_product_attention"] == layers
+    assert fused["deepseek_flash::decode_attention"] == layers
     assert "aten::index_copy_" not in fused or fused["aten::index_copy_"] == 2   # the step's output
     assert modules["aten::linear"] == 7 * layers + 1
     # Beside the layers, the step's own work: masks, positions, rotary tables, token choice.

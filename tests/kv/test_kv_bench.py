@@ -125,3 +125,31 @@ def test_kv_ops_topk_step_host_work_does_not_grow_with_pages(tmp_path):
     assert long["topk25"]["copies"] - short["topk25"]["copies"] == 2  # one more chunk, 2 layers
     assert long["topk25"]["ops"] == short["topk25"]["ops"]
     assert long["lossless"]["ops"] == short["lossless"]["ops"]
+
+
+def test_kv_bench_peer_figures(tmp_path):
+    # what transformers' offloading cache moves (its whole KV each way a step) and its profiles
+    # (run on CUDA only; here with a plain DynamicCache, the same code)
+    import argparse
+
+    import torch
+    from transformers import DynamicCache
+
+    from kvmodels import cache_kwargs, tiny_model
+
+    bench = bench_module("kv")
+    model = tiny_model(layers=2)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        tok = model(torch.arange(1, 40)[None], **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+    kv = bench.dynamic_kv_bytes(cache)
+    args = argparse.Namespace(host_profile=True, output=str(tmp_path / "kv.json"))
+    r = {"offload_tok_s": 5.0, "lossless_bound_tok_s": 8.0}
+    bench.peer_figures(model, cache, tok, "cpu", args, 39, 2.0, r)
+    assert "offload_profile_error" not in r, r
+    assert r["offload_h2d_bytes_per_token"] == r["offload_d2h_bytes_per_token"] == kv > 0
+    assert r["offload_bound_tok_s"] == round(2.0e9 / kv, 3)
+    assert r["offload_vs_bound"] == round(5.0 / r["offload_bound_tok_s"], 3)
+    assert r["lossless_bound_vs_offload"] == 1.6
+    assert (tmp_path / "kv.offload-39.txt").exists()
+    assert "steps" in (tmp_path / "kv.hostprof-offload-39.txt").read_text()
