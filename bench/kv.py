@@ -343,6 +343,7 @@ def fused_layers(cache, r) -> None:
     # ``go``): the step's tensors came at the addresses of the step before
     r["fused_direct_layers"] = sum(layer._fused is not None and layer._fused.direct is not None
                                    for layer in cache.layers)
+    r["fused_builds"] = sum(layer.fused_builds for layer in cache.layers)  # all layers, so far
 
 
 def fused_timing(model, cache, tok, steps, device, args, r):
