@@ -387,10 +387,15 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
         daemon.wait(60)
     out["import_manifest_after"] = manifest.exists()
     log = (runtime / "daemon.log").read_text()
+    # What the daemon read ahead at start: the learned import files, or (no manifest yet) the
+    # packages' files.
     ahead = AHEAD_LINE.search(log)
     out["imports_read_ahead"] = None if ahead is None else {
         "modules": int(ahead.group(1)), "files": int(ahead.group(2)), "bytes": int(ahead.group(3)),
         "seconds": float(ahead.group(4))}
+    ahead = PACKAGES_LINE.search(log)
+    out["packages_read_ahead"] = None if ahead is None else {
+        "files": int(ahead.group(1)), "bytes": int(ahead.group(2)), "seconds": float(ahead.group(3))}
     if failure is not None:
         lines = log.splitlines()
         out["error"] = f"{type(failure).__name__}: {failure}"[-2000:]
@@ -418,6 +423,8 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
 
 AHEAD_LINE = re.compile(r"read ahead the imports of (\d+) modules: (\d+) files \((\d+) bytes\)"
                         r".* in ([0-9.]+) s")
+PACKAGES_LINE = re.compile(r"read ahead the packages' files \(no manifest yet\): (\d+) files \((\d+) bytes\)"
+                           r".* in ([0-9.]+) s")
 
 
 def cold_in_fresh_process(runtime: Path, store_dir, best_raw: float, nbytes: int, device: str,

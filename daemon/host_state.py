@@ -210,6 +210,8 @@ class HostState:
         """The clients whose imports keep the reads shallow: those importing a module whose files
         were not read ahead (a client whose files are in the page cache loses nothing to deep
         reads)."""
+        if "*" in self.warm_imports:        # imports_ahead.ANY_MODULE: the fallback packages read
+            return []
         return [cid for cid, held in self.shallow.items() if held[2] not in self.warm_imports]
 
     def client(self, client_id) -> ClientState:

@@ -23,10 +23,12 @@ So the daemon learns which files those imports open and reads them at start:
   ``on_warm(modules)`` (``ReadPipeline.imports_read_ahead``): a client importing one of those
   modules no longer keeps the load's reads shallow.
 
-No manifest yet (the first load the daemon ever serves), an unreadable one
-(``ImportManifestCorrupt``, logged) or files gone since: the start reads what it can and the
-read pipeline behaves as without this (shallow while the client imports); a load never fails for
-it. The read itself never raises: a file that cannot be read is counted and skipped.
+No manifest yet (the first load the daemon ever serves) or an unreadable one
+(``ImportManifestCorrupt``, logged): the start reads every file of ``FALLBACK_PACKAGES`` instead
+(the packages such an import pulls in, where installed; ``DEEPSEEK_FLASH_IMPORT_PACKAGES``
+replaces the list, '' for none: then the reads stay shallow while the client imports, as
+without this). Files gone since are skipped; a load never fails for any of it. The read itself
+never raises: a file that cannot be read is counted and skipped.
 """
 from __future__ import annotations
 
@@ -50,6 +52,46 @@ MAX_FILE_BYTES = 64 << 20      # a larger file (a GPU library) is not read ahead
 MAX_BYTES = 1 << 30            # bytes read ahead at start, in all
 THREADS = 16
 _CHUNK = 1 << 20
+# Without a manifest (a daemon's first start): every file of the packages a transformers model
+# class's import pulls in, where installed (not torch: the daemon imports it itself, and a client
+# has it imported before it loads). ``DEEPSEEK_FLASH_IMPORT_PACKAGES`` (comma-separated, '' for
+# none) replaces the list. A client importing any module then counts as warm (``ANY_MODULE``).
+FALLBACK_PACKAGES = ("transformers", "sympy", "mpmath", "scipy", "numpy", "accelerate", "huggingface_hub",
+                     "safetensors", "tokenizers", "jinja2", "markupsafe", "networkx", "regex", "yaml",
+                     "filelock", "fsspec", "packaging", "tqdm", "trio", "botocore", "requests", "urllib3")
+PACKAGES_ENV = "DEEPSEEK_FLASH_IMPORT_PACKAGES"
+ANY_MODULE = "*"
+
+
+def fallback_packages(environ=None) -> tuple[str, ...]:
+    """The packages read ahead without a manifest: ``PACKAGES_ENV`` if set, else the default."""
+    value = (os.environ if environ is None else environ).get(PACKAGES_ENV)
+    if value is None:
+        return FALLBACK_PACKAGES
+    return tuple(p.strip() for p in value.split(",") if p.strip())
+
+
+def package_files(packages) -> list[str]:
+    """Every file under the installed directories of ``packages`` (found without importing
+    them; one not installed is skipped), sorted."""
+    import importlib.util
+
+    out = []
+    for name in packages:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        roots = list(spec.submodule_search_locations or []) or ([spec.origin] if spec.origin else [])
+        for root in roots:
+            if os.path.isfile(root):
+                out.append(root)
+                continue
+            for directory, _, names in os.walk(root):
+                out.extend(os.path.join(directory, n) for n in names)
+    return sorted(set(out))
 
 
 def flatten(grouped: dict) -> list[str]:
@@ -207,6 +249,8 @@ class ImportsAhead:
     ``on_warm(modules)``: called once the manifest's files were read ahead."""
 
     def __init__(self, state_dir: Path, on_warm=None, threads: int = THREADS):
+        """``on_warm(modules)`` gets the manifest's modules, or ``[ANY_MODULE]`` after the
+        fallback packages were read."""
         self.path = Path(state_dir) / MANIFEST_NAME
         self.on_warm = on_warm
         self.threads = threads
@@ -241,18 +285,27 @@ class ImportsAhead:
             # A client's report that came in meanwhile is newer than the file.
             self.manifest = {**manifest, **self.manifest}
             manifest = dict(self.manifest)
+        started = time.monotonic()
         if not manifest:
-            log.info("no import manifest yet (%s): nothing read ahead; the first client's imports "
-                     "keep the reads shallow and teach it", self.path)
-            return None
+            packages = fallback_packages()
+            files = package_files(packages)
+            if not files:
+                log.info("no import manifest yet (%s) and no package to read: nothing read ahead; the "
+                         "first client's imports keep the reads shallow and teach it", self.path)
+                return None
+            log.info("no import manifest yet (%s): reading ahead the %d files of %s", self.path,
+                     len(files), ", ".join(packages))
+            manifest = {ANY_MODULE: files}
         started = time.monotonic()
         dirs, stat_only, read = plan(manifest, own_mapped_files())
         counts = read_ahead(dirs, stat_only, read, threads=self.threads)
         counts["seconds"] = round(time.monotonic() - started, 3)
         counts["modules"] = sorted(manifest)
         self.result = counts
-        log.info("read ahead the imports of %d modules: %d files (%d bytes), %d stat-ed, %d directories "
-                 "in %.2f s (%d missing, %d too large, %d over the budget)", len(manifest),
+        what = ("the packages' files (no manifest yet)" if ANY_MODULE in manifest
+                else f"the imports of {len(manifest)} modules")
+        log.info("read ahead %s: %d files (%d bytes), %d stat-ed, %d directories "
+                 "in %.2f s (%d missing, %d too large, %d over the budget)", what,
                  counts["files"], counts["bytes"], counts["stat"], counts["dirs"], counts["seconds"],
                  counts["missing"], counts["skipped_large"], counts["skipped_budget"])
         if self.on_warm is not None:

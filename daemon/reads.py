@@ -92,7 +92,7 @@ class ReadPipeline:
             now = time.monotonic()
             since = self.shallow.get(client_id, (now, 0.0, None))[0]
             self.shallow[client_id] = (since, now + max_s, module)
-            warm = " (its files read ahead)" if module in self.s.warm_imports else ""
+            warm = "" if client_id in self.s.shallow_holders() else " (its files read ahead)"
             self._reshape_locked(f"client {client_id} imports {module or 'its model class'}{warm}")
 
     def imports_read_ahead(self, modules) -> None:
@@ -100,7 +100,7 @@ class ReadPipeline:
         client importing one of them no longer keeps the reads shallow."""
         with self.s.lock:
             self.s.warm_imports = self.s.warm_imports | frozenset(modules)
-            self._reshape_locked(f"the files of {len(self.s.warm_imports)} modules' imports read ahead")
+            self._reshape_locked("import files read ahead for " + ", ".join(sorted(modules))[:200])
 
     def end_shallow(self, client_id: int, why: str = "its imports are done") -> float | None:
         """Client ``client_id`` no longer needs shallow reads: the seconds it held them (None when

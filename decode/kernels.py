@@ -403,10 +403,12 @@ def _(gate, up):
     return _ref_silu_mul(gate, up)
 
 
-def _attention_fits(query, keys, values) -> bool:
-    """The kernel's layout: unit stride along the head dimension, a power-of-two head size."""
+def _attention_fits(query, keys, values, mask) -> bool:
+    """The kernel's case: unit stride along the head dimension, a power-of-two head size, an
+    additive (floating-point) mask of one query or none."""
     d = query.shape[-1]
-    return (d & (d - 1)) == 0 and 16 <= d <= 256 and all(t.stride(-1) == 1 for t in (query, keys, values))
+    return ((d & (d - 1)) == 0 and 16 <= d <= 256 and all(t.stride(-1) == 1 for t in (query, keys, values))
+            and (mask is None or (mask.is_floating_point() and mask.dim() == 4 and mask.shape[2] == 1)))
 
 
 @torch.library.custom_op("deepseek_flash::decode_attention", mutates_args=())
@@ -417,6 +419,6 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 @decode_attention.register_kernel("cuda")
 def _(query, keys, values, mask, scale):
-    if BACKEND.triton and _attention_fits(query, keys, values):
+    if BACKEND.triton and _attention_fits(query, keys, values, mask):
         return _tri_decode_attention(query, keys, values, mask, scale)
     return _ref_decode_attention(query, keys, values, mask, scale)

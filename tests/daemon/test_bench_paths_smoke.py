@@ -15,24 +15,29 @@ def test_the_paths_bench_smoke_learns_the_import_files_and_reads_them_ahead_afte
     done = subprocess.run([sys.executable, str(BENCH), "--smoke", "--only", "shared_gpu_cold", "--dir",
                            str(tmp_path), "--beside-engine", "", "--output", str(out)],
                           capture_output=True, text=True, timeout=400,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          # One small package read ahead without a manifest (the default list: ~400 MB).
+                          env=dict(os.environ, OMP_NUM_THREADS="1",
+                                   DEEPSEEK_FLASH_IMPORT_PACKAGES="packaging"))
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads(out.read_text())
     cold = res["shared_gpu_cold"]
     first, again = cold, cold["after_restart"]
     assert cold["works"] is True and "error" not in first and "error" not in again
     assert first["cache_dropped"] is False           # the smoke never drops this machine's cache
-    # First-ever: nothing learned, nothing read ahead, the reads shallow while the client imported.
+    # First-ever: nothing learned; the packages' files read ahead instead, then full depth.
     assert (first["import_manifest_before"], first["import_manifest_after"]) == (False, True)
     assert first["imports_read_ahead"] is None
-    assert any("reads at 1 x 4096 KiB (1 clients importing): client 1 imports "
-               "transformers.models.llama.modeling_llama" in ln for ln in first["daemon_log_pin"])
+    assert first["packages_read_ahead"]["files"] > 10
+    assert any("client 1 imports transformers.models.llama.modeling_llama" in ln
+               for ln in first["daemon_log_pin"])
+    assert any("reads at 32 x 1024 KiB (0 clients importing): import files read ahead for *" in ln
+               for ln in first["daemon_log_pin"])
     # After the restart: the first client's files read ahead at start, then full depth.
-    assert again["import_manifest_before"] is True
+    assert again["import_manifest_before"] is True and again["packages_read_ahead"] is None
     ahead = again["imports_read_ahead"]
     assert ahead["modules"] == 1 and ahead["files"] > 100 and ahead["bytes"] > 1 << 20
-    assert any("reads at 32 x 1024 KiB (0 clients importing): the files of 1 modules' imports read ahead"
-               in ln for ln in again["daemon_log_pin"])
+    assert any("reads at 32 x 1024 KiB (0 clients importing): import files read ahead for "
+               "transformers.models.llama.modeling_llama" in ln for ln in again["daemon_log_pin"])
     for r in (first, again):
         assert r["request_to_loaded_s"] > 0 and r["phases_ms"]["imports_ms"] > 0
         assert r["vs_best_raw"] == round(r["gbps"] / 1.0, 3)

@@ -86,7 +86,8 @@ def test_the_manifest_round_trips_and_a_corrupt_one_is_a_typed_error(tmp_path):
     assert imports_ahead.flatten({"/a": ["b", "c/d", "..", 3], "rel": ["x"], "/e": "f"}) == ["/a/b"]
 
 
-def test_a_corrupt_manifest_is_logged_and_the_start_reads_nothing(tmp_path, caplog):
+def test_a_corrupt_manifest_is_logged_and_the_start_reads_nothing(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv(imports_ahead.PACKAGES_ENV, "")
     (tmp_path / imports_ahead.MANIFEST_NAME).write_text("{broken")
     warmed = []
     ahead = imports_ahead.ImportsAhead(tmp_path, on_warm=warmed.append)
@@ -278,3 +279,42 @@ def test_the_imports_thread_records_what_its_import_opened(tmp_path, monkeypatch
     imports = skeleton.Imports("flash_probe_pkg")
     imports.wait()
     assert str(pkg / "data.txt") in imports.opened and str(pkg / "__init__.py") in imports.opened
+
+
+def test_without_a_manifest_the_start_reads_the_packages_files(tmp_path, monkeypatch, caplog):
+    """A daemon's first start: every file of the fallback packages (found without importing them;
+    one not installed skipped), then any importing client counts as warm."""
+    site = tmp_path / "site"
+    (site / "flash_pkg_a" / "sub").mkdir(parents=True)
+    (site / "flash_pkg_a" / "__init__.py").write_text("a = 1\n")
+    (site / "flash_pkg_a" / "sub" / "m.py").write_text("m = 2\n")
+    (site / "flash_mod_b.py").write_text("b = 3\n")
+    monkeypatch.syspath_prepend(str(site))
+    assert imports_ahead.fallback_packages({}) == imports_ahead.FALLBACK_PACKAGES
+    assert imports_ahead.fallback_packages({imports_ahead.PACKAGES_ENV: " x, ,y "}) == ("x", "y")
+    files = [str(site / "flash_mod_b.py"), str(site / "flash_pkg_a" / "__init__.py"),
+             str(site / "flash_pkg_a" / "sub" / "m.py")]
+    assert imports_ahead.package_files(["flash_pkg_a", "flash_no_such_pkg", "flash_mod_b"]) == files
+    monkeypatch.setenv(imports_ahead.PACKAGES_ENV, "flash_pkg_a,flash_mod_b,flash_no_such_pkg")
+    warmed = []
+    ahead = imports_ahead.ImportsAhead(tmp_path / "state", on_warm=warmed.append)
+    with caplog.at_level(logging.INFO, logger="deepseek_flash.imports_ahead"):
+        counts = ahead.run()
+    assert (counts["files"], counts["bytes"], counts["missing"]) == (3, 18, 0)
+    assert warmed == [{imports_ahead.ANY_MODULE: files}]
+    assert "read ahead the packages' files (no manifest yet): 3 files (18 bytes)" in caplog.text
+    assert not ahead.path.exists()           # nothing learned from it
+
+
+def test_after_the_packages_were_read_no_client_keeps_the_reads_shallow(tiny_store):
+    config = FlashConfig.from_dict({"store_roots": [str(tiny_store.parent)]})
+    engine = IOEngine(queue_depth=8, request_size=256 << 10)
+    manager = BlockManager(config, HostArena(8 << 20), engine)
+    try:
+        a = manager.connect({})
+        manager.hold_shallow(a, module="anything")
+        assert engine.shape == reads.SHALLOW_SHAPE
+        manager.imports_read_ahead({imports_ahead.ANY_MODULE: []})
+        assert engine.shape == (8, 256 << 10) and manager.state.shallow_holders() == []
+    finally:
+        manager.close()
