@@ -23,7 +23,14 @@ tokens, batch 1 and 8, all in one run:
 
 Decode tok/s = batch x (N - 1) / (t(generate N) - t(generate 1)): decode steps only, prefill out.
 
+``--int4``: the same model with every projection int4 (g128, tile layout, bound as the host tier
+holds it: ``to_int4``) -- the resident int4 decode, against the HBM bound of its codes, scales,
+bf16 head and norms; variant ``graphs_unmerged`` runs q, k, v (gate, up) one GEMV each beside the
+default merged step (``decode.fused.MERGE_QUANTIZED``). Variant ``graphs_sdpa`` (any model): the
+default step with torch's sdpa in place of ``decode.kernels.decode_attention`` (``decode.fused.SDPA``).
+
     python bench/decode.py [--arch llama] [--batches 1,8] [--output decode.json]
+    python bench/decode.py --int4 --variants graphs,graphs_unmerged --skip-eager --skip-peer
     python bench/decode.py --smoke        # CPU, a tiny model: the same code paths, no bound
 """
 from __future__ import annotations
@@ -79,10 +86,62 @@ def build(arch: str, shape: dict, device, dtype, layers: int | None = None):
     return model.eval()
 
 
+# The projections --int4 quantizes, grouped as the store's blocks hold them (block roles attn,
+# mlp_gate_up, mlp_down): the host tier lays each group's tile-layout codes back to back.
+INT4_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+               ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+
+
+def to_int4(model, group: int) -> dict:
+    """Every decoder projection as int4 (round to nearest, absmax scales per ``group`` columns,
+    symmetric: the store's ``int4_symmetric`` codes) in torch's CUDA int4 tile layout, bound as
+    ``QuantLinear`` the way a model loaded from a tile-layout host tier is: each block group's codes
+    back to back in one buffer (``quant.host_tier.tiled_block``), scales beside them. The head and
+    the embedding stay bfloat16, as in the store (``bench/quant.py``'s resident int4 model)."""
+    import torch
+
+    from deepseek_flash.quant import QuantizedTensor, QuantSpec, int4pack
+    from deepseek_flash.quant.codec import pack_int4
+    from deepseek_flash.quant.host_tier import TILES
+    from deepseek_flash.quant.linear import bind_quantized
+
+    spec = QuantSpec("int4_symmetric", "per_block", group)
+    dtype = next(model.parameters()).dtype
+    count = 0
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for owner, names in INT4_GROUPS:
+                linears = [getattr(getattr(layer, owner), n) for n in names]
+                tiles = []
+                for lin in linears:
+                    N, K = lin.weight.shape
+                    inner, g = int4pack.plan("cuda", torch.bfloat16, spec, N, K)
+                    w = lin.weight.float().reshape(N, K // g, g)
+                    scales = (w.abs().amax(-1) / 7).clamp_min(1e-8).half()
+                    q = torch.round(w / scales.float()[..., None]).clamp_(-8, 7).reshape(N, K)
+                    tiles.append((int4pack.cuda_layout(pack_int4(q), inner), (inner, g),
+                                  int4pack.scales_and_zeros(scales, spec, (N, K), g, dtype)))
+                buffer = torch.cat([t.reshape(-1) for t, _, _ in tiles])
+                at = 0
+                for name, lin, (t, kernel, sz) in zip(names, linears, tiles):
+                    codes = buffer[at:at + t.numel()].view(t.shape)
+                    at += t.numel()
+                    qt = QuantizedTensor(spec, tuple(lin.weight.shape), codes, sz, dtype, TILES, kernel)
+                    bind_quantized(model, f"model.layers.{i}.{owner}.{name}", qt, fixed=True)
+                    count += 1
+    return {"scheme": "int4_symmetric", "group": group, "layout": TILES, "projections": count}
+
+
 def weight_bytes_per_step(model) -> int:
+    """Every parameter and every quantized layer's codes and scales, less the input embedding
+    table (a step reads one row of it) unless it is the head's."""
+    from deepseek_flash.quant.linear import QuantLinear
+
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, QuantLinear)
+                 for t in (m.codes, m.scales))
     return total if embed.data_ptr() == head.data_ptr() else total - embed.numel() * embed.element_size()
 
 
@@ -219,6 +278,9 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-budget-s", type=float, default=240.0,
                         help="skip the compiled peer for further batches once it has used this long")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few tokens")
+    parser.add_argument("--int4", action="store_true",
+                        help="the projections as int4 in the tile layout (to_int4): the resident "
+                             "int4 model; variant graphs_unmerged runs them one GEMV each")
     parser.add_argument("--output")
     parser.add_argument("--out-dir", help="profile tables go here")
     args = parser.parse_args(argv)
@@ -229,6 +291,7 @@ def main(argv=None) -> int:
     import transformers
 
     from deepseek_flash.decode import enable
+    from deepseek_flash.decode import fused as fusion
     from deepseek_flash.decode.engine import batch_bucket
 
     out_dir = pathlib.Path(args.out_dir) if args.out_dir else None
@@ -250,8 +313,14 @@ def main(argv=None) -> int:
     if cuda:
         res["gpu"] = torch.cuda.get_device_name(0)
         res["copy_bandwidth_gbps"] = round(copy_bandwidth(torch) / 1e9, 1)
+    if args.int4 and args.smoke:
+        shape = dict(shape, hidden_size=128, intermediate_size=256)     # K a multiple of 32
     t = time.perf_counter()
     model = build(args.arch, shape, device, dtype, args.layers)
+    if args.int4:
+        res["int4"] = to_int4(model, 32 if args.smoke else 128)
+        if cuda:
+            torch.cuda.empty_cache()
     res["build_s"] = round(time.perf_counter() - t, 2)
     res["weight_bytes_per_step"] = weight_bytes_per_step(model)
     if cuda:
@@ -264,16 +333,18 @@ def main(argv=None) -> int:
                for b in batches}
     capacity = args.prompt + args.new
     decoder = None
-    known = {"graphs": {}, "graphs_modules": {"fused": False},
+    known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {}, "graphs_sdpa": {},
              "graphs_transformers_attention": {"fused": False, "packed_attention": False},
              "graphs_transformers_norm": {"fused": False, "fused_norm": False}}
     chosen = ["graphs"] + [v for v in args.variants.split(",") if v and v != "graphs"]
     for variant in chosen if not args.only_peer else ():
         options = known[variant]
-        if variant not in ("graphs", "graphs_modules") and args.smoke:
+        if variant not in ("graphs", "graphs_modules", "graphs_unmerged", "graphs_sdpa") and args.smoke:
             continue
         if decoder is not None:
             decoder.reset()
+        fusion.MERGE_QUANTIZED = variant != "graphs_unmerged"
+        fusion.SDPA = variant == "graphs_sdpa"
         decoder = enable(model, capacity=capacity, **options)
         for b in batches:
             ids = prompts[b]
@@ -287,7 +358,7 @@ def main(argv=None) -> int:
             entry = {"tok_s": round(rate, 2), "generate_s": round(tn, 3), "first_call_s": round(t_first, 3),
                      "mode": stats["mode"], "eager_reason": stats["eager_reason"], "step": stats["step"],
                      "fused_reason": stats["fused_reason"]}
-            if variant == "graphs":
+            if variant in ("graphs", "graphs_unmerged", "graphs_sdpa"):
                 entry.update(merged=stats["merged"], triton=stats["triton"],
                              captures=stats["captures"], capture_s=round(stats["capture_s"], 3),
                              graph_pool_bytes=stats["graph_pool_bytes"], kv_bytes=stats["kv_bytes"],
@@ -307,6 +378,7 @@ def main(argv=None) -> int:
     if not (args.only_peer or args.skip_ops):  # CPU work, after the GPU figures (a cut run keeps those)
         res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
         save(res, args.output)
+    fusion.MERGE_QUANTIZED, fusion.SDPA = True, False
     if decoder is not None:
         decoder.reset()
     decoder = enable(model, capacity=capacity)
@@ -352,6 +424,12 @@ def main(argv=None) -> int:
         row = {"graphs_tok_s": ours}
         if "graphs_modules" in res:
             row["modules_tok_s"] = res["graphs_modules"][b]["tok_s"]
+        if "graphs_unmerged" in res:
+            row["unmerged_tok_s"] = res["graphs_unmerged"][b]["tok_s"]
+            row["merged_vs_unmerged"] = round(ours / res["graphs_unmerged"][b]["tok_s"], 3)
+        if "graphs_sdpa" in res:
+            row["sdpa_tok_s"] = res["graphs_sdpa"][b]["tok_s"]
+            row["vs_sdpa"] = round(ours / res["graphs_sdpa"][b]["tok_s"], 3)
         if "eager_generate" in res:
             row["eager_tok_s"] = res["eager_generate"][b]["tok_s"]
             row["vs_eager"] = round(ours / res["eager_generate"][b]["tok_s"], 2)
@@ -363,7 +441,9 @@ def main(argv=None) -> int:
             row["vs_hbm_bound"] = res["graphs"][b]["vs_hbm_bound"]
         summary[b] = row
     res["summary"] = summary
-    if cuda:
+    if cuda and args.int4:
+        res["goals"] = {"int4_resident_batch1>=0.9*hbm_bound": res["graphs"][batches[0]]["vs_hbm_bound"] >= 0.9}
+    elif cuda:
         res["goals"] = {"batch1>=0.6*hbm_bound": res["graphs"][batches[0]]["vs_hbm_bound"] >= 0.6,
                         "ahead_of_compiled_peer": (all(r.get("vs_peer", 0) > 1 for r in summary.values())
                                                    if "compiled_peer" in res else "peer not run")}

@@ -10,7 +10,8 @@
 # CONTEXTS default "32768 8192" (the goals' context first; ~100 s on an H200 with the tests);
 # --smoke: the CPU with a tiny model. PROFILE_AT (default "32768"): the contexts profiled;
 # NO_TESTS=1: the bench alone (a second call at 131072, say); PAGE_CACHE_MULTIPLES="2 3": top-K
-# also timed with those page-cache multiples (informational; the goals use the default).
+# also timed with those page-cache multiples (informational; the goals use the default);
+# HOST_PROFILE=1: Python's profiler over 10 decode steps of DynamicCache and top-K.
 set -u -o pipefail
 out=${1:-/tmp/flash-kv}; arch=${2:-llama}; contexts=${3:-32768 8192}; smoke=${4:-}
 profile_at=${PROFILE_AT:-32768}
@@ -28,6 +29,13 @@ elif [ -z "${NO_TESTS:-}" ]; then
   $py -m pytest -q -m gpu tests/kv -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1 || status=1
   echo "gpu tests: $(tail -1 "$out/gpu_tests.log")"
   grep -E "^(FAILED|ERROR)|^E  " "$out/gpu_tests.log" | head -20
+fi
+if [ -n "${KV_FLAGS:-}" ]; then
+  # shellcheck disable=SC2206
+  flags+=($KV_FLAGS)  # more bench/kv.py flags (--no-fused: the other paths' timings left out)
+fi
+if [ -n "${HOST_PROFILE:-}" ]; then
+  flags+=(--host-profile)  # cProfile of decode steps per mode (kv.hostprof-*.txt)
 fi
 if [ -n "${PAGE_CACHE_MULTIPLES:-}" ]; then
   # shellcheck disable=SC2206

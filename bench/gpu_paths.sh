@@ -3,9 +3,12 @@
 #   bash bench/gpu_paths.sh OUTDIR 1   build, GPU parity tests, llama: stream (batch 1, 8) + paths
 #   bash bench/gpu_paths.sh OUTDIR 2   build, qwen2 and mistral: stream (batch 1, 8)
 #   bash bench/gpu_paths.sh OUTDIR cold [ARCH]  (default mistral) a cold load right after a default daemon
-#                                            starts (~115 s on a fresh machine; the imports
-#                                            beside the IO engine at PATHS_BESIDE_ENGINE, default
-#                                            32x1MiB, '' to skip: ~12 s each)
+#                                            starts, in a fresh client process: the daemon's first
+#                                            ever, then after its restart (the import files learned
+#                                            from the first read ahead at start) (~150 s on a fresh
+#                                            machine; PATHS_COLD_ARGS e.g. --skeleton-alone, --no-restart;
+#                                            the imports beside the IO engine at PATHS_BESIDE_ENGINE,
+#                                            default 32x1MiB, '' to skip: ~12 s each)
 #   bash bench/gpu_paths.sh OUTDIR imports [ARCH]  (default qwen2; its store made if missing) the
 #         skeleton's imports in a fresh interpreter, cache dropped: alone, beside the IO engine
 #         reading the store at each PATHS_IMPORTS_ENGINE shape (default 32x1MiB,4x4MiB,1x4MiB) and
@@ -131,6 +134,19 @@ for p in sorted(out.glob("paths-*.json")):
             print(f"attach {kind} @{cache}: {r.get('load_model_ms')} ms phases {r.get('phases_ms')} "
                   f"forward_s {r.get('forward_s')} pin {r.get('streamed_ranges_pin_s')} "
                   f"whole_arena_pin {r.get('whole_arena_pin_s')} err {e.get('error')}")
-    print("shared_gpu_cold:", json.dumps(d.get("shared_gpu_cold")))
+    cold = d.get("shared_gpu_cold") or {}
+    keys = ("error", "cache_dropped", "import_manifest_before", "imports_read_ahead", "packages_read_ahead",
+            "daemon_start_to_hello_s",
+            "request_to_loaded_s", "vs_best_raw", "phases_ms", "imports_thread_s", "imports_thread_cpu_s",
+            "shallow_read_s", "daemon_load_s", "daemon_load_gbps", "daemon_side_after_request_s",
+            "daemon_side_vs_best_raw", "daemon_log_pin")
+    if cold:
+        print("cold raw:", {k: cold.get(k) for k in ("python_odirect_gbps", "dd_direct_gbps", "best_raw_gbps", "raw_bytes_read")})
+    for name, r in (("cold first-ever", cold), ("cold after restart", cold.get("after_restart"))):
+        if r:
+            print(f"{name}:", json.dumps({k: r.get(k) for k in keys if k in r}))
+    for k in ("skeleton_alone", "skeleton_alone_cold", "skeleton_beside_engine"):
+        if k in cold:
+            print(k, json.dumps(cold[k])[:600])
     print("goals:", d.get("goals"))
 PY

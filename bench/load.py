@@ -98,14 +98,17 @@ def wait_loaded(model) -> None:
     torch.cuda.synchronize()
 
 
-def start_daemon(runtime: Path, config: dict) -> subprocess.Popen:
+def start_daemon(runtime: Path, config: dict, state: Path | None = None) -> subprocess.Popen:
+    """``deepseek-flashd`` on ``runtime`` with ``config``; ``state``: its state directory (the
+    learned import files; default ``runtime``/state, a fresh one)."""
     import json
 
     runtime.mkdir(parents=True, exist_ok=True)
     (runtime / "flash.json").write_text(json.dumps(config))
     env = dict(os.environ, DEEPSEEK_FLASH_RUNTIME_DIR=str(runtime),
                DEEPSEEK_FLASH_SOCKET=str(runtime / "control.sock"),
-               DEEPSEEK_FLASH_CONFIG=str(runtime / "flash.json"))
+               DEEPSEEK_FLASH_CONFIG=str(runtime / "flash.json"),
+               DEEPSEEK_FLASH_STATE_DIR=str(state or runtime / "state"))
     log = open(runtime / "daemon.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "deepseek_flash.daemon.app"], env=env,
                             stdout=log, stderr=subprocess.STDOUT)

@@ -312,14 +312,17 @@ class Client:
 
     # --- device tier (used by load_model) ---------------------------------------------------------
     def attach(self, model, device, weight_budget: int | None = None, priority: int = 0,
-               blocks: list[int] | None = None, part: int = 0, importing: bool = False) -> dict:
+               blocks: list[int] | None = None, part: int = 0, importing: bool = False,
+               imports_module: str | None = None) -> dict:
         """The model's memory on ``device`` ("cpu" or a CUDA index) for this client: plan,
         control page (gates, block offsets), GPU arena and events, streaming slots. A load this
         attach starts reads with ``priority`` (higher goes to the disk first). ``blocks``/``part``:
         one device's share of a model split over devices (``load_model(device_map=...)``).
         ``importing``: this process is still importing (its model class): the controller reads
         shallow, as ``dd`` does, until ``imports_done`` -- thousands of small file reads would
-        otherwise wait behind every read the load keeps queued on the disk."""
+        otherwise wait behind every read the load keeps queued on the disk; ``imports_module``,
+        the module it imports: a daemon that read that module's files ahead at start (its
+        learned manifest) reads at full depth at once."""
         # Only a client in another process needs CUDA IPC handles; sharing memory with oneself
         # would pin it in torch's IPC bookkeeping for good.
         args = {"model": _name(model), "device": device, "ipc": self.mode == "daemon"}
@@ -332,13 +335,18 @@ class Client:
             args["part"] = int(part)
         if importing:
             args["importing"] = True
+            if imports_module is not None:
+                args["imports_module"] = str(imports_module)
         return self._backend.call("attach", args)
 
-    def imports_done(self) -> float | None:
+    def imports_done(self, module: str | None = None, files: dict | None = None) -> float | None:
         """This process's imports are done (after ``attach(..., importing=True)``): the controller
-        reads at full depth again. The seconds it read shallow for this client (None: it did not)."""
+        reads at full depth again. The seconds it read shallow for this client (None: it did not).
+        ``module``/``files`` (``client.skeleton.imported_files()``): what the imports opened, for
+        the daemon to read ahead at its next start."""
+        args = {} if module is None or files is None else {"module": module, "files": files}
         try:
-            out = self._backend.call("imports_done", {})
+            out = self._backend.call("imports_done", args)
         except UnknownOperation:
             return None     # a daemon older than this library: it read at full depth throughout
         return None if out is None else out.get("shallow_s")

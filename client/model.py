@@ -19,12 +19,14 @@ import threading
 import time
 
 from ..cuda import attention_without_cudnn
-from ..errors import BudgetTooSmall, ConfigError, DeviceMapError, FlashIOError
+from ..errors import (BudgetTooSmall, ConfigError, DeviceMapError, FlashIOError, FrameTooLarge,
+                      MalformedFrame)
 from ..sizes import parse_size
 from ..store.views import block_tensors
 from ..wire import (DEFAULT_STREAM_UNIT, GATE_FAILED, GATE_PENDING, GATE_READY, SLOT_ALIGNMENT, Plan,
                     control_views)
-from .skeleton import bind_parameters, build_skeleton, decoder_parts, local_config, start_imports
+from .skeleton import (bind_parameters, build_skeleton, decoder_parts, imported_files, local_config,
+                       start_imports)
 from .placement import block_sizes, resolve
 from .stream import StreamGroup, start_reports, start_streaming
 
@@ -316,7 +318,8 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         # done (they are system-call bound; a deep read queue on the same disk slows them).
         importing = imports is not None and not imports.done
         handle.desc = client.attach(info.name, target, weight_budget=budget, priority=priority,
-                                    importing=importing)
+                                    importing=importing,
+                                    imports_module=imports.module if importing else None)
         lap("attach_ms")
         handle.imports = imports
         if imports is not None:
@@ -324,7 +327,7 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
                 imports.wait()
             finally:
                 if importing:
-                    handle.shallow_read_s = client.imports_done()
+                    handle.shallow_read_s = _imports_done(client, imports)
             lap("imports_ms")
         model = build_skeleton(info.config)
         if dev.type != "cpu":
@@ -362,6 +365,25 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         elif owns_client:
             client.close()
         raise
+
+
+def _imports_done(client, imports) -> float | None:
+    """Tell the controller this process's imports are done; a daemon is also told which files
+    they opened (it reads them ahead at its next start). The seconds it read shallow."""
+    files = None
+    if getattr(client, "mode", None) == "daemon":
+        try:
+            files = imported_files(opened=imports.opened)
+        except Exception as exc:  # noqa: BLE001 -- the report is an optimisation only
+            log.debug("the imported files were not collected: %s", exc)
+    if files is None:
+        return client.imports_done()
+    try:
+        return client.imports_done(imports.module, files)
+    except (MalformedFrame, FrameTooLarge) as exc:
+        # A daemon that takes no report (or a smaller frame): the plain call still ends the hold.
+        log.debug("imports_done with the files refused (%s): sent without them", exc)
+        return client.imports_done()
 
 
 def _resident_views(client, info, desc, plan, memory) -> tuple:

@@ -15,6 +15,7 @@ log = logging.getLogger("deepseek_flash.client")
 
 _meta = threading.local()          # .depth: this thread is inside meta_parameters()
 _install_lock = threading.Lock()
+_opens_lock = threading.Lock()
 _installed = {"count": 0, "original": None}
 
 
@@ -83,6 +84,41 @@ def skeleton_imported(config_dict: dict) -> bool:
     return _modeling_module(config_dict) in sys.modules
 
 
+# The files opened while an ``Imports`` thread runs (``record_opens``): an audit hook, installed
+# once per process (hooks cannot be removed), that returns at once while nothing records.
+_opens = {"on": 0, "files": set(), "installed": False}
+_NOT_FILES = ("/proc/", "/dev/", "/sys/")
+
+
+def _audit(event, args):
+    if event == "open" and _opens["on"]:
+        path = args[0] if args else None
+        if isinstance(path, str) and path.startswith("/") and not path.startswith(_NOT_FILES):
+            _opens["files"].add(path)
+
+
+@contextlib.contextmanager
+def record_opens():
+    """The absolute paths of the files this process opens inside the block (any thread: the
+    imports' own reads, such as transformers' scan of its model sources, are not modules), as a
+    set filled in place."""
+    import sys
+
+    with _opens_lock:
+        if not _opens["installed"]:
+            sys.addaudithook(_audit)
+            _opens["installed"] = True
+        _opens["on"] += 1
+    files = _opens["files"]
+    try:
+        yield files
+    finally:
+        with _opens_lock:
+            _opens["on"] -= 1
+            if not _opens["on"]:
+                _opens["files"] = set()
+
+
 class Imports:
     """The imports of a skeleton build, run on a thread of their own (``start_imports``).
 
@@ -101,6 +137,7 @@ class Imports:
         self.module = module
         self.seconds: float | None = None       # the imports' own time, once done
         self.cpu_seconds: float | None = None   # and this thread's CPU time in it
+        self.opened: set[str] = set()           # the files opened meanwhile (``record_opens``)
         self._thread = threading.Thread(target=self._run, daemon=True, name="flash-skeleton-imports")
         self._thread.start()
 
@@ -110,7 +147,9 @@ class Imports:
 
         started, cpu = time.perf_counter(), time.thread_time()
         try:
-            importlib.import_module(self.module)
+            with record_opens() as opened:
+                importlib.import_module(self.module)
+            self.opened = opened
         except Exception as exc:  # noqa: BLE001 -- the caller's import raises it again
             log.debug("importing %s ahead failed: %s", self.module, exc)
         self.cpu_seconds = time.thread_time() - cpu
@@ -138,6 +177,47 @@ def start_imports(config_dict: dict | None, started: Imports | None = None) -> I
     if skeleton_imported(config_dict):
         return None
     return Imports(_modeling_module(config_dict))
+
+
+# What imports_done may carry at most (the daemon's frames are 1 MiB by default).
+MAX_REPORT_BYTES = 512 << 10
+
+
+def imported_files(modules=None, maps_path: str = "/proc/self/maps",
+                   opened=()) -> dict[str, list[str]] | None:
+    """The files this process's imports opened, as ``{directory: [name, ...]}`` (what the daemon
+    keeps and reads ahead at its next start, ``daemon.imports_ahead``): each module's source and
+    compiled file, extension modules, the shared libraries mapped into the process, and
+    ``opened`` (``Imports.opened``). No file system call but reading ``maps_path``. None when the
+    list would exceed ``MAX_REPORT_BYTES`` even without the sources (it is then not reported)."""
+    import os
+    import sys
+
+    files = set(opened)
+    for mod in list((sys.modules if modules is None else modules).values()):
+        spec = getattr(mod, "__spec__", None)
+        for path in (getattr(spec, "cached", None), getattr(mod, "__file__", None)):
+            if isinstance(path, str) and os.path.isabs(path):
+                files.add(path)
+    try:
+        with open(maps_path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/") and not parts[5].startswith("/dev/"):
+                    path = parts[5].strip()
+                    if not path.endswith(" (deleted)"):
+                        files.add(path)
+    except OSError:
+        pass
+    for candidate in (files, {f for f in files if not f.endswith(".py")}):
+        grouped: dict[str, list[str]] = {}
+        for path in sorted(candidate):
+            directory, name = os.path.split(path)
+            grouped.setdefault(directory, []).append(name)
+        size = sum(len(d) + 6 + sum(len(n) + 3 for n in names) for d, names in grouped.items())
+        if size <= MAX_REPORT_BYTES:
+            return grouped
+    return None
 
 
 def local_config(name_or_path) -> dict | None:

@@ -115,7 +115,7 @@ class Application:
 
     def _build(self, listeners) -> None:
         self.controller = build_controller(self.config, status=self.snapshot,
-                                           udev_monitor=self._udev_monitor)
+                                           udev_monitor=self._udev_monitor, imports_ahead=True)
         self.manager = self.controller.manager
         manager = self.manager
         try:

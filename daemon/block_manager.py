@@ -75,6 +75,7 @@ class BlockManager:
         # the read shape while a client imports (reads.py)
         self.hold_shallow = reads.hold_shallow
         self.end_shallow = reads.end_shallow
+        self.imports_read_ahead = reads.imports_read_ahead
         self.read_outside = reads.read_outside
         state.disconnect_hooks.append(lambda cid: reads.end_shallow(cid, "it disconnected"))
         # device state (driven by daemon.recovery)

@@ -24,6 +24,7 @@ from pathlib import Path
 from .. import paths
 from .block_manager import BlockManager
 from .config import FlashConfig
+from .imports_ahead import ImportsAhead
 from .loader import Attachments, build_device_tier
 from .operations import Operations
 from .recovery import DeviceWatch
@@ -55,6 +56,7 @@ class Controller:
     attachments: Attachments
     ops: Operations = field(repr=False)
     shards: Shards | None = None
+    imports_ahead: ImportsAhead | None = None
 
     @property
     def fabric(self):
@@ -90,6 +92,8 @@ class Controller:
         """Stop the device watch, end every load and free device memory, save the access counts,
         stop the completion thread, close the IO engine (the arena goes with the last ref)."""
         self.recovery.close()
+        if self.imports_ahead is not None:
+            self.imports_ahead.close()
         self.attachments.close()
         self.manager.save_access_counts()
         self.manager.close()
@@ -97,8 +101,10 @@ class Controller:
 
 
 def build_controller(config, *, arena_name: str = "deepseek-flash", status=None,
-                     udev_monitor=None, use_udev: bool = True) -> Controller:
-    """Build every part of a controller from ``config`` (anything ``make_config`` takes)."""
+                     udev_monitor=None, use_udev: bool = True, imports_ahead: bool = False) -> Controller:
+    """Build every part of a controller from ``config`` (anything ``make_config`` takes).
+    ``imports_ahead`` (the daemon's): read the learned import files ahead at start and learn them
+    from clients (``daemon.imports_ahead``)."""
     from .._core import HostArena, IOEngine
 
     config = make_config(config)
@@ -106,19 +112,22 @@ def build_controller(config, *, arena_name: str = "deepseek-flash", status=None,
     engine = IOEngine()
     log.info("host arena %d bytes (memfd %d), IO engine %s", arena.size, arena.fd, engine.backend)
     manager = BlockManager(config, arena, engine)
-    recovery = attachments = None
+    recovery = attachments = ahead = None
     try:
+        if imports_ahead:
+            # First: the disk is idle until a client asks, and its imports want these files.
+            ahead = ImportsAhead(paths.state_dir(), on_warm=manager.imports_read_ahead).start()
         recovery = DeviceWatch(manager, monitor=udev_monitor, use_udev=use_udev)
         attachments = build_device_tier(manager, arena, config)
         attachments.fabric.prepare()
     except BaseException:
-        for part in (recovery, attachments, manager, engine):
+        for part in (ahead, recovery, attachments, manager, engine):
             if part is not None:
                 part.close()
         raise
     controller = Controller(config=config, arena=arena, engine=engine, manager=manager,
-                            recovery=recovery, attachments=attachments, ops=None)
+                            recovery=recovery, attachments=attachments, ops=None, imports_ahead=ahead)
     controller.shards = Shards(manager, paths.state_dir() / "shards")
     controller.ops = Operations(manager, status=status or controller.snapshot, attachments=attachments,
-                                shards=controller.shards)
+                                shards=controller.shards, imports_ahead=ahead)
     return controller

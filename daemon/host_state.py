@@ -193,9 +193,11 @@ class HostState:
         self.tick = 0
         self.generation = 0           # bumped on every state change (the status publisher polls it)
         self.counters = dict.fromkeys(COUNTERS, 0)
-        # Clients importing (attach with importing): client -> (since, until), monotonic; the
-        # engine reads shallow while any is here (reads.py).
-        self.shallow: dict[int, tuple[float, float]] = {}
+        # Clients importing (attach with importing): client -> (since, until, module), monotonic;
+        # the engine reads shallow while any of them imports a module whose files were not read
+        # ahead at start (``warm_imports``, daemon/imports_ahead.py; reads.py).
+        self.shallow: dict[int, tuple[float, float, str | None]] = {}
+        self.warm_imports: frozenset[str] = frozenset()
         # The tiers above: called outside the lock (see BlockManager.on_*), except copy sources.
         self.disconnect_hooks: list = []
         self.open_hooks: list = []
@@ -203,6 +205,14 @@ class HostState:
         # Tiers above the host arena that may hold a good copy of a block (graceful recovery):
         # callables(model_name, BlockInfo, dest memoryview) -> bool.
         self.copy_sources: list = []
+
+    def shallow_holders(self) -> list[int]:
+        """The clients whose imports keep the reads shallow: those importing a module whose files
+        were not read ahead (a client whose files are in the page cache loses nothing to deep
+        reads)."""
+        if "*" in self.warm_imports:        # imports_ahead.ANY_MODULE: the fallback packages read
+            return []
+        return [cid for cid, held in self.shallow.items() if held[2] not in self.warm_imports]
 
     def client(self, client_id) -> ClientState:
         try:

@@ -9,12 +9,14 @@ differs.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 
 from ..errors import ConfigError, MalformedFrame, UnknownClient, UnknownOperation
 from ..wire import OPS, Lease
 from .block_manager import BlockManager
+from .imports_ahead import flatten
 
 log = logging.getLogger("deepseek_flash.server")
 
@@ -34,8 +36,10 @@ def _arg(op: str, args: dict, name: str, kind, required: bool = True, default=No
 class Operations:
     """The op table: ``call(client_id, op, args)`` -> a wire result, or a Future of one."""
 
-    def __init__(self, manager: BlockManager, status=None, attachments=None, shards=None):
+    def __init__(self, manager: BlockManager, status=None, attachments=None, shards=None,
+                 imports_ahead=None):
         self.manager = manager
+        self.imports_ahead = imports_ahead     # the daemon's learned import files (or None)
         self.attachments = attachments
         self.shards = shards
         self._status = status or manager.snapshot
@@ -141,6 +145,7 @@ class Operations:
             raise MalformedFrame("attach: 'blocks' must be a list of block ids", op="attach",
                                  argument="blocks")
         importing = _arg("attach", args, "importing", bool, required=False, default=False)
+        module = _arg("attach", args, "imports_module", str, required=False)
         if self.attachments is None:
             raise UnknownOperation("attach: this controller has no device tier", op="attach")
         if not importing:
@@ -148,7 +153,7 @@ class Operations:
                                            blocks=blocks, part=part)
         # The client still imports its model class: the load reads shallow until it says
         # imports_done (or detaches, disconnects, or its attach fails).
-        self.manager.hold_shallow(cid)
+        self.manager.hold_shallow(cid, module=module)
         try:
             out = self.attachments.attach(cid, model, device, budget, ipc=ipc, priority=priority,
                                           blocks=blocks, part=part)
@@ -163,8 +168,21 @@ class Operations:
     def op_imports_done(self, cid, args):
         """The client's imports (``attach`` with ``importing``) are done: the load reads at full
         depth again unless another client still imports. ``shallow_s``: how long this client
-        held shallow reads (null: it held none)."""
+        held shallow reads (null: it held none). ``module`` and ``files`` (``{directory: [name,
+        ...]}``, both or neither): what that client's imports opened -- kept for the next start
+        (``daemon.imports_ahead``; ignored by a controller that does not read ahead)."""
+        module = _arg("imports_done", args, "module", str, required=False)
+        files = _arg("imports_done", args, "files", dict, required=False)
+        if (module is None) != (files is None):
+            missing = "files" if files is None else "module"
+            raise MalformedFrame(f"imports_done: 'module' and 'files' go together; {missing!r} is missing",
+                                 op="imports_done", argument=missing)
         seconds = self.manager.end_shallow(cid)
+        if files is not None and self.imports_ahead is not None:
+            # Off the loop: the list (a few hundred KiB at most) is only checked and written.
+            ahead = self.imports_ahead
+            threading.Thread(target=lambda: ahead.learn(module, flatten(files)), daemon=True,
+                             name="flash-imports-learn").start()
         return {"shallow_s": None if seconds is None else round(seconds, 3)}
 
     def op_shard(self, cid, args):

@@ -12,7 +12,10 @@ While a client says it is importing (``attach`` with ``importing``: a fresh proc
 its model class, thousands of small file reads that wait behind every read the load keeps queued
 on the same disk), the engine reads at ``SHALLOW_SHAPE``, one 4 MiB read at a time as ``dd`` does;
 ``imports_done``, that client's disconnect or detach, or ``SHALLOW_MAX_S`` bring its full depth
-back (``hold_shallow``/``end_shallow``; docs/benchmarks.md has the measurements behind it).
+back (``hold_shallow``/``end_shallow``; docs/benchmarks.md has the measurements behind it). A client
+whose module's files the daemon read ahead at start (``imports_ahead``: the learned manifest) holds
+nothing: its imports find their files in the page cache, so the load reads at full depth from the
+request on (``imports_read_ahead`` lifts the holds of clients that attached while it still read).
 
 A block of a model quantized as it enters the host tier (``quant.host_tier``) is read from its
 source block into a staging buffer (crc32c-checked against the source); the completion thread
@@ -75,19 +78,29 @@ class ReadPipeline:
         self._thread.start()
         self._transcodes: queue.Queue = queue.Queue()
         self._transcoder: threading.Thread | None = None   # started by the first staged batch
-        self.shallow = state.shallow          # client -> (since, until), monotonic
+        self.shallow = state.shallow          # client -> (since, until, module), monotonic
         self._outside: dict[int, tuple] = {}  # token -> (callback, BlockInfo, model) of read_outside
         shape = getattr(state.engine, "shape", None)
         self.full_shape = tuple(shape) if shape is not None else None
 
     # --- the read shape while a client imports -------------------------------------------------
-    def hold_shallow(self, client_id: int, max_s: float = SHALLOW_MAX_S) -> None:
-        """Read at ``SHALLOW_SHAPE`` until ``end_shallow(client_id)`` or ``max_s`` seconds."""
+    def hold_shallow(self, client_id: int, max_s: float = SHALLOW_MAX_S,
+                     module: str | None = None) -> None:
+        """Read at ``SHALLOW_SHAPE`` until ``end_shallow(client_id)`` or ``max_s`` seconds --
+        unless ``module`` (what the client imports) had its files read ahead (``warm_imports``)."""
         with self.s.lock:
             now = time.monotonic()
-            since = self.shallow.get(client_id, (now, 0.0))[0]
-            self.shallow[client_id] = (since, now + max_s)
-            self._reshape_locked(f"client {client_id} imports")
+            since = self.shallow.get(client_id, (now, 0.0, None))[0]
+            self.shallow[client_id] = (since, now + max_s, module)
+            warm = "" if client_id in self.s.shallow_holders() else " (its files read ahead)"
+            self._reshape_locked(f"client {client_id} imports {module or 'its model class'}{warm}")
+
+    def imports_read_ahead(self, modules) -> None:
+        """The files of ``modules``' imports are in the page cache (read ahead at start): a
+        client importing one of them no longer keeps the reads shallow."""
+        with self.s.lock:
+            self.s.warm_imports = self.s.warm_imports | frozenset(modules)
+            self._reshape_locked("import files read ahead for " + ", ".join(sorted(modules))[:200])
 
     def end_shallow(self, client_id: int, why: str = "its imports are done") -> float | None:
         """Client ``client_id`` no longer needs shallow reads: the seconds it held them (None when
@@ -104,7 +117,7 @@ class ReadPipeline:
         if not self.shallow:
             return
         now = time.monotonic()
-        for cid, (since, until) in list(self.shallow.items()):
+        for cid, (since, until, _) in list(self.shallow.items()):
             if now >= until:
                 del self.shallow[cid]
                 self._reshape_locked(f"client {cid} held shallow reads for {now - since:.0f} s, "
@@ -114,7 +127,8 @@ class ReadPipeline:
         engine = self.s.engine
         if self.full_shape is None or not hasattr(engine, "set_shape"):
             return
-        want = SHALLOW_SHAPE if self.shallow else self.full_shape
+        holders = self.s.shallow_holders()
+        want = SHALLOW_SHAPE if holders else self.full_shape
         want = (min(want[0], self.full_shape[0]), want[1])
         if tuple(engine.shape) != want:
             try:
@@ -123,7 +137,7 @@ class ReadPipeline:
                 log.debug("read shape %s not set: %s", want, exc)
                 return
         log.info("reads at %d x %d KiB (%d clients importing): %s", want[0], want[1] >> 10,
-                 len(self.shallow), why)
+                 len(holders), why)
 
     def close(self) -> None:
         """Stop the completion thread once every read asked for has finished (the waiting chunks

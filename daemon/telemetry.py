@@ -161,7 +161,7 @@ class Telemetry:
         shape = getattr(s.engine, "shape", None)
         if shape is not None:
             c["read_depth"], c["read_request_bytes"] = int(shape[0]), int(shape[1])
-        c["shallow_read_clients"] = len(s.shallow)
+        c["shallow_read_clients"] = len(s.shallow_holders())
         c["open_models"] = len(s.models)
         c["quarantined_blocks"] = sum(1 for m in s.models.values() for b in m.blocks.values()
                                       if b.quarantined)

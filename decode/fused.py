@@ -2,13 +2,15 @@
 
 One token per row through every decoder layer with the fewest kernels the math allows:
 
-    add_rms_norm -> q|k|v GEMV -> rope_cache -> sdpa -> o GEMV -> add_rms_norm -> gate|up GEMV
-    -> silu_mul -> down GEMV        (and after the last layer: add_rms_norm, lm_head)
+    add_rms_norm -> q|k|v GEMV -> rope_cache -> decode_attention -> o GEMV -> add_rms_norm
+    -> gate|up GEMV -> silu_mul -> down GEMV        (and after the last layer: add_rms_norm, lm_head)
 
 against 34 per layer through transformers' modules (rotary alone is 5 small kernels per q
 and per k; dtype casts; residual adds; SiLU then the product). The residual add of each sub-block
 runs inside the next norm (``kernels.add_rms_norm``); rotary, the cache write and the packed
-grouped-query layout are one kernel (``kernels.rope_cache``).
+grouped-query layout are one kernel (``kernels.rope_cache``); attention over the cache is
+``kernels.decode_attention`` (torch's sdpa on the CPU; on CUDA two Triton kernels, split-key
+flash decoding in float32, in place of cuDNN's prefill-shaped kernel and its memset).
 
 The q, k, v (and gate, up) weights become one matrix per layer, so one GEMV reads them:
 * a **view** where they already lie side by side in memory (a store block that holds them in that
@@ -17,7 +19,11 @@ The q, k, v (and gate, up) weights become one matrix per layer, so one GEMV read
   the parameters **rebound** to views of it (no extra memory: the old storage is freed);
 * else (views into memory shared with others, e.g. the daemon's arena) one concatenated **copy**
   (extra memory, counted in ``stats()["merged"]``).
-A projection that is not a plain ``nn.Linear`` (a quantized one) runs as its module, unmerged.
+Quantized projections (``QuantLinear``): int4 in the tile layout on fixed bytes whose codes lie
+back to back (the host tier lays a block's codes out so, ``quant.host_tier.tiled_block``) become one
+``QuantLinear`` over a view of the codes and a concatenation of the scales (``quant.linear.merge_tiles``;
+``stats()["merged"]["quantized"]``, the new bytes of the scales and biases in ``quant_copy_bytes``); any other
+projection that is not a plain ``nn.Linear`` runs as its module, unmerged.
 
 Used only where the model is exactly this structure and no module has forward hooks (a hook would
 not run: the step does not call the layer modules); otherwise the step runs transformers' modules.
@@ -35,6 +41,12 @@ import torch
 from . import kernels
 
 ARCHS = ("llama", "qwen2", "mistral")
+# Merge int4 tile-layout projections (``Merged``); False runs each as its module (bench/decode.py's
+# ``graphs_unmerged`` variant measures the two in one run).
+MERGE_QUANTIZED = True
+# Attention through torch's sdpa instead of ``kernels.decode_attention`` (the same op on the CPU; on
+# CUDA our split-key Triton kernels in place of cuDNN's): bench/decode.py's ``graphs_sdpa`` variant.
+SDPA = False
 
 
 def unsupported(model) -> str | None:
@@ -109,6 +121,8 @@ class MergeStats:
     copies: int = 0
     copy_bytes: int = 0
     unmerged: int = 0
+    quantized: int = 0          # int4 tile-layout groups merged over a view of their codes
+    quant_copy_bytes: int = 0   # their concatenated scales and biases (new memory)
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -122,9 +136,9 @@ class Merged:
         self.modules = list(modules)
         self.sizes = [m.out_features if hasattr(m, "out_features") else m.weight.shape[0]
                       for m in self.modules]
-        self.weight = self.bias = None
+        self.weight = self.bias = self.quant = None
         if not _plain(self.modules):
-            stats.unmerged += 1
+            self._merge_quantized(stats, fixed)
             return
         weights = [m.weight.detach() for m in self.modules]
         biases = [m.bias for m in self.modules]
@@ -154,7 +168,26 @@ class Merged:
             stats.copies += 1
             stats.copy_bytes += self.weight.numel() * self.weight.element_size()
 
+    def _merge_quantized(self, stats: MergeStats, fixed: bool) -> None:
+        """int4 layers in the tile layout whose codes lie back to back: one ``QuantLinear`` over
+        a view of them (their scales and biases concatenated: ``quant_copy_bytes``); otherwise unmerged."""
+        from ..quant.linear import merge_tiles
+
+        if not MERGE_QUANTIZED:
+            merged = "MERGE_QUANTIZED off"
+        else:
+            merged = merge_tiles(self.modules) if fixed else "bytes that change (a streamed slot)"
+        if isinstance(merged, str):
+            stats.unmerged += 1
+            return
+        self.quant = merged
+        stats.quantized += 1
+        stats.quant_copy_bytes += sum(t.numel() * t.element_size() for t in (merged.scales, merged.bias)
+                                      if t is not None)
+
     def __call__(self, x):
+        if self.quant is not None:
+            return self.quant(x).split(self.sizes, dim=-1)
         if self.weight is None:
             return [m(x) for m in self.modules]
         return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
@@ -228,9 +261,13 @@ class FusedForward:
             q, k, v = layer.qkv(normed)
             query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
             layer_mask = mask[layer.kind] if isinstance(mask, dict) else mask
-            attn = torch.nn.functional.scaled_dot_product_attention(
-                query, keys[i][:, :, :visible], values[i][:, :, :visible], attn_mask=layer_mask,
-                scale=layer.scaling)
+            if SDPA:
+                attn = torch.nn.functional.scaled_dot_product_attention(
+                    query, keys[i][:, :, :visible], values[i][:, :, :visible], attn_mask=layer_mask,
+                    scale=layer.scaling)
+            else:
+                attn = kernels.decode_attention(query, keys[i][:, :, :visible], values[i][:, :, :visible],
+                                                layer_mask, layer.scaling)
             x = layer.o_proj(attn.reshape(attn.shape[0], 1, -1))
             normed = kernels.add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
             gate, up = layer.gate_up(normed)

@@ -63,6 +63,11 @@ def _ref_silu_mul(gate, up):
     return torch.nn.functional.silu(gate) * up
 
 
+def _ref_decode_attention(query, keys, values, mask, scale: float):
+    return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                            scale=scale)
+
+
 # --- Triton kernels -------------------------------------------------------------------------------
 if triton is not None:
     @triton.jit
@@ -130,6 +135,72 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, out.to(out_ptr.dtype.element_ty), mask=live)
 
 
+    @triton.jit
+    def _attention_split_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ml_ptr, L, G, KVH, SPLITS,
+                                q_sb, q_sh, q_sg, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, m_sb, m_sl,
+                                scale, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
+                                BLOCK_L: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr):
+        # One (sequence, key/value head) and one CHUNK of keys: the softmax of its group of query
+        # rows over the chunk (running max, sum, weighted values in float32), for the combine.
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // KVH
+        h = bh % KVH
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :], mask=g[:, None] < G,
+                    other=0.0).to(tl.float32)
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for off in range(0, CHUNK, BLOCK_L):
+            keys = split * CHUNK + off + tl.arange(0, BLOCK_L)
+            live = keys < L
+            k = tl.load(k_ptr + b * k_sb + h * k_sh + keys[:, None] * k_sl + d[None, :],
+                        mask=live[:, None], other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+            if HAS_MASK:
+                bias = tl.load(m_ptr + b * m_sb + keys * m_sl, mask=live, other=0.0).to(tl.float32)
+                scores = scores + bias[None, :]
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + b * v_sb + h * v_sh + keys[:, None] * v_sl + d[None, :],
+                        mask=live[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        part = bh * SPLITS + split
+        tl.store(o_ptr + (part * G_PAD + g[:, None]) * D + d[None, :], acc)
+        tl.store(ml_ptr + (part * 2) * G_PAD + g, m_i)
+        tl.store(ml_ptr + (part * 2 + 1) * G_PAD + g, l_i)
+
+    @triton.jit
+    def _attention_combine_kernel(o_ptr, ml_ptr, out_ptr, G, KVH, SPLITS, out_sb, out_sh, out_sg,
+                                  G_PAD: tl.constexpr, D: tl.constexpr):
+        bh = tl.program_id(0)
+        b = bh // KVH
+        h = bh % KVH
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        top = tl.full([G_PAD], float("-inf"), tl.float32)
+        for split in range(0, SPLITS):
+            top = tl.maximum(top, tl.load(ml_ptr + ((bh * SPLITS + split) * 2) * G_PAD + g))
+        top = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for split in range(0, SPLITS):
+            part = bh * SPLITS + split
+            w = tl.exp(tl.load(ml_ptr + (part * 2) * G_PAD + g) - top)
+            total += w * tl.load(ml_ptr + (part * 2 + 1) * G_PAD + g)
+            acc += w[:, None] * tl.load(o_ptr + (part * G_PAD + g[:, None]) * D + d[None, :])
+        out = acc / total[:, None]
+        tl.store(out_ptr + b * out_sb + h * out_sh + g[:, None] * out_sg + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
+
+
 def _rows(t):
     """``t`` as (rows, features) with unit stride along features (a view; decode shapes are)."""
     flat = t.reshape(-1, t.shape[-1])
@@ -172,6 +243,36 @@ def _tri_silu_mul(gate, up):
     block = 1024
     _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, g.stride(0), u.stride(0), n,
                                                           BLOCK=block, num_warps=4)
+    return out
+
+
+ATTENTION_CHUNK = 64        # keys per program of the split kernel
+
+
+def _tri_decode_attention(query, keys, values, mask, scale: float):
+    """Split-key (flash-decoding) attention of one query token per row in the packed grouped-query
+    layout: ``query`` (batch, kv_heads, group, dim), ``keys``/``values`` (batch, kv_heads, length,
+    dim) views of the cache, ``mask`` None or additive (batch, 1, 1, length). Two kernels: each
+    ``ATTENTION_CHUNK`` keys of each (row, head) in float32, then their combination, rounded once."""
+    b, kv_heads, group, d = query.shape
+    length = keys.shape[2]
+    if mask is not None:
+        mask = mask.expand(b, 1, 1, length)
+    g_pad = triton.next_power_of_2(group)
+    splits = triton.cdiv(length, ATTENTION_CHUNK)
+    parts = torch.empty((b * kv_heads * splits, g_pad, d), dtype=torch.float32, device=query.device)
+    ml = torch.empty((b * kv_heads * splits, 2, g_pad), dtype=torch.float32, device=query.device)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    m_arg = mask if mask is not None else query
+    m_sb, m_sl = (mask.stride(0), mask.stride(3)) if mask is not None else (0, 0)
+    _attention_split_kernel[(b * kv_heads, splits)](
+        query, keys, values, m_arg, parts, ml, length, group, kv_heads, splits,
+        query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), m_sb, m_sl, scale,
+        HAS_MASK=mask is not None, CHUNK=ATTENTION_CHUNK, BLOCK_L=16, G_PAD=g_pad, D=d, num_warps=4)
+    _attention_combine_kernel[(b * kv_heads,)](
+        parts, ml, out, group, kv_heads, splits, out.stride(0), out.stride(1), out.stride(2),
+        G_PAD=g_pad, D=d, num_warps=4)
     return out
 
 
@@ -244,6 +345,21 @@ def _self_check(device, dtype, hidden: int = 320, heads: int = 8, kv_heads: int 
     gate, up = gu.split([intermediate, intermediate], dim=-1)
     if not _close(_ref_silu_mul(gate, up), _tri_silu_mul(gate, up), dtype):
         return "silu_mul disagrees with the reference"
+    # Attention over 150 keys of a 160-slot cache (three chunks, the last partial): row 1 left
+    # padded, row 2 with its whole first chunk masked (a chunk with nothing to attend to).
+    length = 150
+    query = rnd(b, kv_heads, heads // kv_heads, d)
+    cache_k, cache_v = rnd(b, kv_heads, length + 10, d), rnd(b, kv_heads, length + 10, d)
+    allowed = torch.ones(b, 1, 1, length, dtype=torch.bool, device=device)
+    allowed[1, ..., :3] = False
+    allowed[2, ..., :70] = False
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
+    keys, values = cache_k[:, :, :length], cache_v[:, :, :length]
+    scale = d ** -0.5
+    for m in (mask, None):
+        if not _close(_ref_decode_attention(query, keys, values, m, scale),
+                      _tri_decode_attention(query, keys, values, m, scale), dtype):
+            return "decode_attention disagrees with the reference"
     return None
 
 
@@ -285,3 +401,24 @@ def _(gate, up):
     if BACKEND.triton:
         return _tri_silu_mul(gate, up)
     return _ref_silu_mul(gate, up)
+
+
+def _attention_fits(query, keys, values, mask) -> bool:
+    """The kernel's case: unit stride along the head dimension, a power-of-two head size, an
+    additive (floating-point) mask of one query or none."""
+    d = query.shape[-1]
+    return ((d & (d - 1)) == 0 and 16 <= d <= 256 and all(t.stride(-1) == 1 for t in (query, keys, values))
+            and (mask is None or (mask.is_floating_point() and mask.dim() == 4 and mask.shape[2] == 1)))
+
+
+@torch.library.custom_op("deepseek_flash::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    return _ref_decode_attention(query, keys, values, mask, scale)
+
+
+@decode_attention.register_kernel("cuda")
+def _(query, keys, values, mask, scale):
+    if BACKEND.triton and _attention_fits(query, keys, values, mask):
+        return _tri_decode_attention(query, keys, values, mask, scale)
+    return _ref_decode_attention(query, keys, values, mask, scale)

@@ -181,6 +181,14 @@ class ConfigError(FlashError):
     code = 500
 
 
+class ImportManifestCorrupt(FlashError):
+    """The daemon's learned list of the files a client's imports open (its state directory,
+    ``daemon/imports_ahead.py``) is unreadable or malformed: ``path`` and ``reason`` name it. The
+    daemon logs it and starts without reading ahead; the next client's report rewrites it."""
+
+    code = 501
+
+
 # --- availability (6xx) ------------------------------------------------------------------------
 class DaemonNotRunning(FlashError):
     code = 600

@@ -79,10 +79,11 @@ if triton is not None:
 
     # the scalars that change with the context are not specialised on (a page boundary
     # would otherwise compile a kernel again in the middle of decoding)
-    @triton.jit(do_not_specialize=["n", "NB"])
-    def _score(q_ptr, mm_ptr, bound_ptr, wpart_ptr, n, scale, mm_sb, mm_sh, NB,
+    @triton.jit(do_not_specialize=["NB"])
+    def _score(q_ptr, mm_ptr, bound_ptr, wpart_ptr, n_ptr, scale, mm_sb, mm_sh, NB,
                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                W: tl.constexpr):
+        n = tl.load(n_ptr)  # the page count, on the device: a graph serves as pages are added
         bh = tl.program_id(0)
         blk = tl.program_id(1)
         b = bh // H
@@ -112,16 +113,17 @@ if triton is not None:
         mass = tl.where(gm[:, None], mass, 0.0)
         tl.store(wpart_ptr + bh * NB + pp, tl.sum(mass, axis=0), mask=pm)
 
-    @triton.jit(do_not_specialize=["n", "k", "C", "NB"])
+    @triton.jit(do_not_specialize=["k", "C", "NB"])
     def _choose(bound_ptr, wpart_ptr, fs_ptr, is_ptr, chosen_ptr, slot_out_ptr, src_out_ptr,
                 sop_ptr, sop_w, page_of_slot_ptr, last_used_ptr, step_ptr,
-                table_ptr, table_w, hits_ptr, misses_ptr, last_ptr, win_ptr, winpos_ptr, kvin_ptr,
-                n, k, B, C, NB, CAP,
+                table_ptr, table_w, hits_ptr, misses_ptr, last_ptr, win_ptr, winpos_ptr, kin_ptr,
+                vin_ptr, n_ptr, k, B, C, NB, CAP,
                 H: tl.constexpr, HG: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
                 BI: tl.constexpr, CP: tl.constexpr, BC: tl.constexpr, D: tl.constexpr,
                 NEVER: tl.constexpr):
         # scratch: fs_ptr float32 [2 * NP] (quest, windowed); is_ptr int64 [3 * NP + 2 * CP]
         # (hybrid key, chosen flag, exclusive count of chosen before, stamps, victim of rank)
+        n = tl.load(n_ptr)
         p = tl.arange(0, NP)
         valid = p < n
         step = tl.load(step_ptr)
@@ -217,17 +219,18 @@ if triton is not None:
         # --- the step's keys and values into the recent window at its position ----------------
         pos = tl.load(winpos_ptr)
         dd = tl.arange(0, D)
-        for j in range(2 * B * H):
-            v = tl.load(kvin_ptr + j * D + dd)
-            tl.store(win_ptr + (j * CAP + pos) * D + dd, v)
+        for j in range(B * H):  # keys [b, h, 1, d] then values, each where it lies
+            tl.store(win_ptr + (j * CAP + pos) * D + dd, tl.load(kin_ptr + j * D + dd))
+            tl.store(win_ptr + ((B * H + j) * CAP + pos) * D + dd, tl.load(vin_ptr + j * D + dd))
         tl.store(winpos_ptr, pos + 1)
 
     # _choose split in three (``SPLIT``): the rankings over many programs, then the choice,
     # then the page cache's bookkeeping in one program -- the same values as _choose's
-    @triton.jit(do_not_specialize=["n", "NB"])
-    def _rank(bound_ptr, wpart_ptr, key_ptr, n, NB,
+    @triton.jit(do_not_specialize=["NB"])
+    def _rank(bound_ptr, wpart_ptr, key_ptr, n_ptr, NB,
               H: tl.constexpr, HG: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
               BI: tl.constexpr, NEVER: tl.constexpr):
+        n = tl.load(n_ptr)
         b = tl.program_id(0)
         i = tl.program_id(1) * BI + tl.arange(0, BI)
         p = tl.arange(0, NP)
@@ -264,8 +267,9 @@ if triton is not None:
         key = tl.minimum(rq, rw) * (2 * n + 2) + rq
         tl.store(key_ptr + b * NP + i, tl.where(iv, key, NEVER))
 
-    @triton.jit(do_not_specialize=["n", "k"])
-    def _select(key_ptr, sel_ptr, n, k, NP: tl.constexpr, BI: tl.constexpr):
+    @triton.jit(do_not_specialize=["k"])
+    def _select(key_ptr, sel_ptr, n_ptr, k, NP: tl.constexpr, BI: tl.constexpr):
+        n = tl.load(n_ptr)
         b = tl.program_id(0)
         i = tl.program_id(1) * BI + tl.arange(0, BI)
         p = tl.arange(0, NP)
@@ -277,8 +281,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["k", "C"])
     def _book(sel_ptr, is_ptr, chosen_ptr, slot_out_ptr, src_out_ptr,
               sop_ptr, sop_w, page_of_slot_ptr, last_used_ptr, step_ptr,
-              table_ptr, table_w, hits_ptr, misses_ptr, last_ptr, win_ptr, winpos_ptr, kvin_ptr,
-              k, B, C, CAP,
+              table_ptr, table_w, hits_ptr, misses_ptr, last_ptr, win_ptr, winpos_ptr, kin_ptr,
+              vin_ptr, k, B, C, CAP,
               H: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, BC: tl.constexpr,
               D: tl.constexpr, NEVER: tl.constexpr):
         # scratch: is_ptr int64 [2 * CP] (stamps, victim of rank)
@@ -332,9 +336,9 @@ if triton is not None:
         tl.store(last_ptr, total_miss)
         pos = tl.load(winpos_ptr)
         dd = tl.arange(0, D)
-        for j in range(2 * B * H):
-            v = tl.load(kvin_ptr + j * D + dd)
-            tl.store(win_ptr + (j * CAP + pos) * D + dd, v)
+        for j in range(B * H):  # keys [b, h, 1, d] then values, each where it lies
+            tl.store(win_ptr + (j * CAP + pos) * D + dd, tl.load(kin_ptr + j * D + dd))
+            tl.store(win_ptr + ((B * H + j) * CAP + pos) * D + dd, tl.load(vin_ptr + j * D + dd))
         tl.store(winpos_ptr, pos + 1)
 
     @triton.jit(do_not_specialize=["K", "C"])
@@ -419,6 +423,33 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
 
 
+def pages_room(n: int) -> int:
+    """The pages a fused step's buffers and grids are sized for, given ``n`` pages now."""
+    return max(16, _p2(n))
+
+
+def _addresses(q, k_new, v_new) -> tuple:
+    return q.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
+
+
+def reads_in_place(q, k_new, v_new) -> bool:
+    """Whether the kernels can read the step's query ``[b, hq, 1, d]``, keys and values
+    ``[b, h, 1, d]`` where they lie: each dense in (b, head, channel) order, as a decode step's
+    projections leave them."""
+    return q.is_contiguous() and k_new.is_contiguous() and v_new.is_contiguous()
+
+
+class _Direct:
+    """What an emulated graph over the step's own tensors reruns (tests/kv): the step with the
+    tensors of the step replaying it."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def _run(self):
+        return self.step.run(*self.step.live)
+
+
 def applies(layer, cache, k: int) -> str | None:
     """Why the fused step cannot serve this layer's decode step (None: it can)."""
     layout = cache.layout
@@ -458,7 +489,10 @@ class FusedStep:
         self.w = cache.window_pages
         self.p = cache.page_tokens
         dev = query.device
-        self.np_ = max(16, _p2(self.n))
+        self.np_ = pages_room(self.n)
+        # the page count the kernels read (``set_pages``): one graph serves while pages are
+        # added up to ``np_`` (the buffers' room), the same ``k`` and the same host view
+        self.n_dev = torch.full((1,), self.n, dtype=torch.int64, device=dev)
         self.nb = self.np_
         self.cp = max(16, _p2(page_cache.capacity))
         self.gp = max(16, _p2(self.g))
@@ -499,39 +533,55 @@ class FusedStep:
         self.keys = torch.empty((b, self.np_), dtype=torch.int64, device=dev)
         self.sel = torch.empty((b, self.np_), dtype=torch.int64, device=dev)
         self.graph = None
+        # the graph over the step's own tensors (``go``): where it reads them, the addresses the
+        # last step's came at, the running step's tensors while it replays (what an emulated
+        # graph reruns), whether its capture failed
+        self.direct = self.direct_at = self.seen_at = self.live = None
+        self.direct_failed = False
+
+    def set_pages(self, n: int) -> None:
+        """The layer's page count now (``n <= np_``): one device fill where it changed."""
+        if n != self.n:
+            self.n_dev.fill_(n)
+            self.n = n
 
     def load(self, query, k_new, v_new) -> None:
         torch._foreach_copy_([self.q_in, self.k_in, self.v_in], [query, k_new, v_new])
 
-    def run(self) -> torch.Tensor:
-        """The kernels, in order, on the current stream (five; seven with ``SPLIT``); -> the
-        chosen pages ``[b, k]`` (the output ``[b, 1, hq, d]`` is in ``out``)."""
+    def run(self, q=None, k_new=None, v_new=None) -> torch.Tensor:
+        """The kernels, in order, on the current stream (five; seven with ``SPLIT``), reading the
+        step's query, keys and values from ``q``, ``k_new``, ``v_new`` (contiguous; see
+        ``reads_in_place``) or, None, from the fixed buffers ``load`` fills; -> the chosen pages
+        ``[b, k]`` (the output ``[b, 1, hq, d]`` is in ``out``)."""
+        if q is None:
+            q, k_new, v_new = self.q_in, self.k_in, self.v_in
         b, h, g, d = self.b, self.h, self.g, self.d
         pc, win = self.pc, self.window
         mm = self.summaries.minmax
-        _score[(b * h, -(-self.n // self.w))](
-            self.q_in, mm, self.bound, self.wpart, self.n, self.scale, mm.stride(0),
+        _score[(b * h, -(-self.np_ // self.w))](
+            q, mm, self.bound, self.wpart, self.n_dev, self.scale, mm.stride(0),
             mm.stride(1), self.nb, H=h, G=g, GP=self.gp, D=d, W=self.w)
         if self.split:
             bi = self.bi_split
             _rank[(b, self.np_ // bi)](
-                self.bound, self.wpart, self.keys, self.n, self.nb, H=h, HG=h * g, RB=self.rb,
+                self.bound, self.wpart, self.keys, self.n_dev, self.nb, H=h, HG=h * g, RB=self.rb,
                 NP=self.np_, BI=bi, NEVER=_NEVER)
-            _select[(b, self.np_ // bi)](self.keys, self.sel, self.n, self.k, NP=self.np_, BI=bi)
+            _select[(b, self.np_ // bi)](self.keys, self.sel, self.n_dev, self.k, NP=self.np_,
+                                         BI=bi)
             _book[(1,)](
                 self.sel, self.iscratch, self.chosen, self.slot_out, self.src_out,
                 pc.slot_of_page, pc.slot_of_page.shape[1], pc.page_of_slot, pc.last_used,
                 pc.step, self.span.table, self.span.table.shape[1], pc.hits, pc.misses,
-                pc.last_misses, win.kv, win.pos, self.kv_in, self.k, b, pc.capacity,
+                pc.last_misses, win.kv, win.pos, k_new, v_new, self.k, b, pc.capacity,
                 win.capacity, H=h, NP=self.np_, CP=self.cp, BC=self.bc, D=d, NEVER=_NEVER,
                 num_warps=8)
         else:
-            self._choose_one(b, h, g, d, pc, win)
+            self._choose_one(b, h, g, d, pc, win, k_new, v_new)
         _fetch[(b * self.k, -(-self.page_w // self.cw))](
             self.host_words, self.slots_words, self.src_out, self.slot_out, self.k, pc.capacity,
             self.unit_w, self.page_w, CW=self.cw)
         _attend[(b * h, self.nsplit)](
-            self.q_in, self.sinks_kv, pc.slots, win.kv, win.pos, self.slot_out, self.acc,
+            q, self.sinks_kv, pc.slots, win.kv, win.pos, self.slot_out, self.acc,
             self.ml, self.scaling, self.sinks_kv.shape[3], self.k, pc.capacity, b,
             win.capacity, self.nblk, self.bps, H=h, G=g, GP=self.gp, D=d, P=self.p,
             NSPLIT=self.nsplit)
@@ -539,13 +589,14 @@ class FusedStep:
                            NSPLIT=self.nsplit)
         return self.chosen
 
-    def _choose_one(self, b, h, g, d, pc, win) -> None:
+    def _choose_one(self, b, h, g, d, pc, win, k_new, v_new) -> None:
         _choose[(1,)](
             self.bound, self.wpart, self.fs, self.iscratch, self.chosen, self.slot_out,
             self.src_out, pc.slot_of_page, pc.slot_of_page.shape[1], pc.page_of_slot,
             pc.last_used, pc.step, self.span.table, self.span.table.shape[1], pc.hits, pc.misses,
             pc.last_misses,
-            win.kv, win.pos, self.kv_in, self.n, self.k, b, pc.capacity, self.nb, win.capacity,
+            win.kv, win.pos, k_new, v_new, self.n_dev, self.k, b, pc.capacity, self.nb,
+            win.capacity,
             H=h, HG=h * g, RB=self.rb, NP=self.np_, BI=self.bi, CP=self.cp, BC=self.bc, D=d,
             NEVER=_NEVER, num_warps=8)
 
@@ -577,3 +628,68 @@ class FusedStep:
         self.graph = graph
         graph.replay()
         pc.restore(counted)
+
+    def _capture_direct(self, pool, q, k_new, v_new) -> None:
+        """After a step done: the same kernels captured reading ``q``, ``k_new``, ``v_new`` where
+        they lie (``direct``), for the next steps whose tensors come at those addresses. Nothing
+        runs (the kernels were compiled for such pointers by the buffers' step: 16-byte aligned
+        both); an emulated capture that runs them has its effects on the window's position, the
+        counts and the output undone (the pages it chose again were the step's: no page moves)."""
+        from . import graphs
+
+        dev = q.device
+        win, pc = self.window, self.pc
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            pos_before, counted, out = win.pos.clone(), pc.snapshot(), self.out.clone()
+            graph = graphs.new_graph(_Direct(self))
+            self.live = (q, k_new, v_new)
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                self.run(q, k_new, v_new)
+            finally:
+                graph.capture_end()
+                self.live = None
+            win.pos.copy_(pos_before)
+            pc.restore(counted)
+            self.out.copy_(out)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.direct, self.direct_at = graph, _addresses(q, k_new, v_new)
+
+    def go(self, query, k_new, v_new, pool) -> None:
+        """One decode step through this step's kernels, ``out`` its output. Captured: the
+        graph reading the step's tensors where they lie when they are where it was captured for
+        (``direct``: no copy), else their copy into the buffers and the buffers' graph; the
+        direct graph is captured after a step whose tensors came at the same addresses as the
+        step's before (the caching allocator hands a steady decode step the same blocks every
+        step). Not captured (the CPU's interpreter): the kernels read the tensors in place.
+        ``pool``: a function giving the graphs' memory pool."""
+        live = (query, k_new, v_new)
+        if self.graph is None:
+            if reads_in_place(*live):
+                self.run(*live)
+            else:
+                self.load(*live)
+                self.run()
+            return
+        at = _addresses(*live)
+        if at == self.direct_at and reads_in_place(*live):
+            self.live = live
+            try:
+                self.direct.replay()
+            finally:
+                self.live = None
+            return
+        self.load(*live)
+        self.graph.replay()
+        if (self.direct is None and at == self.seen_at and not self.direct_failed
+                and all(a % 16 == 0 for a in at) and reads_in_place(*live)):
+            try:
+                self._capture_direct(pool(), *live)
+            except Exception as exc:  # the buffers' graph serves on
+                self.direct_failed = True
+                self.direct = self.direct_at = None
+                log.warning("layer %d: the fused step's graph over the step's own tensors was "
+                            "not captured (%s); its buffers' graph serves", self.layer_index, exc)
+        self.seen_at = at

@@ -70,6 +70,7 @@ class TieredLayer(CacheLayerMixin):
         self.prune = LayerPrune(self, cache.prune) if cache.prune is not None else None
         self._fused: _fused.FusedStep | None = None  # kv/fused.py: the Triton decode step
         self._fused_failed = False
+        self.fused_builds = 0  # fused steps built (and captured): a new key (kv/fused.py)
         # the last step was fused and nothing it depends on changed since (no page written, no
         # other path taken): the next one replays it with no decision made again
         self._fused_holds = False
@@ -316,15 +317,19 @@ class TieredLayer(CacheLayerMixin):
             if self._sinks_kv is None or self._sinks_kv.shape[3] != self.sinks:
                 self._sinks_kv = torch.stack((self.sink_k, self.sink_v))  # final: made once
             window = self.window
-            key = (n, k, id(span), self.summaries.minmax.data_ptr(), pc.key(),
-                   window.kv.data_ptr(), window.pos.data_ptr(), self._sinks_kv.data_ptr(),
-                   tuple(query.shape), query.dtype, scaling, cache.scale, cache.window_pages)
+            # the page count is not in the key: the kernels read it from the device
+            # (FusedStep.set_pages), one graph serves while pages are added within its room
+            key = (_fused.pages_room(n), k, id(span), self.summaries.minmax.data_ptr(),
+                   pc.key(), window.kv.data_ptr(), window.pos.data_ptr(),
+                   self._sinks_kv.data_ptr(), tuple(query.shape), query.dtype, scaling,
+                   cache.scale, cache.window_pages)
             self._plan = None
             window.sync_pos()
             step = self._fused
             if step is None or step.key != key:
                 self._fused = None
                 try:
+                    self.fused_builds += 1
                     step = _fused.FusedStep(key, self, span, pc, window, self._sinks_kv, query,
                                             k, scaling)
                     step.load(query, k_new, v_new)
@@ -341,11 +346,8 @@ class TieredLayer(CacheLayerMixin):
                     return None
                 self._fused = step
             else:
-                step.load(query, k_new, v_new)
-                if step.graph is not None:
-                    step.graph.replay()
-                else:
-                    step.run()
+                step.set_pages(n)
+                step.go(query, k_new, v_new, cache._graph_pool)
             window.ahead = 1
             window.pos_value = window.length + 1
             out = step.out
@@ -378,11 +380,7 @@ class TieredLayer(CacheLayerMixin):
         try:
             self._before_step()
             window.sync_pos()
-            step.load(query, k_new, v_new)
-            if step.graph is not None:
-                step.graph.replay()
-            else:
-                step.run()
+            step.go(query, k_new, v_new, cache._graph_pool)
             window.ahead = 1
             window.pos_value = window.length + 1
         except BaseException:

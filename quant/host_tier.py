@@ -139,22 +139,34 @@ def tiled_tensor(t: TensorInfo, offset: int) -> TensorInfo | None:
 
 
 def tiled_block(info: BlockInfo) -> BlockInfo:
-    """``info`` with its int4 tensors in the CUDA tile layout (``info`` itself when none is)."""
-    tensors, offset, changed = [], 0, False
-    for t in info.tensors:
-        offset = align_up(offset, TENSOR_ALIGN)
-        tiled = tiled_tensor(t, offset)
-        if tiled is None:
+    """``info`` with its int4 tensors in the CUDA tile layout (``info`` itself when none is).
+
+    The tiled tensors' codes come first, back to back in the block's order (each at
+    ``TENSOR_ALIGN``), then the other tensors, then the tiled tensors' scales: so the codes of the
+    projections one block holds in forward order (q, k, v; gate, up) form one matrix of the tile
+    layout, which the decode step reads with one GEMV (``decode.fused.Merged``) through a view."""
+    tiled = [tiled_tensor(t, 0) for t in info.tensors]
+    if all(t is None for t in tiled):
+        return info
+    tensors, offset = list(info.tensors), 0
+    for i, t in enumerate(tiled):              # the codes
+        if t is not None:
+            offset = align_up(offset, TENSOR_ALIGN)
+            tensors[i] = dataclasses.replace(t, offset=offset)
+            offset += t.nbytes
+    for i, t in enumerate(info.tensors):       # the others
+        if tiled[i] is None:
+            offset = align_up(offset, TENSOR_ALIGN)
             quant = dict(t.quant) if t.quant else None
             if quant:
                 quant["scales_offset"] += offset - t.offset      # codes and scales move together
-            tiled = dataclasses.replace(t, offset=offset, aliases=list(t.aliases), quant=quant)
-        else:
-            changed = True
-        tensors.append(tiled)
-        offset = tensors[-1].end
-    if not changed:
-        return info
+            tensors[i] = dataclasses.replace(t, offset=offset, aliases=list(t.aliases), quant=quant)
+            offset = tensors[i].end
+    for i, t in enumerate(tiled):              # the scales of the codes
+        if t is not None:
+            offset = align_up(offset, TENSOR_ALIGN)
+            tensors[i] = dataclasses.replace(tensors[i], quant={**t.quant, "scales_offset": offset})
+            offset += t.quant["scales_nbytes"]
     return BlockInfo(id=info.id, role=info.role, layer=info.layer, file=info.file,
                      offset=info.offset, length=offset, crc32c=info.crc32c, tensors=tensors,
                      deps=list(info.deps), access_freq=info.access_freq,

@@ -164,6 +164,45 @@ class QuantLinear(nn.Module):
                 f"bias={self.bias is not None}, {self.spec.label()}")
 
 
+def merge_tiles(modules) -> QuantLinear | str:
+    """One ``QuantLinear`` computing the layers ``modules`` (same input) at once, their outputs side
+    by side in order -- or why not (a string). Each must be int4 in the tile layout on fixed bytes,
+    all alike (input size, spec, kernel tiles, dtype, device), their codes back to back in one
+    storage (``quant.host_tier.tiled_block`` lays a block's codes out so): the merged codes are a
+    view of them, nothing copied; the scales, ``[K/group, N, 2]`` each, are concatenated along N
+    into a new tensor (about 1/16 of the codes' bytes; ``merged.scales`` is it), and so are the
+    biases (all or none). Each output column is the same arithmetic as in its own layer's call (every
+    kernel of ``forward`` computes a column from that column's codes and scales alone)."""
+    first = modules[0] if modules else None
+    if not modules or not all(type(m) is QuantLinear for m in modules):
+        return "not all quantized layers"
+    if not all(m._tiles_group and m.fixed for m in modules):
+        return "not all in the tile layout on fixed bytes"
+    key = (first.in_features, first.spec, first.kernel, first.compute_dtype, first.codes.device,
+           first.codes.dtype, first.scales.dtype, first.codes.shape[1:], first.scales.shape[0])
+    if any((m.in_features, m.spec, m.kernel, m.compute_dtype, m.codes.device, m.codes.dtype,
+            m.scales.dtype, m.codes.shape[1:], m.scales.shape[0]) != key for m in modules):
+        return "layers of different shapes or kinds"
+    biases = [m.bias for m in modules]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return "biases on some layers only"
+    ptr = first.codes.data_ptr()
+    storage = first.codes.untyped_storage().data_ptr()
+    for m in modules:
+        if (not m.codes.is_contiguous() or m.codes.data_ptr() != ptr
+                or m.codes.untyped_storage().data_ptr() != storage):
+            return "codes not back to back"
+        ptr += m.codes.numel() * m.codes.element_size()
+    N = sum(m.out_features for m in modules)
+    codes = first.codes.as_strided((N // 8, *first.codes.shape[1:]), first.codes.stride())
+    scales = torch.cat([m.scales for m in modules], dim=1)
+    merged = QuantizedTensor(first.spec, (N, first.in_features), codes, scales, first.compute_dtype,
+                             first.layout, first.kernel)
+    bias = None if biases[0] is None else nn.Parameter(
+        torch.cat([b.detach() for b in biases]), requires_grad=False)
+    return QuantLinear(first.in_features, N, merged, bias)
+
+
 def bind_quantized(model: nn.Module, module_name: str, quantized: QuantizedTensor,
                    fixed: bool = True) -> QuantLinear:
     """Bind ``quantized`` as the weight of the linear layer ``module_name``: the first time, the

@@ -93,7 +93,10 @@ class Daemon:
             env.pop(key, None)
         env.update(DEEPSEEK_FLASH_RUNTIME_DIR=str(self.runtime), DEEPSEEK_FLASH_SOCKET=str(self.socket),
                    DEEPSEEK_FLASH_CONFIG=str(self.config_path), NOTIFY_SOCKET=str(self.notify_path),
-                   PYTHONUNBUFFERED="1")
+                   # Its own state (the learned import files, shards): kept across its restarts.
+                   DEEPSEEK_FLASH_STATE_DIR=str(self.runtime / "state"), PYTHONUNBUFFERED="1",
+                   # No package read ahead at each test daemon's start (tests/daemon/test_imports_ahead.py).
+                   DEEPSEEK_FLASH_IMPORT_PACKAGES="")
         env.update(self.extra_env)
         return env
 

@@ -25,6 +25,28 @@ def test_smoke_mode_runs_and_reports(tmp_path):
         n * 4 for n in [2 * (2 * 64 + 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128), 64, 256 * 64])
 
 
+def test_int4_smoke_merges_the_tile_layout_projections(tmp_path):
+    """--int4: every projection int4 in the tile layout as the host tier holds it; the graphs
+    variant runs q|k|v and gate|up merged, graphs_unmerged one GEMV each, both with the tokens of
+    transformers' generate over the same modules; the bound counts codes and scales."""
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--int4", "--batches", "1",
+                           "--variants", "graphs,graphs_unmerged", "--skip-eager", "--skip-ops",
+                           "--output", str(out)], capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["int4"] == {"scheme": "int4_symmetric", "group": 32, "layout": "int4_cuda_tiles",
+                           "projections": 2 * 7}
+    merged, alone = res["graphs"]["1"]["merged"], res["graphs_unmerged"]["1"]["merged"]
+    assert (merged["quantized"], merged["unmerged"], alone["quantized"], alone["unmerged"]) == (4, 0, 0, 4)
+    assert res["parity"]["1"]["tokens_identical"] is True
+    assert res["summary"]["1"]["unmerged_tok_s"] > 0
+    # hidden 128, intermediate 256: 147456 projection weights a layer at half a byte, (scale, zero)
+    # float32 pairs per 32 of them; float32 norms and head, the input embedding apart
+    layer = 147456 // 2 + 147456 // 32 * 8 + 2 * 128 * 4
+    assert res["weight_bytes_per_step"] == 2 * layer + 128 * 4 + 256 * 128 * 4
+
+
 def test_streamed_smoke_runs_the_static_ring(tmp_path):
     out = tmp_path / "stream.json"
     bench = BENCH.parent / "decode_stream.py"

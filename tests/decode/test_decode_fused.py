@@ -31,7 +31,7 @@ def test_fused_step_runs_a_handful_of_operations_per_layer():
     assert fused["deepseek_flash::rope_cache"] == layers
     assert fused["deepseek_flash::silu_mul"] == layers
     assert fused["aten::linear"] == 4 * layers + 1           # q|k|v, o, gate|up, down; head
-    assert fused["aten::scaled_dot_product_attention"] == layers
+    assert fused["deepseek_flash::decode_attention"] == layers
     assert "aten::index_copy_" not in fused or fused["aten::index_copy_"] == 2   # the step's output
     assert modules["aten::linear"] == 7 * layers + 1
     # Beside the layers, the step's own work: masks, positions, rotary tables, token choice.
@@ -50,7 +50,8 @@ def test_owned_weights_are_rebound_to_the_merged_matrix_with_the_same_logits():
     ids = torch.randint(1, 200, (2, 5))
     before = model(ids).logits
     fused = FusedForward.build(model)
-    assert fused.stats.as_dict() == {"views": 0, "rebound": 4, "copies": 0, "copy_bytes": 0, "unmerged": 0}
+    assert fused.stats.as_dict() == {"views": 0, "rebound": 4, "copies": 0, "copy_bytes": 0, "unmerged": 0,
+                                      "quantized": 0, "quant_copy_bytes": 0}
     attn = model.model.layers[1].self_attn
     merged = fused.layers[1].qkv.weight
     assert attn.q_proj.weight.data_ptr() == merged.data_ptr()

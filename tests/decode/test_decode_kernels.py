@@ -121,3 +121,29 @@ def test_triton_kernels_compile_for_the_h200():
                  {"HEADS": heads, "KV_HEADS": kv, "HALF": half, "BLOCK": half})
         compile_(kernels._silu_mul_kernel, dtype,
                  {**ptrs("g_ptr", "u_ptr", "out_ptr"), **ints("g_stride", "u_stride", "n")}, {"BLOCK": 1024})
+        group, d = heads // kv, 2 * half
+        for has_mask in (True, False):
+            compile_(kernels._attention_split_kernel, dtype,
+                     {**ptrs("q_ptr", "k_ptr", "v_ptr", "m_ptr"), "o_ptr": "*fp32", "ml_ptr": "*fp32",
+                      **ints("L", "G", "KVH", "SPLITS", "q_sb", "q_sh", "q_sg", "k_sb", "k_sh", "k_sl",
+                             "v_sb", "v_sh", "v_sl", "m_sb", "m_sl"), "scale": "fp32"},
+                     {"HAS_MASK": has_mask, "CHUNK": kernels.ATTENTION_CHUNK, "BLOCK_L": 16,
+                      "G_PAD": triton.next_power_of_2(group), "D": d})
+        compile_(kernels._attention_combine_kernel, dtype,
+                 {"o_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*T",
+                  **ints("G", "KVH", "SPLITS", "out_sb", "out_sh", "out_sg")},
+                 {"G_PAD": triton.next_power_of_2(group), "D": d})
+
+
+def test_decode_attention_is_sdpa_on_the_cpu_and_the_kernel_takes_only_its_case():
+    torch.manual_seed(2)
+    q, keys, values = torch.randn(2, 2, 4, 32), torch.randn(2, 2, 9, 32), torch.randn(2, 2, 9, 32)
+    mask = torch.zeros(2, 1, 1, 9).masked_fill(torch.rand(2, 1, 1, 9) > 0.7, float("-inf"))
+    mask[..., -1] = 0
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=0.2)
+    assert torch.equal(kernels.decode_attention(q, keys, values, mask, 0.2), want)
+    assert kernels._attention_fits(q, keys, values, mask) and kernels._attention_fits(q, keys, values, None)
+    assert not kernels._attention_fits(q, keys, values, mask == 0)                 # a boolean mask
+    assert not kernels._attention_fits(q, keys, values, torch.zeros(2, 1, 4, 9))   # several queries
+    odd = torch.randn(2, 2, 4, 48)
+    assert not kernels._attention_fits(odd, odd, odd, None)                       # head size 48

@@ -1,5 +1,5 @@
 """Quantized stores (int4 and int8) with decode="graphs": the step runs each QuantLinear as its
-module (unmerged), resident and streamed, with the tokens of transformers' generate() over the same
+module (unmerged; resident int4 in the tile layout merged, q|k|v and gate|up), resident and streamed, with the tokens of transformers' generate() over the same
 quantized model for 64 steps in fp32 (the CPU runs the static-cache steps eagerly; CUDA captures
 them, marked gpu)."""
 import pytest
@@ -42,9 +42,69 @@ def test_quantized_model_decodes_with_transformers_tokens(store, device, streame
         got = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
         assert torch.equal(got, want)
         stats = model.flash.decoder.stats()
-        assert stats["step"] == "fused" and stats["merged"]["unmerged"] > 0
+        merged = stats["merged"]
+        assert stats["step"] == "fused" and merged["unmerged"] + merged["quantized"] == 2 * 4
+        # int4 in the tile layout (CUDA's default) on resident bytes: q|k|v and gate|up merged
+        tiles = device != "cpu" and store.name == "int4_symmetric"
+        fixed = 4 - (len(model.flash.stream.layers) if streamed else 0)
+        assert merged["quantized"] == (2 * fixed if tiles else 0)
         assert stats["mode"] == ("eager" if device == "cpu" else "graphs"), stats["eager_reason"]
         assert stats["fallback_calls"] == 0
         if device != "cpu":
             assert stats["replays"] == STEPS - 1
         model.flash.close()
+
+
+@pytest.fixture(scope="module")
+def tiled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode-tiles")
+    src = make_tiny_model(root / "src", "qwen2", dtype="bfloat16", hidden_size=128, intermediate_size=256,
+                          num_heads=4, num_kv_heads=2, num_layers=3, seed=7)
+    return pack(src, root / "int4", quant=QuantSpec("int4_symmetric", "per_block", 128), quant_device="cpu")
+
+
+def _decoded(store, device, merge, monkeypatch, steps=16):
+    """(tokens, decoder stats) of a tile-layout int4 model (qwen2: q/k/v biases), its q|k|v and
+    gate|up merged or (``merge`` False) each run alone. Merged: each merged group's outputs at 1
+    and 2 rows are checked bit for bit against its projections run alone, while the model is open."""
+    from deepseek_flash.decode import fused
+
+    if not merge:
+        monkeypatch.setattr(fused, "MERGE_QUANTIZED", False)
+    ids, mask = left_padded(2, 6, device, seed=2)
+    config = {**CONFIG, "int4_layout": "cuda_tiles"}
+    with Client(embedded=True, config=config) as client:
+        model = load_model(store, device=device, client=client, decode="graphs")
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, pad_token_id=0)
+        stats = model.flash.decoder.stats()
+        g = torch.Generator().manual_seed(3)
+        for layer in model.flash.decoder.fused.layers if merge else ():
+            for group in (layer.qkv, layer.gate_up):
+                assert group.quant.codes.data_ptr() == group.modules[0].codes.data_ptr()
+                for rows in (1, 2):
+                    x = torch.randn(rows, 1, 128, generator=g).to(device=device, dtype=torch.bfloat16)
+                    got = group(x)
+                    for part, module in zip(got, group.modules):
+                        assert torch.equal(part, module(x))
+        model.flash.close()
+    monkeypatch.undo()
+    return tokens, stats
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiled_int4_projections_merge_into_one_gemv_with_the_same_outputs(tiled, device, monkeypatch):
+    """q|k|v and gate|up of the tile layout: one QuantLinear each over a view of the codes the
+    host tier lays back to back (no codes copied), each output bit for bit what its projection
+    alone gives (each column is the same arithmetic), so the same tokens."""
+    tokens, stats = _decoded(tiled, device, True, monkeypatch)
+    merged = stats["merged"]
+    assert merged["quantized"] == 2 * 3 and merged["copies"] == 0 and merged["copy_bytes"] == 0
+    # new bytes: the scales of q|k|v (128 + 2 * 64 rows) and gate|up (2 * 256 rows), one group of
+    # 128 = 4 bytes a row, and the q|k|v biases (2 bytes a row)
+    assert merged["quant_copy_bytes"] == 3 * ((256 + 512) * 4 + 256 * 2)
+    assert merged["unmerged"] == 0 and stats["fallback_calls"] == 0
+    want_tokens, alone = _decoded(tiled, device, False, monkeypatch)
+    assert alone["merged"]["quantized"] == 0 and alone["merged"]["unmerged"] == 2 * 3
+    assert torch.equal(tokens, want_tokens)
+    if device != "cpu":
+        assert stats["mode"] == "graphs" and stats["replays"] == alone["replays"] > 0

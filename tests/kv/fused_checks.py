@@ -71,8 +71,11 @@ def equals_the_torch_path(batch, steps):
     assert fused_path.stats()["page_cache_misses"] > 0
     w1, w2 = torch_path.layers[1], fused_path.layers[1]
     assert torch.equal(w1.recent_k, w2.recent_k) and torch.equal(w1.recent_v, w2.recent_v)
-    if steps > 16:  # a page boundary crossed: pages written out, a new fused step built
-        assert w2._fused.n == w2.n_pages == w1.n_pages
+    if steps > 16:
+        # a page boundary crossed (30 -> 31 pages, k still 8): the same fused step serves, its
+        # kernels reading the page count from the device (no new step built, no new graph)
+        assert w2._fused.n == w2.n_pages == w1.n_pages == 31
+        assert w2.fused_builds == 1
 
 
 class _Graph:
@@ -94,32 +97,74 @@ class _Stream:
         pass
 
 
-def graph_replays_the_eager_launches():
+def _graphed_runs(addresses, new_graph=_Graph, steps=4):
+    """The same greedy steps with the fused step eager and captured (the graph emulated); the
+    step's tensors seen at ``addresses()`` (kv/fused.py ``_addresses``)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(graphs, "applies", lambda device: True))
-        stack.enter_context(patched(graphs, "new_graph", _Graph))
+        stack.enter_context(patched(graphs, "new_graph", new_graph))
         stack.enter_context(patched(torch.cuda, "Stream", lambda *a, **k: _Stream()))
         stack.enter_context(patched(torch.cuda, "current_stream", lambda *a, **k: _Stream()))
         stack.enter_context(patched(torch.cuda, "stream", lambda s: contextlib.nullcontext()))
         stack.enter_context(patched(torch.cuda, "graph_pool_handle", lambda: None))
+        stack.enter_context(patched(fused, "_addresses", lambda q, k, v: addresses()))
         model = tiny_model(layers=2)
         ids = _prompt(1)
         runs = []
         for captured in (False, True):
             cache = _cache(model, True)
             cache.select_graphs = captured
-            runs.append((*greedy(model, ids, None, cache, 4), cache))
+            runs.append((*greedy(model, ids, None, cache, steps), cache))
     (t1, l1, eager), (t2, l2, graphed) = runs
     assert torch.equal(t1, t2) and torch.equal(l1, l2)
     assert graphed.layers[1]._fused.graph is not None and eager.layers[1]._fused.graph is None
     got, want = _tables(graphed.layers[1]), _tables(eager.layers[1])
     for i in (0, 1, 3):  # where each page is, the pages in the slots
         assert torch.equal(got[i], want[i])
-    # the capture step ran the step again (its counts put back): the step counter is on by
-    # those runs (one on CUDA; two here, where the emulated capture runs the step as well)
-    assert got[4].item() == want[4].item() + 2
     for key in ("page_cache_hits", "page_cache_misses", "page_cache_step_fetched_bytes"):
         assert graphed.stats()[key] == eager.stats()[key], key
+    return graphed.layers[1]._fused, got[4].item() - want[4].item()
+
+
+def graph_replays_the_eager_launches():
+    # new addresses every step: the buffers' graph alone
+    seen = iter(range(1 << 30))
+    step, extra = _graphed_runs(lambda: (next(seen),) * 3)
+    assert step.direct is None and step.seen_at is not None
+    # the capture step ran the step again (its counts put back): the step counter is on by
+    # those runs (one on CUDA; two here, where the emulated capture runs the step as well)
+    assert extra == 2
+
+
+def direct_graph_replays_the_eager_launches():
+    # the step's tensors at the same addresses every step: after two steps at them, the graph
+    # over the tensors themselves (no copy into the buffers) serves, the same values
+    replays = []
+
+    class Counted(_Graph):
+        def replay(self):
+            replays.append(type(self.owner).__name__)
+            super().replay()
+
+    # decode steps 1-4 (then a page boundary): the fused step built and its buffers' graph
+    # captured, the same addresses seen, the graph over them captured, replayed
+    step, extra = _graphed_runs(lambda: (16, 32, 48), Counted, steps=5)
+    assert step.direct is not None and step.direct_at == (16, 32, 48) and step.live is None
+    # the step counter: two more runs in the emulated capture of the buffers' graph, one in that
+    # of the direct graph (a capture on CUDA runs nothing)
+    assert extra == 3
+    assert replays == ["FusedStep", "FusedStep", "FusedStep", "_Direct"], replays
+
+
+def direct_graph_refused_keeps_the_buffers_graph():
+    class Refused(_Graph):
+        def __init__(self, owner):
+            if type(owner).__name__ == "_Direct":
+                raise RuntimeError("capture refused")
+            super().__init__(owner)
+
+    step, extra = _graphed_runs(lambda: (16, 32, 48), Refused, steps=5)
+    assert step.direct is None and step.direct_failed and extra == 2
 
 
 def failing_step_leaves_the_torch_path():
@@ -150,6 +195,8 @@ CHECKS = {
     "split1": split(lambda: equals_the_torch_path(1, 20)),
     "split2": split(lambda: equals_the_torch_path(2, 4)),
     "graph": graph_replays_the_eager_launches,
+    "direct": direct_graph_replays_the_eager_launches,
+    "direct_refused": direct_graph_refused_keeps_the_buffers_graph,
     "failure": failing_step_leaves_the_torch_path,
 }
 

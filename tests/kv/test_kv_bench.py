@@ -7,7 +7,8 @@ from kvmodels import bench_module
 def test_kv_bench_smoke(tmp_path):
     bench = bench_module("kv")
     out = tmp_path / "kv.json"
-    assert bench.main(["--smoke", "--contexts", "700", "--decode", "2", "--output", str(out)]) == 0
+    assert bench.main(["--smoke", "--contexts", "700", "--decode", "2", "--pairs", "2",
+                       "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     (r,) = result["contexts"]
     assert result["smoke"] and r["context"] == 700
@@ -16,7 +17,8 @@ def test_kv_bench_smoke(tmp_path):
     tokens = 700 + 4 + 2 * 2
     assert r["dynamic_kv_bytes"] == r["tiered_full_bytes"] == tokens * 4 * 256
     assert r["gpu_kv_ratio"] == round(r["tiered_gpu_bytes"] / r["dynamic_kv_bytes"], 4) < 1
-    pages = (tokens + 4 + 2 * 2 - 4 - 512) // 32  # after the lossless warm-up and steps
+    # after the paired windows (2 of 4 warm-up steps and 2 timed ones) and the lossless warm-up
+    pages = (tokens + 2 * (4 + 2) + 4 + 2 * 2 - 4 - 512) // 32
     assert r["lossless_bytes_per_token"] == pages * 4 * 32 * 256
     assert r["topk25_pages_per_token"] > 0
     # the page cache (on by default with top-K): fewer pages cross than without it, its slots
@@ -40,6 +42,11 @@ def test_kv_bench_smoke(tmp_path):
     assert r["ttft_dynamic_best_s"] == min(r["ttft_dynamic_s"], r["ttft_dynamic_nocudnn_s"])
     assert result["dynamic_floor_tok_s"] > 0 and result["warmup_s"] > 0
     assert r["dynamic_floor_before_tok_s"] == result["dynamic_floor_tok_s"]  # the first context
+    # top-K and DynamicCache timed in alternating windows: the median of the pairs' ratios
+    tiered, dynamic = r["topk25_paired_windows"]
+    assert len(tiered) == len(dynamic) == 2 and min(tiered + dynamic) > 0
+    ratios = sorted(t / d for t, d in zip(tiered, dynamic))
+    assert r["topk25_paired_ratio"] == round((ratios[0] + ratios[1]) / 2, 4)
 
 
 def test_kv_prune_show_smoke(tmp_path):
@@ -118,3 +125,44 @@ def test_kv_ops_topk_step_host_work_does_not_grow_with_pages(tmp_path):
     assert long["topk25"]["copies"] - short["topk25"]["copies"] == 2  # one more chunk, 2 layers
     assert long["topk25"]["ops"] == short["topk25"]["ops"]
     assert long["lossless"]["ops"] == short["lossless"]["ops"]
+
+
+def test_kv_bench_peer_figures(tmp_path):
+    # what transformers' offloading cache moves (its whole KV each way a step) and its profiles
+    # (run on CUDA only; here with a plain DynamicCache, the same code)
+    import argparse
+
+    import torch
+    from transformers import DynamicCache
+
+    from kvmodels import cache_kwargs, tiny_model
+
+    bench = bench_module("kv")
+    model = tiny_model(layers=2)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        tok = model(torch.arange(1, 40)[None], **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+    kv = bench.dynamic_kv_bytes(cache)
+    args = argparse.Namespace(host_profile=True, output=str(tmp_path / "kv.json"))
+    r = {"offload_tok_s": 5.0, "lossless_bound_tok_s": 8.0}
+    bench.peer_figures(model, cache, tok, "cpu", args, 39, 2.0, r)
+    assert "offload_profile_error" not in r, r
+    assert r["offload_h2d_bytes_per_token"] == r["offload_d2h_bytes_per_token"] == kv > 0
+    assert r["offload_bound_tok_s"] == round(2.0e9 / kv, 3)
+    assert r["offload_vs_bound"] == round(5.0 / r["offload_bound_tok_s"], 3)
+    assert r["lossless_bound_vs_offload"] == 1.6
+    assert (tmp_path / "kv.offload-39.txt").exists()
+    assert "steps" in (tmp_path / "kv.hostprof-offload-39.txt").read_text()
+
+
+def test_kv_bench_lean(tmp_path):
+    # --lean: DynamicCache and top-K (with the paired windows) alone, the rest left out
+    bench = bench_module("kv")
+    out = tmp_path / "kv.json"
+    assert bench.main(["--smoke", "--contexts", "700", "--decode", "2", "--pairs", "1",
+                       "--lean", "--output", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["contexts"]
+    assert r["topk25_vs_dynamic"] == round(r["topk25_tok_s"] / r["dynamic_best_tok_s"], 3)
+    assert r["topk25_paired_ratio"] > 0 and len(r["topk25_paired_windows"][0]) == 1
+    for key in ("lossless_tok_s", "topk25_nocache_tok_s", "ttft_tiered_s", "ttft_ratio"):
+        assert key not in r, key

@@ -43,6 +43,14 @@ def test_the_fused_graph_replays_the_eager_launches(checks):
 
 
 @needs_triton
+@pytest.mark.parametrize("name", ["direct", "direct_refused"])
+def test_the_fused_graph_over_the_steps_own_tensors(checks, name):
+    # the step's tensors at the addresses of the last step: a graph reading them in place (no
+    # copy), the same values; its capture refused: the buffers' graph serves
+    assert checks[name] == "ok", checks[name]
+
+
+@needs_triton
 def test_a_failing_fused_step_leaves_the_layer_on_the_torch_path(checks):
     assert checks["failure"] == "ok", checks["failure"]
 

@@ -185,6 +185,11 @@ def test_topk_fused_step_on_cuda(caplog, batch, dtype):
         assert used == [False, use_fused, use_fused], caplog.text
         if use_fused:
             assert all((layer._fused.graph is not None) == graphs for layer in cache.layers[1:])
+            # captured: the steps' tensors come at the addresses of the step before (the
+            # caching allocator), so a graph reading them in place serves (no copy)
+            assert all((layer._fused.direct is not None) == graphs
+                       for layer in cache.layers[1:]), [layer._fused.seen_at
+                                                        for layer in cache.layers[1:]]
         caches.append(cache)
     assert "fused top-K step failed" not in caplog.text, caplog.text
     (t0, l0), (t1, l1), (t2, l2) = runs

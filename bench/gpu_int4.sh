@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The resident int4 decode step on a CUDA machine (the package installed first: pip install -e .):
+#   decode -- bench/decode.py --int4: the 8B llama, every projection int4 g128 in the tile layout,
+#             graphs, vs the HBM bound measured in the same run; variants graphs (the default step:
+#             merged q|k|v and gate|up, decode_attention), graphs_unmerged (one GEMV a projection),
+#             graphs_sdpa (torch's sdpa for attention); parity vs transformers' modules; one profiled
+#             step -> decode_int4.json, decode_int4.log, profile_b*.txt (DECODE_TIMEOUT, 36 s)
+#   tests  -- pytest -m gpu (TESTS_FILES, TESTS_K) -> gpu_tests.log (TESTS_TIMEOUT, 20 s)
+#   bash bench/gpu_int4.sh OUTDIR [decode,tests] [--smoke]
+set -u -o pipefail
+out=${1:?usage: gpu_int4.sh OUTDIR [decode,tests] [--smoke]}; steps=${2:-decode,tests}; smoke=${3:-}
+py=${PYTHON:-python3}
+mkdir -p "$out"; out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+start=$(date +%s); status=0
+lap() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$out/steps.txt"; }
+has() { [[ ",$steps," == *,$1,* ]]; }
+if has decode; then
+  timeout "${DECODE_TIMEOUT:-36}" $py bench/decode.py --int4 $smoke --batches "${BATCHES:-1}" --prompt 128 \
+    --new "${NEW:-128}" --variants "${VARIANTS:-graphs,graphs_unmerged,graphs_sdpa}" --skip-eager --skip-peer \
+    --skip-ops --parity-steps 16 --output "$out/decode_int4.json" --out-dir "$out" > "$out/decode_int4.log" 2>&1
+  rc=$?; lap "decode --int4 rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -3 "$out/decode_int4.log"; }
+fi
+if has tests; then
+  timeout "${TESTS_TIMEOUT:-20}" $py -m pytest -q -m gpu ${TESTS_FILES:-tests/quant/test_gemv.py} \
+    -k "${TESTS_K:-mma or graph}" -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
+  rc=$?; lap "gpu tests rc=$rc: $(tail -1 "$out/gpu_tests.log")"; [ $rc -eq 0 ] || status=1
+  grep -E "^(FAILED|ERROR)|^E  " "$out/gpu_tests.log" | head -8
+fi
+[ -f "$out/decode_int4.json" ] && $py - "$out/decode_int4.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"copy {r.get('copy_bandwidth_gbps')} GB/s, {r.get('weight_bytes_per_step', 0) / 1e9:.3f} GB a step, "
+      f"bound {r.get('hbm_bound_tok_s_per_seq')} tok/s")
+for v in ("graphs", "graphs_unmerged", "graphs_sdpa"):
+    for b, e in r.get(v, {}).items():
+        m = e.get("merged") or {}
+        print(f"{v:16} b{b}: {e['tok_s']:>8} tok/s  vs bound {e.get('vs_hbm_bound', '-')}  mode {e['mode']} "
+              f"step {e['step']} triton {e.get('triton')} merged {m.get('quantized')}/{m.get('unmerged')}")
+for b, p in r.get("parity", {}).items():
+    print(f"parity b{b}: {p}"[:300])
+for b, p in r.get("profile", {}).items():
+    print(f"profile b{b}: {p.get('kernels_per_step')} kernels, {p.get('kernel_time_us_per_step')} us;",
+          [(t['kernel'][:40], t['per_step'], t['us']) for t in p.get('top', [])[:7]])
+print("summary", json.dumps(r.get("summary")))
+PY
+exit $status

@@ -1,0 +1,337 @@
+"""Reading ahead, at daemon start, the files a client's imports open (a learned manifest).
+
+A fresh client process that loads a model imports its ``transformers`` class (``client.skeleton``):
+thousands of modules, each a few file system calls. Right after the daemon starts, with the page
+cache cold, those small reads wait behind the load's own deep reads on the same disk; the read
+pipeline protects them by reading shallow (``reads.SHALLOW_SHAPE``) until the client says its
+imports are done, and both sides lose (docs/benchmarks.md, "Cold load right after start").
+
+So the daemon learns which files those imports open and reads them at start:
+
+* ``imports_done`` carries ``files``: the client's imported modules' files (compiled ``.pyc`` and
+  sources, extension modules, the shared libraries mapped into the process) and every other file
+  its imports opened (an audit hook while they ran: transformers' scan of its model sources,
+  package metadata), grouped by
+  directory, for the module it imported (``imports_module`` of its ``attach``). ``learn`` keeps
+  them in ``import-files.json`` under the state directory, one list per module (the latest
+  client's; at most ``MAX_MODULES`` modules, ``MAX_FILES`` files each); it writes only when a list
+  changed.
+* At start (``start``, thread ``flash-imports-ahead``) the manifest's files are read -- ``THREADS``
+  at a time, in path order: every directory they sit in listed, every file read whole unless
+  larger than ``MAX_FILE_BYTES`` or already mapped into the daemon (torch's own libraries: the
+  pages a client touches are those the daemon touched), ``MAX_BYTES`` in all. Then
+  ``on_warm(modules)`` (``ReadPipeline.imports_read_ahead``): a client importing one of those
+  modules no longer keeps the load's reads shallow.
+
+No manifest yet (the first load the daemon ever serves) or an unreadable one
+(``ImportManifestCorrupt``, logged): the start reads every file of ``FALLBACK_PACKAGES`` instead
+(the packages such an import pulls in, where installed; ``DEEPSEEK_FLASH_IMPORT_PACKAGES``
+replaces the list, '' for none: then the reads stay shallow while the client imports, as
+without this). Files gone since are skipped; a load never fails for any of it. The read itself
+never raises: a file that cannot be read is counted and skipped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..errors import ImportManifestCorrupt
+
+log = logging.getLogger("deepseek_flash.imports_ahead")
+
+MANIFEST_NAME = "import-files.json"
+VERSION = 1
+MAX_MODULES = 16
+MAX_FILES = 20000              # files of one module's imports kept
+MAX_FILE_BYTES = 64 << 20      # a larger file (a GPU library) is not read ahead
+MAX_BYTES = 1 << 30            # bytes read ahead at start, in all
+THREADS = 16
+_CHUNK = 1 << 20
+# Without a manifest (a daemon's first start): every file of the packages a transformers model
+# class's import pulls in, where installed (not torch: the daemon imports it itself, and a client
+# has it imported before it loads). ``DEEPSEEK_FLASH_IMPORT_PACKAGES`` (comma-separated, '' for
+# none) replaces the list. A client importing any module then counts as warm (``ANY_MODULE``).
+FALLBACK_PACKAGES = ("transformers", "sympy", "mpmath", "scipy", "numpy", "accelerate", "huggingface_hub",
+                     "safetensors", "tokenizers", "jinja2", "markupsafe", "networkx", "regex", "yaml",
+                     "filelock", "fsspec", "packaging", "tqdm", "trio", "botocore", "requests", "urllib3")
+PACKAGES_ENV = "DEEPSEEK_FLASH_IMPORT_PACKAGES"
+ANY_MODULE = "*"
+
+
+def fallback_packages(environ=None) -> tuple[str, ...]:
+    """The packages read ahead without a manifest: ``PACKAGES_ENV`` if set, else the default."""
+    value = (os.environ if environ is None else environ).get(PACKAGES_ENV)
+    if value is None:
+        return FALLBACK_PACKAGES
+    return tuple(p.strip() for p in value.split(",") if p.strip())
+
+
+def package_files(packages) -> list[str]:
+    """Every file under the installed directories of ``packages`` (found without importing
+    them; one not installed is skipped), sorted."""
+    import importlib.util
+
+    out = []
+    for name in packages:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        roots = list(spec.submodule_search_locations or []) or ([spec.origin] if spec.origin else [])
+        for root in roots:
+            if os.path.isfile(root):
+                out.append(root)
+                continue
+            for directory, _, names in os.walk(root):
+                out.extend(os.path.join(directory, n) for n in names)
+    return sorted(set(out))
+
+
+def flatten(grouped: dict) -> list[str]:
+    """``{directory: [name, ...]}`` -> sorted absolute paths; anything else in it is dropped (a
+    relative directory, a name with a slash, a non-string)."""
+    out = set()
+    for directory, names in grouped.items():
+        if not isinstance(directory, str) or not os.path.isabs(directory) or not isinstance(names, list):
+            continue
+        for name in names:
+            if isinstance(name, str) and name and "/" not in name and name not in (".", ".."):
+                out.add(os.path.join(directory, name))
+    return sorted(out)
+
+
+def group(files) -> dict[str, list[str]]:
+    """Absolute paths -> ``{directory: [name, ...]}`` (the manifest's and the wire's form)."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(set(files)):
+        directory, name = os.path.split(path)
+        out.setdefault(directory, []).append(name)
+    return out
+
+
+def load_manifest(path: Path) -> dict[str, list[str]]:
+    """The manifest at ``path``: module -> sorted files; {} when there is none yet.
+    ``ImportManifestCorrupt`` when it cannot be read or is not one."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ImportManifestCorrupt(f"import manifest {path} unreadable: {exc}", path=str(path),
+                                    reason=str(exc)) from exc
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ImportManifestCorrupt(f"import manifest {path} is not JSON: {exc}", path=str(path),
+                                    reason="not JSON") from exc
+    if (not isinstance(data, dict) or data.get("version") != VERSION
+            or not isinstance(data.get("modules"), dict)):
+        raise ImportManifestCorrupt(f"import manifest {path} is not a version {VERSION} manifest",
+                                    path=str(path), reason="not a manifest")
+    out = {}
+    for module, grouped in data["modules"].items():
+        if not isinstance(module, str) or not isinstance(grouped, dict):
+            raise ImportManifestCorrupt(f"import manifest {path}: entry {module!r} is malformed",
+                                        path=str(path), reason="malformed entry")
+        out[module] = flatten(grouped)[:MAX_FILES]
+    return out
+
+
+def save_manifest(path: Path, manifest: dict[str, list[str]]) -> None:
+    """Write ``manifest`` to ``path`` atomically (a temporary file renamed over it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"version": VERSION,
+                               "modules": {m: group(f) for m, f in manifest.items()}}),
+                   encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def own_mapped_files() -> set[str]:
+    """The files mapped into this process (/proc/self/maps); empty where unreadable."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            return {parts[5].strip() for parts in (line.split(maxsplit=5) for line in f)
+                    if len(parts) == 6 and parts[5].startswith("/")}
+    except OSError:
+        return set()
+
+
+def plan(manifest: dict[str, list[str]], mapped=frozenset()):
+    """What the start does for ``manifest``: (directories to list, files to stat, files to read),
+    each sorted. Every file is read whole -- sources too: transformers reads its model sources'
+    text at import (a scan of ``transformers/models``), compiled or not -- except one mapped
+    into the daemon already (``mapped``); nothing is only stat-ed now."""
+    files = sorted({f for fs in manifest.values() for f in fs})
+    dirs, read = set(), []
+    for path in files:
+        directory = os.path.dirname(path)
+        dirs.add(directory)
+        if os.path.basename(directory) == "__pycache__":
+            dirs.add(os.path.dirname(directory))
+        if path not in mapped:
+            read.append(path)
+    return sorted(dirs), [], read
+
+
+def read_ahead(dirs, stat_only, read, threads: int = THREADS, max_file_bytes: int = MAX_FILE_BYTES,
+               max_bytes: int = MAX_BYTES) -> dict:
+    """List ``dirs``, stat ``stat_only``, read ``read`` whole (``threads`` at a time; a file
+    larger than ``max_file_bytes`` skipped, ``max_bytes`` read in all); never raises. Counts."""
+    lock = threading.Lock()
+    out = {"dirs": 0, "stat": 0, "files": 0, "bytes": 0, "skipped_large": 0, "skipped_budget": 0,
+           "missing": 0}
+    budget = [max_bytes]
+
+    def add(key, n=1):
+        with lock:
+            out[key] += n
+
+    def list_dir(path):
+        try:
+            os.listdir(path)
+            add("dirs")
+        except OSError:
+            add("missing")
+
+    def stat(path):
+        try:
+            os.stat(path)
+            add("stat")
+        except OSError:
+            add("missing")
+
+    buffers = threading.local()
+
+    def read_one(path):
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > max_file_bytes:
+                    add("skipped_large")
+                    return
+                with lock:
+                    if size > budget[0]:
+                        out["skipped_budget"] += 1
+                        return
+                    budget[0] -= size
+                buf = getattr(buffers, "buf", None)
+                if buf is None:
+                    buf = buffers.buf = bytearray(_CHUNK)
+                got = 0
+                while True:
+                    n = f.readinto(buf)
+                    if not n:
+                        break
+                    got += n
+            add("files")
+            add("bytes", got)
+        except OSError:
+            add("missing")
+
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="flash-imports-read") as pool:
+        list(pool.map(list_dir, dirs))
+        list(pool.map(stat, stat_only))
+        list(pool.map(read_one, read))
+    return out
+
+
+class ImportsAhead:
+    """The learned manifest of one daemon (``state_dir``) and its read at start (module docstring).
+    ``on_warm(modules)``: called once the manifest's files were read ahead."""
+
+    def __init__(self, state_dir: Path, on_warm=None, threads: int = THREADS):
+        """``on_warm(modules)`` gets the manifest's modules, or ``[ANY_MODULE]`` after the
+        fallback packages were read."""
+        self.path = Path(state_dir) / MANIFEST_NAME
+        self.on_warm = on_warm
+        self.threads = threads
+        self.manifest: dict[str, list[str]] = {}
+        self.result: dict | None = None     # the start's counts, once done
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ImportsAhead:
+        self._thread = threading.Thread(target=self._run, name="flash-imports-ahead", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.run()
+        except Exception:  # noqa: BLE001 -- reading ahead is an optimisation: never fatal
+            log.exception("reading the import files ahead failed; loads read shallow while clients import")
+        finally:
+            self.done.set()
+
+    def run(self) -> dict | None:
+        """Load the manifest, read its files, report the modules warm; the counts (None: no
+        manifest, or an unreadable one -- logged)."""
+        try:
+            manifest = load_manifest(self.path)
+        except ImportManifestCorrupt as exc:
+            log.warning("%s; starting without reading ahead (the next client's report rewrites it)", exc)
+            manifest = {}
+        with self._lock:
+            # A client's report that came in meanwhile is newer than the file.
+            self.manifest = {**manifest, **self.manifest}
+            manifest = dict(self.manifest)
+        started = time.monotonic()
+        if not manifest:
+            packages = fallback_packages()
+            files = package_files(packages)
+            if not files:
+                log.info("no import manifest yet (%s) and no package to read: nothing read ahead; the "
+                         "first client's imports keep the reads shallow and teach it", self.path)
+                return None
+            log.info("no import manifest yet (%s): reading ahead the %d files of %s", self.path,
+                     len(files), ", ".join(packages))
+            manifest = {ANY_MODULE: files}
+        started = time.monotonic()
+        dirs, stat_only, read = plan(manifest, own_mapped_files())
+        counts = read_ahead(dirs, stat_only, read, threads=self.threads)
+        counts["seconds"] = round(time.monotonic() - started, 3)
+        counts["modules"] = sorted(manifest)
+        self.result = counts
+        what = ("the packages' files (no manifest yet)" if ANY_MODULE in manifest
+                else f"the imports of {len(manifest)} modules")
+        log.info("read ahead %s: %d files (%d bytes), %d stat-ed, %d directories "
+                 "in %.2f s (%d missing, %d too large, %d over the budget)", what,
+                 counts["files"], counts["bytes"], counts["stat"], counts["dirs"], counts["seconds"],
+                 counts["missing"], counts["skipped_large"], counts["skipped_budget"])
+        if self.on_warm is not None:
+            self.on_warm(manifest)
+        return counts
+
+    def learn(self, module: str, files: list[str]) -> bool:
+        """A client's imports of ``module`` opened ``files``: kept for the next start. Whether
+        the manifest changed (then it was written). Never raises: a failed write is logged."""
+        files = sorted(set(files))[:MAX_FILES]
+        with self._lock:
+            if self.manifest.get(module) == files:
+                return False
+            self.manifest.pop(module, None)
+            self.manifest[module] = files
+            while len(self.manifest) > MAX_MODULES:
+                self.manifest.pop(next(iter(self.manifest)))
+            snapshot = dict(self.manifest)
+            try:
+                save_manifest(self.path, snapshot)
+            except OSError as exc:
+                log.warning("import manifest %s not written: %s", self.path, exc)
+                return False
+        log.info("import manifest: %d files of %s's imports kept for the next start", len(files), module)
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -1,0 +1,320 @@
+"""The daemon's learned manifest of the files a client's imports open: what a client reports, what
+the daemon keeps, which files its start reads (and how), and the read shape that follows -- a client
+whose module's files were read ahead keeps nothing shallow; a missing or corrupt manifest never
+breaks a start or a load."""
+import json
+import logging
+import os
+import time
+
+import pytest
+from flashd_harness import assert_eventually
+
+from deepseek_flash._core import HostArena, IOEngine
+from deepseek_flash.client import skeleton
+from deepseek_flash.daemon import imports_ahead, reads
+from deepseek_flash.daemon.block_manager import BlockManager
+from deepseek_flash.daemon.config import FlashConfig
+from deepseek_flash.errors import ImportManifestCorrupt, MalformedFrame
+
+MODULE = "transformers.models.llama.modeling_llama"
+FULL = {"read_depth": 32, "read_request_bytes": 1 << 20}
+
+
+def _tree(root):
+    """A package as an interpreter leaves it: sources, their compiled files, an extension, a
+    library, one file too large to read ahead."""
+    pkg = root / "pkg"
+    (pkg / "__pycache__").mkdir(parents=True)
+    files = {"pkg/__init__.py": b"x = 1\n", "pkg/__pycache__/__init__.cpython-312.pyc": b"c" * 100,
+             "pkg/mod.py": b"y = 2\n", "pkg/__pycache__/mod.cpython-312.pyc": b"m" * 3000,
+             "pkg/lonely.py": b"z = 3\n", "pkg/_ext.so": b"e" * 5000, "pkg/big.so": b"b" * 9000}
+    for rel, data in files.items():
+        (root / rel).write_bytes(data)
+    return {rel: str(root / rel) for rel in files}
+
+
+def test_the_plan_lists_the_directories_and_reads_every_file_not_mapped_already(tmp_path):
+    f = _tree(tmp_path)
+    manifest = {MODULE: sorted(f.values()), "other": [f["pkg/mod.py"], f["pkg/_ext.so"]]}
+    mapped = {f["pkg/big.so"]}
+    dirs, stat_only, read = imports_ahead.plan(manifest, mapped)
+    assert dirs == [str(tmp_path / "pkg"), str(tmp_path / "pkg/__pycache__")] and stat_only == []
+    # Sources too (transformers reads its model sources' text at import), once each.
+    assert read == [f["pkg/__init__.py"], f["pkg/__pycache__/__init__.cpython-312.pyc"],
+                    f["pkg/__pycache__/mod.cpython-312.pyc"], f["pkg/_ext.so"], f["pkg/lonely.py"],
+                    f["pkg/mod.py"]]
+
+
+def test_read_ahead_reads_exactly_the_planned_files_within_its_limits(tmp_path, monkeypatch):
+    f = _tree(tmp_path)
+    opened, listed, stated = [], [], []
+    real_open, real_listdir, real_stat = open, os.listdir, os.stat
+    monkeypatch.setattr(imports_ahead, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k),
+                        raising=False)
+    monkeypatch.setattr(imports_ahead.os, "listdir", lambda p: listed.append(p) or real_listdir(p))
+    monkeypatch.setattr(imports_ahead.os, "stat", lambda p: stated.append(p) or real_stat(p))
+    read = [f["pkg/__pycache__/mod.cpython-312.pyc"], f["pkg/_ext.so"], f["pkg/big.so"],
+            str(tmp_path / "gone.pyc")]
+    out = imports_ahead.read_ahead([str(tmp_path / "pkg"), str(tmp_path / "nodir")], [f["pkg/mod.py"]], read,
+                                   threads=3, max_file_bytes=8192)
+    assert sorted(opened) == sorted(read)
+    assert sorted(listed) == [str(tmp_path / "nodir"), str(tmp_path / "pkg")] and stated == [f["pkg/mod.py"]]
+    assert out == {"dirs": 1, "stat": 1, "files": 2, "bytes": 8000, "skipped_large": 1, "skipped_budget": 0,
+                   "missing": 2}
+    # The whole start's budget: a file that would pass it is left out.
+    out = imports_ahead.read_ahead([], [], read[:2], threads=1, max_bytes=4000)
+    assert (out["files"], out["bytes"], out["skipped_budget"]) == (1, 3000, 1)
+
+
+def test_the_manifest_round_trips_and_a_corrupt_one_is_a_typed_error(tmp_path):
+    path = tmp_path / "state" / imports_ahead.MANIFEST_NAME
+    assert imports_ahead.load_manifest(path) == {}
+    imports_ahead.save_manifest(path, {MODULE: ["/a/b.pyc", "/a/c.so", "/d/e.py"]})
+    assert json.loads(path.read_text()) == {"version": 1, "modules": {MODULE: {"/a": ["b.pyc", "c.so"],
+                                                                               "/d": ["e.py"]}}}
+    assert imports_ahead.load_manifest(path) == {MODULE: ["/a/b.pyc", "/a/c.so", "/d/e.py"]}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]       # no temporary left
+    for text, reason in (("{not json", "not JSON"), ('{"version": 7, "modules": {}}', "not a manifest"),
+                         ('{"version": 1, "modules": {"m": ["/a"]}}', "malformed entry"),
+                         ("[]", "not a manifest")):
+        path.write_text(text)
+        with pytest.raises(ImportManifestCorrupt) as exc:
+            imports_ahead.load_manifest(path)
+        assert exc.value.reason == reason and exc.value.path == str(path)
+    # Relative directories and names with slashes are not files to read.
+    assert imports_ahead.flatten({"/a": ["b", "c/d", "..", 3], "rel": ["x"], "/e": "f"}) == ["/a/b"]
+
+
+def test_a_corrupt_manifest_is_logged_and_the_start_reads_nothing(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv(imports_ahead.PACKAGES_ENV, "")
+    (tmp_path / imports_ahead.MANIFEST_NAME).write_text("{broken")
+    warmed = []
+    ahead = imports_ahead.ImportsAhead(tmp_path, on_warm=warmed.append)
+    with caplog.at_level(logging.INFO, logger="deepseek_flash.imports_ahead"):
+        ahead.start().done.wait(10)
+    assert ahead.result is None and warmed == []
+    assert "is not JSON" in caplog.text and "starting without reading ahead" in caplog.text
+    # The next report rewrites it; the same report again writes nothing.
+    assert ahead.learn(MODULE, ["/x/y.pyc"]) is True
+    assert ahead.learn(MODULE, ["/x/y.pyc"]) is False
+    assert imports_ahead.load_manifest(ahead.path) == {MODULE: ["/x/y.pyc"]}
+
+
+def test_learning_keeps_the_latest_list_of_at_most_max_modules(tmp_path, monkeypatch):
+    monkeypatch.setattr(imports_ahead, "MAX_MODULES", 2)
+    ahead = imports_ahead.ImportsAhead(tmp_path)
+    ahead.learn("a", ["/1"])
+    ahead.learn("b", ["/2"])
+    ahead.learn("a", ["/3", "/1"])      # replaced, and now the newest
+    ahead.learn("c", ["/4"])            # b, the oldest, goes
+    assert imports_ahead.load_manifest(ahead.path) == {"a": ["/1", "/3"], "c": ["/4"]}
+
+
+def test_the_read_shape_follows_the_modules_read_ahead(tiny_store):
+    """Unit level (the throttle decision): a client importing a module whose files were read ahead
+    keeps nothing shallow; one importing another module does; reading ahead while a client holds
+    lifts its hold."""
+    config = FlashConfig.from_dict({"store_roots": [str(tiny_store.parent)]})
+    engine = IOEngine(queue_depth=8, request_size=256 << 10)
+    manager = BlockManager(config, HostArena(8 << 20), engine)
+    try:
+        a, b = manager.connect({}), manager.connect({})
+        manager.hold_shallow(a, module=MODULE)
+        assert engine.shape == reads.SHALLOW_SHAPE and manager.state.shallow_holders() == [a]
+        manager.imports_read_ahead([MODULE, "x"])
+        assert engine.shape == (8, 256 << 10) and manager.state.shallow_holders() == []
+        assert manager.stats()["shallow_read_clients"] == 0
+        manager.hold_shallow(b, module="transformers.models.qwen2.modeling_qwen2")
+        assert engine.shape == reads.SHALLOW_SHAPE and manager.state.shallow_holders() == [b]
+        manager.hold_shallow(b)             # no module named: nothing known of its files
+        assert engine.shape == reads.SHALLOW_SHAPE
+        assert manager.end_shallow(b) is not None and engine.shape == (8, 256 << 10)
+        assert manager.end_shallow(a) is not None       # its hold is still ended (and timed)
+    finally:
+        manager.close()
+
+
+def test_imported_files_reports_sources_compiled_files_and_mapped_libraries(tmp_path, monkeypatch):
+    class Spec:
+        def __init__(self, cached):
+            self.cached = cached
+
+    class Mod:
+        def __init__(self, file, cached=None):
+            self.__file__ = file
+            self.__spec__ = Spec(cached)
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /lib/libz.so.1\n"
+                    "7f01-7f02 rw-p 00000000 00:00 0 \n"
+                    "7f02-7f03 rw-s 00000000 00:01 9 /dev/shm/x\n"
+                    "7f03-7f04 r--p 00000000 00:01 9 /tmp/gone.so (deleted)\n"
+                    "7f04-7f05 r--p 00000000 00:00 0 [heap]\n")
+    modules = {"p": Mod("/s/p/__init__.py", "/s/p/__pycache__/__init__.cpython-312.pyc"),
+               "p.e": Mod("/s/p/e.so"), "builtin": object(), "rel": Mod("rel.py")}
+    out = skeleton.imported_files(modules, str(maps), opened={"/t/models/x.py"})
+    assert out == {"/lib": ["libz.so.1"], "/s/p": ["__init__.py", "e.so"],
+                   "/s/p/__pycache__": ["__init__.cpython-312.pyc"], "/t/models": ["x.py"]}
+    # Too large with the sources: they go first; too large without them: nothing is reported.
+    monkeypatch.setattr(skeleton, "MAX_REPORT_BYTES", 90)
+    assert skeleton.imported_files(modules, str(maps)) == {"/lib": ["libz.so.1"], "/s/p": ["e.so"],
+                                                          "/s/p/__pycache__": ["__init__.cpython-312.pyc"]}
+    monkeypatch.setattr(skeleton, "MAX_REPORT_BYTES", 10)
+    assert skeleton.imported_files(modules, str(maps)) is None
+
+
+def test_a_daemon_learns_a_clients_files_and_reads_them_ahead_after_a_restart(daemon_factory, tiny_store,
+                                                                             tmp_path):
+    f = _tree(tmp_path / "site")
+    d = daemon_factory({"host_cache_bytes": "16MiB", "store_roots": [str(tiny_store.parent)]}).start()
+    manifest = d.runtime / "state" / imports_ahead.MANIFEST_NAME
+    try:
+        assert "no import manifest yet" in d.log()
+        with d.client() as c:
+            c.attach("tiny", "cpu", importing=True, imports_module=MODULE)
+            assert c.stats()["shallow_read_clients"] == 1          # nothing read ahead: shallow
+            with pytest.raises(MalformedFrame) as exc:
+                c.call("imports_done", {"module": MODULE})
+            assert exc.value.fields["argument"] == "files"
+            assert c.imports_done(MODULE, imports_ahead.group(f.values())) > 0
+            assert_eventually(lambda: manifest.exists(), 10, "the manifest written")
+        assert imports_ahead.load_manifest(manifest) == {MODULE: sorted(f.values())}
+    finally:
+        assert d.stop() == 0
+    d.start()
+    try:
+        line = assert_eventually(lambda: next((ln for ln in d.log().splitlines()
+                                               if "read ahead the imports of" in ln), None), 20, "read ahead")
+        assert ("read ahead the imports of 1 modules: 7 files (17118 bytes), 0 stat-ed, 2 directories"
+                in line), line
+        with d.client() as c:
+            c.attach("tiny", "cpu", importing=True, imports_module=MODULE)
+            stats = c.stats()
+            assert {k: stats[k] for k in ("read_depth", "read_request_bytes", "shallow_read_clients")} == \
+                {**FULL, "shallow_read_clients": 0}
+            c.imports_done()
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_corrupt_manifest_never_breaks_a_daemon_start_or_a_load(daemon_factory, tiny_store):
+    d = daemon_factory({"host_cache_bytes": "16MiB", "store_roots": [str(tiny_store.parent)]})
+    (d.runtime / "state").mkdir(parents=True)
+    (d.runtime / "state" / imports_ahead.MANIFEST_NAME).write_bytes(b"\xff\xfe garbage")
+    d.start()
+    try:
+        with d.client() as c:
+            c.attach("tiny", "cpu", importing=True, imports_module=MODULE)
+            assert c.stats()["shallow_read_clients"] == 1
+            c.imports_done()
+        log = d.log()
+        assert "ImportManifestCorrupt" in log or "unreadable" in log, log[-2000:]
+        assert "starting without reading ahead" in log
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_refused_report_still_ends_the_clients_hold(monkeypatch):
+    """load_model's imports_done: a daemon told which files were opened; one that refuses the
+    report (an older daemon's frame limit, a malformed-argument answer) gets the plain call, and
+    an embedded controller is never sent the list."""
+    from deepseek_flash.client import model as client_model
+    from deepseek_flash.errors import FrameTooLarge
+
+    class Imports:
+        module = MODULE
+        opened = {"/t/x.py"}
+
+    class FakeClient:
+        def __init__(self, mode, refuse):
+            self.mode, self.refuse, self.calls = mode, refuse, []
+
+        def imports_done(self, module=None, files=None):
+            self.calls.append((module, None if files is None else sorted(files)))
+            if files is not None and self.refuse:
+                raise self.refuse
+            return 1.5
+
+    monkeypatch.setattr(client_model, "imported_files",
+                        lambda opened: {"/a": ["b.pyc"],
+                                        **({"/t": ["x.py"]} if opened == {"/t/x.py"} else {})})
+    daemon = FakeClient("daemon", None)
+    assert client_model._imports_done(daemon, Imports()) == 1.5
+    assert daemon.calls == [(MODULE, ["/a", "/t"])]
+    for refuse in (MalformedFrame("no", argument="files"), FrameTooLarge("big", size=2, limit=1)):
+        old = FakeClient("daemon", refuse)
+        assert client_model._imports_done(old, Imports()) == 1.5
+        assert old.calls == [(MODULE, ["/a", "/t"]), (None, None)]
+    embedded = FakeClient("embedded", None)
+    assert client_model._imports_done(embedded, Imports()) == 1.5 and embedded.calls == [(None, None)]
+
+
+def test_record_opens_sees_the_files_opened_inside_it_on_any_thread(tmp_path):
+    import threading
+
+    a, b, c = (tmp_path / n for n in ("a.py", "b.txt", "c.txt"))
+    for p in (a, b, c):
+        p.write_text("x")
+    with skeleton.record_opens() as opened:
+        a.read_text()
+        t = threading.Thread(target=b.read_bytes)
+        t.start()
+        t.join()
+        open("/proc/self/stat").close()          # not a file to read ahead
+    c.read_text()                                 # after: not recorded
+    assert opened == {str(a), str(b)}
+    with skeleton.record_opens() as again:
+        pass
+    assert again == set()
+
+
+def test_the_imports_thread_records_what_its_import_opened(tmp_path, monkeypatch):
+    pkg = tmp_path / "flash_probe_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import pathlib\n"
+                                     "TEXT = (pathlib.Path(__file__).parent / 'data.txt').read_text()\n")
+    (pkg / "data.txt").write_text("scanned")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    imports = skeleton.Imports("flash_probe_pkg")
+    imports.wait()
+    assert str(pkg / "data.txt") in imports.opened and str(pkg / "__init__.py") in imports.opened
+
+
+def test_without_a_manifest_the_start_reads_the_packages_files(tmp_path, monkeypatch, caplog):
+    """A daemon's first start: every file of the fallback packages (found without importing them;
+    one not installed skipped), then any importing client counts as warm."""
+    site = tmp_path / "site"
+    (site / "flash_pkg_a" / "sub").mkdir(parents=True)
+    (site / "flash_pkg_a" / "__init__.py").write_text("a = 1\n")
+    (site / "flash_pkg_a" / "sub" / "m.py").write_text("m = 2\n")
+    (site / "flash_mod_b.py").write_text("b = 3\n")
+    monkeypatch.syspath_prepend(str(site))
+    assert imports_ahead.fallback_packages({}) == imports_ahead.FALLBACK_PACKAGES
+    assert imports_ahead.fallback_packages({imports_ahead.PACKAGES_ENV: " x, ,y "}) == ("x", "y")
+    files = [str(site / "flash_mod_b.py"), str(site / "flash_pkg_a" / "__init__.py"),
+             str(site / "flash_pkg_a" / "sub" / "m.py")]
+    assert imports_ahead.package_files(["flash_pkg_a", "flash_no_such_pkg", "flash_mod_b"]) == files
+    monkeypatch.setenv(imports_ahead.PACKAGES_ENV, "flash_pkg_a,flash_mod_b,flash_no_such_pkg")
+    warmed = []
+    ahead = imports_ahead.ImportsAhead(tmp_path / "state", on_warm=warmed.append)
+    with caplog.at_level(logging.INFO, logger="deepseek_flash.imports_ahead"):
+        counts = ahead.run()
+    assert (counts["files"], counts["bytes"], counts["missing"]) == (3, 18, 0)
+    assert warmed == [{imports_ahead.ANY_MODULE: files}]
+    assert "read ahead the packages' files (no manifest yet): 3 files (18 bytes)" in caplog.text
+    assert not ahead.path.exists()           # nothing learned from it
+
+
+def test_after_the_packages_were_read_no_client_keeps_the_reads_shallow(tiny_store):
+    config = FlashConfig.from_dict({"store_roots": [str(tiny_store.parent)]})
+    engine = IOEngine(queue_depth=8, request_size=256 << 10)
+    manager = BlockManager(config, HostArena(8 << 20), engine)
+    try:
+        a = manager.connect({})
+        manager.hold_shallow(a, module="anything")
+        assert engine.shape == reads.SHALLOW_SHAPE
+        manager.imports_read_ahead({imports_ahead.ANY_MODULE: []})
+        assert engine.shape == (8, 256 << 10) and manager.state.shallow_holders() == []
+    finally:
+        manager.close()
