@@ -7,8 +7,10 @@
 #             step -> decode_int4.json, decode_int4.log, profile_b*.txt (DECODE_TIMEOUT, 36 s)
 #   bf16   -- (only when named) bench/decode.py, the bf16 8B llama: graphs vs graphs_sdpa (our attention
 #             kernels vs torch's sdpa), parity over 32 steps -> decode_bf16.json (BF16_TIMEOUT, 30 s)
+#   attn   -- (only when named) bench/attention.py: decode_attention's kernels (a sweep of their shapes)
+#             vs sdpa at the 8B heads, batch 1 and 8 -> attention.json (ATTN_TIMEOUT, 20 s)
 #   tests  -- pytest -m gpu (TESTS_FILES, TESTS_K) -> gpu_tests.log (TESTS_TIMEOUT, 20 s)
-#   bash bench/gpu_int4.sh OUTDIR [decode,bf16,tests] [--smoke]
+#   bash bench/gpu_int4.sh OUTDIR [decode,bf16,attn,tests] [--smoke]
 set -u -o pipefail
 out=${1:?usage: gpu_int4.sh OUTDIR [decode,tests] [--smoke]}; steps=${2:-decode,tests}; smoke=${3:-}
 py=${PYTHON:-python3}
@@ -30,6 +32,11 @@ if has bf16; then
     --variants "${BF16_VARIANTS:-graphs,graphs_sdpa}" --skip-eager --skip-peer --skip-ops --parity-steps 32 \
     --output "$out/decode_bf16.json" --out-dir "$out/bf16" > "$out/decode_bf16.log" 2>&1
   rc=$?; lap "decode bf16 rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -3 "$out/decode_bf16.log"; }
+fi
+if has attn; then
+  timeout "${ATTN_TIMEOUT:-20}" $py bench/attention.py $smoke --budget-s "${ATTN_BUDGET:-12}" \
+    --lengths "${ATTN_LENGTHS:-256,512,4096}" --output "$out/attention.json" > "$out/attention.log" 2>&1
+  rc=$?; lap "attention rc=$rc"; [ $rc -eq 0 ] || status=1; tail -6 "$out/attention.log"
 fi
 if has tests; then
   timeout "${TESTS_TIMEOUT:-20}" $py -m pytest -q -m gpu ${TESTS_FILES:-tests/quant/test_gemv.py} \

@@ -249,17 +249,20 @@ def _tri_silu_mul(gate, up):
 ATTENTION_CHUNK = 64        # keys per program of the split kernel
 
 
-def _tri_decode_attention(query, keys, values, mask, scale: float):
+def _tri_decode_attention(query, keys, values, mask, scale: float, chunk: int | None = None,
+                          block: int = 16, warps: int = 4):
     """Split-key (flash-decoding) attention of one query token per row in the packed grouped-query
     layout: ``query`` (batch, kv_heads, group, dim), ``keys``/``values`` (batch, kv_heads, length,
     dim) views of the cache, ``mask`` None or additive (batch, 1, 1, length). Two kernels: each
-    ``ATTENTION_CHUNK`` keys of each (row, head) in float32, then their combination, rounded once."""
+    ``ATTENTION_CHUNK`` keys (``chunk``) of each (row, head) in float32, ``block`` keys a loop step on
+    ``warps`` warps, then their combination, rounded once (bench/attention.py times the shapes)."""
+    chunk = chunk or ATTENTION_CHUNK
     b, kv_heads, group, d = query.shape
     length = keys.shape[2]
     if mask is not None:
         mask = mask.expand(b, 1, 1, length)
     g_pad = triton.next_power_of_2(group)
-    splits = triton.cdiv(length, ATTENTION_CHUNK)
+    splits = triton.cdiv(length, chunk)
     parts = torch.empty((b * kv_heads * splits, g_pad, d), dtype=torch.float32, device=query.device)
     ml = torch.empty((b * kv_heads * splits, 2, g_pad), dtype=torch.float32, device=query.device)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -269,7 +272,7 @@ def _tri_decode_attention(query, keys, values, mask, scale: float):
         query, keys, values, m_arg, parts, ml, length, group, kv_heads, splits,
         query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), m_sb, m_sl, scale,
-        HAS_MASK=mask is not None, CHUNK=ATTENTION_CHUNK, BLOCK_L=16, G_PAD=g_pad, D=d, num_warps=4)
+        HAS_MASK=mask is not None, CHUNK=chunk, BLOCK_L=block, G_PAD=g_pad, D=d, num_warps=warps)
     _attention_combine_kernel[(b * kv_heads,)](
         parts, ml, out, group, kv_heads, splits, out.stride(0), out.stride(1), out.stride(2),
         G_PAD=g_pad, D=d, num_warps=4)
