@@ -50,7 +50,7 @@ r = json.load(open(sys.argv[1]))
 print("==", sys.argv[1].rsplit("/", 1)[-1])
 print(f"copy {r.get('copy_bandwidth_gbps')} GB/s, {r.get('weight_bytes_per_step', 0) / 1e9:.3f} GB a step, "
       f"bound {r.get('hbm_bound_tok_s_per_seq')} tok/s")
-for v in ("graphs", "graphs_unmerged", "graphs_sdpa"):
+for v in ("graphs", "graphs_unmerged", "graphs_sdpa", "graphs_rope_attention"):
     for b, e in r.get(v, {}).items():
         m = e.get("merged") or {}
         print(f"{v:16} b{b}: {e['tok_s']:>8} tok/s  vs bound {e.get('vs_hbm_bound', '-')}  mode {e['mode']} "

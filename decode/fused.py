@@ -47,6 +47,10 @@ MERGE_QUANTIZED = True
 # Attention through torch's sdpa instead of ``kernels.decode_attention`` (the same op on the CPU; on
 # CUDA our split-key Triton kernels in place of cuDNN's): bench/decode.py's ``graphs_sdpa`` variant.
 SDPA = False
+# The rotary + cache write inside the attention's first kernel (``kernels.rope_attention``: one
+# operation a layer fewer) instead of ``rope_cache`` then ``decode_attention``: bench/decode.py's
+# ``graphs_rope_attention`` variant; off until measured faster on the H200.
+ROPE_ATTENTION = False
 
 
 def unsupported(model) -> str | None:
@@ -259,13 +263,17 @@ class FusedForward:
                 ring.before(i)
             normed = kernels.add_rms_norm(x, residual, layer.in_norm, layer.in_eps)
             q, k, v = layer.qkv(normed)
-            query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
             layer_mask = mask[layer.kind] if isinstance(mask, dict) else mask
+            if ROPE_ATTENTION and not SDPA:
+                attn = kernels.rope_attention(q, k, v, cos, sin, slot, keys[i], values[i], visible,
+                                              layer_mask, layer.scaling)
+            else:
+                query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
             if SDPA:
                 attn = torch.nn.functional.scaled_dot_product_attention(
                     query, keys[i][:, :, :visible], values[i][:, :, :visible], attn_mask=layer_mask,
                     scale=layer.scaling)
-            else:
+            elif not ROPE_ATTENTION:
                 attn = kernels.decode_attention(query, keys[i][:, :, :visible], values[i][:, :, :visible],
                                                 layer_mask, layer.scaling)
             x = layer.o_proj(attn.reshape(attn.shape[0], 1, -1))

@@ -39,6 +39,23 @@ def test_fused_step_runs_a_handful_of_operations_per_layer():
     assert sum(modules.values()) == 34 * layers + 33, sorted(modules.items())
 
 
+def test_rope_inside_the_attention_is_one_operation_with_the_same_tokens(monkeypatch):
+    """fused.ROPE_ATTENTION: rope_cache + decode_attention as one operation a layer
+    (kernels.rope_attention), the same tokens as the two (the CPU runs the same arithmetic)."""
+    from deepseek_flash.decode import fused
+
+    layers = 3
+    ids, mask = left_padded(2, 6, seed=3)
+    want = greedy(_enabled(tiny_model("mistral", num_layers=layers, sliding_window=5)), ids, mask, 12)
+    monkeypatch.setattr(fused, "ROPE_ATTENTION", True)
+    model = _enabled(tiny_model("mistral", num_layers=layers, sliding_window=5))
+    assert torch.equal(greedy(model, ids, mask, 12), want)
+    ops = step_ops(_enabled(tiny_model("llama", num_layers=layers)))
+    assert ops["deepseek_flash::rope_attention"] == layers
+    assert "deepseek_flash::rope_cache" not in ops and "deepseek_flash::decode_attention" not in ops
+    assert sum(ops.values()) == 8 * layers + 33
+
+
 def _enabled(model, **options):
     model.generation_config.eos_token_id = None
     enable(model, capacity=32, **options)
