@@ -188,7 +188,7 @@ if triton is not None:
                         mask=live[:, None], other=0.0).to(tl.float32)
             if ROPE:
                 k = tl.where(keys[:, None] == slot, k_new.to(tl.float32)[None, :], k)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             if HAS_MASK:
                 bias = tl.load(m_ptr + b * m_sb + keys * m_sl, mask=live, other=0.0).to(tl.float32)
                 scores = scores + bias[None, :]
@@ -202,7 +202,7 @@ if triton is not None:
                         mask=live[:, None], other=0.0).to(tl.float32)
             if ROPE:
                 v = tl.where(keys[:, None] == slot, v_new.to(tl.float32)[None, :], v)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m_i = m_new
         part = bh * SPLITS + split
         tl.store(o_ptr + (part * G_PAD + g[:, None]) * D + d[None, :], acc)
@@ -335,12 +335,13 @@ def _tri_greedy(logits):
 
 
 def _tri_decode_attention(query, keys, values, mask, scale: float, chunk: int | None = None,
-                          block: int = 16, warps: int = 4, rope=None):
+                          block: int = 64, warps: int = 4, rope=None):
     """Split-key (flash-decoding) attention of one query token per row in the packed grouped-query
     layout: ``query`` (batch, kv_heads, group, dim), ``keys``/``values`` (batch, kv_heads, length,
     dim) views of the cache, ``mask`` None or additive (batch, 1, 1, length). Two kernels: each
-    ``ATTENTION_CHUNK`` keys (``chunk``) of each (row, head) in float32, ``block`` keys a loop step on
-    ``warps`` warps, then their combination, rounded once (bench/attention.py times the shapes).
+    ``ATTENTION_CHUNK`` keys (``chunk``) of each (row, head) in float32 (``tl.dot`` at IEEE float32
+    precision over the group's rows padded to 16), ``block`` keys a loop step on ``warps`` warps,
+    then their combination, rounded once (bench/attention.py times the shapes).
     ``rope`` = (q, k, v, cos, sin, slot) as ``rope_cache`` takes them: the first kernel also rotates
     the query rows and the new key and writes the new key and value into ``keys``/``values`` at the
     slot (``query`` is then only the output's shape and dtype)."""
@@ -349,7 +350,7 @@ def _tri_decode_attention(query, keys, values, mask, scale: float, chunk: int | 
     length = keys.shape[2]
     if mask is not None:
         mask = mask.expand(b, 1, 1, length)
-    g_pad = triton.next_power_of_2(group)
+    g_pad = max(16, triton.next_power_of_2(group))       # tl.dot's smallest tile
     splits = triton.cdiv(length, chunk)
     parts = torch.empty((b * kv_heads * splits, g_pad, d), dtype=torch.float32, device=keys.device)
     ml = torch.empty((b * kv_heads * splits, 2, g_pad), dtype=torch.float32, device=keys.device)
