@@ -180,7 +180,8 @@ def streamed_run(store, store_dir, client, budget, context, batches, tokens, h2d
                    "window": plan.window, "unit": plan.unit, "streamed_units": runtime.m,
                    "slot_bytes": plan.slot_bytes, "resident_bytes": plan.resident_bytes,
                    "budget_used_bytes": plan.resident_bytes + plan.n_slots * plan.slot_bytes,
-                   "streamed_bytes_per_token": per_token}
+                   "streamed_bytes_per_token": per_token,
+                   "layers": list(plan.streamed_layers)}
     res["bound_batch1_tok_s"] = round(bound1, 3)
     res["bound_h2d_gbps"] = h2d
     res["streamed_tok_s"] = {}

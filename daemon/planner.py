@@ -8,10 +8,16 @@ slot a third of the size, so the ring takes a third of the budget and the rest k
 resident (fewer bytes stream per token).
 Whatever budget is left after the anchors and the ring keeps whole layers' MLPs resident, the
 *last* layers first, so the ring serves a contiguous head of the model: between two tokens the
-host samples and starts the next pass, issuing no copy until the first streamed layer has run --
-with the streamed layers first that is the embeddings and one layer, not every resident layer
-(the copies queued at the end of the pass must cover that stretch, and the resident layers at
-the end run on the GPU while those copies are on the link).
+host samples and starts the next pass, issuing no copy until the first streamed unit has run --
+with the streamed layers first that is the embeddings and one layer before it, and the resident
+layers at the end run while the copies queued at the end of the pass are on the link. Those
+copies must last the whole stretch (``prefetch.PASS_GAP_S``, measured) or the link idles once a
+token. Where the ring is too small for that (small units: ``stream_unit: projection`` at 8 GiB
+on a Mistral-7B shape holds three 117 MB slots, 6.4 ms of copies) the same number of resident
+MLPs is spread among the streamed layers instead, the first and the last layer streaming: the
+stretch between two tokens then holds no resident layer, and each resident layer runs between
+two streamed units while the ring's copies are on the link. Same bytes resident, same bytes
+streamed, same slots: only which layers.
 
 Pure function of block sizes: the daemon publishes the plan it computes (``deepseek-flash models``
 and ``models/<name>/plan`` in the status tree) and the client executes it.
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 from ..errors import BudgetTooSmall
 from ..fsutil import align_up
-from ..prefetch import AUTO, MAX_AUTO_WINDOW, auto_window
+from ..prefetch import AUTO, MAX_AUTO_WINDOW, NOMINAL_LINK_BYTES_PER_S, PASS_GAP_S, auto_window
 from ..wire import (DEFAULT_STREAM_UNIT, MIN_SLOTS, SLOT_ALIGNMENT, STREAM_ROLES, Plan,
                     stream_units, unit_bytes)
 
@@ -46,6 +52,18 @@ def _split(blocks, unit: str = DEFAULT_STREAM_UNIT):
     return anchors, mlp, anchor_bytes, slot
 
 
+def spread(layers: list[int], keep: int) -> list[int]:
+    """``keep`` of ``layers`` (ascending) to stay resident, spread among the others: the ones
+    that stream are evenly spaced and include the first and the last (``len(layers) - keep`` of
+    them, at least two; fewer: the last ``keep``, as a suffix)."""
+    n = len(layers)
+    streamed = n - keep
+    if streamed < 2:
+        return layers[n - keep:] if keep else []
+    at = {round(j * (n - 1) / (streamed - 1)) for j in range(streamed)}
+    return [layer for i, layer in enumerate(layers) if i not in at]
+
+
 def resident_minimum(blocks, unit: str = DEFAULT_STREAM_UNIT) -> int:
     """The smallest weight budget that can run the model: anchors plus two streaming slots."""
     _, _, anchor_bytes, slot = _split(blocks, unit)
@@ -68,6 +86,11 @@ def plan_residency(blocks, budget: int | None, prefetch_window, model: str = "mo
     ``BudgetTooSmall`` naming the sizes when the budget cannot hold the anchors plus two slots.
     ``unit``: what a slot holds (``wire.STREAM_UNITS``); the plan's ``slot_bytes`` is its
     largest unit.
+
+    The resident MLPs are the last layers' (the streamed layers a contiguous head), unless the
+    ring's copies last less than ``PASS_GAP_S`` at the link's rate (``link_bytes_per_s``, else
+    nominal): then as many resident MLPs are spread among the streamed layers (``spread``), so
+    that no resident layer runs between two tokens, where the host issues no copy.
     """
     total = sum(_aligned(b.length) for b in blocks)
     if budget is None or budget >= total:
@@ -108,6 +131,16 @@ def plan_residency(blocks, budget: int | None, prefetch_window, model: str = "mo
         units = sum(len(stream_units([by_id[b] for b in stream_blocks[layer]], unit))
                     for layer in streamed)
         n_slots += max(0, min(left // slot, MAX_AUTO_WINDOW + 1 - n_slots, units - n_slots))
+    kept = sorted(set(mlp) - set(streamed))
+    link = link_bytes_per_s or NOMINAL_LINK_BYTES_PER_S
+    if kept and n_slots * slot < PASS_GAP_S * link:
+        # The ring cannot cover the stretch between two tokens: keep no resident MLP there.
+        moved = spread(sorted(mlp), len(kept))
+        room = sum(_aligned(b.length) for layer in kept for b in mlp[layer])
+        if sum(_aligned(b.length) for layer in moved for b in mlp[layer]) <= room:
+            resident = [b.id for b in anchors] + [b.id for layer in moved for b in mlp[layer]]
+            streamed = [layer for layer in sorted(mlp) if layer not in set(moved)]
+            stream_blocks = {layer: [b.id for b in mlp[layer]] for layer in streamed}
     resident_set = set(resident)
     resident = [b.id for b in blocks if b.id in resident_set]
     return Plan(budget=budget, resident=resident, streamed_layers=streamed,

@@ -57,6 +57,14 @@ NOMINAL_LINK_BYTES_PER_S = 25e9
 # the copies queued ahead must keep the link busy for at least this long meanwhile.
 ISSUE_COVER_S = 200e-6
 MAX_AUTO_WINDOW = 8
+# Between two tokens the host issues no copy: from the last streamed unit of a pass (whose slot
+# takes the next pass's unit) to the first streamed unit of the next one (whose slot frees the
+# next) lie the resident layers after it, the head and norm, sampling, the next pass's start and
+# the layers before it. The copies the ring holds queued must last at least this long or the link
+# idles there: measured on the H200 (2026-12-02, mistral 7B, 14 resident layers at the end of the
+# pass, three 117 MB slots = 6.4 ms of copies at 55.4 GB/s): the link idled 2.25 ms a token, so
+# the stretch is ~8.6 ms. The planner compares it with the ring's copy time at the link's rate.
+PASS_GAP_S = 9e-3
 # NVML's PCIe throughput counter covers the last 20 ms before each call.
 NVML_SAMPLE_S = 0.02
 

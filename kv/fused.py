@@ -79,10 +79,11 @@ if triton is not None:
 
     # the scalars that change with the context are not specialised on (a page boundary
     # would otherwise compile a kernel again in the middle of decoding)
-    @triton.jit(do_not_specialize=["n", "NB"])
-    def _score(q_ptr, mm_ptr, bound_ptr, wpart_ptr, n, scale, mm_sb, mm_sh, NB,
+    @triton.jit(do_not_specialize=["NB"])
+    def _score(q_ptr, mm_ptr, bound_ptr, wpart_ptr, n_ptr, scale, mm_sb, mm_sh, NB,
                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                W: tl.constexpr):
+        n = tl.load(n_ptr)  # the page count, on the device: a graph serves as pages are added
         bh = tl.program_id(0)
         blk = tl.program_id(1)
         b = bh // H
@@ -112,16 +113,17 @@ if triton is not None:
         mass = tl.where(gm[:, None], mass, 0.0)
         tl.store(wpart_ptr + bh * NB + pp, tl.sum(mass, axis=0), mask=pm)
 
-    @triton.jit(do_not_specialize=["n", "k", "C", "NB"])
+    @triton.jit(do_not_specialize=["k", "C", "NB"])
     def _choose(bound_ptr, wpart_ptr, fs_ptr, is_ptr, chosen_ptr, slot_out_ptr, src_out_ptr,
                 sop_ptr, sop_w, page_of_slot_ptr, last_used_ptr, step_ptr,
                 table_ptr, table_w, hits_ptr, misses_ptr, last_ptr, win_ptr, winpos_ptr, kin_ptr,
-                vin_ptr, n, k, B, C, NB, CAP,
+                vin_ptr, n_ptr, k, B, C, NB, CAP,
                 H: tl.constexpr, HG: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
                 BI: tl.constexpr, CP: tl.constexpr, BC: tl.constexpr, D: tl.constexpr,
                 NEVER: tl.constexpr):
         # scratch: fs_ptr float32 [2 * NP] (quest, windowed); is_ptr int64 [3 * NP + 2 * CP]
         # (hybrid key, chosen flag, exclusive count of chosen before, stamps, victim of rank)
+        n = tl.load(n_ptr)
         p = tl.arange(0, NP)
         valid = p < n
         step = tl.load(step_ptr)
@@ -224,10 +226,11 @@ if triton is not None:
 
     # _choose split in three (``SPLIT``): the rankings over many programs, then the choice,
     # then the page cache's bookkeeping in one program -- the same values as _choose's
-    @triton.jit(do_not_specialize=["n", "NB"])
-    def _rank(bound_ptr, wpart_ptr, key_ptr, n, NB,
+    @triton.jit(do_not_specialize=["NB"])
+    def _rank(bound_ptr, wpart_ptr, key_ptr, n_ptr, NB,
               H: tl.constexpr, HG: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
               BI: tl.constexpr, NEVER: tl.constexpr):
+        n = tl.load(n_ptr)
         b = tl.program_id(0)
         i = tl.program_id(1) * BI + tl.arange(0, BI)
         p = tl.arange(0, NP)
@@ -264,8 +267,9 @@ if triton is not None:
         key = tl.minimum(rq, rw) * (2 * n + 2) + rq
         tl.store(key_ptr + b * NP + i, tl.where(iv, key, NEVER))
 
-    @triton.jit(do_not_specialize=["n", "k"])
-    def _select(key_ptr, sel_ptr, n, k, NP: tl.constexpr, BI: tl.constexpr):
+    @triton.jit(do_not_specialize=["k"])
+    def _select(key_ptr, sel_ptr, n_ptr, k, NP: tl.constexpr, BI: tl.constexpr):
+        n = tl.load(n_ptr)
         b = tl.program_id(0)
         i = tl.program_id(1) * BI + tl.arange(0, BI)
         p = tl.arange(0, NP)
@@ -419,6 +423,11 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
 
 
+def pages_room(n: int) -> int:
+    """The pages a fused step's buffers and grids are sized for, given ``n`` pages now."""
+    return max(16, _p2(n))
+
+
 def _addresses(q, k_new, v_new) -> tuple:
     return q.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
 
@@ -480,7 +489,10 @@ class FusedStep:
         self.w = cache.window_pages
         self.p = cache.page_tokens
         dev = query.device
-        self.np_ = max(16, _p2(self.n))
+        self.np_ = pages_room(self.n)
+        # the page count the kernels read (``set_pages``): one graph serves while pages are
+        # added up to ``np_`` (the buffers' room), the same ``k`` and the same host view
+        self.n_dev = torch.full((1,), self.n, dtype=torch.int64, device=dev)
         self.nb = self.np_
         self.cp = max(16, _p2(page_cache.capacity))
         self.gp = max(16, _p2(self.g))
@@ -527,6 +539,12 @@ class FusedStep:
         self.direct = self.direct_at = self.seen_at = self.live = None
         self.direct_failed = False
 
+    def set_pages(self, n: int) -> None:
+        """The layer's page count now (``n <= np_``): one device fill where it changed."""
+        if n != self.n:
+            self.n_dev.fill_(n)
+            self.n = n
+
     def load(self, query, k_new, v_new) -> None:
         torch._foreach_copy_([self.q_in, self.k_in, self.v_in], [query, k_new, v_new])
 
@@ -540,15 +558,16 @@ class FusedStep:
         b, h, g, d = self.b, self.h, self.g, self.d
         pc, win = self.pc, self.window
         mm = self.summaries.minmax
-        _score[(b * h, -(-self.n // self.w))](
-            q, mm, self.bound, self.wpart, self.n, self.scale, mm.stride(0),
+        _score[(b * h, -(-self.np_ // self.w))](
+            q, mm, self.bound, self.wpart, self.n_dev, self.scale, mm.stride(0),
             mm.stride(1), self.nb, H=h, G=g, GP=self.gp, D=d, W=self.w)
         if self.split:
             bi = self.bi_split
             _rank[(b, self.np_ // bi)](
-                self.bound, self.wpart, self.keys, self.n, self.nb, H=h, HG=h * g, RB=self.rb,
+                self.bound, self.wpart, self.keys, self.n_dev, self.nb, H=h, HG=h * g, RB=self.rb,
                 NP=self.np_, BI=bi, NEVER=_NEVER)
-            _select[(b, self.np_ // bi)](self.keys, self.sel, self.n, self.k, NP=self.np_, BI=bi)
+            _select[(b, self.np_ // bi)](self.keys, self.sel, self.n_dev, self.k, NP=self.np_,
+                                         BI=bi)
             _book[(1,)](
                 self.sel, self.iscratch, self.chosen, self.slot_out, self.src_out,
                 pc.slot_of_page, pc.slot_of_page.shape[1], pc.page_of_slot, pc.last_used,
@@ -576,7 +595,7 @@ class FusedStep:
             self.src_out, pc.slot_of_page, pc.slot_of_page.shape[1], pc.page_of_slot,
             pc.last_used, pc.step, self.span.table, self.span.table.shape[1], pc.hits, pc.misses,
             pc.last_misses,
-            win.kv, win.pos, k_new, v_new, self.n, self.k, b, pc.capacity, self.nb,
+            win.kv, win.pos, k_new, v_new, self.n_dev, self.k, b, pc.capacity, self.nb,
             win.capacity,
             H=h, HG=h * g, RB=self.rb, NP=self.np_, BI=self.bi, CP=self.cp, BC=self.bc, D=d,
             NEVER=_NEVER, num_warps=8)

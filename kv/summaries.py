@@ -40,7 +40,9 @@ class PageSummaries:
         need = self.n + kmin.shape[2]
         cap = self.minmax.shape[2]
         if need > cap:
-            new_cap = max(need, 2 * cap, 16)
+            # a power of two: the fused step's buffers are sized the same way (kv/fused.py
+            # ``pages_room``), so its graph is rebuilt for both at once
+            new_cap = max(1 << (need - 1).bit_length(), 2 * cap, 16)
             b, h, _, d2 = self.minmax.shape
             grown = self.minmax.new_empty((b, h, new_cap, d2))
             grown[:, :, :self.n] = self.minmax[:, :, :self.n]

@@ -89,6 +89,7 @@ def test_streamed_run_on_the_cpu_compares_plans(tmp_path, monkeypatch):
     layer, projection = (r["plan"] for r in runs)
     assert (layer["unit"], layer["streamed_units"]) == ("layer", 3)
     assert (projection["unit"], projection["streamed_units"]) == ("projection", 9)
+    assert layer["layers"] == projection["layers"] == [0, 1, 2]
     mlp = sum(b.length for b in store.blocks if b.role.startswith("mlp"))
     assert layer["streamed_bytes_per_token"] == projection["streamed_bytes_per_token"] == mlp
     assert runs[1]["tokens_identical_to_first_run"] == {1: True, 2: True}

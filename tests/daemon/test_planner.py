@@ -4,8 +4,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from deepseek_flash.daemon.planner import plan_residency
-from deepseek_flash.prefetch import auto_window
+from deepseek_flash.daemon.planner import plan_residency, spread
+from deepseek_flash.prefetch import PASS_GAP_S, auto_window
 from deepseek_flash.wire import SLOT_ALIGNMENT
 
 from deepseek_flash.errors import BudgetTooSmall
@@ -63,15 +63,46 @@ def test_spare_budget_keeps_a_suffix_of_layers_resident_and_window_sets_slots():
     bs = blocks(layers=6)
     anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))
     slot = 49152
-    plan = layer_plan(bs, anchors + 3 * slot + slot, 2)   # 3 slots + one resident layer
+    # A link so slow that three slots' copies last longer than the stretch between two tokens.
+    slow = 3 * slot / PASS_GAP_S
+    plan = layer_plan(bs, anchors + 3 * slot + slot, 2, link_bytes_per_s=slow)   # 3 slots + one layer
     assert plan.n_slots == 3
     # The ring serves the first layers; the last one stays (a pass then starts streaming at once).
     assert plan.streamed_layers == [0, 1, 2, 3, 4]
     assert {b.id for b in bs if b.layer == 5} <= set(plan.resident)
     assert plan.resident_bytes == anchors + slot
-    plan = layer_plan(bs, anchors + 3 * slot + 2 * slot, 2)
+    plan = layer_plan(bs, anchors + 3 * slot + 2 * slot, 2, link_bytes_per_s=slow)
     assert plan.streamed_layers == [0, 1, 2, 3]
     assert plan.resident == sorted(plan.resident)
+
+
+def test_a_ring_shorter_than_the_pass_gap_spreads_the_resident_mlps():
+    """Three slots whose copies last less than ``PASS_GAP_S``: the same resident MLPs' count
+    (same bytes, same slots) among the streamed layers, the first and last layer streaming, so
+    none runs between two tokens."""
+    bs = blocks(layers=6)
+    anchors = sum(aligned(b.length) for b in bs if not b.role.startswith("mlp"))
+    slot = 49152
+    just_short = 3 * slot / PASS_GAP_S * 1.001
+    for link in (just_short, None):                      # None: the nominal link
+        plan = layer_plan(bs, anchors + 3 * slot + 2 * slot, 2, link_bytes_per_s=link)
+        assert plan.n_slots == 3 and plan.window == 2
+        assert plan.streamed_layers == [0, 2, 3, 5]      # evenly spaced, first and last
+        assert plan.resident_bytes == anchors + 2 * slot
+        assert {b.id for b in bs if b.layer in (1, 4)} <= set(plan.resident)
+        assert plan.resident == sorted(plan.resident)
+        assert plan.stream_blocks == {layer: [b.id for b in bs if b.layer == layer and b.role.startswith("mlp")]
+                                      for layer in (0, 2, 3, 5)}
+
+
+@pytest.mark.parametrize("n, keep, resident", [
+    (6, 2, [1, 4]), (12, 3, [2, 5, 9]), (32, 14, [1, 3, 6, 8, 10, 12, 14, 17, 19, 21, 23, 25, 28, 30]),
+    (5, 0, []), (5, 4, [1, 2, 3, 4]), (5, 3, [1, 2, 3]), (4, 2, [1, 2]),
+])
+def test_spread_keeps_the_streamed_layers_evenly_spaced_with_the_first_and_last(n, keep, resident):
+    layers = list(range(10, 10 + n))
+    got = spread(layers, keep)
+    assert got == [10 + i for i in resident] and len(got) == keep
 
 
 def test_large_window_is_capped_by_the_budget():
@@ -99,7 +130,9 @@ def test_auto_window_is_resolved_from_slot_size_and_link():
     # (every slot refilled as soon as its layer has run).
     plan = layer_plan(bs, anchors + 6 * slot, "auto", link_bytes_per_s=63e9)
     assert plan.window == 3 and plan.n_slots == 3
-    assert plan.streamed_layers == list(range(0, 9))
+    # Three slots are 2.4 ms of copies, short of the stretch between two tokens: the three
+    # resident MLPs sit among the streamed layers.
+    assert plan.streamed_layers == [0, 1, 3, 4, 6, 7, 8, 10, 11]
     # A slow link makes the same slot last longer: the same ring.
     plan = layer_plan(bs, anchors + 6 * slot, "auto", link_bytes_per_s=8e9)
     assert (plan.window, plan.n_slots) == (3, 3)
@@ -169,8 +202,16 @@ def test_projection_slots_keep_more_mlps_resident_under_8_gib(arch, layer_plan, 
         plan = plan_residency(bs, budget, "auto", arch, 55.4e9, unit)
         assert plan.unit == unit and plan.slot_bytes == slot
         assert (len(plan.streamed_layers), plan.n_slots, plan.window) == (streamed, slots, slots)
-        # A contiguous head streams; the rest of the budget holds whole MLPs resident.
-        assert plan.streamed_layers == list(range(streamed))
+        # A contiguous head streams where the ring's copies outlast the stretch between two
+        # tokens (whole MLPs; llama's and qwen2's five projection slots); mistral's three
+        # projection slots (6.4 ms) do not: as many resident MLPs, spread among the streamed.
+        if plan.n_slots * slot / 55.4e9 >= PASS_GAP_S:
+            assert plan.streamed_layers == list(range(streamed))
+        else:
+            assert (arch, unit) == ("mistral", "projection")
+            assert plan.streamed_layers == [0, 2, 4, 5, 7, 9, 11, 13, 15, 16, 18, 20, 22, 24, 26,
+                                            27, 29, 31]
+        # The rest of the budget holds whole MLPs resident.
         assert plan.resident_bytes == anchors + (layers - streamed) * mlp
         assert plan.resident_bytes + plan.n_slots * slot <= budget
         left = budget - plan.resident_bytes - plan.n_slots * slot

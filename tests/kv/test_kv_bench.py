@@ -153,3 +153,16 @@ def test_kv_bench_peer_figures(tmp_path):
     assert r["lossless_bound_vs_offload"] == 1.6
     assert (tmp_path / "kv.offload-39.txt").exists()
     assert "steps" in (tmp_path / "kv.hostprof-offload-39.txt").read_text()
+
+
+def test_kv_bench_lean(tmp_path):
+    # --lean: DynamicCache and top-K (with the paired windows) alone, the rest left out
+    bench = bench_module("kv")
+    out = tmp_path / "kv.json"
+    assert bench.main(["--smoke", "--contexts", "700", "--decode", "2", "--pairs", "1",
+                       "--lean", "--output", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["contexts"]
+    assert r["topk25_vs_dynamic"] == round(r["topk25_tok_s"] / r["dynamic_best_tok_s"], 3)
+    assert r["topk25_paired_ratio"] > 0 and len(r["topk25_paired_windows"][0]) == 1
+    for key in ("lossless_tok_s", "topk25_nocache_tok_s", "ttft_tiered_s", "ttft_ratio"):
+        assert key not in r, key
