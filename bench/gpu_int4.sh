@@ -5,8 +5,12 @@
 #             merged q|k|v and gate|up, decode_attention), graphs_unmerged (one GEMV a projection),
 #             graphs_sdpa (torch's sdpa for attention); parity vs transformers' modules; one profiled
 #             step -> decode_int4.json, decode_int4.log, profile_b*.txt (DECODE_TIMEOUT, 36 s)
+#   bf16   -- (only when named) bench/decode.py, the bf16 8B llama: graphs vs graphs_sdpa (our attention
+#             kernels vs torch's sdpa), parity over 32 steps -> decode_bf16.json (BF16_TIMEOUT, 30 s)
+#   attn   -- (only when named) bench/attention.py: decode_attention's kernels (a sweep of their shapes)
+#             vs sdpa at the 8B heads, batch 1 and 8 -> attention.json (ATTN_TIMEOUT, 20 s)
 #   tests  -- pytest -m gpu (TESTS_FILES, TESTS_K) -> gpu_tests.log (TESTS_TIMEOUT, 20 s)
-#   bash bench/gpu_int4.sh OUTDIR [decode,tests] [--smoke]
+#   bash bench/gpu_int4.sh OUTDIR [decode,bf16,attn,tests] [--smoke]
 set -u -o pipefail
 out=${1:?usage: gpu_int4.sh OUTDIR [decode,tests] [--smoke]}; steps=${2:-decode,tests}; smoke=${3:-}
 py=${PYTHON:-python3}
@@ -22,15 +26,28 @@ if has decode; then
     --skip-ops --parity-steps 16 --output "$out/decode_int4.json" --out-dir "$out" > "$out/decode_int4.log" 2>&1
   rc=$?; lap "decode --int4 rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -3 "$out/decode_int4.log"; }
 fi
+if has bf16; then
+  mkdir -p "$out/bf16"
+  timeout "${BF16_TIMEOUT:-30}" $py bench/decode.py $smoke --batches "${BATCHES:-1}" --prompt 128 --new "${NEW:-128}" \
+    --variants "${BF16_VARIANTS:-graphs,graphs_sdpa}" --skip-eager --skip-peer --skip-ops --parity-steps 32 \
+    --output "$out/decode_bf16.json" --out-dir "$out/bf16" > "$out/decode_bf16.log" 2>&1
+  rc=$?; lap "decode bf16 rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -3 "$out/decode_bf16.log"; }
+fi
+if has attn; then
+  timeout "${ATTN_TIMEOUT:-20}" $py bench/attention.py $smoke --budget-s "${ATTN_BUDGET:-12}" \
+    --lengths "${ATTN_LENGTHS:-256,512,4096}" --output "$out/attention.json" > "$out/attention.log" 2>&1
+  rc=$?; lap "attention rc=$rc"; [ $rc -eq 0 ] || status=1; tail -6 "$out/attention.log"
+fi
 if has tests; then
   timeout "${TESTS_TIMEOUT:-20}" $py -m pytest -q -m gpu ${TESTS_FILES:-tests/quant/test_gemv.py} \
     -k "${TESTS_K:-mma or graph}" -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
   rc=$?; lap "gpu tests rc=$rc: $(tail -1 "$out/gpu_tests.log")"; [ $rc -eq 0 ] || status=1
   grep -E "^(FAILED|ERROR)|^E  " "$out/gpu_tests.log" | head -8
 fi
-[ -f "$out/decode_int4.json" ] && $py - "$out/decode_int4.json" <<'PY'
+for f in "$out/decode_int4.json" "$out/decode_bf16.json"; do [ -f "$f" ] && $py - "$f" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
+print("==", sys.argv[1].rsplit("/", 1)[-1])
 print(f"copy {r.get('copy_bandwidth_gbps')} GB/s, {r.get('weight_bytes_per_step', 0) / 1e9:.3f} GB a step, "
       f"bound {r.get('hbm_bound_tok_s_per_seq')} tok/s")
 for v in ("graphs", "graphs_unmerged", "graphs_sdpa"):
@@ -45,4 +62,5 @@ for b, p in r.get("profile", {}).items():
           [(t['kernel'][:40], t['per_step'], t['us']) for t in p.get('top', [])[:7]])
 print("summary", json.dumps(r.get("summary")))
 PY
+done
 exit $status

@@ -201,6 +201,39 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
 
 
+    @triton.jit
+    def _argmax_part_kernel(x_ptr, val_ptr, idx_ptr, n, x_stride, PARTS, BLOCK: tl.constexpr):
+        # The largest value of one BLOCK of a row and its first index; a NaN wins (its first index),
+        # as in torch.argmax.
+        row = tl.program_id(0)
+        part = tl.program_id(1)
+        cols = part * BLOCK + tl.arange(0, BLOCK)
+        live = cols < n
+        x = tl.load(x_ptr + row * x_stride + cols, mask=live, other=float("-inf")).to(tl.float32)
+        nan = x != x
+        big = 2147483647
+        nan_at = tl.min(tl.where(nan & live, cols, big), axis=0)
+        top = tl.max(tl.where(nan, float("-inf"), x), axis=0)
+        top_at = tl.min(tl.where(live & (x == top), cols, big), axis=0)
+        found = nan_at < big
+        tl.store(val_ptr + row * PARTS + part, tl.where(found, float("nan"), top))
+        tl.store(idx_ptr + row * PARTS + part, tl.where(found, nan_at, top_at))
+
+    @triton.jit
+    def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, PARTS, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        p = tl.arange(0, BLOCK)
+        live = p < PARTS
+        v = tl.load(val_ptr + row * PARTS + p, mask=live, other=float("-inf"))
+        i = tl.load(idx_ptr + row * PARTS + p, mask=live, other=2147483647)
+        big = 2147483647
+        nan = (v != v) & live
+        nan_at = tl.min(tl.where(nan, i, big), axis=0)
+        top = tl.max(tl.where(nan, float("-inf"), v), axis=0)
+        top_at = tl.min(tl.where(live & (v == top), i, big), axis=0)
+        tl.store(out_ptr + row, tl.where(nan_at < big, nan_at, top_at).to(tl.int64))
+
+
 def _rows(t):
     """``t`` as (rows, features) with unit stride along features (a view; decode shapes are)."""
     flat = t.reshape(-1, t.shape[-1])
@@ -247,19 +280,42 @@ def _tri_silu_mul(gate, up):
 
 
 ATTENTION_CHUNK = 64        # keys per program of the split kernel
+ARGMAX_BLOCK = 2048         # values per program of the first argmax kernel
 
 
-def _tri_decode_attention(query, keys, values, mask, scale: float):
+def _ref_greedy(logits):
+    return logits.argmax(dim=-1)
+
+
+def _tri_greedy(logits):
+    """``logits.argmax(-1)`` of a (rows, vocab) tensor in two kernels (blocks of a row, then the
+    row): torch's reduction takes one program per row (28 us for the 8B vocab on the H200)."""
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    rows, n = x.shape
+    parts = triton.cdiv(n, ARGMAX_BLOCK)
+    vals = torch.empty((rows, parts), dtype=torch.float32, device=x.device)
+    idx = torch.empty((rows, parts), dtype=torch.int32, device=x.device)
+    out = torch.empty((rows,), dtype=torch.int64, device=x.device)
+    _argmax_part_kernel[(rows, parts)](x, vals, idx, n, x.stride(0), parts, BLOCK=ARGMAX_BLOCK, num_warps=8)
+    _argmax_final_kernel[(rows,)](vals, idx, out, parts, BLOCK=max(16, triton.next_power_of_2(parts)),
+                                  num_warps=4)
+    return out
+
+
+def _tri_decode_attention(query, keys, values, mask, scale: float, chunk: int | None = None,
+                          block: int = 16, warps: int = 4):
     """Split-key (flash-decoding) attention of one query token per row in the packed grouped-query
     layout: ``query`` (batch, kv_heads, group, dim), ``keys``/``values`` (batch, kv_heads, length,
     dim) views of the cache, ``mask`` None or additive (batch, 1, 1, length). Two kernels: each
-    ``ATTENTION_CHUNK`` keys of each (row, head) in float32, then their combination, rounded once."""
+    ``ATTENTION_CHUNK`` keys (``chunk``) of each (row, head) in float32, ``block`` keys a loop step on
+    ``warps`` warps, then their combination, rounded once (bench/attention.py times the shapes)."""
+    chunk = chunk or ATTENTION_CHUNK
     b, kv_heads, group, d = query.shape
     length = keys.shape[2]
     if mask is not None:
         mask = mask.expand(b, 1, 1, length)
     g_pad = triton.next_power_of_2(group)
-    splits = triton.cdiv(length, ATTENTION_CHUNK)
+    splits = triton.cdiv(length, chunk)
     parts = torch.empty((b * kv_heads * splits, g_pad, d), dtype=torch.float32, device=query.device)
     ml = torch.empty((b * kv_heads * splits, 2, g_pad), dtype=torch.float32, device=query.device)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -269,7 +325,7 @@ def _tri_decode_attention(query, keys, values, mask, scale: float):
         query, keys, values, m_arg, parts, ml, length, group, kv_heads, splits,
         query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), m_sb, m_sl, scale,
-        HAS_MASK=mask is not None, CHUNK=ATTENTION_CHUNK, BLOCK_L=16, G_PAD=g_pad, D=d, num_warps=4)
+        HAS_MASK=mask is not None, CHUNK=chunk, BLOCK_L=block, G_PAD=g_pad, D=d, num_warps=warps)
     _attention_combine_kernel[(b * kv_heads,)](
         parts, ml, out, group, kv_heads, splits, out.stride(0), out.stride(1), out.stride(2),
         G_PAD=g_pad, D=d, num_warps=4)
@@ -360,6 +416,14 @@ def _self_check(device, dtype, hidden: int = 320, heads: int = 8, kv_heads: int 
         if not _close(_ref_decode_attention(query, keys, values, m, scale),
                       _tri_decode_attention(query, keys, values, m, scale), dtype):
             return "decode_attention disagrees with the reference"
+    # Greedy choice over 5000 values (three blocks): ties (the first wins), a row of one value,
+    # a NaN (it wins, as in torch).
+    logits = torch.randn(4, 5000, generator=gen).to(device=device, dtype=torch.float32)
+    logits[0, 4000] = logits[0, 100] = logits[0].max() + 1
+    logits[1] = 0.5
+    logits[2, 4500] = logits[2, 4700] = float("nan")
+    if not torch.equal(_ref_greedy(logits), _tri_greedy(logits)):
+        return "greedy disagrees with the reference"
     return None
 
 
@@ -422,3 +486,16 @@ def _(query, keys, values, mask, scale):
     if BACKEND.triton and _attention_fits(query, keys, values, mask):
         return _tri_decode_attention(query, keys, values, mask, scale)
     return _ref_decode_attention(query, keys, values, mask, scale)
+
+
+@torch.library.custom_op("deepseek_flash::greedy", mutates_args=())
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token of each row of (rows, vocab) logits: ``argmax(-1)``, exactly."""
+    return _ref_greedy(logits)
+
+
+@greedy.register_kernel("cuda")
+def _(logits):
+    if BACKEND.triton and logits.dim() == 2:
+        return _tri_greedy(logits)
+    return _ref_greedy(logits)

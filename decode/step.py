@@ -188,7 +188,8 @@ def choose(logits, sampling):
     import torch
 
     if sampling is None:
-        return logits.argmax(dim=-1)
+        from .kernels import greedy
+        return greedy(logits)
     temperature, top_k, top_p = sampling
     logits = logits / temperature
     if top_k:

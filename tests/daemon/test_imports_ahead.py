@@ -122,6 +122,7 @@ def test_the_read_shape_follows_the_modules_read_ahead(tiny_store):
         a, b = manager.connect({}), manager.connect({})
         manager.hold_shallow(a, module=MODULE)
         assert engine.shape == reads.SHALLOW_SHAPE and manager.state.shallow_holders() == [a]
+        time.sleep(0.2)
         manager.imports_read_ahead([MODULE, "x"])
         assert engine.shape == (8, 256 << 10) and manager.state.shallow_holders() == []
         assert manager.stats()["shallow_read_clients"] == 0
@@ -130,7 +131,11 @@ def test_the_read_shape_follows_the_modules_read_ahead(tiny_store):
         manager.hold_shallow(b)             # no module named: nothing known of its files
         assert engine.shape == reads.SHALLOW_SHAPE
         assert manager.end_shallow(b) is not None and engine.shape == (8, 256 << 10)
-        assert manager.end_shallow(a) is not None       # its hold is still ended (and timed)
+        # a's reads were shallow until its module's files were read ahead, not until it ended.
+        time.sleep(0.3)
+        assert 0.2 <= manager.end_shallow(a) < 0.45
+        manager.hold_shallow(a, module=MODULE)        # warm before it attached: never shallow
+        assert manager.end_shallow(a) == 0.0
     finally:
         manager.close()
 
