@@ -71,12 +71,12 @@ def fallback_packages(environ=None) -> tuple[str, ...]:
     return tuple(p.strip() for p in value.split(",") if p.strip())
 
 
-def package_files(packages) -> list[str]:
+def package_files(packages, threads: int = THREADS) -> list[str]:
     """Every file under the installed directories of ``packages`` (found without importing
     them; one not installed is skipped), sorted."""
     import importlib.util
 
-    out = []
+    out, level = [], []
     for name in packages:
         try:
             spec = importlib.util.find_spec(name)
@@ -86,11 +86,29 @@ def package_files(packages) -> list[str]:
             continue
         roots = list(spec.submodule_search_locations or []) or ([spec.origin] if spec.origin else [])
         for root in roots:
-            if os.path.isfile(root):
-                out.append(root)
-                continue
-            for directory, _, names in os.walk(root):
-                out.extend(os.path.join(directory, n) for n in names)
+            (out if os.path.isfile(root) else level).append(root)
+
+    def scan(directory):
+        files, dirs = [], []
+        try:
+            with os.scandir(directory) as entries:
+                for e in entries:
+                    try:
+                        (dirs if e.is_dir(follow_symlinks=False) else files).append(e.path)
+                    except OSError:
+                        continue
+        except OSError:
+            pass
+        return files, dirs
+
+    # Level by level, THREADS directories at a time: one walk took 6 s on the GPU machines.
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flash-imports-walk") as pool:
+        while level:
+            nxt = []
+            for files, dirs in pool.map(scan, level):
+                out.extend(files)
+                nxt.extend(dirs)
+            level = nxt
     return sorted(set(out))
 
 
@@ -288,7 +306,7 @@ class ImportsAhead:
         started = time.monotonic()
         if not manifest:
             packages = fallback_packages()
-            files = package_files(packages)
+            files = package_files(packages, self.threads)
             if not files:
                 log.info("no import manifest yet (%s) and no package to read: nothing read ahead; the "
                          "first client's imports keep the reads shallow and teach it", self.path)
@@ -315,7 +333,8 @@ class ImportsAhead:
     def learn(self, module: str, files: list[str]) -> bool:
         """A client's imports of ``module`` opened ``files``: kept for the next start. Whether
         the manifest changed (then it was written). Never raises: a failed write is logged."""
-        files = sorted(set(files))[:MAX_FILES]
+        # Only what exists here (an audit "open" is also a failed open): none opened in vain at start.
+        files = sorted(f for f in set(files) if os.path.isfile(f))[:MAX_FILES]
         with self._lock:
             if self.manifest.get(module) == files:
                 return False
