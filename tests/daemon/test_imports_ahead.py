@@ -13,7 +13,7 @@ from flashd_harness import assert_eventually
 
 from deepseek_flash._core import HostArena, IOEngine
 from deepseek_flash.client import skeleton
-from deepseek_flash.daemon import imports_ahead, reads
+from deepseek_flash.daemon import imports_ahead, readahead_worker, reads
 from deepseek_flash.daemon.block_manager import BlockManager
 from deepseek_flash.daemon.config import FlashConfig
 from deepseek_flash.errors import ImportManifestCorrupt, MalformedFrame
@@ -51,8 +51,8 @@ def test_read_ahead_reads_exactly_the_planned_files_within_its_limits(tmp_path, 
     f = _tree(tmp_path)
     opened, listed, stated = [], [], []
     real_open, real_listdir, real_stat = open, os.listdir, os.stat
-    monkeypatch.setattr(imports_ahead, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k),
-                        raising=False)
+    monkeypatch.setattr(readahead_worker, "open",
+                        lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k), raising=False)
     monkeypatch.setattr(imports_ahead.os, "listdir", lambda p: listed.append(p) or real_listdir(p))
     monkeypatch.setattr(imports_ahead.os, "stat", lambda p: stated.append(p) or real_stat(p))
     read = [f["pkg/__pycache__/mod.cpython-312.pyc"], f["pkg/_ext.so"], f["pkg/big.so"],
@@ -325,7 +325,8 @@ def test_without_a_manifest_the_start_reads_the_packages_files(tmp_path, monkeyp
     with caplog.at_level(logging.INFO, logger="deepseek_flash.imports_ahead"):
         counts = ahead.run()
     assert (counts["files"], counts["bytes"], counts["missing"]) == (3, 18, 0)
-    assert warmed == [{imports_ahead.ANY_MODULE: files}]
+    assert warmed == [[imports_ahead.ANY_MODULE]] and counts["in_process"] is False
+    assert counts["walked"] == 3
     assert "read ahead the packages' files (no manifest yet): 3 files (18 bytes)" in caplog.text
     assert not ahead.path.exists()           # nothing learned from it
 
@@ -342,3 +343,16 @@ def test_after_the_packages_were_read_no_client_keeps_the_reads_shallow(tiny_sto
         assert engine.shape == (8, 256 << 10) and manager.state.shallow_holders() == []
     finally:
         manager.close()
+
+
+def test_the_reads_run_in_a_process_of_their_own_or_here_when_it_fails(tmp_path, monkeypatch, caplog):
+    f = _tree(tmp_path)
+    request = {"roots": [str(tmp_path / "pkg" / "__pycache__")], "read": [f["pkg/mod.py"]],
+               "dirs": [str(tmp_path / "pkg")], "threads": 2, "max_file_bytes": 8192, "max_bytes": 1 << 20}
+    expected = {"dirs": 1, "stat": 0, "files": 3, "bytes": 3106, "skipped_large": 0, "skipped_budget": 0,
+                "missing": 0, "walked": 2}
+    assert imports_ahead.run_worker(request) == {**expected, "in_process": False}
+    monkeypatch.setattr(imports_ahead, "WORKER", str(tmp_path / "no_such_worker.py"))
+    with caplog.at_level(logging.WARNING, logger="deepseek_flash.imports_ahead"):
+        assert imports_ahead.run_worker(request) == {**expected, "in_process": True}
+    assert "the read-ahead process failed (exit 2" in caplog.text
