@@ -17,11 +17,16 @@ Batch 1, random-weight model of the ``--arch`` 7-8B shape (bf16, resident), cont
   ``--eager`` adds ``topk25_eager_tok_s`` without; ``topk25_nocache_tok_s``: the same steps with
   the page cache left out; ``topk25_fused_*``: the same steps through kv/fused.py's Triton
   kernels, five per top-K layer, while the torch path is the default -- ``topk25_torch_*`` once
-  the fused step is) vs lossless (every page fetched from the host
+  the fused step is); top-K and the cuDNN-free ``DynamicCache`` also timed in ``--pairs``
+  alternating windows (``topk25_paired_ratio``: the median of the pairs' ratios -- both steps are
+  bound by a host whose speed drifts within a run, so side-by-side windows compare them fairly)
+  vs lossless (every page fetched from the host
   each step) vs ``DynamicCache(offloading=True)`` (transformers' own layer-by-layer offload, with
   cuDNN left out, up to ``--peer-max`` tokens);
 * the PCIe bound of the lossless mode: host->GPU bytes per token (every page of every layer) over
   the pinned host->GPU rate measured in this run;
+* what the peer moves (``offload_h2d_bytes_per_token``: its whole KV to the device and back each
+  step) and its bound at the same rate (``offload_bound_tok_s``);
 * time to first token (one forward over the prompt) vs the faster ``DynamicCache`` prefill:
   ``ttft_tiered_s`` with a second cache (the page-locked host memory of the first reused, as in a
   serving process), ``ttft_tiered_first_s`` with the first cache of the context in the process.
@@ -35,7 +40,10 @@ dynamic ``DynamicCache`` decode at a 256-token context (``dynamic_floor_tok_s``)
 apart from long-context attention; it is taken again before each later context
 (``dynamic_floor_before_tok_s``): a process that slowed down shows there.
 
-``--smoke`` runs a tiny shape on the CPU (what the test suite runs).
+``--smoke`` runs a tiny shape on the CPU (what the test suite runs). ``--lean``: per context the
+DynamicCache and top-K figures alone (with the pairs); ``--host-profile``: Python's profiler over
+ten decode steps of each mode (``kv.hostprof-<mode>-<context>.txt``), and a profiler table of two
+of the offload peer's steps (``kv.offload-<context>.txt``).
 
     python bench/kv.py [--arch llama] [--contexts 8192 32768 131072] [--output kv.json]
 """

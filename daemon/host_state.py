@@ -198,6 +198,7 @@ class HostState:
         # ahead at start (``warm_imports``, daemon/imports_ahead.py; reads.py).
         self.shallow: dict[int, tuple[float, float, str | None]] = {}
         self.warm_imports: frozenset[str] = frozenset()
+        self.warm_at: dict[str, float] = {}          # module -> when its files were read ahead
         # The tiers above: called outside the lock (see BlockManager.on_*), except copy sources.
         self.disconnect_hooks: list = []
         self.open_hooks: list = []

@@ -99,17 +99,23 @@ class ReadPipeline:
         """The files of ``modules``' imports are in the page cache (read ahead at start): a
         client importing one of them no longer keeps the reads shallow."""
         with self.s.lock:
+            now = time.monotonic()
+            for module in modules:
+                self.s.warm_at.setdefault(module, now)
             self.s.warm_imports = self.s.warm_imports | frozenset(modules)
             self._reshape_locked("import files read ahead for " + ", ".join(sorted(modules))[:200])
 
     def end_shallow(self, client_id: int, why: str = "its imports are done") -> float | None:
         """Client ``client_id`` no longer needs shallow reads: the seconds it held them (None when
-        it held none); full depth again once no client holds them."""
+        it held none) -- up to when its module's files were read ahead, if they were meanwhile (0
+        when they were before); full depth again once no client holds them."""
         with self.s.lock:
             held = self.shallow.pop(client_id, None)
             if held is None:
                 return None
-            seconds = time.monotonic() - held[0]
+            now = time.monotonic()
+            warm = [self.s.warm_at[m] for m in (held[2], "*") if m in self.s.warm_at]
+            seconds = max(0.0, min([now, *warm]) - held[0])
             self._reshape_locked(f"client {client_id}: {why} after {seconds:.2f} s")
             return seconds
 

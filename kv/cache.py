@@ -113,6 +113,7 @@ class TieredCache(Cache):
         self._write_stream = None  # CUDA: device->host page writes (kv/pages.py, append)
         self._prefetched: dict[int, tuple] = {}
         self._every_page: list[bool] = []  # per layer, as of the step's start: reads every page
+        self._copies_any = True  # True in _every_page (layer.py's _before_step skips the call)
         # CUDA: each top-K layer's choice and gather replayed as a captured graph (kv/graphs.py);
         # False: eager, as on the CPU
         self.select_graphs = True
@@ -266,6 +267,7 @@ class TieredCache(Cache):
             self._reporter.tick(self)
         if self.pinned:
             self._every_page = [layer.copies_every_page() for layer in self.layers]
+            self._copies_any = True in self._every_page
 
     def _poison(self, why: str) -> None:
         self._poisoned = why
@@ -332,6 +334,7 @@ class TieredCache(Cache):
             return
         if len(self._every_page) != len(self.layers):
             self._every_page = [lyr.copies_every_page() for lyr in self.layers]
+            self._copies_any = True in self._every_page
         nxt = self.next_to_prefetch(layer, self._every_page)
         if nxt is None:
             return

@@ -241,16 +241,20 @@ class TieredLayer(CacheLayerMixin):
                scaling: float) -> torch.Tensor:
         """Attention of ``query`` ``[b, q_heads, q_len, d]`` over sinks + pages (all, or the
         top-K) + recent tokens + this step's tokens; commits the step. -> ``[b, q_len, q_heads, d]``."""
+        step = self._fused
+        if (self._fused_holds and pad_mask is None and query.shape == step.shape
+                and query.dtype == step.dtype and scaling == step.scaling
+                and step.settings == self._cache._fused_settings()):
+            # the last step was fused and nothing it depends on changed (``_fused_holds``: then
+            # this layer is a top-K one, no pruning, the fused step never failed; the settings
+            # and the query's shape are what it was built for): replayed, nothing decided again
+            k_new, v_new = self.pending
+            return self._attend_fused_again(step, query, k_new, v_new)
         cache = self._cache
         k_new, v_new = self.pending
         q_len = query.shape[2]
         if (cache.fused and cache.top_k_pages is not None and pad_mask is None and q_len == 1
                 and self.prune is None and not self.dense and not self._fused_failed):
-            step = self._fused
-            if (self._fused_holds and step.settings == cache._fused_settings()
-                    and query.shape == step.shape and query.dtype == step.dtype
-                    and scaling == step.scaling):
-                return self._attend_fused_again(step, query, k_new, v_new)
             out = self._attend_fused(query, k_new, v_new, scaling)
             if out is not None:
                 return out
@@ -368,9 +372,12 @@ class TieredLayer(CacheLayerMixin):
         if cache.pinned:
             if self.pages._unread_writes:
                 self.pages.before_read()
-            if self.index in cache._prefetched:
-                cache._drop_prefetched(self)
-            cache._prefetch_next(self)
+            if cache._prefetched:
+                if self.index in cache._prefetched:
+                    cache._drop_prefetched(self)
+                cache._prefetch_next(self)
+            elif cache._copies_any:  # (else no layer copies every page: nothing to prefetch)
+                cache._prefetch_next(self)
 
     def _attend_fused_again(self, step, query, k_new, v_new):
         """``_attend_fused`` of a step that repeats the last one: the graph replayed (or its

@@ -1,5 +1,6 @@
 """bench/decode.py --smoke: the benchmark's code paths on the CPU, JSON out, tokens identical."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,15 @@ def test_streamed_smoke_runs_the_static_ring(tmp_path):
         assert row["new_tokens_returned"] == [10, 10]
         # the warm-up call, two of 1 token, one timed: 9 + 0 + 0 + 9 static steps per batch size
         assert row["ring"]["static_steps"] == 18 * int(b == "1") + 36 * int(b == "2")
+
+
+def test_attention_bench_smoke_checks_every_case_against_sdpa(tmp_path):
+    out = tmp_path / "attention.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "attention.py"), "--smoke", "--batches", "2",
+                           "--output", str(out)], capture_output=True, text=True, timeout=300, cwd=BENCH.parent,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["batch"], row["length"], row["sdpa_us"] > 0) == (2, 130, True)
+    assert [(o["chunk"], o["block"], o["warps"]) for o in row["ours"]] == [(64, 64, 4), (64, 64, 8)]
+    assert all(o["max_diff"] < 1e-5 for o in row["ours"])

@@ -68,3 +68,37 @@ def test_no_pages_no_copy():
         model(ids, **cache_kwargs(model, cache))
     assert cache.layers[1].n_pages == 0
     assert cache.next_to_prefetch(cache.layers[0], [True] * 3) is None
+
+
+def test_a_graphed_step_starts_the_copies_ahead_only_where_a_layer_copies_every_page(monkeypatch):
+    # TieredLayer._before_step (CUDA's page-locked pages; here pinned is set by hand): the copies
+    # ahead are asked for only while some layer reads every page or copies are held; a copy
+    # made for this layer is dropped (it attends top-K after all)
+    cache = _cache(0.25)
+    layer = cache.layers[3]
+    calls = []
+    monkeypatch.setattr(cache, "pinned", True)
+    monkeypatch.setattr(cache, "_prefetch_next", lambda lyr: calls.append(("next", lyr.index)))
+    monkeypatch.setattr(cache, "_drop_prefetched", lambda lyr: calls.append(("drop", lyr.index)))
+    cache._every_page, cache._copies_any, cache._prefetched = [False] * 5, False, {}
+    layer._before_step()
+    assert calls == []
+    cache._copies_any = True
+    layer._before_step()
+    assert calls == [("next", 3)]
+    calls.clear()
+    cache._copies_any, cache._prefetched = False, {3: None}
+    layer._before_step()
+    assert calls == [("drop", 3), ("next", 3)]
+    calls.clear()
+    cache._prefetched = {0: None}
+    layer._before_step()
+    assert calls == [("next", 3)]
+    # and the cache keeps the flag with the list it summarises (copies already held at the
+    # most: nothing more is started)
+    from deepseek_flash.kv.cache import COPIES_AHEAD
+
+    cache._every_page, cache._prefetched = [], {i: None for i in range(COPIES_AHEAD)}
+    del cache.__dict__["_prefetch_next"]
+    cache._prefetch_next(layer)
+    assert len(cache._every_page) == 5 and cache._copies_any == (True in cache._every_page)
