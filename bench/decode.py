@@ -26,8 +26,10 @@ Decode tok/s = batch x (N - 1) / (t(generate N) - t(generate 1)): decode steps o
 ``--int4``: the same model with every projection int4 (g128, tile layout, bound as the host tier
 holds it: ``to_int4``) -- the resident int4 decode, against the HBM bound of its codes, scales,
 bf16 head and norms; variant ``graphs_unmerged`` runs q, k, v (gate, up) one GEMV each beside the
-default merged step (``decode.fused.MERGE_QUANTIZED``). Variant ``graphs_sdpa`` (any model): the
-default step with torch's sdpa in place of ``decode.kernels.decode_attention`` (``decode.fused.SDPA``).
+default merged step (``decode.fused.MERGE_QUANTIZED``). Variants (any model) of the step's attention
+(``decode.fused.ATTENTION``), each with its own parity and profile: ``graphs_sdpa`` (torch's),
+``graphs_triton_attention`` (``decode.kernels.decode_attention``), ``graphs_rope_attention`` (the
+rotary and cache write inside that kernel).
 
     python bench/decode.py [--arch llama] [--batches 1,8] [--output decode.json]
     python bench/decode.py --int4 --variants graphs,graphs_unmerged --skip-eager --skip-peer
@@ -54,6 +56,9 @@ SHAPES = {
 }
 SMOKE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
              num_attention_heads=4, num_key_value_heads=2)
+
+
+ATTENTION_VARIANTS = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention")
 
 
 def build(arch: str, shape: dict, device, dtype, layers: int | None = None):
@@ -333,18 +338,21 @@ def main(argv=None) -> int:
                for b in batches}
     capacity = args.prompt + args.new
     decoder = None
+    default_attention = fusion.ATTENTION
     known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {}, "graphs_sdpa": {},
+             "graphs_triton_attention": {}, "graphs_rope_attention": {},
              "graphs_transformers_attention": {"fused": False, "packed_attention": False},
              "graphs_transformers_norm": {"fused": False, "fused_norm": False}}
     chosen = ["graphs"] + [v for v in args.variants.split(",") if v and v != "graphs"]
     for variant in chosen if not args.only_peer else ():
         options = known[variant]
-        if variant not in ("graphs", "graphs_modules", "graphs_unmerged", "graphs_sdpa") and args.smoke:
+        if variant not in ("graphs", "graphs_modules", "graphs_unmerged") + ATTENTION_VARIANTS and args.smoke:
             continue
         if decoder is not None:
             decoder.reset()
         fusion.MERGE_QUANTIZED = variant != "graphs_unmerged"
-        fusion.SDPA = variant == "graphs_sdpa"
+        fusion.ATTENTION = {"graphs_sdpa": "sdpa", "graphs_triton_attention": "triton",
+                            "graphs_rope_attention": "rope_triton"}.get(variant, default_attention)
         decoder = enable(model, capacity=capacity, **options)
         for b in batches:
             ids = prompts[b]
@@ -358,7 +366,7 @@ def main(argv=None) -> int:
             entry = {"tok_s": round(rate, 2), "generate_s": round(tn, 3), "first_call_s": round(t_first, 3),
                      "mode": stats["mode"], "eager_reason": stats["eager_reason"], "step": stats["step"],
                      "fused_reason": stats["fused_reason"]}
-            if variant in ("graphs", "graphs_unmerged", "graphs_sdpa"):
+            if variant != "graphs_modules":
                 entry.update(merged=stats["merged"], triton=stats["triton"],
                              captures=stats["captures"], capture_s=round(stats["capture_s"], 3),
                              graph_pool_bytes=stats["graph_pool_bytes"], kv_bytes=stats["kv_bytes"],
@@ -375,10 +383,16 @@ def main(argv=None) -> int:
                 res.setdefault("parity", {})[b] = guarded(logit_parity, torch, decoder, ids, mask,
                                                           args.parity_steps)
                 save(res, args.output)
+            elif variant in ATTENTION_VARIANTS:       # its own rounding: its own parity and profile
+                if cuda:
+                    entry["profile"] = guarded(step_profile, torch, decoder, batch_bucket(b), out_dir,
+                                               variant)
+                entry["parity"] = guarded(logit_parity, torch, decoder, ids, mask, args.parity_steps)
+                save(res, args.output)
     if not (args.only_peer or args.skip_ops):  # CPU work, after the GPU figures (a cut run keeps those)
         res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
         save(res, args.output)
-    fusion.MERGE_QUANTIZED, fusion.SDPA = True, False
+    fusion.MERGE_QUANTIZED, fusion.ATTENTION = True, default_attention
     if decoder is not None:
         decoder.reset()
     decoder = enable(model, capacity=capacity)
@@ -427,9 +441,11 @@ def main(argv=None) -> int:
         if "graphs_unmerged" in res:
             row["unmerged_tok_s"] = res["graphs_unmerged"][b]["tok_s"]
             row["merged_vs_unmerged"] = round(ours / res["graphs_unmerged"][b]["tok_s"], 3)
-        if "graphs_sdpa" in res:
-            row["sdpa_tok_s"] = res["graphs_sdpa"][b]["tok_s"]
-            row["vs_sdpa"] = round(ours / res["graphs_sdpa"][b]["tok_s"], 3)
+        for variant in ATTENTION_VARIANTS:
+            if variant in res:
+                name = variant.removeprefix("graphs_")
+                row[f"{name}_tok_s"] = res[variant][b]["tok_s"]
+                row[f"vs_{name}"] = round(ours / res[variant][b]["tok_s"], 3)
         if "eager_generate" in res:
             row["eager_tok_s"] = res["eager_generate"][b]["tok_s"]
             row["vs_eager"] = round(ours / res["eager_generate"][b]["tok_s"], 2)

@@ -373,7 +373,7 @@ def _imports_done(client, imports) -> float | None:
     files = None
     if getattr(client, "mode", None) == "daemon":
         try:
-            files = imported_files(opened=imports.opened)
+            files = imported_files(opened=imports.opened, before=imports.before)
         except Exception as exc:  # noqa: BLE001 -- the report is an optimisation only
             log.debug("the imported files were not collected: %s", exc)
     if files is None:

@@ -138,14 +138,18 @@ class Imports:
         self.seconds: float | None = None       # the imports' own time, once done
         self.cpu_seconds: float | None = None   # and this thread's CPU time in it
         self.opened: set[str] = set()           # the files opened meanwhile (``record_opens``)
+        # What the process had before (imported modules, mapped files): not theirs to report.
+        self.before: tuple[set, set] = (set(), set())
         self._thread = threading.Thread(target=self._run, daemon=True, name="flash-skeleton-imports")
         self._thread.start()
 
     def _run(self) -> None:
         import importlib
+        import sys
         import time
 
         started, cpu = time.perf_counter(), time.thread_time()
+        self.before = (set(sys.modules), mapped_files())
         try:
             with record_opens() as opened:
                 importlib.import_module(self.module)
@@ -183,22 +187,10 @@ def start_imports(config_dict: dict | None, started: Imports | None = None) -> I
 MAX_REPORT_BYTES = 512 << 10
 
 
-def imported_files(modules=None, maps_path: str = "/proc/self/maps",
-                   opened=()) -> dict[str, list[str]] | None:
-    """The files this process's imports opened, as ``{directory: [name, ...]}`` (what the daemon
-    keeps and reads ahead at its next start, ``daemon.imports_ahead``): each module's source and
-    compiled file, extension modules, the shared libraries mapped into the process, and
-    ``opened`` (``Imports.opened``). No file system call but reading ``maps_path``. None when the
-    list would exceed ``MAX_REPORT_BYTES`` even without the sources (it is then not reported)."""
-    import os
-    import sys
-
-    files = set(opened)
-    for mod in list((sys.modules if modules is None else modules).values()):
-        spec = getattr(mod, "__spec__", None)
-        for path in (getattr(spec, "cached", None), getattr(mod, "__file__", None)):
-            if isinstance(path, str) and os.path.isabs(path):
-                files.add(path)
+def mapped_files(maps_path: str = "/proc/self/maps") -> set[str]:
+    """The files mapped into this process (shared libraries, extension modules); empty where
+    ``maps_path`` is unreadable."""
+    out = set()
     try:
         with open(maps_path, encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -206,9 +198,35 @@ def imported_files(modules=None, maps_path: str = "/proc/self/maps",
                 if len(parts) == 6 and parts[5].startswith("/") and not parts[5].startswith("/dev/"):
                     path = parts[5].strip()
                     if not path.endswith(" (deleted)"):
-                        files.add(path)
+                        out.add(path)
     except OSError:
         pass
+    return out
+
+
+def imported_files(modules=None, maps_path: str = "/proc/self/maps", opened=(),
+                   before=None) -> dict[str, list[str]] | None:
+    """The files this process's imports opened, as ``{directory: [name, ...]}`` (what the daemon
+    keeps and reads ahead at its next start, ``daemon.imports_ahead``): each module's source and
+    compiled file, extension modules, the shared libraries mapped into the process, and
+    ``opened`` (``Imports.opened``) -- less what the process had before the imports (``before``:
+    ``Imports.before``, the module names and mapped files then: torch and its CUDA libraries
+    are loaded before a load starts). No file system call but reading ``maps_path``. None when the
+    list would exceed ``MAX_REPORT_BYTES`` even without the sources (it is then not reported)."""
+    import os
+    import sys
+
+    had_modules, had_maps = before if before is not None else ((), ())
+    had_modules = set(had_modules)
+    files = set(opened)
+    for name, mod in list((sys.modules if modules is None else modules).items()):
+        if name in had_modules:
+            continue
+        spec = getattr(mod, "__spec__", None)
+        for path in (getattr(spec, "cached", None), getattr(mod, "__file__", None)):
+            if isinstance(path, str) and os.path.isabs(path):
+                files.add(path)
+    files |= mapped_files(maps_path) - set(had_maps)
     for candidate in (files, {f for f in files if not f.endswith(".py")}):
         grouped: dict[str, list[str]] = {}
         for path in sorted(candidate):

@@ -16,7 +16,9 @@ So the daemon learns which files those imports open and reads them at start:
   them in ``import-files.json`` under the state directory, one list per module (the latest
   client's; at most ``MAX_MODULES`` modules, ``MAX_FILES`` files each); it writes only when a list
   changed.
-* At start (``start``, thread ``flash-imports-ahead``) the manifest's files are read -- ``THREADS``
+* At start (``start``, thread ``flash-imports-ahead``) the manifest's files are read -- by a
+  process of its own (``daemon/readahead_worker.py``, ``python -I -S``: the daemon's own start,
+  torch's import and CUDA's context, shares no interpreter lock with them), ``THREADS``
   at a time, in path order: every directory they sit in listed, every file read whole unless
   larger than ``MAX_FILE_BYTES`` or already mapped into the daemon (torch's own libraries: the
   pages a client touches are those the daemon touched), ``MAX_BYTES`` in all. Then
@@ -37,10 +39,10 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ImportManifestCorrupt
+from .readahead_worker import read_ahead, serve, walk  # noqa: F401 -- read_ahead: the API here too
 
 log = logging.getLogger("deepseek_flash.imports_ahead")
 
@@ -61,6 +63,7 @@ FALLBACK_PACKAGES = ("transformers", "sympy", "mpmath", "scipy", "numpy", "accel
                      "filelock", "fsspec", "packaging", "tqdm", "trio", "botocore", "requests", "urllib3")
 PACKAGES_ENV = "DEEPSEEK_FLASH_IMPORT_PACKAGES"
 ANY_MODULE = "*"
+WORKER = str(Path(__file__).with_name("readahead_worker.py"))
 
 
 def fallback_packages(environ=None) -> tuple[str, ...]:
@@ -71,9 +74,9 @@ def fallback_packages(environ=None) -> tuple[str, ...]:
     return tuple(p.strip() for p in value.split(",") if p.strip())
 
 
-def package_files(packages) -> list[str]:
-    """Every file under the installed directories of ``packages`` (found without importing
-    them; one not installed is skipped), sorted."""
+def package_roots(packages) -> list[str]:
+    """The installed directories (or single-file modules) of ``packages``, found without
+    importing them; one not installed is skipped."""
     import importlib.util
 
     out = []
@@ -84,14 +87,13 @@ def package_files(packages) -> list[str]:
             continue
         if spec is None:
             continue
-        roots = list(spec.submodule_search_locations or []) or ([spec.origin] if spec.origin else [])
-        for root in roots:
-            if os.path.isfile(root):
-                out.append(root)
-                continue
-            for directory, _, names in os.walk(root):
-                out.extend(os.path.join(directory, n) for n in names)
-    return sorted(set(out))
+        out.extend(list(spec.submodule_search_locations or []) or ([spec.origin] if spec.origin else []))
+    return out
+
+
+def package_files(packages, threads: int = THREADS) -> list[str]:
+    """Every file under the installed directories of ``packages``, sorted."""
+    return walk(package_roots(packages), threads)
 
 
 def flatten(grouped: dict) -> list[str]:
@@ -182,66 +184,24 @@ def plan(manifest: dict[str, list[str]], mapped=frozenset()):
     return sorted(dirs), [], read
 
 
-def read_ahead(dirs, stat_only, read, threads: int = THREADS, max_file_bytes: int = MAX_FILE_BYTES,
-               max_bytes: int = MAX_BYTES) -> dict:
-    """List ``dirs``, stat ``stat_only``, read ``read`` whole (``threads`` at a time; a file
-    larger than ``max_file_bytes`` skipped, ``max_bytes`` read in all); never raises. Counts."""
-    lock = threading.Lock()
-    out = {"dirs": 0, "stat": 0, "files": 0, "bytes": 0, "skipped_large": 0, "skipped_budget": 0,
-           "missing": 0}
-    budget = [max_bytes]
+def run_worker(request: dict, timeout: float = 300.0) -> dict:
+    """``request`` served by ``daemon/readahead_worker.py`` in a process of its own (``python -I
+    -S``: no interpreter lock shared with the daemon's start); in this process where that
+    process cannot be started or fails (logged). Counts, ``in_process`` saying where."""
+    import subprocess
+    import sys
 
-    def add(key, n=1):
-        with lock:
-            out[key] += n
-
-    def list_dir(path):
-        try:
-            os.listdir(path)
-            add("dirs")
-        except OSError:
-            add("missing")
-
-    def stat(path):
-        try:
-            os.stat(path)
-            add("stat")
-        except OSError:
-            add("missing")
-
-    buffers = threading.local()
-
-    def read_one(path):
-        try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > max_file_bytes:
-                    add("skipped_large")
-                    return
-                with lock:
-                    if size > budget[0]:
-                        out["skipped_budget"] += 1
-                        return
-                    budget[0] -= size
-                buf = getattr(buffers, "buf", None)
-                if buf is None:
-                    buf = buffers.buf = bytearray(_CHUNK)
-                got = 0
-                while True:
-                    n = f.readinto(buf)
-                    if not n:
-                        break
-                    got += n
-            add("files")
-            add("bytes", got)
-        except OSError:
-            add("missing")
-
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="flash-imports-read") as pool:
-        list(pool.map(list_dir, dirs))
-        list(pool.map(stat, stat_only))
-        list(pool.map(read_one, read))
-    return out
+    try:
+        done = subprocess.run([sys.executable, "-I", "-S", WORKER], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=timeout, check=False)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+        if done.returncode == 0 and lines:
+            return {**json.loads(lines[-1]), "in_process": False}
+        why = f"exit {done.returncode}: {done.stderr.strip()[-300:]}"
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    log.warning("the read-ahead process failed (%s); reading in the daemon", why)
+    return {**serve(request), "in_process": True}
 
 
 class ImportsAhead:
@@ -250,7 +210,7 @@ class ImportsAhead:
 
     def __init__(self, state_dir: Path, on_warm=None, threads: int = THREADS):
         """``on_warm(modules)`` gets the manifest's modules, or ``[ANY_MODULE]`` after the
-        fallback packages were read."""
+        fallback packages were read. The reads run in a process of their own (``run_worker``)."""
         self.path = Path(state_dir) / MANIFEST_NAME
         self.on_warm = on_warm
         self.threads = threads
@@ -286,36 +246,41 @@ class ImportsAhead:
             self.manifest = {**manifest, **self.manifest}
             manifest = dict(self.manifest)
         started = time.monotonic()
-        if not manifest:
+        if manifest:
+            dirs, stat_only, read = plan(manifest, own_mapped_files())
+            request = {"dirs": dirs, "stat": stat_only, "read": read}
+            modules = sorted(manifest)
+            what = f"the imports of {len(manifest)} modules"
+        else:
             packages = fallback_packages()
-            files = package_files(packages)
-            if not files:
+            roots = package_roots(packages)
+            if not roots:
                 log.info("no import manifest yet (%s) and no package to read: nothing read ahead; the "
                          "first client's imports keep the reads shallow and teach it", self.path)
                 return None
-            log.info("no import manifest yet (%s): reading ahead the %d files of %s", self.path,
-                     len(files), ", ".join(packages))
-            manifest = {ANY_MODULE: files}
-        started = time.monotonic()
-        dirs, stat_only, read = plan(manifest, own_mapped_files())
-        counts = read_ahead(dirs, stat_only, read, threads=self.threads)
+            log.info("no import manifest yet (%s): reading ahead the files of %s", self.path,
+                     ", ".join(packages))
+            request = {"roots": roots}
+            modules = [ANY_MODULE]
+            what = "the packages' files (no manifest yet)"
+        request.update(threads=self.threads, max_file_bytes=MAX_FILE_BYTES, max_bytes=MAX_BYTES)
+        counts = run_worker(request)
         counts["seconds"] = round(time.monotonic() - started, 3)
-        counts["modules"] = sorted(manifest)
+        counts["modules"] = modules
         self.result = counts
-        what = ("the packages' files (no manifest yet)" if ANY_MODULE in manifest
-                else f"the imports of {len(manifest)} modules")
         log.info("read ahead %s: %d files (%d bytes), %d stat-ed, %d directories "
                  "in %.2f s (%d missing, %d too large, %d over the budget)", what,
                  counts["files"], counts["bytes"], counts["stat"], counts["dirs"], counts["seconds"],
                  counts["missing"], counts["skipped_large"], counts["skipped_budget"])
         if self.on_warm is not None:
-            self.on_warm(manifest)
+            self.on_warm(modules)
         return counts
 
     def learn(self, module: str, files: list[str]) -> bool:
         """A client's imports of ``module`` opened ``files``: kept for the next start. Whether
         the manifest changed (then it was written). Never raises: a failed write is logged."""
-        files = sorted(set(files))[:MAX_FILES]
+        # Only what exists here (an audit "open" is also a failed open): none opened in vain at start.
+        files = sorted(f for f in set(files) if os.path.isfile(f))[:MAX_FILES]
         with self._lock:
             if self.manifest.get(module) == files:
                 return False

@@ -2,15 +2,14 @@
 
 One token per row through every decoder layer with the fewest kernels the math allows:
 
-    add_rms_norm -> q|k|v GEMV -> rope_cache -> decode_attention -> o GEMV -> add_rms_norm
-    -> gate|up GEMV -> silu_mul -> down GEMV        (and after the last layer: add_rms_norm, lm_head)
+    add_rms_norm -> q|k|v GEMV -> rope_cache -> sdpa -> o GEMV -> add_rms_norm -> gate|up GEMV
+    -> silu_mul -> down GEMV        (and after the last layer: add_rms_norm, lm_head)
 
 against 34 per layer through transformers' modules (rotary alone is 5 small kernels per q
 and per k; dtype casts; residual adds; SiLU then the product). The residual add of each sub-block
 runs inside the next norm (``kernels.add_rms_norm``); rotary, the cache write and the packed
-grouped-query layout are one kernel (``kernels.rope_cache``); attention over the cache is
-``kernels.decode_attention`` (torch's sdpa on the CPU; on CUDA two Triton kernels, split-key
-flash decoding in float32, in place of cuDNN's prefill-shaped kernel and its memset).
+grouped-query layout are one kernel (``kernels.rope_cache``). Attention over the cache is torch's
+sdpa unless ``ATTENTION`` says otherwise (below).
 
 The q, k, v (and gate, up) weights become one matrix per layer, so one GEMV reads them:
 * a **view** where they already lie side by side in memory (a store block that holds them in that
@@ -44,9 +43,11 @@ ARCHS = ("llama", "qwen2", "mistral")
 # Merge int4 tile-layout projections (``Merged``); False runs each as its module (bench/decode.py's
 # ``graphs_unmerged`` variant measures the two in one run).
 MERGE_QUANTIZED = True
-# Attention through torch's sdpa instead of ``kernels.decode_attention`` (the same op on the CPU; on
-# CUDA our split-key Triton kernels in place of cuDNN's): bench/decode.py's ``graphs_sdpa`` variant.
-SDPA = False
+# The step's attention: "sdpa" (torch's; on the H200 cuDNN's kernel, measured faster than ours so
+# far), "triton" (``kernels.decode_attention``: split-key Triton kernels on CUDA, sdpa on the CPU) or
+# "rope_triton" (``kernels.rope_attention``: the rotary and cache write inside that kernel, one
+# operation a layer fewer). bench/decode.py's variants graphs_triton_attention / graphs_rope_attention.
+ATTENTION = "sdpa"
 
 
 def unsupported(model) -> str | None:
@@ -259,15 +260,17 @@ class FusedForward:
                 ring.before(i)
             normed = kernels.add_rms_norm(x, residual, layer.in_norm, layer.in_eps)
             q, k, v = layer.qkv(normed)
-            query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
             layer_mask = mask[layer.kind] if isinstance(mask, dict) else mask
-            if SDPA:
-                attn = torch.nn.functional.scaled_dot_product_attention(
-                    query, keys[i][:, :, :visible], values[i][:, :, :visible], attn_mask=layer_mask,
-                    scale=layer.scaling)
+            if ATTENTION == "rope_triton":
+                attn = kernels.rope_attention(q, k, v, cos, sin, slot, keys[i], values[i], visible,
+                                              layer_mask, layer.scaling)
             else:
-                attn = kernels.decode_attention(query, keys[i][:, :, :visible], values[i][:, :, :visible],
-                                                layer_mask, layer.scaling)
+                query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
+                attend = (kernels.decode_attention if ATTENTION == "triton" else
+                          lambda q_, k_, v_, m_, s_: torch.nn.functional.scaled_dot_product_attention(
+                              q_, k_, v_, attn_mask=m_, scale=s_))
+                attn = attend(query, keys[i][:, :, :visible], values[i][:, :, :visible], layer_mask,
+                              layer.scaling)
             x = layer.o_proj(attn.reshape(attn.shape[0], 1, -1))
             normed = kernels.add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
             gate, up = layer.gate_up(normed)

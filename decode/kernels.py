@@ -136,20 +136,48 @@ if triton is not None:
 
 
     @triton.jit
-    def _attention_split_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ml_ptr, L, G, KVH, SPLITS,
+    def _rotary(ptr, d, c, sn, HALF: tl.constexpr, D: tl.constexpr):
+        # x * cos + rotate_half(x) * sin in float32 for the D values at ``ptr`` (broadcast over
+        # the leading dims of ``d``): rotate_half(x)[j] = -x[j + HALF] below HALF, x[j - HALF] above.
+        x = tl.load(ptr + d).to(tl.float32)
+        other = tl.load(ptr + (d + HALF) % D).to(tl.float32)
+        return x * c + tl.where(d < HALF, -other, other) * sn
+
+    @triton.jit
+    def _attention_split_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ml_ptr, qr_ptr, kr_ptr, vr_ptr,
+                                cos_ptr, sin_ptr, slot_ptr, L, G, KVH, SPLITS,
                                 q_sb, q_sh, q_sg, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, m_sb, m_sl,
-                                scale, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
+                                qr_stride, kr_stride, vr_stride, cs_stride,
+                                scale, HAS_MASK: tl.constexpr, ROPE: tl.constexpr, CHUNK: tl.constexpr,
                                 BLOCK_L: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr):
         # One (sequence, key/value head) and one CHUNK of keys: the softmax of its group of query
         # rows over the chunk (running max, sum, weighted values in float32), for the combine.
+        # ROPE: the step's rotary and cache write too (``rope_attention``): the query rows rotated
+        # from the projection's output (rounded to its dtype, as rope_cache stores them), the new
+        # key rotated and the new value written at the slot by the program whose chunk holds it,
+        # which uses them from registers (no other program reads that slot).
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // KVH
         h = bh % KVH
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :], mask=g[:, None] < G,
-                    other=0.0).to(tl.float32)
+        if ROPE:
+            slot = tl.load(slot_ptr)
+            c = tl.load(cos_ptr + b * cs_stride + d).to(tl.float32)
+            sn = tl.load(sin_ptr + b * cs_stride + d).to(tl.float32)
+            rows = tl.minimum(g, G - 1)        # padding rows repeat the last one (ignored at the end)
+            q = _rotary(qr_ptr + b * qr_stride + (h * G + rows[:, None]) * D, d[None, :], c[None, :],
+                        sn[None, :], D // 2, D)
+            q = q.to(qr_ptr.dtype.element_ty).to(tl.float32)
+            k_new = _rotary(kr_ptr + b * kr_stride + h * D, d, c, sn, D // 2, D).to(k_ptr.dtype.element_ty)
+            v_new = tl.load(vr_ptr + b * vr_stride + h * D + d).to(v_ptr.dtype.element_ty)
+            if slot // CHUNK == split:
+                tl.store(k_ptr + b * k_sb + h * k_sh + slot * k_sl + d, k_new)
+                tl.store(v_ptr + b * v_sb + h * v_sh + slot * v_sl + d, v_new)
+        else:
+            q = tl.load(q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :],
+                        mask=g[:, None] < G, other=0.0).to(tl.float32)
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
@@ -158,7 +186,9 @@ if triton is not None:
             live = keys < L
             k = tl.load(k_ptr + b * k_sb + h * k_sh + keys[:, None] * k_sl + d[None, :],
                         mask=live[:, None], other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+            if ROPE:
+                k = tl.where(keys[:, None] == slot, k_new.to(tl.float32)[None, :], k)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             if HAS_MASK:
                 bias = tl.load(m_ptr + b * m_sb + keys * m_sl, mask=live, other=0.0).to(tl.float32)
                 scores = scores + bias[None, :]
@@ -170,7 +200,9 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + b * v_sb + h * v_sh + keys[:, None] * v_sl + d[None, :],
                         mask=live[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if ROPE:
+                v = tl.where(keys[:, None] == slot, v_new.to(tl.float32)[None, :], v)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m_i = m_new
         part = bh * SPLITS + split
         tl.store(o_ptr + (part * G_PAD + g[:, None]) * D + d[None, :], acc)
@@ -303,33 +335,60 @@ def _tri_greedy(logits):
 
 
 def _tri_decode_attention(query, keys, values, mask, scale: float, chunk: int | None = None,
-                          block: int = 16, warps: int = 4):
+                          block: int = 64, warps: int = 4, rope=None):
     """Split-key (flash-decoding) attention of one query token per row in the packed grouped-query
     layout: ``query`` (batch, kv_heads, group, dim), ``keys``/``values`` (batch, kv_heads, length,
     dim) views of the cache, ``mask`` None or additive (batch, 1, 1, length). Two kernels: each
-    ``ATTENTION_CHUNK`` keys (``chunk``) of each (row, head) in float32, ``block`` keys a loop step on
-    ``warps`` warps, then their combination, rounded once (bench/attention.py times the shapes)."""
+    ``ATTENTION_CHUNK`` keys (``chunk``) of each (row, head) in float32 (``tl.dot`` at IEEE float32
+    precision over the group's rows padded to 16), ``block`` keys a loop step on ``warps`` warps,
+    then their combination, rounded once (bench/attention.py times the shapes).
+    ``rope`` = (q, k, v, cos, sin, slot) as ``rope_cache`` takes them: the first kernel also rotates
+    the query rows and the new key and writes the new key and value into ``keys``/``values`` at the
+    slot (``query`` is then only the output's shape and dtype)."""
     chunk = chunk or ATTENTION_CHUNK
     b, kv_heads, group, d = query.shape
     length = keys.shape[2]
     if mask is not None:
         mask = mask.expand(b, 1, 1, length)
-    g_pad = triton.next_power_of_2(group)
+    g_pad = max(16, triton.next_power_of_2(group))       # tl.dot's smallest tile
     splits = triton.cdiv(length, chunk)
-    parts = torch.empty((b * kv_heads * splits, g_pad, d), dtype=torch.float32, device=query.device)
-    ml = torch.empty((b * kv_heads * splits, 2, g_pad), dtype=torch.float32, device=query.device)
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    m_arg = mask if mask is not None else query
+    parts = torch.empty((b * kv_heads * splits, g_pad, d), dtype=torch.float32, device=keys.device)
+    ml = torch.empty((b * kv_heads * splits, 2, g_pad), dtype=torch.float32, device=keys.device)
+    out = torch.empty(query.shape, dtype=query.dtype, device=keys.device)
+    m_arg = mask if mask is not None else keys
     m_sb, m_sl = (mask.stride(0), mask.stride(3)) if mask is not None else (0, 0)
+    if rope is None:
+        q_arg, (qr, kr, vr, cs, sn, slot), rs = query, (keys,) * 6, (0, 0, 0, 0)
+    else:
+        q_arg = keys
+        q, k, v, cos, sin, slot = rope
+        qr, kr, vr = _rows(q), _rows(k), _rows(v)
+        cs, sn = cos.reshape(b, d), sin.reshape(b, d)
+        if cs.stride(-1) != 1 or sn.stride() != cs.stride():
+            cs, sn = cs.contiguous(), sn.contiguous()
+        rs = (qr.stride(0), kr.stride(0), vr.stride(0), cs.stride(0))
     _attention_split_kernel[(b * kv_heads, splits)](
-        query, keys, values, m_arg, parts, ml, length, group, kv_heads, splits,
-        query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), m_sb, m_sl, scale,
-        HAS_MASK=mask is not None, CHUNK=chunk, BLOCK_L=block, G_PAD=g_pad, D=d, num_warps=warps)
+        q_arg, keys, values, m_arg, parts, ml, qr, kr, vr, cs, sn, slot, length, group, kv_heads, splits,
+        q_arg.stride(0), q_arg.stride(1), q_arg.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), m_sb, m_sl, *rs, scale,
+        HAS_MASK=mask is not None, ROPE=rope is not None, CHUNK=chunk, BLOCK_L=block, G_PAD=g_pad, D=d,
+        num_warps=warps)
     _attention_combine_kernel[(b * kv_heads,)](
         parts, ml, out, group, kv_heads, splits, out.stride(0), out.stride(1), out.stride(2),
         G_PAD=g_pad, D=d, num_warps=4)
     return out
+
+
+def _ref_rope_attention(q, k, v, cos, sin, slot, k_cache, v_cache, visible: int, mask, scale: float):
+    query = _ref_rope_cache(q, k, v, cos, sin, slot, k_cache, v_cache)
+    return _ref_decode_attention(query, k_cache[:, :, :visible], v_cache[:, :, :visible], mask, scale)
+
+
+def _tri_rope_attention(q, k, v, cos, sin, slot, k_cache, v_cache, visible: int, mask, scale: float):
+    b, kv_heads, d = k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]
+    shape = torch.empty((b, kv_heads, q.shape[-1] // d // kv_heads, d), dtype=q.dtype, device="meta")
+    return _tri_decode_attention(shape, k_cache[:, :, :visible], v_cache[:, :, :visible], mask, scale,
+                                 rope=(q, k, v, cos, sin, slot))
 
 
 # --- which implementation CUDA runs ---------------------------------------------------------------
@@ -416,6 +475,15 @@ def _self_check(device, dtype, hidden: int = 320, heads: int = 8, kv_heads: int 
         if not _close(_ref_decode_attention(query, keys, values, m, scale),
                       _tri_decode_attention(query, keys, values, m, scale), dtype):
             return "decode_attention disagrees with the reference"
+    # The rotary, cache write and attention in one (the step's rope_attention), slot 97 of 150.
+    slot = torch.tensor([97], device=device)
+    for m in (mask, None):
+        caches = [c.clone() for c in (cache_k, cache_v, cache_k, cache_v)]
+        want = _ref_rope_attention(q, k, v, cos, sin, slot, caches[0], caches[1], length, m, scale)
+        got = _tri_rope_attention(q, k, v, cos, sin, slot, caches[2], caches[3], length, m, scale)
+        if not (_close(want, got, dtype) and _close(caches[0], caches[2], dtype)
+                and torch.equal(caches[1], caches[3])):
+            return "rope_attention disagrees with the reference"
     # Greedy choice over 5000 values (three blocks): ties (the first wins), a row of one value,
     # a NaN (it wins, as in torch).
     logits = torch.randn(4, 5000, generator=gen).to(device=device, dtype=torch.float32)
@@ -499,3 +567,20 @@ def _(logits):
     if BACKEND.triton and logits.dim() == 2:
         return _tri_greedy(logits)
     return _ref_greedy(logits)
+
+
+@torch.library.custom_op("deepseek_flash::rope_attention", mutates_args=("k_cache", "v_cache"))
+def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, slot: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   visible: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``rope_cache`` then ``decode_attention`` over the first ``visible`` slots, as one operation
+    (on CUDA: the rotary and the cache write inside the attention's first kernel)."""
+    return _ref_rope_attention(q, k, v, cos, sin, slot, k_cache, v_cache, visible, mask, scale)
+
+
+@rope_attention.register_kernel("cuda")
+def _(q, k, v, cos, sin, slot, k_cache, v_cache, visible, mask, scale):
+    keys, values = k_cache[:, :, :visible], v_cache[:, :, :visible]
+    if BACKEND.triton and _attention_fits(keys, keys, values, mask):
+        return _tri_rope_attention(q, k, v, cos, sin, slot, k_cache, v_cache, visible, mask, scale)
+    return _ref_rope_attention(q, k, v, cos, sin, slot, k_cache, v_cache, visible, mask, scale)

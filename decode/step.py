@@ -187,8 +187,9 @@ def choose(logits, sampling):
     order transformers applies them -- drawn with the exponential race (no host sync)."""
     import torch
 
+    from .kernels import greedy
+
     if sampling is None:
-        from .kernels import greedy
         return greedy(logits)
     temperature, top_k, top_p = sampling
     logits = logits / temperature
@@ -203,4 +204,4 @@ def choose(logits, sampling):
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     probs = logits.softmax(dim=-1)
     race = torch.empty_like(probs).exponential_(1)
-    return (probs / race).argmax(dim=-1)
+    return greedy(probs / race)

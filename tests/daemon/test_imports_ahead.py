@@ -6,13 +6,14 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 
 import pytest
 from flashd_harness import assert_eventually
 
 from deepseek_flash._core import HostArena, IOEngine
 from deepseek_flash.client import skeleton
-from deepseek_flash.daemon import imports_ahead, reads
+from deepseek_flash.daemon import imports_ahead, readahead_worker, reads
 from deepseek_flash.daemon.block_manager import BlockManager
 from deepseek_flash.daemon.config import FlashConfig
 from deepseek_flash.errors import ImportManifestCorrupt, MalformedFrame
@@ -50,8 +51,8 @@ def test_read_ahead_reads_exactly_the_planned_files_within_its_limits(tmp_path, 
     f = _tree(tmp_path)
     opened, listed, stated = [], [], []
     real_open, real_listdir, real_stat = open, os.listdir, os.stat
-    monkeypatch.setattr(imports_ahead, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k),
-                        raising=False)
+    monkeypatch.setattr(readahead_worker, "open",
+                        lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k), raising=False)
     monkeypatch.setattr(imports_ahead.os, "listdir", lambda p: listed.append(p) or real_listdir(p))
     monkeypatch.setattr(imports_ahead.os, "stat", lambda p: stated.append(p) or real_stat(p))
     read = [f["pkg/__pycache__/mod.cpython-312.pyc"], f["pkg/_ext.so"], f["pkg/big.so"],
@@ -95,20 +96,26 @@ def test_a_corrupt_manifest_is_logged_and_the_start_reads_nothing(tmp_path, capl
         ahead.start().done.wait(10)
     assert ahead.result is None and warmed == []
     assert "is not JSON" in caplog.text and "starting without reading ahead" in caplog.text
-    # The next report rewrites it; the same report again writes nothing.
-    assert ahead.learn(MODULE, ["/x/y.pyc"]) is True
-    assert ahead.learn(MODULE, ["/x/y.pyc"]) is False
-    assert imports_ahead.load_manifest(ahead.path) == {MODULE: ["/x/y.pyc"]}
+    # The next report rewrites it (what exists of it: an audited open may have failed); the same
+    # report again writes nothing.
+    y = tmp_path / "y.pyc"
+    y.write_bytes(b"c")
+    assert ahead.learn(MODULE, [str(y), str(tmp_path / "never.pyc")]) is True
+    assert ahead.learn(MODULE, [str(y)]) is False
+    assert imports_ahead.load_manifest(ahead.path) == {MODULE: [str(y)]}
 
 
 def test_learning_keeps_the_latest_list_of_at_most_max_modules(tmp_path, monkeypatch):
     monkeypatch.setattr(imports_ahead, "MAX_MODULES", 2)
-    ahead = imports_ahead.ImportsAhead(tmp_path)
-    ahead.learn("a", ["/1"])
-    ahead.learn("b", ["/2"])
-    ahead.learn("a", ["/3", "/1"])      # replaced, and now the newest
-    ahead.learn("c", ["/4"])            # b, the oldest, goes
-    assert imports_ahead.load_manifest(ahead.path) == {"a": ["/1", "/3"], "c": ["/4"]}
+    p = {n: str(tmp_path / f"f{n}") for n in range(1, 5)}
+    for path in p.values():
+        Path(path).write_text("x")
+    ahead = imports_ahead.ImportsAhead(tmp_path / "state")
+    ahead.learn("a", [p[1]])
+    ahead.learn("b", [p[2]])
+    ahead.learn("a", [p[3], p[1]])      # replaced, and now the newest
+    ahead.learn("c", [p[4]])            # b, the oldest, goes
+    assert imports_ahead.load_manifest(ahead.path) == {"a": [p[1], p[3]], "c": [p[4]]}
 
 
 def test_the_read_shape_follows_the_modules_read_ahead(tiny_store):
@@ -167,6 +174,12 @@ def test_imported_files_reports_sources_compiled_files_and_mapped_libraries(tmp_
                                                           "/s/p/__pycache__": ["__init__.cpython-312.pyc"]}
     monkeypatch.setattr(skeleton, "MAX_REPORT_BYTES", 10)
     assert skeleton.imported_files(modules, str(maps)) is None
+    # Less what the process had before its imports: modules and mapped files.
+    monkeypatch.setattr(skeleton, "MAX_REPORT_BYTES", 1 << 20)
+    had = ({"p"}, {"/lib/libz.so.1"})
+    assert skeleton.imported_files(modules, str(maps), before=had) == {"/s/p": ["e.so"]}
+    assert skeleton.mapped_files(str(maps)) == {"/lib/libz.so.1"}
+    assert skeleton.mapped_files(str(tmp_path / "nothing")) == set()
 
 
 def test_a_daemon_learns_a_clients_files_and_reads_them_ahead_after_a_restart(daemon_factory, tiny_store,
@@ -230,6 +243,7 @@ def test_a_refused_report_still_ends_the_clients_hold(monkeypatch):
     class Imports:
         module = MODULE
         opened = {"/t/x.py"}
+        before = ({"torch"}, {"/lib/libcuda.so"})
 
     class FakeClient:
         def __init__(self, mode, refuse):
@@ -242,8 +256,8 @@ def test_a_refused_report_still_ends_the_clients_hold(monkeypatch):
             return 1.5
 
     monkeypatch.setattr(client_model, "imported_files",
-                        lambda opened: {"/a": ["b.pyc"],
-                                        **({"/t": ["x.py"]} if opened == {"/t/x.py"} else {})})
+                        lambda opened, before: {"/a": ["b.pyc"], **({"/t": ["x.py"]} if (
+                            opened == {"/t/x.py"} and before == Imports.before) else {})})
     daemon = FakeClient("daemon", None)
     assert client_model._imports_done(daemon, Imports()) == 1.5
     assert daemon.calls == [(MODULE, ["/a", "/t"])]
@@ -284,6 +298,11 @@ def test_the_imports_thread_records_what_its_import_opened(tmp_path, monkeypatch
     imports = skeleton.Imports("flash_probe_pkg")
     imports.wait()
     assert str(pkg / "data.txt") in imports.opened and str(pkg / "__init__.py") in imports.opened
+    had_modules, had_maps = imports.before
+    assert "flash_probe_pkg" not in had_modules and "sys" in had_modules and had_maps
+    report = skeleton.imported_files(opened=imports.opened, before=imports.before)
+    assert report[str(pkg)] == ["__init__.py", "data.txt"]
+    assert not any("site-packages/torch" in d for d in report)     # imported before: not theirs
 
 
 def test_without_a_manifest_the_start_reads_the_packages_files(tmp_path, monkeypatch, caplog):
@@ -306,7 +325,8 @@ def test_without_a_manifest_the_start_reads_the_packages_files(tmp_path, monkeyp
     with caplog.at_level(logging.INFO, logger="deepseek_flash.imports_ahead"):
         counts = ahead.run()
     assert (counts["files"], counts["bytes"], counts["missing"]) == (3, 18, 0)
-    assert warmed == [{imports_ahead.ANY_MODULE: files}]
+    assert warmed == [[imports_ahead.ANY_MODULE]] and counts["in_process"] is False
+    assert counts["walked"] == 3
     assert "read ahead the packages' files (no manifest yet): 3 files (18 bytes)" in caplog.text
     assert not ahead.path.exists()           # nothing learned from it
 
@@ -323,3 +343,16 @@ def test_after_the_packages_were_read_no_client_keeps_the_reads_shallow(tiny_sto
         assert engine.shape == (8, 256 << 10) and manager.state.shallow_holders() == []
     finally:
         manager.close()
+
+
+def test_the_reads_run_in_a_process_of_their_own_or_here_when_it_fails(tmp_path, monkeypatch, caplog):
+    f = _tree(tmp_path)
+    request = {"roots": [str(tmp_path / "pkg" / "__pycache__")], "read": [f["pkg/mod.py"]],
+               "dirs": [str(tmp_path / "pkg")], "threads": 2, "max_file_bytes": 8192, "max_bytes": 1 << 20}
+    expected = {"dirs": 1, "stat": 0, "files": 3, "bytes": 3106, "skipped_large": 0, "skipped_budget": 0,
+                "missing": 0, "walked": 2}
+    assert imports_ahead.run_worker(request) == {**expected, "in_process": False}
+    monkeypatch.setattr(imports_ahead, "WORKER", str(tmp_path / "no_such_worker.py"))
+    with caplog.at_level(logging.WARNING, logger="deepseek_flash.imports_ahead"):
+        assert imports_ahead.run_worker(request) == {**expected, "in_process": True}
+    assert "the read-ahead process failed (exit 2" in caplog.text

@@ -1,5 +1,6 @@
 """decode.fused: the step's own forward -- operations per step, merged projections (view, rebound,
 copy, unmerged), and where it steps aside (forward hooks) -- with transformers' tokens throughout."""
+import pytest
 import torch
 from decode_models import left_padded, tiny_model
 
@@ -28,15 +29,38 @@ def test_fused_step_runs_a_handful_of_operations_per_layer():
     fused = step_ops(_enabled(tiny_model("llama", num_layers=layers), fused=True))
     modules = step_ops(_enabled(tiny_model("llama", num_layers=layers), fused=False))
     assert fused["deepseek_flash::add_rms_norm"] == 2 * layers + 1
-    assert fused["deepseek_flash::rope_cache"] == layers
     assert fused["deepseek_flash::silu_mul"] == layers
     assert fused["aten::linear"] == 4 * layers + 1           # q|k|v, o, gate|up, down; head
-    assert fused["deepseek_flash::decode_attention"] == layers
+    from deepseek_flash.decode import fused as fusion
+    attention = {"sdpa": "aten::scaled_dot_product_attention", "triton": "deepseek_flash::decode_attention",
+                 "rope_triton": "deepseek_flash::rope_attention"}[fusion.ATTENTION]
+    assert fused[attention] == layers
+    per_layer = 8 if fusion.ATTENTION == "rope_triton" else 9
+    assert fused["deepseek_flash::rope_cache"] == (0 if fusion.ATTENTION == "rope_triton" else layers)
     assert "aten::index_copy_" not in fused or fused["aten::index_copy_"] == 2   # the step's output
     assert modules["aten::linear"] == 7 * layers + 1
     # Beside the layers, the step's own work: masks, positions, rotary tables, token choice.
-    assert sum(fused.values()) == 9 * layers + 33, sorted(fused.items())
+    assert sum(fused.values()) == per_layer * layers + 33, sorted(fused.items())
     assert sum(modules.values()) == 34 * layers + 33, sorted(modules.items())
+
+
+@pytest.mark.parametrize("attention,ops_per_layer", [("triton", 9), ("rope_triton", 8)])
+def test_our_attention_ops_give_the_same_tokens(monkeypatch, attention, ops_per_layer):
+    """fused.ATTENTION "triton" (kernels.decode_attention) and "rope_triton" (rope_cache +
+    decode_attention as one operation, kernels.rope_attention): the same tokens as sdpa (the CPU
+    runs the same arithmetic), with a sliding window and left padding."""
+    from deepseek_flash.decode import fused
+
+    layers = 3
+    ids, mask = left_padded(2, 6, seed=3)
+    want = greedy(_enabled(tiny_model("mistral", num_layers=layers, sliding_window=5)), ids, mask, 12)
+    monkeypatch.setattr(fused, "ATTENTION", attention)
+    model = _enabled(tiny_model("mistral", num_layers=layers, sliding_window=5))
+    assert torch.equal(greedy(model, ids, mask, 12), want)
+    ops = step_ops(_enabled(tiny_model("llama", num_layers=layers)))
+    op = "deepseek_flash::rope_attention" if attention == "rope_triton" else "deepseek_flash::decode_attention"
+    assert ops[op] == layers and "aten::scaled_dot_product_attention" not in ops
+    assert sum(ops.values()) == ops_per_layer * layers + 33
 
 
 def _enabled(model, **options):

@@ -122,13 +122,15 @@ def test_triton_kernels_compile_for_the_h200():
         compile_(kernels._silu_mul_kernel, dtype,
                  {**ptrs("g_ptr", "u_ptr", "out_ptr"), **ints("g_stride", "u_stride", "n")}, {"BLOCK": 1024})
         group, d = heads // kv, 2 * half
-        for has_mask in (True, False):
+        for has_mask, rope in ((True, False), (False, False), (True, True)):
             compile_(kernels._attention_split_kernel, dtype,
                      {**ptrs("q_ptr", "k_ptr", "v_ptr", "m_ptr"), "o_ptr": "*fp32", "ml_ptr": "*fp32",
+                      **ptrs("qr_ptr", "kr_ptr", "vr_ptr", "cos_ptr", "sin_ptr"), "slot_ptr": "*i64",
                       **ints("L", "G", "KVH", "SPLITS", "q_sb", "q_sh", "q_sg", "k_sb", "k_sh", "k_sl",
-                             "v_sb", "v_sh", "v_sl", "m_sb", "m_sl"), "scale": "fp32"},
-                     {"HAS_MASK": has_mask, "CHUNK": kernels.ATTENTION_CHUNK, "BLOCK_L": 16,
-                      "G_PAD": triton.next_power_of_2(group), "D": d})
+                             "v_sb", "v_sh", "v_sl", "m_sb", "m_sl", "qr_stride", "kr_stride", "vr_stride",
+                             "cs_stride"), "scale": "fp32"},
+                     {"HAS_MASK": has_mask, "ROPE": rope, "CHUNK": kernels.ATTENTION_CHUNK, "BLOCK_L": 64,
+                      "G_PAD": max(16, triton.next_power_of_2(group)), "D": d})
         compile_(kernels._argmax_part_kernel, "fp32", {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32",
                                                        **ints("n", "x_stride", "PARTS")},
                  {"BLOCK": kernels.ARGMAX_BLOCK})
@@ -137,7 +139,7 @@ def test_triton_kernels_compile_for_the_h200():
         compile_(kernels._attention_combine_kernel, dtype,
                  {"o_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*T",
                   **ints("G", "KVH", "SPLITS", "out_sb", "out_sh", "out_sg")},
-                 {"G_PAD": triton.next_power_of_2(group), "D": d})
+                 {"G_PAD": max(16, triton.next_power_of_2(group)), "D": d})
 
 
 def test_decode_attention_is_sdpa_on_the_cpu_and_the_kernel_takes_only_its_case():
