@@ -417,7 +417,8 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
     out["daemon_log_pin"] = [ln for ln in log.splitlines()
                              if "page-locked" in ln or "segment" in ln or " done: " in ln
                              or "reads at " in ln or "beyond the host arena" in ln
-                             or "faulted in" in ln or "IO engine" in ln or "import" in ln][:16]
+                             or "faulted in" in ln or "IO engine" in ln or "import" in ln
+                             or "ceiling" in ln or "read-ahead" in ln][:24]
     return out
 
 

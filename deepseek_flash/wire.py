@@ -38,9 +38,11 @@ STREAM_ROLES = ("mlp_gate_up", "mlp_down")
 MIN_SLOTS = 2
 # What one slot of the ring holds (``stream_unit``): a streamed layer's whole MLP, or one of its
 # projections (gate, up, down: a slot a third of the size, so the budget the ring no longer
-# takes keeps more MLPs resident).
+# takes keeps more MLPs resident). The default is ``projection``: under the same budget it never
+# streams more bytes a token than ``layer`` (the ring is a third of the size), and at the 7-8B
+# shapes under 8 GiB it streams 8-10 % fewer (docs/benchmarks.md, measured on the H200).
 STREAM_UNITS = ("layer", "projection")
-DEFAULT_STREAM_UNIT = "layer"
+DEFAULT_STREAM_UNIT = "projection"
 
 
 def unit_module(name: str) -> str:

@@ -226,6 +226,26 @@ def test_projection_slots_keep_more_mlps_resident_under_8_gib(arch, layer_plan, 
     assert layer_plan[0] - projection_plan[0] == 2
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_the_default_unit_streams_fewer_bytes_than_whole_mlp_slots(arch):
+    """The default ``stream_unit`` (no unit given: config and planner) is one projection a slot:
+    at 8 GiB it keeps two more MLPs resident than whole-MLP slots on every 7-8B shape."""
+    from deepseek_flash.daemon.config import KEYS
+
+    bs, _ = seven_b_blocks(arch)
+    mlp_bytes = {b.id: b.length for b in bs if b.role.startswith("mlp")}
+    default = plan_residency(bs, 8 << 30, "auto", arch, 55.4e9)
+    layer = plan_residency(bs, 8 << 30, "auto", arch, 55.4e9, "layer")
+    assert KEYS["stream_unit"].default == default.unit == "projection"
+
+    def streamed(plan):
+        return sum(mlp_bytes[b] for layer in plan.streamed_layers for b in plan.stream_blocks[layer])
+
+    per_mlp = streamed(layer) // len(layer.streamed_layers)
+    assert streamed(layer) - streamed(default) == 2 * per_mlp
+    assert default.resident_bytes - layer.resident_bytes == 2 * per_mlp
+
+
 def test_projection_units_follow_the_mlp_order_and_hold_codes_with_scales():
     """gate, up, down -- the order the MLP runs them -- each unit one module's ranges; a
     quantized weight's unit is its codes and its scales."""
