@@ -43,8 +43,8 @@ ARCHS = ("llama", "qwen2", "mistral")
 # Merge int4 tile-layout projections (``Merged``); False runs each as its module (bench/decode.py's
 # ``graphs_unmerged`` variant measures the two in one run).
 MERGE_QUANTIZED = True
-# The step's attention: "sdpa" (torch's; on the H200 cuDNN's kernel, measured faster than ours so
-# far), "triton" (``kernels.decode_attention``: split-key Triton kernels on CUDA, sdpa on the CPU) or
+# The step's attention: "sdpa" (torch's; on the H200 the same int4 step time as ours within noise,
+# faster alone: docs/benchmarks.md), "triton" (``kernels.decode_attention``: split-key Triton kernels on CUDA, sdpa on the CPU) or
 # "rope_triton" (``kernels.rope_attention``: the rotary and cache write inside that kernel, one
 # operation a layer fewer). bench/decode.py's variants graphs_triton_attention / graphs_rope_attention.
 ATTENTION = "sdpa"
