@@ -433,7 +433,8 @@ def peer_figures(model, off, tok, device, args, T, h2d, r) -> None:
     if args.host_profile and args.output:
         try:
             out = Path(args.output)
-            tok = host_profile(model, off, tok, device, out.with_name(f"kv.hostprof-offload-{T}.txt"))
+            tok = host_profile(model, off, tok, device,
+                               out.with_name(f"kv.hostprof-offload-{T}.txt"))
             r["offload_profile"] = profile_steps(model, off, tok, device,
                                                  out.with_name(f"kv.offload-{T}.txt"))
         except Exception as exc:  # a figure lost, not the run

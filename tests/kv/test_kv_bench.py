@@ -141,7 +141,8 @@ def test_kv_bench_peer_figures(tmp_path):
     model = tiny_model(layers=2)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        tok = model(torch.arange(1, 40)[None], **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+        logits = model(torch.arange(1, 40)[None], **cache_kwargs(model, cache)).logits
+    tok = logits[:, -1:].argmax(-1)
     kv = bench.dynamic_kv_bytes(cache)
     args = argparse.Namespace(host_profile=True, output=str(tmp_path / "kv.json"))
     r = {"offload_tok_s": 5.0, "lossless_bound_tok_s": 8.0}
