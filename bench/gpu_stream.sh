@@ -12,7 +12,7 @@
 # with projection slots, tests/client/test_load_model.py, and the decode graphs' static ring,
 # tests/decode/test_decode_load_model.py, each unit kind) run where STREAM_TESTS says: "first"
 # (under `timeout` STREAM_TESTS_S, default 45), "last" (the default: in the time left, if more
-# than 10 s) or "none".
+# than 10 s) or "none"; STREAM_TESTS_K: pytest's -k (default "slot_ring or projection").
 set -u -o pipefail
 out=${1:?OUTDIR}
 archs=${2:?ARCHS}
@@ -30,7 +30,7 @@ build() {
 }
 gpu_tests() {  # seconds
   timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider tests/decode/test_decode_load_model.py \
-    tests/client/test_load_model.py -k "slot_ring or projection" > "$out/gpu_tests.log" 2>&1
+    tests/client/test_load_model.py -k "${STREAM_TESTS_K:-slot_ring or projection}" > "$out/gpu_tests.log" 2>&1
   echo "gpu tests: rc $? at $(( $(date +%s) - t0 )) s (cap $1 s): $(tail -1 "$out/gpu_tests.log")"
   grep -E "^(FAILED|ERROR)" "$out/gpu_tests.log" | head -10
 }

@@ -28,8 +28,9 @@ and more only where one slot's copy is so short that issuing the next copy would
 idle) and starts the window at the whole ring: a slot is refilled as soon as its layer has run
 (the copy waits on the GPU for that compute), so when a pass ends every slot's copy for the
 next pass is already on the link while the host samples the token and runs the resident layers
-up to the first streamed one -- the one stretch where it issues nothing. So no user has to tune
-it. An explicit ``prefetch_window`` is taken as asked. The daemon's read-ahead of stages uses
+up to the first streamed one -- the one stretch where it issues nothing (``PASS_GAP_S``; where
+the ring's copies are shorter than that the planner spreads the resident layers among the
+streamed ones, so the stretch holds none of them). So no user has to tune it. An explicit ``prefetch_window`` is taken as asked. The daemon's read-ahead of stages uses
 ``readahead_window``.
 
 **Whose traffic.** ``other_link_load`` is the only source of ``other_load``: the device's PCIe

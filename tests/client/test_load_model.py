@@ -168,6 +168,36 @@ def test_projection_slots_are_bit_exact(stores, daemon, device, case, mode):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: "-".join(c))
+def test_projection_slots_beside_a_spread_resident_mlp_are_bit_exact(stores, device, case):
+    """The default unit, a budget that keeps one MLP resident beside a two-slot ring: the ring's
+    copies are far shorter than the stretch between two tokens, so the resident MLP is spread
+    (layer 1 of four; 0, 2 and 3 stream) -- logits and tokens those of the reference, the hooks
+    skipping the resident layer between streamed units."""
+    from deepseek_flash.fsutil import align_up
+    from deepseek_flash.wire import SLOT_ALIGNMENT, STREAM_ROLES
+
+    src, store = stores[case]
+    ref = load_reference(src, device=device)
+    blocks = Store.open(store).blocks
+    one_mlp = sum(align_up(b.length, SLOT_ALIGNMENT) for b in blocks
+                  if b.layer == 1 and b.role in STREAM_ROLES)
+    budget = resident_minimum(blocks) + one_mlp
+    with Client(embedded=True, config=CONFIG) as client:
+        model = load_model(store, device=device, client=client, weight_budget=budget,
+                           flash_context={"prefetch_window": 1})
+        runtime = model.flash.stream
+        assert runtime.plan.unit == "projection" and runtime.layers == [0, 2, 3]
+        assert (runtime.m, runtime.n) == (9, 2)
+        assert runtime.plan.resident_bytes + 2 * runtime.plan.slot_bytes == budget
+        assert_same_as_reference(model, ref, device)
+        stats = runtime.stats()
+        assert stats["prefetch_hits"] + stats["prefetch_miss_count"] == 9 * stats["passes"] > 0
+        model.flash.close()
+        assert client.stats()["active_leases"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_two_clients_stream_the_same_model_at_once(stores, daemon, device):
     src, store = stores[("qwen2", "bfloat16")]
     ref = load_reference(src, device=device)

@@ -224,6 +224,11 @@ def test_projection_slots_keep_more_mlps_resident_under_8_gib(arch, layer_plan, 
     # The ring of three projections takes two MLPs less than the ring of three MLPs: two more
     # MLPs resident; llama's and qwen2's budget left over is two more projection slots.
     assert layer_plan[0] - projection_plan[0] == 2
+    # The link the daemon plans with is NVML's capacity (63.0 GB/s on the H200, above the 55.4
+    # measured): the same plans, layouts included.
+    for unit in ("layer", "projection"):
+        assert (plan_residency(bs, budget, "auto", arch, 63.0e9, unit)
+                == plan_residency(bs, budget, "auto", arch, 55.4e9, unit))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

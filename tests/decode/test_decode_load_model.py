@@ -81,14 +81,19 @@ def test_what_auto_resolves_to_on_a_cuda_device(mode, kw, want, words):
         resolve_decode_mode("fast", torch.device("cuda:0"))
 
 
-@pytest.mark.parametrize("unit", ["layer", "projection"])
+@pytest.mark.parametrize("unit, spread", [("layer", False), ("projection", False), ("projection", True)],
+                         ids=["layer", "projection", "projection-spread"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_streamed_model_runs_the_slot_ring_inside_the_step(store, device, unit):
+def test_streamed_model_runs_the_slot_ring_inside_the_step(store, device, unit, spread):
     """Under the minimum budget the MLPs of a tail of layers stream through slots; the decode
     steps run the ring as a fixed schedule (captured on CUDA) and give transformers' tokens, and
-    a later generate() -- whose prefill runs the ring through its hooks again -- does too."""
+    a later generate() -- whose prefill runs the ring through its hooks again -- does too.
+    ``spread``: one MLP more in the budget, a two-slot ring: the resident MLP sits between the
+    streamed layers (0 and 2 stream, 1 stays), the step skipping it in the ring's schedule."""
     from deepseek_flash.daemon.planner import resident_minimum
+    from deepseek_flash.fsutil import align_up
     from deepseek_flash.store import Store
+    from deepseek_flash.wire import SLOT_ALIGNMENT, STREAM_ROLES
 
     src, path = store
     ref = load_reference(src, device=device)
@@ -96,12 +101,19 @@ def test_streamed_model_runs_the_slot_ring_inside_the_step(store, device, unit):
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
     ids2, mask2 = left_padded(1, 5, device, seed=3)
     want2 = ref.generate(ids2, attention_mask=mask2, max_new_tokens=40, do_sample=False, pad_token_id=0)
-    budget = resident_minimum(Store.open(path).blocks, unit)
+    blocks = Store.open(path).blocks
+    budget = resident_minimum(blocks, unit)
+    context = {"stream_unit": unit}
+    if spread:
+        budget += sum(align_up(b.length, SLOT_ALIGNMENT) for b in blocks
+                      if b.layer == 1 and b.role in STREAM_ROLES)
+        context["prefetch_window"] = 1
     with Client(embedded=True, config=CONFIG) as client:
         model = load_model(path, device=device, client=client, weight_budget=budget, decode="graphs",
-                           flash_context={"stream_unit": unit})
+                           flash_context=context)
         runtime = model.flash.stream
         assert runtime is not None and runtime.n < runtime.m          # fewer slots than units
+        assert runtime.layers == ([0, 2] if spread else [0, 1, 2])
         assert runtime.m == len(runtime.layers) * (3 if unit == "projection" else 1)
         got = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
         assert torch.equal(got, want)
