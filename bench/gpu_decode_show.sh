@@ -21,13 +21,8 @@
 set -u -o pipefail
 out=${1:-/tmp/flash-decode-show}; steps=${2:-int4,stream,qwen2,mistral}; smoke=${3:-}
 py=${PYTHON:-python3}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/steps.sh"
 cd "$(dirname "$0")"
-start=$(date +%s)
-lap() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$out/steps.txt"; }
-has() { [[ ",$steps," == *,$1,* ]]; }
 work=/var/tmp/flash-decode-show; flags=(); t_dec=60; t_int4=${INT4_TIMEOUT:-95}; t_stream=65
 if [ "$smoke" = "--smoke" ]; then
   work="$out/work"; flags=(--smoke); t_dec=300; t_int4=300; t_stream=300

@@ -14,12 +14,8 @@
 set -u -o pipefail
 out=${1:?usage: gpu_gemv.sh OUTDIR [gemv,tests,old,int4]}; steps=${2:-gemv,tests}
 py=${PYTHON:-python3}
-mkdir -p "$out"; out=$(cd "$out" && pwd)
+source "$(dirname "$0")/steps.sh"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-start=$(date +%s); status=0
-lap() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$out/steps.txt"; }
-has() { [[ ",$steps," == *,$1,* ]]; }
 if has gemv; then
   timeout "${GEMV_TIMEOUT:-50}" $py bench/gemv.py --output "$out/gemv.json" --ms 1,8 --sweep \
     --budget-s "${SWEEP_BUDGET:-32}" > "$out/gemv.log" 2>&1

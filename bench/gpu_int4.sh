@@ -15,12 +15,8 @@
 set -u -o pipefail
 out=${1:?usage: gpu_int4.sh OUTDIR [decode,tests] [--smoke]}; steps=${2:-decode,tests}; smoke=${3:-}
 py=${PYTHON:-python3}
-mkdir -p "$out"; out=$(cd "$out" && pwd)
+source "$(dirname "$0")/steps.sh"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-start=$(date +%s); status=0
-lap() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$out/steps.txt"; }
-has() { [[ ",$steps," == *,$1,* ]]; }
 if has decode; then
   timeout "${DECODE_TIMEOUT:-36}" $py bench/decode.py --int4 $smoke --batches "${BATCHES:-1}" --prompt 128 \
     --new "${NEW:-128}" --variants "${VARIANTS:-graphs,graphs_unmerged,graphs_triton_attention}" --skip-eager --skip-peer \
