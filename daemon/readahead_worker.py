@@ -62,19 +62,15 @@ def read_ahead(dirs, stat_only, read, threads: int = 16, max_file_bytes: int = 6
         with lock:
             out[key] += n
 
-    def list_dir(path):
-        try:
-            os.listdir(path)
-            add("dirs")
-        except OSError:
-            add("missing")
-
-    def stat(path):
-        try:
-            os.stat(path)
-            add("stat")
-        except OSError:
-            add("missing")
+    def probe(call, key):
+        # a directory listed or a file stat-ed (its metadata cached): counted, or missing
+        def run(path):
+            try:
+                call(path)
+                add(key)
+            except OSError:
+                add("missing")
+        return run
 
     buffers = threading.local()
 
@@ -105,8 +101,8 @@ def read_ahead(dirs, stat_only, read, threads: int = 16, max_file_bytes: int = 6
             add("missing")
 
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="flash-imports-read") as pool:
-        list(pool.map(list_dir, dirs))
-        list(pool.map(stat, stat_only))
+        list(pool.map(probe(os.listdir, "dirs"), dirs))
+        list(pool.map(probe(os.stat, "stat"), stat_only))
         list(pool.map(read_one, read))
     return out
 
