@@ -49,15 +49,15 @@ __device__ __forceinline__ u32 lop_pair(u32 w) {
 }
 
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a2, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ void ld_stream(u32* v, const u32* p) {
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
 }
 
 __device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
@@ -69,88 +69,113 @@ __device__ __forceinline__ u16 to_bf16(float f) {
     return h;
 }
 
-// x: bf16 [K] (4-byte aligned); words: int32 tile layout [N/8][K/128][32][4]; sz: bf16
+struct Batch {                 // U chunks x NT n-tiles of one lane: codes and (scale, zero) pairs
+    u32 w[U][NT][4];
+    uint2 s[U][NT];
+};
+
+// Issue the loads of chunks c .. c + U - 1 (all before any use).
+__device__ __forceinline__ void load(Batch& b, const u32* __restrict__ words,
+                                     const u32* __restrict__ sz, int c, int nt0, int ntl,
+                                     int KO, int N, int lane) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int nt = min(nt0 + j, ntl);
+            ld_stream(b.w[u][j], words + ((size_t)(nt * KO + c + u) * 32 + lane) * 4);
+            b.s[u][j] = *(const uint2*)(sz + ((size_t)(c + u) * N + nt * 8 + 2 * (lane & 3)));
+        }
+    }
+}
+
+__device__ __forceinline__ void compute(const Batch& b, float (&acc)[NT][2], const u32* xf,
+                                        const float* xsum, int c, int r) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        u32 a[16];
+        const uint4* xp = (const uint4*)(xf + ((c + u) * 4 + r) * 16);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            uint4 t = xp[q];
+            a[4 * q] = t.x; a[4 * q + 1] = t.y; a[4 * q + 2] = t.z; a[4 * q + 3] = t.w;
+        }
+        const float bias = -136.f * xsum[c + u];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#ifdef LOADS_ONLY
+            // a measurement aid (wrong results): the same loads and stores, no arithmetic
+            acc[j][0] += __uint_as_float((b.w[u][j][0] ^ b.w[u][j][1] ^ b.w[u][j][2] ^ b.w[u][j][3]
+                                          ^ b.s[u][j].x ^ a[0]) & 0x3FFFFFFFu);
+#else
+            float d[4] = {bias, bias, 0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 w = b.w[u][j][i];
+                mma(d, a[4 * i], a[4 * i + 1], lop_pair(w), lop_pair(w >> 4));
+                mma(d, a[4 * i + 2], a[4 * i + 3], lop_pair(w >> 8), lop_pair(w >> 12));
+            }
+            acc[j][0] = fmaf(d[0], bf16_lo(b.s[u][j].x), acc[j][0]);
+            acc[j][1] = fmaf(d[1], bf16_lo(b.s[u][j].y), acc[j][1]);
+#endif
+        }
+    }
+}
+
+// x: bf16 [K] (16-byte aligned); words: int32 tile layout [N/8][K/128][32][4]; sz: bf16
 // [K/128][N][2] (scale, zero 0; 8-byte aligned); y: bf16 [N]. Grid: N/8/NT CTAs of 32*W threads.
 // Dynamic shared memory: K/128 * 256 bytes of x fragments + K/128 floats of chunk sums
-// + W*NT*8 floats of partial sums.
+// + W*NT*8 floats of partial sums. PIPE 1: a warp's first loads go out before x is staged, and
+// each batch's loads before the previous batch's arithmetic (two register sets).
 extern "C" __global__ void __launch_bounds__(32 * W)
-int4_gemv_m1(const u32* __restrict__ x, const u32* __restrict__ words,
+int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
              const u32* __restrict__ sz, u16* __restrict__ y, int N, int K) {
     extern __shared__ __align__(16) u32 smem[];
     const int KO = K >> 7;
-    u32* xf = smem;                                   // [KO][4 r][8 kt][2]
+    u32* xf = smem;                                   // [KO][4 r][8 kt][2 h]
     float* xsum = (float*)(smem + KO * 64);           // [KO]
     float* part = xsum + KO;                          // [W][NT*8]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int r = lane & 3;
-    // Stage x: pair e holds columns 2e, 2e+1; within its chunk, column 16 kt + 8 h + 2 r.
-    for (int e = tid; e < (K >> 1); e += 32 * W) {
-        int col = (e << 1) & 127, c = e >> 6;
-        int kt = col >> 4, h = (col >> 3) & 1, rr = (col >> 1) & 3;
-        xf[((c * 4 + rr) * 8 + kt) * 2 + h] = x[e];
-    }
-    for (int c = warp; c < KO; c += W) {
-        u32 a = x[c * 64 + lane], b = x[c * 64 + 32 + lane];
-        float s = (bf16_lo(a) + bf16_hi(a)) + (bf16_lo(b) + bf16_hi(b));
-        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) xsum[c] = s;
-    }
-    __syncthreads();
     const int cpw = KO / W;                   // chunks a warp (KO % W == 0, cpw % U == 0)
     const int c0 = warp * cpw;
     const int nt0 = blockIdx.x * NT;
     const int ntl = (N >> 3) - 1;
+    Batch A, B;
+#if PIPE
+    load(A, words, sz, c0, nt0, ntl, KO, N, lane);
+#endif
+    // Stage x: 8 columns 8 e .. 8 e + 7 of chunk c are pairs r = 0..3 of half h of k-tile kt.
+    for (int e = tid; e < (K >> 3); e += 32 * W) {
+        const uint4 v = x[e];
+        const int col = (e << 3) & 127, c = e >> 4;
+        const int base = ((c * 4) * 8 + (col >> 4)) * 2 + ((col >> 3) & 1);
+        xf[base] = v.x; xf[base + 16] = v.y; xf[base + 32] = v.z; xf[base + 48] = v.w;
+    }
+    for (int c = warp; c < KO; c += W) {
+        const uint4 v = x[c * 16 + (lane >> 1)];
+        const u32 p = (lane & 1) ? v.z : v.x, q = (lane & 1) ? v.w : v.y;
+        float s = (bf16_lo(p) + bf16_hi(p)) + (bf16_lo(q) + bf16_hi(q));
+        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) xsum[c] = s;
+    }
+    __syncthreads();
     float acc[NT][2];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = 0.f;
-    for (int cb = 0; cb < cpw; cb += U) {
-        u32 wv[U][NT][4];
-        u32 sv[U][NT][2];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = c0 + cb + u;
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                const int nt = min(nt0 + j, ntl);
-                ld_stream(wv[u][j], words + ((size_t)(nt * KO + c) * 32 + lane) * 4);
-                const u32* sp = sz + ((size_t)c * N + nt * 8 + 2 * r);
-                sv[u][j][0] = sp[0];
-                sv[u][j][1] = sp[1];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = c0 + cb + u;
-            u32 a[16];
-            const uint4* xp = (const uint4*)(xf + (c * 4 + r) * 16);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                uint4 t = xp[q];
-                a[4 * q] = t.x; a[4 * q + 1] = t.y; a[4 * q + 2] = t.z; a[4 * q + 3] = t.w;
-            }
-            const float bias = -136.f * xsum[c];
-#ifdef LOADS_ONLY
-            // a measurement aid (wrong results): the same loads and stores, no arithmetic
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-                acc[j][0] += __uint_as_float((wv[u][j][0] ^ wv[u][j][1] ^ wv[u][j][2] ^ wv[u][j][3]
-                                              ^ sv[u][j][0] ^ a[0]) & 0x3FFFFFFFu);
-            continue;
-#endif
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                float d[4] = {bias, bias, 0.f, 0.f};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const u32 w = wv[u][j][i];
-                    mma(d, a[4 * i], a[4 * i + 1], lop_pair(w), lop_pair(w >> 4));
-                    mma(d, a[4 * i + 2], a[4 * i + 3], lop_pair(w >> 8), lop_pair(w >> 12));
-                }
-                acc[j][0] = fmaf(d[0], bf16_lo(sv[u][j][0]), acc[j][0]);
-                acc[j][1] = fmaf(d[1], bf16_lo(sv[u][j][1]), acc[j][1]);
-            }
-        }
+#if PIPE
+    for (int cb = 0; cb < cpw; cb += 2 * U) {
+        if (cb + U < cpw) load(B, words, sz, c0 + cb + U, nt0, ntl, KO, N, lane);
+        compute(A, acc, xf, xsum, c0 + cb, r);
+        if (cb + 2 * U < cpw) load(A, words, sz, c0 + cb + 2 * U, nt0, ntl, KO, N, lane);
+        if (cb + U < cpw) compute(B, acc, xf, xsum, c0 + cb + U, r);
     }
+#else
+    for (int cb = 0; cb < cpw; cb += U) {
+        load(A, words, sz, c0 + cb, nt0, ntl, KO, N, lane);
+        compute(A, acc, xf, xsum, c0 + cb, r);
+    }
+#endif
     if (lane < 4) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
@@ -173,10 +198,12 @@ int4_gemv_m1(const u32* __restrict__ x, const u32* __restrict__ words,
 @dataclass(frozen=True)
 class Config:
     """``NT`` n-tiles (8 rows each) a CTA, ``W`` warps a CTA splitting K, ``U`` chunks of 128
-    columns loaded ahead a warp."""
+    columns a batch of loads; ``P`` 1: each batch's loads issued before the previous batch's
+    arithmetic (the first before x is staged)."""
     NT: int = 2
     W: int = 8
     U: int = 2
+    P: int = 1
     LO: int = 0         # 1: loads and stores only, no arithmetic (wrong results; bench/gemv.py)
 
     def fits(self, N: int, K: int) -> str | None:
@@ -194,7 +221,7 @@ class Config:
 
 def default_config(N: int, K: int) -> Config:
     """The shape used when none is given: a pure function of ``N x K`` (the H200 sweep's pick)."""
-    for cfg in (Config(2, 8, 2), Config(2, 8, 1), Config(2, 4, 1), Config(1, 1, 1)):
+    for cfg in (Config(2, 8, 2), Config(2, 8, 1), Config(2, 4, 1), Config(1, 1, 1, 0)):
         if cfg.fits(N, K) is None:
             return cfg
     raise AssertionError((N, K))
@@ -229,7 +256,8 @@ class Kernels:
         k = self._cache.get(cfg)
         if k is None:
             compile = self._compile or torch.cuda._compile_kernel
-            opts = [f"-DNT={cfg.NT}", f"-DW={cfg.W}", f"-DU={cfg.U}", "-std=c++17"]
+            opts = [f"-DNT={cfg.NT}", f"-DW={cfg.W}", f"-DU={cfg.U}", f"-DPIPE={cfg.P}",
+                    "-std=c++17"]
             k = compile(SOURCE, "int4_gemv_m1", nvcc_options=opts + ["-DLOADS_ONLY"] * cfg.LO)
             self._cache[cfg] = k
         return k
@@ -252,8 +280,8 @@ class Emulated:
     lanes' fragments as the PTX ISA lays them out and multiplied in float64 (float32 sums: the
     tensor cores' order is theirs). What the CPU tests run the launch path and the layout through."""
 
-    def __init__(self, nt: int, w: int, u: int):
-        self.cfg = Config(nt, w, u)
+    def __init__(self, nt: int, w: int, u: int, p: int):
+        self.cfg = Config(nt, w, u, p)
         self.calls = []
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
@@ -269,8 +297,8 @@ class Emulated:
         xf = torch.empty(KO * 64, dtype=torch.int64)
         xf[((c * 4 + rr) * 8 + kt) * 2 + h] = xp
         lane = torch.arange(32)
-        a_lo, a_hi = _bf16_bits_to_float(xp.view(KO, 2, 32))                     # [KO, 2, 32]
-        s = (a_lo[:, 0] + a_hi[:, 0]) + (a_lo[:, 1] + a_hi[:, 1])                # [KO, 32]
+        a_lo, a_hi = _bf16_bits_to_float(xp.view(KO, 32, 2))    # lane: pairs 2 lane, 2 lane + 1
+        s = (a_lo[..., 0] + a_hi[..., 0]) + (a_lo[..., 1] + a_hi[..., 1])        # [KO, 32]
         for o in (16, 8, 4, 2, 1):
             s = s + s[:, lane ^ o]
         xsum = s[:, 0]
@@ -343,7 +371,7 @@ def emulated_compile(source: str, name: str, nvcc_options=(), **_):
     assert name == "int4_gemv_m1" and source == SOURCE
     opts = dict(o[2:].split("=") for o in nvcc_options if o.startswith("-D") and "=" in o)
     assert "-DLOADS_ONLY" not in nvcc_options, "the stand-in emulates the kernel, not the aid"
-    return Emulated(int(opts["NT"]), int(opts["W"]), int(opts["U"]))
+    return Emulated(int(opts["NT"]), int(opts["W"]), int(opts["U"]), int(opts["PIPE"]))
 
 
 def matmul(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, K: int,
@@ -355,8 +383,8 @@ def matmul(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, K: in
     why = cfg.fits(N, K)
     if why:
         raise ValueError(f"int4 GEMV config {cfg} for {N} x {K}: {why}")
-    if x.data_ptr() % 4:
-        x = x.clone(memory_format=torch.contiguous_format)    # 4-byte loads of column pairs
+    if x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)    # 16-byte loads of x
     if words.data_ptr() % 16 or sz.data_ptr() % 8 or not (words.is_contiguous()
                                                            and sz.is_contiguous()):
         raise ValueError("int4 GEMV operands must be contiguous, the codes 16-byte and the "

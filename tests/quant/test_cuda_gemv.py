@@ -44,8 +44,8 @@ def _check(y, x, W):
     return ((y.double() - ref).abs() / allowance).max().item()
 
 
-@pytest.mark.parametrize("N,K,cfg", [(64, 1024, (2, 8, 1)), (40, 1024, (2, 4, 2)),
-                                     (24, 512, (4, 2, 2)), (16, 256, (1, 1, 2)),
+@pytest.mark.parametrize("N,K,cfg", [(64, 1024, (2, 8, 1, 1)), (40, 1024, (2, 4, 2, 0)),
+                                     (24, 512, (4, 2, 2, 1)), (16, 256, (1, 1, 2, 1)),
                                      (72, 2048, None)])
 def test_emulated_kernel_is_the_reference_arithmetic(N, K, cfg):
     """Every output of the stand-in equals ``mma_reference`` bit for bit (N not a multiple of a
@@ -101,11 +101,11 @@ def test_operands_off_alignment():
     N, K = 32, 512
     x, words, sz, _ = _case(N, K)
     kern = cuda_gemv.Kernels(cuda_gemv.emulated_compile)
-    c = cuda_gemv.Config(1, 4, 1)
+    c = cuda_gemv.Config(1, 4, 1, 1)
     base = torch.zeros(1, K + 1, dtype=BF16)
     base[0, 1:] = x[0]
     xo = base[:, 1:]
-    assert xo.data_ptr() % 4
+    assert xo.data_ptr() % 16
     assert torch.equal(cuda_gemv.matmul(xo, words, sz, N, K, c, kern),
                        cuda_gemv.matmul(x, words, sz, N, K, c, kern))
     with pytest.raises(ValueError, match="contiguous"):
@@ -211,10 +211,10 @@ def test_source_compiles_with_nvrtc_for_sm_90():
         return ptx.value.decode()
 
     kern = cuda_gemv.Kernels(compile)
-    for t in bench.CUDA_SWEEP + [(2, 8, 2, 1)]:       # and the loads-only aid
+    for t in bench.CUDA_SWEEP + [(2, 8, 2, 1, 1)]:       # and the loads-only aid
         ptx = kern.get(cuda_gemv.Config(*t))
         assert ".entry int4_gemv_m1" in ptx
-        assert ("mma.sync.aligned.m16n8k16" in ptx) == (len(t) == 3)
+        assert ("mma.sync.aligned.m16n8k16" in ptx) == (len(t) == 4)
         assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
     assert len(seen) == len(bench.CUDA_SWEEP) + 1 and "-DLOADS_ONLY" in seen[-1]
     kern.get(cuda_gemv.Config(*bench.CUDA_SWEEP[0]))
@@ -232,10 +232,10 @@ def test_gemv_bench_cuda_rows_run_on_the_cpu(tmp_path):
                 "--skip-bf16", "--budget-s", "20", "--shapes", "32x512"])
     (row,) = json.loads(out.read_text())["rows"]
     assert "cuda_error" not in row and row["cuda_check"] <= 1 and row["cuda_us"] > 0
-    assert row["cuda_config"] == [2, 4, 1] and row["tinygemm_us"] > 0
+    assert row["cuda_config"] == [2, 4, 1, 1] and row["tinygemm_us"] > 0
     assert row["cuda_sweep"] and not [v for v in row["cuda_sweep"] if "error" in v]
     assert all(v["check"] <= 1 for v in row["cuda_sweep"] if not v.get("LO"))
-    assert [v["cfg"] for v in row["cuda_sweep"] if v.get("LO")] == [[2, 4, 1]]   # (4, 8, 1) won't fit
+    assert [v["cfg"] for v in row["cuda_sweep"] if v.get("LO")] == [[2, 4, 1, 1]]  # (4, 8, ..) won't fit
 
 
 @pytest.mark.gpu
