@@ -28,6 +28,7 @@ kernel against it and torch's int4 kernel.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -67,6 +68,27 @@ __device__ __forceinline__ u16 to_bf16(float f) {
     u16 h;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+}
+
+#ifndef SILU
+#define SILU 0
+#endif
+
+// silu(g) * u of two bfloat16 pairs, rounded as decode.kernels.silu_mul does: the activation in
+// float32 (ex2.approx and div.full, the instructions Triton emits for it) rounded to bfloat16,
+// times up in float32, rounded to bfloat16.
+__device__ __forceinline__ float act(float g) {
+    float e, q;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+    asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(g), "f"(1.f + e));
+    return q;
+}
+
+__device__ __forceinline__ u32 silu_pair(u32 g, u32 u) {
+    u16 a_lo = to_bf16(act(bf16_lo(g))), a_hi = to_bf16(act(bf16_hi(g)));
+    u16 lo = to_bf16(__uint_as_float((u32)a_lo << 16) * bf16_lo(u));
+    u16 hi = to_bf16(__uint_as_float((u32)a_hi << 16) * bf16_hi(u));
+    return (u32)lo | ((u32)hi << 16);
 }
 
 struct Batch {                 // U chunks x NT n-tiles of one lane: codes and (scale, zero) pairs
@@ -146,15 +168,22 @@ int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
     load(A, words, sz, c0, nt0, ntl, KO, N, lane);
 #endif
     // Stage x: 8 columns 8 e .. 8 e + 7 of chunk c are pairs r = 0..3 of half h of k-tile kt.
+    // SILU: x is gate | up ([2K]); what is staged is silu(gate) * up.
     for (int e = tid; e < (K >> 3); e += 32 * W) {
-        const uint4 v = x[e];
+        uint4 v = x[e];
+#if SILU
+        const uint4 u = x[e + (K >> 3)];
+        v.x = silu_pair(v.x, u.x); v.y = silu_pair(v.y, u.y);
+        v.z = silu_pair(v.z, u.z); v.w = silu_pair(v.w, u.w);
+#endif
         const int col = (e << 3) & 127, c = e >> 4;
         const int base = ((c * 4) * 8 + (col >> 4)) * 2 + ((col >> 3) & 1);
         xf[base] = v.x; xf[base + 16] = v.y; xf[base + 32] = v.z; xf[base + 48] = v.w;
     }
+    __syncthreads();
+    // Each chunk's sum, from what was staged: lane l adds words 2l, 2l + 1 of the chunk.
     for (int c = warp; c < KO; c += W) {
-        const uint4 v = x[c * 16 + (lane >> 1)];
-        const u32 p = (lane & 1) ? v.z : v.x, q = (lane & 1) ? v.w : v.y;
+        const u32 p = xf[c * 64 + 2 * lane], q = xf[c * 64 + 2 * lane + 1];
         float s = (bf16_lo(p) + bf16_hi(p)) + (bf16_lo(q) + bf16_hi(q));
         for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (lane == 0) xsum[c] = s;
@@ -205,6 +234,7 @@ class Config:
     U: int = 2
     P: int = 1
     LO: int = 0         # 1: loads and stores only, no arithmetic (wrong results; bench/gemv.py)
+    S: int = 0          # 1: x is gate | up and the kernel multiplies silu(gate) * up (matmul's silu)
 
     def fits(self, N: int, K: int) -> str | None:
         """None when this shape can run ``N x K``, else why not."""
@@ -257,7 +287,7 @@ class Kernels:
         if k is None:
             compile = self._compile or torch.cuda._compile_kernel
             opts = [f"-DNT={cfg.NT}", f"-DW={cfg.W}", f"-DU={cfg.U}", f"-DPIPE={cfg.P}",
-                    "-std=c++17"]
+                    f"-DSILU={cfg.S}", "-std=c++17"]
             k = compile(SOURCE, "int4_gemv_m1", nvcc_options=opts + ["-DLOADS_ONLY"] * cfg.LO)
             self._cache[cfg] = k
         return k
@@ -280,8 +310,8 @@ class Emulated:
     lanes' fragments as the PTX ISA lays them out and multiplied in float64 (float32 sums: the
     tensor cores' order is theirs). What the CPU tests run the launch path and the layout through."""
 
-    def __init__(self, nt: int, w: int, u: int, p: int):
-        self.cfg = Config(nt, w, u, p)
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
         self.calls = []
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
@@ -290,14 +320,19 @@ class Emulated:
         self.calls.append(dict(grid=grid, block=block, shared_mem=shared_mem, N=N, K=K))
         assert block == (32 * cfg.W, 1, 1) and shared_mem == cfg.smem(K)
         KO = K // 128
-        xp = x.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF         # [K/2]
+        xv = x.reshape(-1)
+        if cfg.S:       # silu(gate) * up, rounded as decode.kernels.silu_mul
+            g, u = xv[:K].float(), xv[K:2 * K].float()
+            a = (g / (1.0 + torch.exp2(g * -1.4426950408889634))).to(torch.bfloat16)
+            xv = (a.float() * u).to(torch.bfloat16)
+        xp = xv[:K].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF   # [K/2]
         e = torch.arange(K // 2)
         col, c = (e << 1) & 127, e >> 6
         kt, h, rr = col >> 4, (col >> 3) & 1, (col >> 1) & 3
         xf = torch.empty(KO * 64, dtype=torch.int64)
         xf[((c * 4 + rr) * 8 + kt) * 2 + h] = xp
         lane = torch.arange(32)
-        a_lo, a_hi = _bf16_bits_to_float(xp.view(KO, 32, 2))    # lane: pairs 2 lane, 2 lane + 1
+        a_lo, a_hi = _bf16_bits_to_float(xf.view(KO, 32, 2))    # lane: words 2 lane, 2 lane + 1
         s = (a_lo[..., 0] + a_hi[..., 0]) + (a_lo[..., 1] + a_hi[..., 1])        # [KO, 32]
         for o in (16, 8, 4, 2, 1):
             s = s + s[:, lane ^ o]
@@ -371,15 +406,21 @@ def emulated_compile(source: str, name: str, nvcc_options=(), **_):
     assert name == "int4_gemv_m1" and source == SOURCE
     opts = dict(o[2:].split("=") for o in nvcc_options if o.startswith("-D") and "=" in o)
     assert "-DLOADS_ONLY" not in nvcc_options, "the stand-in emulates the kernel, not the aid"
-    return Emulated(int(opts["NT"]), int(opts["W"]), int(opts["U"]), int(opts["PIPE"]))
+    return Emulated(Config(int(opts["NT"]), int(opts["W"]), int(opts["U"]), int(opts["PIPE"]),
+                           S=int(opts["SILU"])))
 
 
 def matmul(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, K: int,
            cfg: Config | None = None, kernels: Kernels | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """``x [1, K] @ W.T`` -> ``[1, N]`` bfloat16, ``W`` in the tile layout ``words`` with its
-    ``[K/128, N, 2]`` scales ``sz`` (group 128). ``supports`` must have said yes."""
-    cfg = cfg or default_config(N, K)
+    ``[K/128, N, 2]`` scales ``sz`` (group 128). ``supports`` must have said yes. ``silu``: ``x``
+    is ``[1, 2K]``, gate then up, and the product is taken with ``silu(gate) * up`` (rounded as
+    ``decode.kernels.silu_mul`` rounds it) -- that kernel and this one's input in one launch."""
+    cfg = dataclasses.replace(cfg or default_config(N, K), S=int(silu))
+    if x.numel() != (2 * K if silu else K):
+        raise ValueError(f"int4 GEMV input of {x.numel()} values for K = {K}"
+                         + (" (silu: gate and up, 2K)" if silu else ""))
     why = cfg.fits(N, K)
     if why:
         raise ValueError(f"int4 GEMV config {cfg} for {N} x {K}: {why}")
@@ -415,3 +456,27 @@ def layer_matmul(x, words, sz, N, K):
         _failed.append(f"{type(exc).__name__}: {exc}")
         log.warning("the CUDA int4 GEMV is not used: %s", _failed[0])
         return None
+
+
+def silu_down(down, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """``down(silu(gate) * up)`` in one launch (``matmul``'s ``silu``) for a ``QuantLinear`` the
+    kernel takes (``ENABLED``, one row, the tile layout with group 128, no bias) when ``up``
+    follows ``gate`` in memory (the two halves of a merged gate|up GEMV's output); None otherwise
+    (the caller multiplies and calls the layer)."""
+    if not ENABLED or getattr(down, "_tiles_group", 0) != 128 or down.bias is not None:
+        return None
+    K, N = down.in_features, down.out_features
+    if (supports(gate, N, K, 128) is not None or up.numel() != K or up.dtype != gate.dtype
+            or not (gate.is_contiguous() and up.is_contiguous())
+            or up.data_ptr() != gate.data_ptr() + K * gate.element_size()):
+        return None
+    gu = gate.as_strided((1, 2 * K), (2 * K, 1))
+    if _failed or down.codes.data_ptr() % 16 or down.scales.data_ptr() % 8:
+        return None
+    try:
+        y = matmul(gu, down.codes, down.scales, N, K, silu=True)
+    except (RuntimeError, OSError) as exc:         # NVRTC missing or refusing
+        _failed.append(f"{type(exc).__name__}: {exc}")
+        log.warning("the CUDA int4 GEMV is not used: %s", _failed[0])
+        return None
+    return y.view(*gate.shape[:-1], N)

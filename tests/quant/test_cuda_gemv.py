@@ -154,6 +154,36 @@ def test_layer_takes_the_kernel_for_one_row_and_falls_back_when_it_cannot_compil
     assert sum("CUDA int4 GEMV is not used" in r.message for r in caplog.records) == 1
 
 
+def test_silu_input_is_silu_mul_then_the_product(monkeypatch):
+    """``matmul(..., silu=True)`` on gate | up: the bits of ``silu_mul`` then the product (the
+    stand-in; the activation rounded to bfloat16, then the product); ``silu_down`` takes a down
+    layer and the two halves of one gate|up output where the kernel can, else says None."""
+    from deepseek_flash.decode import kernels
+    N, K = 48, 512
+    _, words, sz, W = _case(N, K)
+    gu = (torch.randn(1, 2 * K, generator=torch.Generator().manual_seed(3)) * 2).to(BF16)
+    kern = cuda_gemv.Kernels(cuda_gemv.emulated_compile)
+    xin = kernels._ref_silu_mul(gu[:, :K], gu[:, K:])
+    y = cuda_gemv.matmul(gu, words, sz, N, K, cuda_gemv.Config(2, 4, 1, 1), kern, silu=True)
+    assert torch.equal(y, gemv.mma_reference(xin, words, sz, 128, N, K))
+    assert _check(y, xin, W) <= 1
+    with pytest.raises(ValueError, match="silu: gate and up, 2K"):
+        cuda_gemv.matmul(gu[:, :K], words, sz, N, K, None, kern, silu=True)
+    down = _tile_layer(N, K, seed=5)
+    gate, up = gu.view(1, 1, 2 * K).split([K, K], dim=-1)
+    monkeypatch.setattr(cuda_gemv, "_failed", [])
+    assert cuda_gemv.silu_down(down, gate, up) is None             # ENABLED off
+    monkeypatch.setattr(cuda_gemv, "ENABLED", True)
+    assert cuda_gemv.silu_down(down, gate, up) is None             # the CPU: supports says no
+    monkeypatch.setattr(cuda_gemv, "supports", lambda x, N, K, group: None)
+    monkeypatch.setattr(cuda_gemv, "KERNELS", kern)
+    y = cuda_gemv.silu_down(down, gate, up)
+    assert y.shape == (1, 1, N)
+    assert torch.equal(y.view(1, N), gemv.mma_reference(xin, down.codes, down.scales, 128, N, K))
+    assert cuda_gemv.silu_down(down, up, gate) is None             # up not right after gate
+    assert cuda_gemv.silu_down(down, gate, up.clone()) is None
+
+
 def _nvrtc():
     """libnvrtc (the pip wheel's, beside its builtins library, or the system's), else None."""
     names = []
@@ -211,14 +241,15 @@ def test_source_compiles_with_nvrtc_for_sm_90():
         return ptx.value.decode()
 
     kern = cuda_gemv.Kernels(compile)
-    for t in bench.CUDA_SWEEP + [(2, 8, 2, 1, 1)]:       # and the loads-only aid
+    for t in bench.CUDA_SWEEP + [(2, 8, 2, 1, 1), (2, 8, 2, 1, 0, 1)]:  # loads-only aid, silu
         ptx = kern.get(cuda_gemv.Config(*t))
         assert ".entry int4_gemv_m1" in ptx
-        assert ("mma.sync.aligned.m16n8k16" in ptx) == (len(t) == 4)
+        assert ("mma.sync.aligned.m16n8k16" in ptx) == (len(t) != 5)
+        assert ("ex2.approx.f32" in ptx) == (len(t) == 6)
         assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
-    assert len(seen) == len(bench.CUDA_SWEEP) + 1 and "-DLOADS_ONLY" in seen[-1]
+    assert len(seen) == len(bench.CUDA_SWEEP) + 2 and "-DLOADS_ONLY" in seen[-2]
     kern.get(cuda_gemv.Config(*bench.CUDA_SWEEP[0]))
-    assert len(seen) == len(bench.CUDA_SWEEP) + 1         # compiled once per config
+    assert len(seen) == len(bench.CUDA_SWEEP) + 2         # compiled once per config
 
 
 def test_gemv_bench_cuda_rows_run_on_the_cpu(tmp_path):
@@ -275,3 +306,21 @@ def test_cuda_kernel_in_a_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, cuda_gemv.matmul(x, words, sz, N, K))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_silu_down_matches_silu_mul_then_the_kernel(monkeypatch):
+    """On the device: the one-launch silu + down GEMV against ``decode.kernels.silu_mul`` (the
+    Triton kernel) then the plain GEMV, at the 8B down shape: the same bits but where the two
+    ``ex2.approx`` lowerings differ in a last place (at most 1 % of outputs, each within 2 %)."""
+    from deepseek_flash.decode import kernels
+    N, K = 4096, 14336
+    _, words, sz, W = _case(N, K, "cuda", seed=7)
+    gu = (torch.randn(1, 2 * K, device="cuda") * 2).to(BF16)
+    y = cuda_gemv.matmul(gu, words, sz, N, K, silu=True)
+    xin = kernels.silu_mul(gu[:, :K], gu[:, K:])
+    ref = cuda_gemv.matmul(xin, words, sz, N, K)
+    assert (y != ref).float().mean().item() <= 0.01
+    assert ((y.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-2)).max() < 0.02
+    assert _check(y, xin, W) <= 1.5
