@@ -46,6 +46,9 @@ def _check(y, x, W):
 
 @pytest.mark.parametrize("N,K,cfg", [(64, 1024, (2, 8, 1, 1)), (40, 1024, (2, 4, 2, 0)),
                                      (24, 512, (4, 2, 2, 1)), (16, 256, (1, 1, 2, 1)),
+                                     (64, 1024, (2, 8, 1, 1, 0, 0, 1)),
+                                     (40, 1024, (2, 4, 2, 0, 0, 0, 1)),
+                                     (24, 512, (4, 2, 2, 1, 0, 0, 1)),
                                      (72, 2048, None)])
 def test_emulated_kernel_is_the_reference_arithmetic(N, K, cfg):
     """Every output of the stand-in equals ``mma_reference`` bit for bit (N not a multiple of a
@@ -70,6 +73,9 @@ def test_configs_fit_the_8b_shapes_and_say_why_not():
         assert cuda_gemv.default_config(N, K).fits(N, K) is None
     assert cuda_gemv.Config(2, 8, 1).fits(64, 512) == "K / 128 = 4 chunks not a multiple of W = 8 warps"
     assert cuda_gemv.Config(2, 4, 4).fits(64, 1024) == "2 chunks a warp not a multiple of U = 4"
+    assert cuda_gemv.Config(1, 4, 1, A=1).fits(64, 1024) == "NT = 1 n-tiles with A = 1 (pairs of n-tiles)"
+    assert cuda_gemv.default_config(28672, 4096) == cuda_gemv.Config(4, 8, 1, 1, A=1)
+    assert cuda_gemv.default_config(64, 512) == cuda_gemv.Config(2, 4, 1, 1, A=1)
     x, words, sz, _ = _case(64, 512)
     with pytest.raises(ValueError, match="W = 8 warps"):
         cuda_gemv.matmul(x, words, sz, 64, 512, cuda_gemv.Config(2, 8, 1),
@@ -137,7 +143,9 @@ def test_layer_takes_the_kernel_for_one_row_and_falls_back_when_it_cannot_compil
     monkeypatch.setattr(cuda_gemv, "supports", lambda x, N, K, group: None)
     monkeypatch.setattr(cuda_gemv, "KERNELS", cuda_gemv.Kernels(cuda_gemv.emulated_compile))
     monkeypatch.setattr(cuda_gemv, "_failed", [])
-    assert torch.equal(lin(x), other)                     # ENABLED is off by default
+    assert cuda_gemv.ENABLED                              # on by default
+    monkeypatch.setattr(cuda_gemv, "ENABLED", False)
+    assert torch.equal(lin(x), other)
     monkeypatch.setattr(cuda_gemv, "ENABLED", True)
     y = lin(x)
     assert y.shape == (1, 1, 48)
@@ -172,7 +180,8 @@ def test_silu_input_is_silu_mul_then_the_product(monkeypatch):
     down = _tile_layer(N, K, seed=5)
     gate, up = gu.view(1, 1, 2 * K).split([K, K], dim=-1)
     monkeypatch.setattr(cuda_gemv, "_failed", [])
-    assert cuda_gemv.silu_down(down, gate, up) is None             # ENABLED off
+    monkeypatch.setattr(cuda_gemv, "ENABLED", False)
+    assert cuda_gemv.silu_down(down, gate, up) is None             # off
     monkeypatch.setattr(cuda_gemv, "ENABLED", True)
     assert cuda_gemv.silu_down(down, gate, up) is None             # the CPU: supports says no
     monkeypatch.setattr(cuda_gemv, "supports", lambda x, N, K, group: None)
@@ -241,14 +250,15 @@ def test_source_compiles_with_nvrtc_for_sm_90():
         return ptx.value.decode()
 
     kern = cuda_gemv.Kernels(compile)
-    for t in bench.CUDA_SWEEP + [(2, 8, 2, 1, 1), (2, 8, 2, 1, 0, 1)]:  # loads-only aid, silu
-        ptx = kern.get(cuda_gemv.Config(*t))
+    extra = [cuda_gemv.Config(2, 8, 2, 1, LO=1), cuda_gemv.Config(2, 8, 2, 1, S=1, A=1)]
+    for c in [bench.sweep_config(t) for t in bench.CUDA_SWEEP] + extra:
+        ptx = kern.get(c)
         assert ".entry int4_gemv_m1" in ptx
-        assert ("mma.sync.aligned.m16n8k16" in ptx) == (len(t) != 5)
-        assert ("ex2.approx.f32" in ptx) == (len(t) == 6)
+        assert ("mma.sync.aligned.m16n8k16" in ptx) == (not c.LO)
+        assert ("ex2.approx.f32" in ptx) == bool(c.S)
         assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
     assert len(seen) == len(bench.CUDA_SWEEP) + 2 and "-DLOADS_ONLY" in seen[-2]
-    kern.get(cuda_gemv.Config(*bench.CUDA_SWEEP[0]))
+    kern.get(bench.sweep_config(bench.CUDA_SWEEP[0]))
     assert len(seen) == len(bench.CUDA_SWEEP) + 2         # compiled once per config
 
 
@@ -263,10 +273,10 @@ def test_gemv_bench_cuda_rows_run_on_the_cpu(tmp_path):
                 "--skip-bf16", "--budget-s", "20", "--shapes", "32x512"])
     (row,) = json.loads(out.read_text())["rows"]
     assert "cuda_error" not in row and row["cuda_check"] <= 1 and row["cuda_us"] > 0
-    assert row["cuda_config"] == [2, 4, 1, 1] and row["tinygemm_us"] > 0
+    assert row["cuda_config"] == [2, 4, 1, 1, 1] and row["tinygemm_us"] > 0
     assert row["cuda_sweep"] and not [v for v in row["cuda_sweep"] if "error" in v]
     assert all(v["check"] <= 1 for v in row["cuda_sweep"] if not v.get("LO"))
-    assert [v["cfg"] for v in row["cuda_sweep"] if v.get("LO")] == [[2, 4, 1, 1]]  # (4, 8, ..) won't fit
+    assert [v["cfg"] for v in row["cuda_sweep"] if v.get("LO")] == [[2, 4, 1, 1, 1]]  # (4, 8..) won't fit
 
 
 @pytest.mark.gpu
@@ -281,7 +291,7 @@ def test_cuda_kernel_matches_the_reference_and_tinygemm():
     for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (264, 1152)):
         x, words, sz, W = _case(N, K, "cuda", seed=N)
         tiny = torch.ops.aten._weight_int4pack_mm(x, words, 128, sz)
-        for c in [None] + [cuda_gemv.Config(*t) for t in bench.CUDA_SWEEP]:
+        for c in [None] + [bench.sweep_config(t) for t in bench.CUDA_SWEEP]:
             if c is not None and c.fits(N, K):
                 continue
             y = cuda_gemv.matmul(x, words, sz, N, K, c)
