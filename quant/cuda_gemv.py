@@ -286,24 +286,31 @@ class Config:
         return (K // 128) * 256 + (K // 128) * 4 + self.W * self.NT * 8 * 4
 
 
-# (NT, W, U, P) per (N, K) of the 8B llama's decode GEMVs: the H200 sweep's fastest at A = 0
-# (bench/gemv.py --cuda, 2026-12-02); other shapes take the first of the fallbacks that fits.
-PINNED = {(6144, 4096): (2, 8, 1, 1), (4096, 4096): (2, 16, 1, 1), (28672, 4096): (4, 8, 1, 1),
-          (4096, 14336): (2, 16, 1, 1)}
-_FALLBACKS = ((2, 8, 1, 1), (2, 4, 1, 1), (2, 2, 1, 1), (2, 1, 1, 1))
-# Whether the fused decode step multiplies silu(gate) * up inside the down GEMV (``silu_down``).
-FUSE_SILU = True
+# (NT, U, P) per (N, K) of the 8B llama's decode GEMVs: the H200 sweep's fastest (bench/gemv.py
+# --cuda, 2026-12-02); other shapes take (2, 1, 1). W, the warps splitting K, is a function of K
+# alone (``warps``): it sets the order of a row's float32 sums, so a merged GEMV's outputs keep the
+# bits of each projection's own call (``linear.merge_tiles``), whatever N.
+PINNED = {(6144, 4096): (2, 1, 1), (4096, 4096): (2, 1, 1), (28672, 4096): (4, 1, 1),
+          (4096, 14336): (2, 1, 1)}
+WARPS_BY_K = {4096: 8, 14336: 16}
 # Whether the default shapes put two n-tiles in the mma's A operand (``Config.A``).
 SWAP = 1
+# Whether the fused decode step multiplies silu(gate) * up inside the down GEMV (``silu_down``).
+FUSE_SILU = True
+
+
+def warps(K: int) -> int:
+    """The warps a CTA splitting K (each a whole number of 128-column chunks)."""
+    if K in WARPS_BY_K:
+        return WARPS_BY_K[K]
+    return next(w for w in (8, 4, 2, 1) if (K // 128) % w == 0)
 
 
 def default_config(N: int, K: int) -> Config:
     """The shape used when none is given: a pure function of ``N x K`` (and ``SWAP``)."""
-    for t in ([PINNED[(N, K)]] if (N, K) in PINNED else []) + list(_FALLBACKS):
-        cfg = Config(*t, A=SWAP)
-        if cfg.fits(N, K) is None:
-            return cfg
-    raise AssertionError((N, K))
+    nt, u, p = PINNED.get((N, K), (2, 1, 1))
+    cfg = Config(nt, warps(K), u, p, A=SWAP)
+    return cfg if cfg.fits(N, K) is None else Config(2, warps(K), 1, 1, A=SWAP)
 
 
 def supports(x: torch.Tensor, N: int, K: int, group: int) -> str | None:

@@ -76,6 +76,9 @@ def test_configs_fit_the_8b_shapes_and_say_why_not():
     assert cuda_gemv.Config(1, 4, 1, A=1).fits(64, 1024) == "NT = 1 n-tiles with A = 1 (pairs of n-tiles)"
     assert cuda_gemv.default_config(28672, 4096) == cuda_gemv.Config(4, 8, 1, 1, A=1)
     assert cuda_gemv.default_config(64, 512) == cuda_gemv.Config(2, 4, 1, 1, A=1)
+    # the K split depends on K alone: a merged GEMV sums each row as its projection's own call
+    assert {cuda_gemv.default_config(n, 4096).W for n in (1024, 4096, 6144, 14336, 28672)} == {8}
+    assert cuda_gemv.default_config(4096, 14336).W == 16
     x, words, sz, _ = _case(64, 512)
     with pytest.raises(ValueError, match="W = 8 warps"):
         cuda_gemv.matmul(x, words, sz, 64, 512, cuda_gemv.Config(2, 8, 1),
