@@ -188,11 +188,13 @@ int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
     const int r = lane & 3;
     const int cpw = KO / W;                   // chunks a warp (KO % W == 0, cpw % U == 0)
     const int c0 = warp * cpw;
-    const int nt0 = blockIdx.x * NT;
     const int ntl = (N >> 3) - 1;
+    const int nblk = (ntl + NT) / NT;         // blocks of NT n-tiles; a CTA takes blockIdx.x,
+                                              // then every gridDim.x-th (a grid smaller than
+                                              // nblk stages x once for several blocks)
     Batch A, B;
 #if PIPE
-    load(A, words, sz, c0, nt0, ntl, KO, N, lane);
+    load(A, words, sz, c0, blockIdx.x * NT, ntl, KO, N, lane);
 #endif
     // Stage x: 8 columns 8 e .. 8 e + 7 of chunk c are pairs r = 0..3 of half h of k-tile kt.
     // SILU: x is gate | up ([2K]); what is staged is silu(gate) * up.
@@ -216,10 +218,13 @@ int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
         if (lane == 0) xsum[c] = s;
     }
     __syncthreads();
+    for (int blk = blockIdx.x; blk < nblk; blk += gridDim.x) {
+    const int nt0 = blk * NT;
     float acc[NT][2];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = 0.f;
 #if PIPE
+    if (blk != blockIdx.x) load(A, words, sz, c0, nt0, ntl, KO, N, lane);
     for (int cb = 0; cb < cpw; cb += 2 * U) {
         if (cb + U < cpw) load(B, words, sz, c0 + cb + U, nt0, ntl, KO, N, lane);
         compute(A, acc, xf, xsum, c0 + cb, r);
@@ -254,6 +259,8 @@ int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
         const int n = nt0 * 8 + tid;
         if (n < N) y[n] = to_bf16(s);
     }
+    __syncthreads();                          // part is read before the next block writes it
+    }
 }
 """
 
@@ -270,6 +277,7 @@ class Config:
     LO: int = 0         # 1: loads and stores only, no arithmetic (wrong results; bench/gemv.py)
     S: int = 0          # 1: x is gate | up and the kernel multiplies silu(gate) * up (matmul's silu)
     A: int = 0          # 1: two n-tiles as the mma's A operand, x as B (half the mma of A = x)
+    G: int = 0          # > 0: at most G CTAs an SM, each looping over blocks (x staged once a CTA)
 
     def fits(self, N: int, K: int) -> str | None:
         """None when this shape can run ``N x K``, else why not."""
@@ -339,6 +347,7 @@ class Kernels:
         self._cache: dict = {}
 
     def get(self, cfg: Config):
+        cfg = dataclasses.replace(cfg, G=0)       # the grid is the launch's, not the source's
         k = self._cache.get(cfg)
         if k is None:
             compile = self._compile or torch.cuda._compile_kernel
@@ -395,7 +404,8 @@ class Emulated:
         xsum = s[:, 0]
         wd = words.reshape(-1).to(torch.int64) & 0xFFFFFFFF
         szp = sz.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF       # [K/128 * N]
-        nb = grid[0]
+        nb = -(-(N // 8) // cfg.NT)          # every block, whichever CTA of the grid takes it
+        assert 1 <= grid[0] <= nb
         cpw = KO // cfg.W
         g, r = lane // 4, lane % 4
         blk = torch.arange(nb)[:, None, None]
@@ -514,12 +524,25 @@ def matmul(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, K: in
     smem = cfg.smem(K)
     if smem >= 48 * 1024 and getattr(k, "_max_shared_mem_bytes", 0) < smem:
         k.set_shared_memory_config(smem)
-    k(grid=(-(-(N // 8) // cfg.NT), 1, 1), block=(32 * cfg.W, 1, 1),
+    blocks = -(-(N // 8) // cfg.NT)
+    if cfg.G:
+        blocks = min(blocks, cfg.G * _sms(x.device))
+    k(grid=(blocks, 1, 1), block=(32 * cfg.W, 1, 1),
       args=[x, words, sz, y, N, K], shared_mem=smem)
     return y
 
 
 _failed: list = []
+_SMS: dict = {}
+
+
+def _sms(device) -> int:
+    """Streaming multiprocessors of ``device`` (132 on an H200; the CPU stand-in: 1)."""
+    if device.type != "cuda":
+        return 1
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def layer_matmul(x, words, sz, N, K):

@@ -1,11 +1,13 @@
 """quant.cuda_gemv: the batch-1 int4 GEMV in CUDA C++. CPU: the kernel's CPU stand-in
 (``Emulated``: its index arithmetic and the PTX fragment layout of each ``mma``) against
-``gemv.mma_reference`` bit for bit and against dequantize + matmul, its shapes and refusals, the
+``gemv.mma_reference`` (the same arithmetic, float32 sums in another order: within a bfloat16 last
+place where they differ at all) and against dequantize + matmul, its shapes and refusals, the
 source through NVRTC for sm_90 where the library is present, the bench's path; CUDA (marked gpu):
 the compiled kernel against the reference and torch's int4 kernel, and inside a CUDA graph."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import ctypes.util
 import importlib.util
 import json
@@ -34,6 +36,14 @@ def _case(N, K, device="cpu", seed=0):
     return x, words, sz, W
 
 
+def _near(y, ref):
+    """``y`` is ``ref`` but where float32 sums in another order round the other way: at most one
+    bfloat16 last place apart, in at most 2 % of the outputs (or one)."""
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.float().abs().clamp_min(1e-30))) - 7)
+    diff = (y.float() - ref.float()).abs()
+    return bool((diff <= ulp).all()) and int((diff > 0).sum()) <= max(1, 0.02 * diff.numel())
+
+
 def _check(y, x, W):
     """Max |y - ref| over its allowance (as tests/quant/test_gemv.py): half a bfloat16 unit in the
     last place of float64 ``x @ W.T``, the weights' own bfloat16 rounding, 2^-14 of sum |x||W|."""
@@ -51,7 +61,7 @@ def _check(y, x, W):
                                      (24, 512, (4, 2, 2, 1, 0, 0, 1)),
                                      (72, 2048, None)])
 def test_emulated_kernel_is_the_reference_arithmetic(N, K, cfg):
-    """Every output of the stand-in equals ``mma_reference`` bit for bit (N not a multiple of a
+    """Every output of the stand-in is ``mma_reference``'s (``_near``; N not a multiple of a
     CTA's rows included: the last CTA re-reads a valid n-tile and stores nothing past N), and is
     within its allowance of float64 dequantize + matmul; one launch, the grid and shared memory
     the config says."""
@@ -60,12 +70,17 @@ def test_emulated_kernel_is_the_reference_arithmetic(N, K, cfg):
     c = cuda_gemv.Config(*cfg) if cfg else None
     y = cuda_gemv.matmul(x, words, sz, N, K, c, kern)
     assert y.shape == (1, N) and y.dtype == BF16
-    assert torch.equal(y, gemv.mma_reference(x, words, sz, 128, N, K))
+    assert _near(y, gemv.mma_reference(x, words, sz, 128, N, K))
     assert _check(y, x, W) <= 1
     c = c or cuda_gemv.default_config(N, K)
     (call,) = kern.get(c).calls
     assert call["grid"] == (-(-(N // 8) // c.NT), 1, 1) and call["block"] == (32 * c.W, 1, 1)
     assert call["shared_mem"] == (K // 128) * 260 + c.W * c.NT * 32
+    # G: at most G CTAs an SM (the CPU counts one SM), the blocks looped over; the same kernel
+    g = dataclasses.replace(c, G=2)
+    assert torch.equal(cuda_gemv.matmul(x, words, sz, N, K, g, kern), y)
+    assert kern.get(g) is kern.get(c) and kern.get(c).calls[-1]["grid"] == (
+        min(2, -(-(N // 8) // c.NT)), 1, 1)
 
 
 def test_configs_fit_the_8b_shapes_and_say_why_not():
@@ -152,7 +167,7 @@ def test_layer_takes_the_kernel_for_one_row_and_falls_back_when_it_cannot_compil
     monkeypatch.setattr(cuda_gemv, "ENABLED", True)
     y = lin(x)
     assert y.shape == (1, 1, 48)
-    assert torch.equal(y.view(1, 48), gemv.mma_reference(x.view(1, 512), lin.codes, lin.scales,
+    assert _near(y.view(1, 48), gemv.mma_reference(x.view(1, 512), lin.codes, lin.scales,
                                                          128, 48, 512))
     (c,) = cuda_gemv.KERNELS._cache
     assert cuda_gemv.KERNELS._cache[c].calls[0]["N"] == 48
@@ -176,7 +191,7 @@ def test_silu_input_is_silu_mul_then_the_product(monkeypatch):
     kern = cuda_gemv.Kernels(cuda_gemv.emulated_compile)
     xin = kernels._ref_silu_mul(gu[:, :K], gu[:, K:])
     y = cuda_gemv.matmul(gu, words, sz, N, K, cuda_gemv.Config(2, 4, 1, 1), kern, silu=True)
-    assert torch.equal(y, gemv.mma_reference(xin, words, sz, 128, N, K))
+    assert _near(y, gemv.mma_reference(xin, words, sz, 128, N, K))
     assert _check(y, xin, W) <= 1
     with pytest.raises(ValueError, match="silu: gate and up, 2K"):
         cuda_gemv.matmul(gu[:, :K], words, sz, N, K, None, kern, silu=True)
@@ -191,7 +206,7 @@ def test_silu_input_is_silu_mul_then_the_product(monkeypatch):
     monkeypatch.setattr(cuda_gemv, "KERNELS", kern)
     y = cuda_gemv.silu_down(down, gate, up)
     assert y.shape == (1, 1, N)
-    assert torch.equal(y.view(1, N), gemv.mma_reference(xin, down.codes, down.scales, 128, N, K))
+    assert torch.equal(y, cuda_gemv.matmul(xin, down.codes, down.scales, N, K, None, kern).view(1, 1, N))
     assert cuda_gemv.silu_down(down, up, gate) is None             # up not right after gate
     assert cuda_gemv.silu_down(down, gate, up.clone()) is None
 
@@ -260,9 +275,11 @@ def test_source_compiles_with_nvrtc_for_sm_90():
         assert ("mma.sync.aligned.m16n8k16" in ptx) == (not c.LO)
         assert ("ex2.approx.f32" in ptx) == bool(c.S)
         assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
-    assert len(seen) == len(bench.CUDA_SWEEP) + 2 and "-DLOADS_ONLY" in seen[-2]
+    # compiled once per source (G, the grid, is the launch's)
+    sources = {dataclasses.replace(bench.sweep_config(t), G=0) for t in bench.CUDA_SWEEP}
+    assert len(seen) == len(sources) + 2 and "-DLOADS_ONLY" in seen[-2]
     kern.get(bench.sweep_config(bench.CUDA_SWEEP[0]))
-    assert len(seen) == len(bench.CUDA_SWEEP) + 2         # compiled once per config
+    assert len(seen) == len(sources) + 2
 
 
 def test_gemv_bench_cuda_rows_run_on_the_cpu(tmp_path):
