@@ -89,8 +89,9 @@ def test_configs_fit_the_8b_shapes_and_say_why_not():
     assert cuda_gemv.Config(2, 8, 1).fits(64, 512) == "K / 128 = 4 chunks not a multiple of W = 8 warps"
     assert cuda_gemv.Config(2, 4, 4).fits(64, 1024) == "2 chunks a warp not a multiple of U = 4"
     assert cuda_gemv.Config(1, 4, 1, A=1).fits(64, 1024) == "NT = 1 n-tiles with A = 1 (pairs of n-tiles)"
-    assert cuda_gemv.default_config(28672, 4096) == cuda_gemv.Config(4, 8, 1, 1, A=1)
-    assert cuda_gemv.default_config(64, 512) == cuda_gemv.Config(2, 4, 1, 1, A=1)
+    a = cuda_gemv.SWAP
+    assert cuda_gemv.default_config(28672, 4096) == cuda_gemv.Config(4, 8, 1, 1, A=a)
+    assert cuda_gemv.default_config(64, 512) == cuda_gemv.Config(2, 4, 1, 1, A=a)
     # the K split depends on K alone: a merged GEMV sums each row as its projection's own call
     assert {cuda_gemv.default_config(n, 4096).W for n in (1024, 4096, 6144, 14336, 28672)} == {8}
     assert cuda_gemv.default_config(4096, 14336).W == 16
@@ -199,6 +200,7 @@ def test_silu_input_is_silu_mul_then_the_product(monkeypatch):
     gate, up = gu.view(1, 1, 2 * K).split([K, K], dim=-1)
     monkeypatch.setattr(cuda_gemv, "_failed", [])
     monkeypatch.setattr(cuda_gemv, "ENABLED", False)
+    monkeypatch.setattr(cuda_gemv, "FUSE_SILU", True)
     assert cuda_gemv.silu_down(down, gate, up) is None             # off
     monkeypatch.setattr(cuda_gemv, "ENABLED", True)
     assert cuda_gemv.silu_down(down, gate, up) is None             # the CPU: supports says no
@@ -293,10 +295,11 @@ def test_gemv_bench_cuda_rows_run_on_the_cpu(tmp_path):
                 "--skip-bf16", "--budget-s", "20", "--shapes", "32x512"])
     (row,) = json.loads(out.read_text())["rows"]
     assert "cuda_error" not in row and row["cuda_check"] <= 1 and row["cuda_us"] > 0
-    assert row["cuda_config"] == [2, 4, 1, 1, 1] and row["tinygemm_us"] > 0
+    assert row["cuda_config"] == [2, 4, 1, 1, cuda_gemv.SWAP] and row["tinygemm_us"] > 0
     assert row["cuda_sweep"] and not [v for v in row["cuda_sweep"] if "error" in v]
     assert all(v["check"] <= 1 for v in row["cuda_sweep"] if not v.get("LO"))
-    assert [v["cfg"] for v in row["cuda_sweep"] if v.get("LO")] == [[2, 4, 1, 1, 1]]  # (4, 8..) won't fit
+    # the default's loads-only twin ((4, 8, ..) won't fit)
+    assert [v["cfg"] for v in row["cuda_sweep"] if v.get("LO")] == [[2, 4, 1, 1, cuda_gemv.SWAP]]
 
 
 @pytest.mark.gpu
