@@ -152,7 +152,7 @@ for p in sorted(out.glob("paths-*.json")):
                   f"whole_arena_pin {r.get('whole_arena_pin_s')} err {e.get('error')}")
     cold = d.get("shared_gpu_cold") or {}
     keys = ("error", "cache_dropped", "import_manifest_before", "imports_read_ahead", "packages_read_ahead",
-            "daemon_start_to_hello_s",
+            "daemon_start_to_hello_s", "request_at", "loaded_at",
             "request_to_loaded_s", "vs_best_raw", "phases_ms", "imports_thread_s", "imports_thread_cpu_s",
             "shallow_read_s", "daemon_load_s", "daemon_load_gbps", "daemon_side_after_request_s",
             "daemon_side_vs_best_raw", "daemon_log_pin")
