@@ -25,7 +25,7 @@ from .. import paths
 from .block_manager import BlockManager
 from .config import FlashConfig, read_shape
 from .imports_ahead import ImportsAhead
-from .loader import Attachments, build_device_tier
+from .attachments import Attachments, build_device_tier
 from .operations import Operations
 from .recovery import DeviceWatch
 from .shards import Shards

@@ -5,7 +5,7 @@ import threading
 from deepseek_flash.client import Client
 from deepseek_flash.daemon.config import RESTART_ONLY, FlashConfig
 from deepseek_flash.daemon.factory import Controller, build_controller
-from deepseek_flash.daemon.loader import Attachments
+from deepseek_flash.daemon.attachments import Attachments
 from deepseek_flash.daemon.operations import Operations
 from deepseek_flash.daemon.recovery import DeviceWatch
 
