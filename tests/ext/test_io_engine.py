@@ -242,14 +242,28 @@ def test_poll_cancel_and_close(data_file, backend):
 def test_wait_timeout_and_unknown_batch(data_file, backend):
     path, _ = data_file
     dest = _aligned_buffer(4096)
+    reqs = [_core.ReadRequest(path, 0, 4096, dest, block_id=i) for i in range(20000)]
     with _core.IOEngine(backend, 1, 4096) as e:
-        b = e.submit([_core.ReadRequest(path, 0, 4096, dest, block_id=i) for i in range(20000)])
-        with pytest.raises(TimeoutError):
-            e.wait(b, timeout=0)
-        assert len(e.wait(b)) == 20000  # still pending after the timeout, then complete
-        with pytest.raises(InvalidArgument) as exc:
-            e.wait(b)
-        assert exc.value.errno == errno.EINVAL and f"batch {b}" in str(exc.value)
+        # One worker reads the 20000 pages in tens of milliseconds; a test process descheduled right
+        # after submit (a loaded 2-core CI machine) can find the batch already complete, which is no
+        # timeout to test. Such a try proves only that the complete batch is returned whole; the
+        # timeout must be seen within a few tries.
+        timed_out = 0
+        for _ in range(5):
+            b = e.submit(reqs)
+            try:
+                early = e.wait(b, timeout=0)
+            except TimeoutError:
+                timed_out += 1
+                assert len(e.wait(b)) == 20000  # still pending after the timeout, then complete
+            else:
+                assert len(early) == 20000
+            with pytest.raises(InvalidArgument) as exc:
+                e.wait(b)
+            assert exc.value.errno == errno.EINVAL and f"batch {b}" in str(exc.value)
+            if timed_out:
+                break
+        assert timed_out == 1
 
 
 def test_arguments_are_checked(data_file, faults):
