@@ -8,10 +8,11 @@ thread pool. Prints JSON; `engine_vs_best_raw` is the best engine rate over the 
     python bench/io.py [--size 4GiB] [--dir DIR]
 
 With ``--file`` (an existing file, e.g. a store's blocks.dat): the daemon's read shapes
-(``--shapes``, the ``read_shape`` key's form) against ``dd iflag=direct bs=4M``, in ``--rounds``
+(``--shapes``, the ``read_shape`` key's form; ``threads:8x4MiB`` on the engine's thread pool
+instead of io_uring) against ``dd iflag=direct bs=4M``, in ``--rounds``
 rounds of dd then each shape, each reading ``--bytes`` of the file at a region of its own (no
-region read twice while the file has room; page cache dropped before each), io_uring into a
-populated destination as the daemon's; ``shapes`` holds each one's median over dd's median.
+region read twice while the file has room; page cache dropped before each), into a populated
+destination as the daemon's; ``shapes`` holds each one's median over dd's median.
 
     python bench/io.py --file STORE/blocks.dat --bytes 1GiB --shapes 32x1MiB,8x4MiB --rounds 2
 """
@@ -85,7 +86,9 @@ def shapes_against_dd(path: str, nbytes: int, shapes: list[str], rounds: int) ->
     regions taken in turn so that no region is read twice while the file has room."""
     from deepseek_flash.daemon.config import read_shape
 
-    parsed = {s: read_shape("--shapes", s) for s in shapes}
+    # "threads:8x4MiB": the engine's preadv thread pool instead of io_uring.
+    parsed = {s: (s.partition(":")[0] if ":" in s else "io_uring",
+                  *read_shape("--shapes", s.rpartition(":")[2])) for s in shapes}
     size = os.path.getsize(path)
     nbytes = min(nbytes, size) // EXTENT * EXTENT
     if nbytes == 0:
@@ -104,7 +107,7 @@ def shapes_against_dd(path: str, nbytes: int, shapes: list[str], rounds: int) ->
             if name == "dd 1x4MiB":
                 rate = bench_dd(path, nbytes, 4 << 20, skip=offset // (4 << 20))
             else:
-                rate = bench_engine(path, nbytes, "io_uring", *parsed[name], dest, offset=offset)
+                rate = bench_engine(path, nbytes, *parsed[name], dest, offset=offset)
             runs[name].append(rate)
             order.append([name, offset, rate])
             print(f"{name} @{offset >> 20} MiB: {rate} GB/s", file=sys.stderr, flush=True)
