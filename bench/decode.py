@@ -59,6 +59,9 @@ SMOKE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_s
 
 
 ATTENTION_VARIANTS = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention")
+# Variants with their own rounding: their own parity and profile (graphs_cuda_gemv / graphs_tinygemm:
+# int4 one-row GEMVs through quant.cuda_gemv on / off, whatever its default)
+OWN_ROUNDING = ATTENTION_VARIANTS + ("graphs_cuda_gemv", "graphs_tinygemm")
 
 
 def build(arch: str, shape: dict, device, dtype, layers: int | None = None):
@@ -339,18 +342,23 @@ def main(argv=None) -> int:
     capacity = args.prompt + args.new
     decoder = None
     default_attention = fusion.ATTENTION
+    from deepseek_flash.quant import cuda_gemv
+    default_gemv = cuda_gemv.ENABLED
     known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {}, "graphs_sdpa": {},
              "graphs_triton_attention": {}, "graphs_rope_attention": {},
+             "graphs_cuda_gemv": {}, "graphs_tinygemm": {},
              "graphs_transformers_attention": {"fused": False, "packed_attention": False},
              "graphs_transformers_norm": {"fused": False, "fused_norm": False}}
     chosen = ["graphs"] + [v for v in args.variants.split(",") if v and v != "graphs"]
     for variant in chosen if not args.only_peer else ():
         options = known[variant]
-        if variant not in ("graphs", "graphs_modules", "graphs_unmerged") + ATTENTION_VARIANTS and args.smoke:
+        if variant not in ("graphs", "graphs_modules", "graphs_unmerged") + OWN_ROUNDING and args.smoke:
             continue
         if decoder is not None:
             decoder.reset()
         fusion.MERGE_QUANTIZED = variant != "graphs_unmerged"
+        cuda_gemv.ENABLED = {"graphs_cuda_gemv": True, "graphs_tinygemm": False}.get(variant,
+                                                                                  default_gemv)
         fusion.ATTENTION = {"graphs_sdpa": "sdpa", "graphs_triton_attention": "triton",
                             "graphs_rope_attention": "rope_triton"}.get(variant, default_attention)
         decoder = enable(model, capacity=capacity, **options)
@@ -383,7 +391,7 @@ def main(argv=None) -> int:
                 res.setdefault("parity", {})[b] = guarded(logit_parity, torch, decoder, ids, mask,
                                                           args.parity_steps)
                 save(res, args.output)
-            elif variant in ATTENTION_VARIANTS:       # its own rounding: its own parity and profile
+            elif variant in OWN_ROUNDING:       # its own rounding: its own parity and profile
                 if cuda:
                     entry["profile"] = guarded(step_profile, torch, decoder, batch_bucket(b), out_dir,
                                                variant)
@@ -393,6 +401,7 @@ def main(argv=None) -> int:
         res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
         save(res, args.output)
     fusion.MERGE_QUANTIZED, fusion.ATTENTION = True, default_attention
+    cuda_gemv.ENABLED = default_gemv
     if decoder is not None:
         decoder.reset()
     decoder = enable(model, capacity=capacity)
@@ -441,7 +450,7 @@ def main(argv=None) -> int:
         if "graphs_unmerged" in res:
             row["unmerged_tok_s"] = res["graphs_unmerged"][b]["tok_s"]
             row["merged_vs_unmerged"] = round(ours / res["graphs_unmerged"][b]["tok_s"], 3)
-        for variant in ATTENTION_VARIANTS:
+        for variant in OWN_ROUNDING:
             if variant in res:
                 name = variant.removeprefix("graphs_")
                 row[f"{name}_tok_s"] = res[variant][b]["tok_s"]

@@ -136,6 +136,64 @@ def tinygemm(x, w, group, s, N, K):
     return torch.ops.aten._weight_int4pack_mm(x, w, group, s)
 
 
+# (NT, W, U, P) of quant.cuda_gemv.Config
+CUDA_SWEEP = [(1, 8, 1, 1), (1, 8, 2, 1), (2, 8, 1, 1), (2, 8, 2, 1), (4, 8, 1, 1), (4, 8, 2, 1),
+              (2, 4, 2, 1), (4, 4, 2, 1), (8, 4, 1, 1), (2, 16, 1, 1), (4, 4, 4, 1), (2, 8, 4, 1),
+              (2, 8, 2, 0), (4, 8, 1, 0), (4, 4, 2, 0)]
+
+
+def cuda_rows(row, x, mats, W, N, K, wbytes, bw, budget_s):
+    """The CUDA C++ kernel at batch 1 (on the smoke run: its CPU stand-in): the default shape
+    (``cuda_us``, ``cuda_frac``, ``cuda_check``), then the ``CUDA_SWEEP`` shapes that fit, each
+    checked, while ``budget_s`` lasts (``cuda_sweep``)."""
+    from deepseek_flash.quant import cuda_gemv
+    kern = cuda_gemv.Kernels(cuda_gemv.emulated_compile) if SMOKE else cuda_gemv.KERNELS
+    words0, sz0 = mats[0][1], mats[0][2]
+    cfg = cuda_gemv.default_config(N, K)
+    row["cuda_config"] = [cfg.NT, cfg.W, cfg.U, cfg.P]
+    t_start = time.time()
+
+    def run(c, key):
+        y = cuda_gemv.matmul(x, words0, sz0, N, K, c, kern)
+        sync()
+        chk = check(y, x, W)
+        t = time_calls([lambda w=w, s=s: cuda_gemv.matmul(x, w, s, N, K, c, kern)
+                        for _, w, s, _ in mats], reps=3)
+        return {"us": round(t * 1e6, 2), "frac": round(wbytes / t / bw, 3), "check": chk[1],
+                "rel": chk[0]}
+
+    try:
+        r = run(cfg, "cuda")
+        row["cuda_us"], row["cuda_frac"], row["cuda_check"] = r["us"], r["frac"], r["check"]
+    except Exception as exc:                  # NVRTC missing or refusing: record, go on
+        row["cuda_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        return
+    sw = []
+    for nt, w, u, p in CUDA_SWEEP:
+        c = cuda_gemv.Config(nt, w, u, p)
+        if c == cfg or c.fits(N, K) or time.time() - t_start > budget_s:
+            continue
+        try:
+            sw.append({"cfg": [nt, w, u, p], **run(c, "sweep")})
+        except Exception as exc:
+            sw.append({"cfg": [nt, w, u, p], "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    # the access pattern alone (loads and stores, no arithmetic; wrong results); on the smoke run a
+    # launch that does nothing stands in for it
+    kern_lo = cuda_gemv.Kernels(lambda *a, **k: lambda **kw: None) if SMOKE else kern
+    for c in (cuda_gemv.Config(cfg.NT, cfg.W, cfg.U, cfg.P, LO=1), cuda_gemv.Config(4, 8, 1, 1, LO=1)):
+        if c.fits(N, K):
+            continue
+        try:
+            t = time_calls([lambda w=w, s=s: cuda_gemv.matmul(x, w, s, N, K, c, kern_lo)
+                            for _, w, s, _ in mats], reps=3)
+            sw.append({"cfg": [c.NT, c.W, c.U, c.P], "LO": 1, "us": round(t * 1e6, 2),
+                       "frac": round(wbytes / t / bw, 3)})
+        except Exception as exc:
+            sw.append({"cfg": [c.NT, c.W, c.U, c.P], "LO": 1,
+                       "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    row["cuda_sweep"] = sw
+
+
 def main(argv=None):
     global SMOKE
     ap = argparse.ArgumentParser()
@@ -152,6 +210,12 @@ def main(argv=None):
     ap.add_argument("--int8", action="store_true", help="also int8 (row layout) kernels")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--int8-sweep", action="store_true")
+    ap.add_argument("--cuda", action="store_true",
+                    help="also the CUDA C++ batch-1 kernel (quant.cuda_gemv) at M = 1: its default "
+                         "shape and a sweep of others (until --budget-s)")
+    ap.add_argument("--skip-triton", action="store_true",
+                    help="leave out the Triton int4 kernel (quant.gemv)")
+    ap.add_argument("--skip-bf16", action="store_true", help="leave out the bf16 matmul")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, tiny shapes, wall-clock timing: proves the script runs (CI)")
     args = ap.parse_args(argv)
@@ -190,6 +254,8 @@ def main(argv=None):
             cfg = gemv.int4_config(M, N, K)
             row["int4_config"] = cfg
             try:        # correctness of the default config, then its time
+                if args.skip_triton:
+                    raise RuntimeError("skipped (--skip-triton)")
                 y = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K)
                 sync()
                 row["int4_check"] = check(y, x, W)
@@ -206,11 +272,15 @@ def main(argv=None):
                             for _, w, s, _ in mats])
             row["tinygemm_us"] = round(t * 1e6, 2)
             row["tinygemm_frac"] = round(wbytes / t / bw, 3)
-            t = time_calls([lambda b=b: torch.nn.functional.linear(x, b) for b in bf])
-            row["bf16_us"] = round(t * 1e6, 2)
-            row["bf16_frac"] = round(N * K * 2 / t / bw, 3)
+            if not args.skip_bf16:
+                t = time_calls([lambda b=b: torch.nn.functional.linear(x, b) for b in bf])
+                row["bf16_us"] = round(t * 1e6, 2)
+                row["bf16_frac"] = round(N * K * 2 / t / bw, 3)
             res["rows"].append(row)
             save()
+            if args.cuda and M == 1 and args.group == 128:
+                cuda_rows(row, x, mats, W, N, K, wbytes, bw, args.budget_s - (time.time() - t0))
+                save()
             if args.old:              # the CUDA-core kernels of 2026-12-01 (rows / dot)
                 ocfg = gemv.rows_config(N, K) if M == 1 else gemv.int4_config(16, N, K)
                 yo = gemv.int4_tiles_matmul(x, words0, sz0, args.group, N, K, ocfg)
@@ -314,11 +384,21 @@ def main(argv=None):
           f"{'bf16 us':>8} | {'int8 us':>8} {'frac':>5} {'old us':>8} | chk4 tiny chk8")
     for r in res["rows"]:
         print(f"{r['N']:>6} {r['K']:>6} {r['M']:>2} | {r['int4_us']:>8} {r['int4_frac']:>5} | "
-              f"{r['tinygemm_us']:>8} {r['tinygemm_frac']:>5} | {r['bf16_us']:>8} | "
+              f"{r['tinygemm_us']:>8} {r['tinygemm_frac']:>5} | {r.get('bf16_us', '-'):>8} | "
               f"{r.get('int8_us', '-'):>8} {r.get('int8_frac', '-'):>5} {r.get('int8_old_us', '-'):>8}"
               f" | {r['int4_check'][1]:.2f} {r['tinygemm_check'][1]:.2f} "
               f"{r.get('int8_check', [0, 0])[1]:.2f}")
     for r in res["rows"]:
+        if "cuda_us" in r or "cuda_error" in r:
+            best = sorted((v for v in r.get("cuda_sweep", []) if "us" in v and not v.get("LO")),
+                          key=lambda v: v["us"])
+            print(r["N"], r["K"], r["M"], "cuda loads only:",
+                  [(v["cfg"], v.get("us"), v.get("frac")) for v in r.get("cuda_sweep", [])
+                   if v.get("LO")])
+            print(r["N"], r["K"], r["M"], "cuda", r.get("cuda_config"), r.get("cuda_us"),
+                  r.get("cuda_frac"), r.get("cuda_check"), r.get("cuda_error", ""), "| best:",
+                  [(v["cfg"], v["us"], v["frac"], v["check"]) for v in best[:5]],
+                  "| errors:", [v for v in r.get("cuda_sweep", []) if "error" in v][:2])
         if "int4_error" in r:
             print(r["N"], r["K"], r["M"], "int4 error:", r["int4_error"])
         if "old_us" in r:

@@ -3,7 +3,8 @@
 #   decode -- bench/decode.py --int4: the 8B llama, every projection int4 g128 in the tile layout,
 #             graphs, vs the HBM bound measured in the same run; variants (VARIANTS) graphs (the
 #             default step: merged q|k|v and gate|up, sdpa), graphs_unmerged (one GEMV a projection),
-#             graphs_triton_attention / graphs_rope_attention (our attention kernels); parity vs
+#             graphs_triton_attention / graphs_rope_attention (our attention kernels), graphs_cuda_gemv /
+#             graphs_tinygemm (the CUDA C++ int4 GEMV on / off); parity vs
 #             transformers' modules; one profiled step each -> decode_int4.json, decode_int4.log,
 #             profile_*.txt (DECODE_TIMEOUT, 36 s)
 #   bf16   -- (only when named) bench/decode.py, the bf16 8B llama: graphs vs graphs_triton_attention,
@@ -47,12 +48,13 @@ r = json.load(open(sys.argv[1]))
 print("==", sys.argv[1].rsplit("/", 1)[-1])
 print(f"copy {r.get('copy_bandwidth_gbps')} GB/s, {r.get('weight_bytes_per_step', 0) / 1e9:.3f} GB a step, "
       f"bound {r.get('hbm_bound_tok_s_per_seq')} tok/s")
-for v in ("graphs", "graphs_unmerged", "graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention"):
+own = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention", "graphs_cuda_gemv", "graphs_tinygemm")
+for v in ("graphs", "graphs_unmerged") + own:
     for b, e in r.get(v, {}).items():
         m = e.get("merged") or {}
         print(f"{v:16} b{b}: {e['tok_s']:>8} tok/s  vs bound {e.get('vs_hbm_bound', '-')}  mode {e['mode']} "
               f"step {e['step']} triton {e.get('triton')} merged {m.get('quantized')}/{m.get('unmerged')}")
-for v in ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention"):
+for v in own:
     for b, e in r.get(v, {}).items():
         if "parity" in e:
             print(f"parity {v} b{b}: {e['parity']}"[:300])

@@ -9,6 +9,9 @@ rows ``M`` of the input (tokens x batch), the same way for every layer wherever 
   both 0, off, by default: measured slower than the kernels below): our Triton GEMV kernels
   (``quant.gemv``) -- int4 on the tile layout (as bound, or derived as below), int8 on the stored
   rows; everything below is for the other cases;
+* one row of int4 in the tile layout on CUDA with bfloat16 activations and group 128, when
+  ``cuda_gemv.ENABLED``: the CUDA C++ GEMV (``quant.cuda_gemv``; compiled at the first call, torch's
+  int4 kernel below where it cannot be, logged once);
 * int4 that the host tier holds in torch's CUDA tile layout (``quant.host_tier.TiledStore``;
   ``layout`` ``int4_cuda_tiles``): on CUDA with bfloat16 activations, every M runs
   ``_weight_int4pack_mm`` on the bound bytes -- nothing derived, kept or synced, so the call is
@@ -31,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gemv, int4pack, kernels
+from . import cuda_gemv, gemv, int4pack, kernels
 from .codec import QuantizedTensor, dequantize
 
 log = logging.getLogger(__name__)
@@ -129,6 +132,12 @@ class QuantLinear(nn.Module):
                 y = gemv.int4_tiles_matmul(x.reshape(-1, K), self.codes, self.scales,
                                            self._tiles_group, N, K).view(*x.shape[:-1], N)
                 return y if self.bias is None else y + self.bias
+            if (cuda_gemv.ENABLED and self.bias is None
+                    and cuda_gemv.supports(x, N, K, self._tiles_group) is None):
+                # One row: the CUDA C++ GEMV on the bound tiles (capturable, nothing derived).
+                y = cuda_gemv.layer_matmul(x.reshape(1, K), self.codes, self.scales, N, K)
+                if y is not None:
+                    return y.view(*x.shape[:-1], N)
             if x.is_cuda and x.dtype == torch.bfloat16:
                 # The host tier's tile layout: the kernel's operands as bound, nothing derived, no
                 # host sync, output shaped by x alone (capturable in a CUDA graph).

@@ -1,0 +1,277 @@
+"""quant.cuda_gemv: the batch-1 int4 GEMV in CUDA C++. CPU: the kernel's CPU stand-in
+(``Emulated``: its index arithmetic and the PTX fragment layout of each ``mma``) against
+``gemv.mma_reference`` bit for bit and against dequantize + matmul, its shapes and refusals, the
+source through NVRTC for sm_90 where the library is present, the bench's path; CUDA (marked gpu):
+the compiled kernel against the reference and torch's int4 kernel, and inside a CUDA graph."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepseek_flash.quant import QuantSpec, cuda_gemv, gemv, int4pack
+from deepseek_flash.quant.codec import dequantize
+
+CUDA = torch.cuda.is_available()
+BF16 = torch.bfloat16
+ROOT = Path(__file__).parents[2]
+
+
+def _case(N, K, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    spec = QuantSpec("int4_symmetric", "per_block", 128)
+    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g).to(device)
+    scales = (torch.rand(N, K // 128, generator=g) * 0.02 + 1e-3).half().to(device)
+    words = int4pack.cuda_layout(codes, 8)
+    sz = int4pack.scales_and_zeros(scales, spec, (N, K), 128, BF16)
+    W = dequantize(codes, sz[..., 0].t().float(), spec, (N, K), torch.float32)
+    x = torch.randn(1, K, generator=g).to(BF16).to(device)
+    return x, words, sz, W
+
+
+def _check(y, x, W):
+    """Max |y - ref| over its allowance (as tests/quant/test_gemv.py): half a bfloat16 unit in the
+    last place of float64 ``x @ W.T``, the weights' own bfloat16 rounding, 2^-14 of sum |x||W|."""
+    ref = x.double() @ W.double().t()
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.to(BF16).double().abs().clamp_min(1e-30))) - 7)
+    rounding = x.double().abs() @ (W.double() - W.to(BF16).double()).abs().t()
+    allowance = 0.5 * ulp + rounding + 2.0 ** -14 * (x.double().abs() @ W.double().abs().t())
+    return ((y.double() - ref).abs() / allowance).max().item()
+
+
+@pytest.mark.parametrize("N,K,cfg", [(64, 1024, (2, 8, 1, 1)), (40, 1024, (2, 4, 2, 0)),
+                                     (24, 512, (4, 2, 2, 1)), (16, 256, (1, 1, 2, 1)),
+                                     (72, 2048, None)])
+def test_emulated_kernel_is_the_reference_arithmetic(N, K, cfg):
+    """Every output of the stand-in equals ``mma_reference`` bit for bit (N not a multiple of a
+    CTA's rows included: the last CTA re-reads a valid n-tile and stores nothing past N), and is
+    within its allowance of float64 dequantize + matmul; one launch, the grid and shared memory
+    the config says."""
+    x, words, sz, W = _case(N, K, seed=N)
+    kern = cuda_gemv.Kernels(cuda_gemv.emulated_compile)
+    c = cuda_gemv.Config(*cfg) if cfg else None
+    y = cuda_gemv.matmul(x, words, sz, N, K, c, kern)
+    assert y.shape == (1, N) and y.dtype == BF16
+    assert torch.equal(y, gemv.mma_reference(x, words, sz, 128, N, K))
+    assert _check(y, x, W) <= 1
+    c = c or cuda_gemv.default_config(N, K)
+    (call,) = kern.get(c).calls
+    assert call["grid"] == (-(-(N // 8) // c.NT), 1, 1) and call["block"] == (32 * c.W, 1, 1)
+    assert call["shared_mem"] == (K // 128) * 260 + c.W * c.NT * 32
+
+
+def test_configs_fit_the_8b_shapes_and_say_why_not():
+    for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)):
+        assert cuda_gemv.default_config(N, K).fits(N, K) is None
+    assert cuda_gemv.Config(2, 8, 1).fits(64, 512) == "K / 128 = 4 chunks not a multiple of W = 8 warps"
+    assert cuda_gemv.Config(2, 4, 4).fits(64, 1024) == "2 chunks a warp not a multiple of U = 4"
+    x, words, sz, _ = _case(64, 512)
+    with pytest.raises(ValueError, match="W = 8 warps"):
+        cuda_gemv.matmul(x, words, sz, 64, 512, cuda_gemv.Config(2, 8, 1),
+                         cuda_gemv.Kernels(cuda_gemv.emulated_compile))
+
+
+def test_supports_names_what_it_refuses():
+    x = torch.zeros(1, 4096, dtype=BF16)
+    assert cuda_gemv.supports(x, 4096, 4096, 128) == "device type cpu"
+    meta = torch.zeros(1, 4096, dtype=BF16, device="meta")
+    assert cuda_gemv.supports(meta, 4096, 4096, 128) == "device type meta"
+
+    class Fake:          # a CUDA tensor's attributes, without a device
+        def __init__(self, dtype=BF16, numel=4096):
+            self.device, self.dtype, self._n = torch.device("cuda"), dtype, numel
+
+        def numel(self):
+            return self._n
+    assert cuda_gemv.supports(Fake(), 4096, 4096, 128) is None
+    assert cuda_gemv.supports(Fake(torch.float16), 4096, 4096, 128) == "torch.float16 activations"
+    assert cuda_gemv.supports(Fake(numel=8192), 4096, 4096, 128) == "2 rows (the kernel takes one)"
+    assert cuda_gemv.supports(Fake(), 4096, 4096, 64) == "scale group 64 (the kernel takes 128)"
+    assert cuda_gemv.supports(Fake(), 4100, 4096, 128) == "shape 4100 x 4096 (N a multiple of 8, K of 128)"
+
+
+def test_operands_off_alignment():
+    """x at an odd offset is copied (4-byte loads of column pairs) and gives the same bits;
+    codes or scales the kernel cannot load as they lie are refused with a ValueError."""
+    N, K = 32, 512
+    x, words, sz, _ = _case(N, K)
+    kern = cuda_gemv.Kernels(cuda_gemv.emulated_compile)
+    c = cuda_gemv.Config(1, 4, 1, 1)
+    base = torch.zeros(1, K + 1, dtype=BF16)
+    base[0, 1:] = x[0]
+    xo = base[:, 1:]
+    assert xo.data_ptr() % 16
+    assert torch.equal(cuda_gemv.matmul(xo, words, sz, N, K, c, kern),
+                       cuda_gemv.matmul(x, words, sz, N, K, c, kern))
+    with pytest.raises(ValueError, match="contiguous"):
+        cuda_gemv.matmul(x, words, sz.transpose(0, 1).contiguous().transpose(0, 1), N, K, c, kern)
+
+
+def _tile_layer(N, K, seed=0):
+    from deepseek_flash.quant import quantize
+    from deepseek_flash.quant.codec import QuantizedTensor
+    from deepseek_flash.quant.linear import QuantLinear
+    spec = QuantSpec("int4_symmetric", "per_block", 128)
+    w = (torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05).to(BF16)
+    qt = quantize(w, spec)
+    qt = QuantizedTensor(spec, (N, K), int4pack.cuda_layout(qt.data, 8),
+                         int4pack.scales_and_zeros(qt.scales, spec, (N, K), 128, BF16),
+                         BF16, "int4_cuda_tiles", (8, 128))
+    return QuantLinear(K, N, qt)
+
+
+def test_layer_takes_the_kernel_for_one_row_and_falls_back_when_it_cannot_compile(monkeypatch,
+                                                                                   caplog):
+    """``QuantLinear`` on the tile layout: with ``ENABLED`` and ``supports`` saying yes (as on
+    CUDA), a one-row call runs the kernel on the bound codes and scales (the stand-in here: the
+    reference's bits); off, or when compiling fails (logged once, not retried), the layer's other
+    path runs."""
+    lin = _tile_layer(48, 512)
+    x = torch.randn(1, 1, 512).to(BF16)
+    other = lin(x)
+    monkeypatch.setattr(cuda_gemv, "supports", lambda x, N, K, group: None)
+    monkeypatch.setattr(cuda_gemv, "KERNELS", cuda_gemv.Kernels(cuda_gemv.emulated_compile))
+    monkeypatch.setattr(cuda_gemv, "_failed", [])
+    assert torch.equal(lin(x), other)                     # ENABLED is off by default
+    monkeypatch.setattr(cuda_gemv, "ENABLED", True)
+    y = lin(x)
+    assert y.shape == (1, 1, 48)
+    assert torch.equal(y.view(1, 48), gemv.mma_reference(x.view(1, 512), lin.codes, lin.scales,
+                                                         128, 48, 512))
+    (c,) = cuda_gemv.KERNELS._cache
+    assert cuda_gemv.KERNELS._cache[c].calls[0]["N"] == 48
+
+    def refuse(*a, **k):
+        raise RuntimeError("CUDA error: NVRTC_ERROR_COMPILATION")
+    monkeypatch.setattr(cuda_gemv, "KERNELS", cuda_gemv.Kernels(refuse))
+    assert torch.equal(lin(x), other) and torch.equal(lin(x), other)
+    assert cuda_gemv._failed == ["RuntimeError: CUDA error: NVRTC_ERROR_COMPILATION"]
+    assert sum("CUDA int4 GEMV is not used" in r.message for r in caplog.records) == 1
+
+
+def _nvrtc():
+    """libnvrtc (the pip wheel's, beside its builtins library, or the system's), else None."""
+    names = []
+    try:
+        import nvidia
+        for d in nvidia.__path__:
+            for sub in ("cu13/lib", "cuda_nvrtc/lib"):
+                lib = Path(d) / sub
+                names += [str(p) for p in sorted(lib.glob("libnvrtc-builtins.so.*"))
+                          if "alt" not in p.name]
+                names += [str(p) for p in sorted(lib.glob("libnvrtc.so.*")) if "alt" not in p.name]
+    except ImportError:
+        pass
+    names += ["libnvrtc.so.13", "libnvrtc.so.12"]
+    found = None
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        if hasattr(lib, "nvrtcCompileProgram"):
+            found = found or lib
+    return found
+
+
+NVRTC = _nvrtc()
+
+
+@pytest.mark.skipif(NVRTC is None, reason="needs libnvrtc (NVRTC compiles without a GPU)")
+def test_source_compiles_with_nvrtc_for_sm_90():
+    """What ``torch.cuda._compile_kernel`` does on the device short of loading the module: the
+    source with every config of the bench's sweep and the options ``Kernels`` passes compiles
+    for sm_90 (no headers needed)."""
+    spec = importlib.util.spec_from_file_location("bench_gemv", ROOT / "bench" / "gemv.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen = []
+
+    def compile(source, name, nvcc_options=()):
+        prog = ctypes.c_void_p()
+        assert NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"gemv.cu", 0,
+                                        None, None) == 0
+        opts = [b"--gpu-architecture=compute_90"] + [o.encode() for o in nvcc_options]
+        rc = NVRTC.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        NVRTC.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        NVRTC.nvrtcGetProgramLog(prog, log)
+        assert rc == 0, log.value.decode()
+        NVRTC.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        NVRTC.nvrtcGetPTX(prog, ptx)
+        NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
+        seen.append(nvcc_options)
+        return ptx.value.decode()
+
+    kern = cuda_gemv.Kernels(compile)
+    for t in bench.CUDA_SWEEP + [(2, 8, 2, 1, 1)]:       # and the loads-only aid
+        ptx = kern.get(cuda_gemv.Config(*t))
+        assert ".entry int4_gemv_m1" in ptx
+        assert ("mma.sync.aligned.m16n8k16" in ptx) == (len(t) == 4)
+        assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
+    assert len(seen) == len(bench.CUDA_SWEEP) + 1 and "-DLOADS_ONLY" in seen[-1]
+    kern.get(cuda_gemv.Config(*bench.CUDA_SWEEP[0]))
+    assert len(seen) == len(bench.CUDA_SWEEP) + 1         # compiled once per config
+
+
+def test_gemv_bench_cuda_rows_run_on_the_cpu(tmp_path):
+    """``bench/gemv.py --smoke --cuda`` (the CPU stand-in for the compiled kernel): the default
+    shape and the sweep run, are checked, and land in the JSON as the device run writes them."""
+    spec = importlib.util.spec_from_file_location("bench_gemv", ROOT / "bench" / "gemv.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "gemv.json"
+    bench.main(["--smoke", "--output", str(out), "--ms", "1", "--cuda", "--skip-triton",
+                "--skip-bf16", "--budget-s", "20", "--shapes", "32x512"])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "cuda_error" not in row and row["cuda_check"] <= 1 and row["cuda_us"] > 0
+    assert row["cuda_config"] == [2, 4, 1, 1] and row["tinygemm_us"] > 0
+    assert row["cuda_sweep"] and not [v for v in row["cuda_sweep"] if "error" in v]
+    assert all(v["check"] <= 1 for v in row["cuda_sweep"] if not v.get("LO"))
+    assert [v["cfg"] for v in row["cuda_sweep"] if v.get("LO")] == [[2, 4, 1, 1]]  # (4, 8, ..) won't fit
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_kernel_matches_the_reference_and_tinygemm():
+    """The compiled kernel at the 8B shapes (merged q|k|v and gate|up included) and an odd one,
+    every config of the bench's sweep that fits: within the allowance of float64 dequantize +
+    matmul, the same bits on a second call, within bfloat16 rounding of torch's int4 kernel."""
+    spec = importlib.util.spec_from_file_location("bench_gemv", ROOT / "bench" / "gemv.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (264, 1152)):
+        x, words, sz, W = _case(N, K, "cuda", seed=N)
+        tiny = torch.ops.aten._weight_int4pack_mm(x, words, 128, sz)
+        for c in [None] + [cuda_gemv.Config(*t) for t in bench.CUDA_SWEEP]:
+            if c is not None and c.fits(N, K):
+                continue
+            y = cuda_gemv.matmul(x, words, sz, N, K, c)
+            assert _check(y, x, W) <= 1, (N, K, c)
+            assert torch.equal(y, cuda_gemv.matmul(x, words, sz, N, K, c)), (N, K, c)
+            rel = (y.float() - tiny.float()).abs().max() / tiny.float().abs().max()
+            assert rel < 1e-2, (N, K, c, rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_kernel_in_a_cuda_graph():
+    N, K = 6144, 4096
+    x, words, sz, _ = _case(N, K, "cuda")
+    y = torch.empty(1, N, dtype=BF16, device="cuda")
+    cuda_gemv.matmul(x, words, sz, N, K, out=y)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cuda_gemv.matmul(x, words, sz, N, K, out=y)
+    x.copy_(torch.randn(1, K, device="cuda").to(BF16))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, cuda_gemv.matmul(x, words, sz, N, K))
