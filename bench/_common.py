@@ -53,10 +53,10 @@ def gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-def dd_read(path: str, size: int, bs: int = 8 << 20) -> float:
-    """``dd iflag=direct`` of the first ``size`` bytes, GB/s."""
+def dd_read(path: str, size: int, bs: int = 8 << 20, skip: int = 0) -> float:
+    """``dd iflag=direct`` of ``size`` bytes from ``skip`` blocks of ``bs`` on, GB/s."""
     t = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "iflag=direct", f"bs={bs}",
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "iflag=direct", f"bs={bs}", f"skip={skip}",
                     f"count={size // bs}"], check=True, capture_output=True)
     return gbps(size // bs * bs, time.perf_counter() - t)
 

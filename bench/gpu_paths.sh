@@ -8,7 +8,11 @@
 #                                            from the first read ahead at start) (~150 s on a fresh
 #                                            machine; PATHS_COLD_ARGS e.g. --skeleton-alone, --no-restart;
 #                                            the imports beside the IO engine at PATHS_BESIDE_ENGINE,
-#                                            default 32x1MiB, '' to skip: ~12 s each)
+#                                            default 32x1MiB, '' to skip: ~12 s each);
+#                                            PATHS_READ_SHAPES (e.g. 32x1MiB,8x4MiB): first, those
+#                                            read shapes against dd on the store's file (bench/io.py
+#                                            --file; PATHS_SHAPE_BYTES a reading, default 1GiB,
+#                                            PATHS_SHAPE_ROUNDS, default 2: ~1 s a reading)
 #   bash bench/gpu_paths.sh OUTDIR imports [ARCH]  (default qwen2; its store made if missing) the
 #         skeleton's imports in a fresh interpreter, cache dropped: alone, beside the IO engine
 #         reading the store at each PATHS_IMPORTS_ENGINE shape (default 32x1MiB,4x4MiB,1x4MiB) and
@@ -50,6 +54,12 @@ if [ "$part" = cold ]; then
   arch=${3:-mistral}    # a store another bench left under $work is used as it is
   python3 bench/stream.py --arch "$arch" --dir $work --prepare-only > "$logs/prep-$arch.txt" 2>&1
   echo "prepared at $(( $(date +%s) - t0 )) s: $(tail -1 "$logs/prep-$arch.txt")"
+  if [ -n "${PATHS_READ_SHAPES:-}" ]; then
+    data=$(python3 -c "from deepseek_flash.store import Store; s = Store.open('$work/$arch/store'); print(s.data_path(s.blocks[0]))")
+    python3 bench/io.py --file "$data" --bytes "${PATHS_SHAPE_BYTES:-1GiB}" --rounds "${PATHS_SHAPE_ROUNDS:-2}" \
+      --shapes "$PATHS_READ_SHAPES" --output "$out/shapes-$arch.json" > "$logs/shapes-$arch.log" 2>&1
+    rc=$?; echo "read shapes: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$logs/shapes-$arch.log"
+  fi
   python3 bench/paths.py --arch "$arch" --dir $work --only shared_gpu_cold \
     --beside-engine "${PATHS_BESIDE_ENGINE-32x1MiB}" ${PATHS_COLD_ARGS:-} \
     --output "$out/paths-$arch.json" > "$out/cold.log" 2>&1
@@ -120,6 +130,12 @@ for p in sorted(out.glob("stream-*.json")):
               f"copy_idle {r.get('batch1_copy_idle')} gc_ms {r.get('gc_pauses_ms')} {r.get('attention', '')}")
         if r.get("tokens_identical_to_first_run"):
             print(f"    tokens identical to the first run: {r['tokens_identical_to_first_run']}")
+for p in sorted(out.glob("shapes-*.json")):
+    d = json.loads(p.read_text())
+    print(f"read shapes vs dd ({d.get('bytes_each')} bytes a reading, {d.get('rounds')} rounds): "
+          f"dd median {d.get('dd_median_gbps')} GB/s runs {d.get('runs')}")
+    for s, r in (d.get("shapes") or {}).items():
+        print(f"  {s}: {r}")
 for p in sorted(out.glob("imports-*.json")):
     d = json.loads(p.read_text()).get("imports", {})
     print("imports alone (cache dropped):", d.get("alone_cold"))
@@ -136,7 +152,7 @@ for p in sorted(out.glob("paths-*.json")):
                   f"whole_arena_pin {r.get('whole_arena_pin_s')} err {e.get('error')}")
     cold = d.get("shared_gpu_cold") or {}
     keys = ("error", "cache_dropped", "import_manifest_before", "imports_read_ahead", "packages_read_ahead",
-            "daemon_start_to_hello_s",
+            "daemon_start_to_hello_s", "request_at", "loaded_at",
             "request_to_loaded_s", "vs_best_raw", "phases_ms", "imports_thread_s", "imports_thread_cpu_s",
             "shallow_read_s", "daemon_load_s", "daemon_load_gbps", "daemon_side_after_request_s",
             "daemon_side_vs_best_raw", "daemon_log_pin")

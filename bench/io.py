@@ -6,6 +6,15 @@ mmap-aligned buffers), and the engine sweeping queue depth and request size on i
 thread pool. Prints JSON; `engine_vs_best_raw` is the best engine rate over the best raw rate.
 
     python bench/io.py [--size 4GiB] [--dir DIR]
+
+With ``--file`` (an existing file, e.g. a store's blocks.dat): the daemon's read shapes
+(``--shapes``, the ``read_shape`` key's form; ``threads:8x4MiB`` on the engine's thread pool
+instead of io_uring) against ``dd iflag=direct bs=4M``, in ``--rounds``
+rounds of dd then each shape, each reading ``--bytes`` of the file at a region of its own (no
+region read twice while the file has room; page cache dropped before each), into a populated
+destination as the daemon's; ``shapes`` holds each one's median over dd's median.
+
+    python bench/io.py --file STORE/blocks.dat --bytes 1GiB --shapes 32x1MiB,8x4MiB --rounds 2
 """
 from __future__ import annotations
 
@@ -52,17 +61,11 @@ def make_file(path: str, size: int) -> bool:
     return True
 
 
-
-
-
-
-
-
-
-
-def bench_engine(path: str, size: int, backend: str, depth: int, request: int, dest) -> float:
+def bench_engine(path: str, size: int, backend: str, depth: int, request: int, dest,
+                 offset: int = 0) -> float:
     n = size // EXTENT
-    reqs = [_core.ReadRequest(path, i * EXTENT, EXTENT, dest, (i * EXTENT) % DEST, block_id=i) for i in range(n)]
+    reqs = [_core.ReadRequest(path, offset + i * EXTENT, EXTENT, dest, (i * EXTENT) % DEST, block_id=i)
+            for i in range(n)]
     with _core.IOEngine(backend, depth, request) as engine:
         t = time.perf_counter()
         comps = engine.wait(engine.submit(reqs))
@@ -73,11 +76,70 @@ def bench_engine(path: str, size: int, backend: str, depth: int, request: int, d
     return gbps(n * EXTENT, dt)
 
 
+def median(values):
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def shapes_against_dd(path: str, nbytes: int, shapes: list[str], rounds: int) -> dict:
+    """``--file``: each read shape against dd (4 MiB, one read at a time) on the same file, the
+    regions taken in turn so that no region is read twice while the file has room."""
+    from deepseek_flash.daemon.config import read_shape
+
+    # "threads:8x4MiB": the engine's preadv thread pool instead of io_uring.
+    parsed = {s: (s.partition(":")[0] if ":" in s else "io_uring",
+                  *read_shape("--shapes", s.rpartition(":")[2])) for s in shapes}
+    size = os.path.getsize(path)
+    nbytes = min(nbytes, size) // EXTENT * EXTENT
+    if nbytes == 0:
+        raise SystemExit(f"{path}: smaller than one {EXTENT}-byte extent")
+    regions = max(1, size // nbytes)
+    dest = _core.HostArena(DEST, "bench-io")
+    dest.populate()
+    runs: dict[str, list[float]] = {"dd 1x4MiB": [], **{s: [] for s in shapes}}
+    order = []
+    turn = 0
+    for _ in range(rounds):
+        for name in runs:
+            offset = (turn % regions) * nbytes
+            turn += 1
+            drop_caches()
+            if name == "dd 1x4MiB":
+                rate = bench_dd(path, nbytes, 4 << 20, skip=offset // (4 << 20))
+            else:
+                rate = bench_engine(path, nbytes, *parsed[name], dest, offset=offset)
+            runs[name].append(rate)
+            order.append([name, offset, rate])
+            print(f"{name} @{offset >> 20} MiB: {rate} GB/s", file=sys.stderr, flush=True)
+    dd = median(runs["dd 1x4MiB"])
+    return {"file": path, "bytes_each": nbytes, "rounds": rounds, "regions": regions,
+            "page_cache_dropped": drop_caches(), "runs": runs, "order": order, "dd_median_gbps": dd,
+            "shapes": {s: {"median_gbps": round(median(runs[s]), 3),
+                           "vs_dd": round(median(runs[s]) / dd, 3)} for s in shapes}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=parse_size, default=4 << 30, help="test file size (default 4GiB)")
     ap.add_argument("--dir", default="/var/tmp", help="directory on the disk to measure (default /var/tmp)")
+    ap.add_argument("--file", help="an existing file: read shapes against dd on it (module docstring)")
+    ap.add_argument("--bytes", type=parse_size, default=1 << 30, help="with --file: bytes a reading")
+    ap.add_argument("--shapes", default="32x1MiB,16x4MiB,8x4MiB,4x4MiB,2x8MiB,1x4MiB",
+                    help="with --file: the read shapes (DEPTHxSIZE, comma-separated)")
+    ap.add_argument("--rounds", type=int, default=2, help="with --file: rounds of dd + every shape")
+    ap.add_argument("--output", help="with --file: also write the JSON here")
     args = ap.parse_args(argv)
+    if args.file:
+        out = {"bench": "io_shapes", "date": datetime.date.today().isoformat(),
+               "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release()},
+               "unit": "GB/s", **shapes_against_dd(args.file, args.bytes,
+                                                  [s for s in args.shapes.split(",") if s], args.rounds)}
+        text = json.dumps(out, indent=2)
+        print(text)
+        if args.output:
+            with open(args.output, "w") as f:
+                f.write(text + "\n")
+        return 0
     size = args.size // EXTENT * EXTENT
     if size == 0:
         ap.error(f"--size must be at least {EXTENT} bytes")

@@ -25,8 +25,7 @@ from ..sizes import parse_size
 from ..store.views import block_tensors
 from ..wire import (DEFAULT_STREAM_UNIT, GATE_FAILED, GATE_PENDING, GATE_READY, SLOT_ALIGNMENT, Plan,
                     control_views)
-from .skeleton import (bind_parameters, build_skeleton, decoder_parts, imported_files, local_config,
-                       start_imports)
+from .skeleton import bind_parameters, build_skeleton, decoder_parts, imported_files, start_imports
 from .placement import block_sizes, resolve
 from .stream import StreamGroup, start_reports, start_streaming
 
@@ -280,16 +279,16 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
 
     handle = imports = None
     try:
-        # A fresh process: the skeleton's imports (seconds) start now, on a thread of their own,
-        # and run while the open and attach round trips and the load's first reads are under
-        # way -- from the store's own config.json where this process can read it, else once
-        # open_model has answered with the config.
-        imports = start_imports(local_config(name_or_path))
         if tp is not None:
             info = client.shard(name_or_path, tp[1], tp[2], flash_context)
         else:
             info = client.open_model(name_or_path, flash_context)
-        imports = start_imports(info.config, imports)
+        # A fresh process: the skeleton's imports (seconds) start now, on a thread of their own,
+        # and run while the attach's round trip and the load's first reads are under way. Not
+        # before open_model: an import thread holds the interpreter lock most of the time, and
+        # this thread's round trip took 0.2-0.7 s beside it (from the open's answer to the
+        # attach reaching the daemon) against a few ms alone -- time the load's reads wait for.
+        imports = start_imports(info.config)
         if device_map is not None:
             _, reason = resolve_decode_mode(decode, None, split=True)
             if reason is not None:

@@ -169,9 +169,8 @@ class Imports:
 
 def start_imports(config_dict: dict | None, started: Imports | None = None) -> Imports | None:
     """Start importing the architecture's ``transformers`` module (see ``Imports``); None when
-    it is imported already or ``config_dict`` is None. ``started``: imports begun earlier from a
-    config read locally (``local_config``), kept when they are this config's; otherwise joined
-    first (two threads must not import the package tree at once)."""
+    it is imported already or ``config_dict`` is None. ``started``: imports begun earlier (for
+    another config), kept when they are this config's; otherwise joined first (two threads must not import the package tree at once)."""
     if config_dict is None:
         return started
     if started is not None:
@@ -236,22 +235,6 @@ def imported_files(modules=None, maps_path: str = "/proc/self/maps", opened=(),
         if size <= MAX_REPORT_BYTES:
             return grouped
     return None
-
-
-def local_config(name_or_path) -> dict | None:
-    """The ``config.json`` of a store directory this process can read, else None (a registered
-    name, or a store only the daemon may read): ``load_model`` starts the skeleton's imports from
-    it before its ``open_model`` round trip, which waits on a daemon that may be busy starting."""
-    import json
-    import os
-
-    try:
-        path = os.path.join(os.fspath(name_or_path), "config.json")
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, TypeError, ValueError):
-        return None
-    return config if isinstance(config, dict) and config.get("model_type") else None
 
 
 def build_skeleton(config_dict: dict, imports: Imports | None = None):

@@ -96,6 +96,29 @@ def _frame_bytes(key, value):
     return size
 
 
+READ_SHAPE_RANGE = "DEPTHxSIZE: depth 1..1024, size 4KiB..64MiB, a multiple of 4KiB (\"8x4MiB\")"
+
+
+def read_shape(key, value) -> tuple[int, int]:
+    """``"8x4MiB"`` -> (8, 4194304): reads kept in flight, bytes a read; ConfigError naming
+    ``key`` for anything else."""
+    depth, sep, size = value.partition("x") if isinstance(value, str) else ("", "", "")
+    try:
+        shape = (int(depth), parse_size(key, size)) if sep and depth.strip().isdigit() else None
+    except ConfigError:
+        shape = None
+    if shape is None or not (1 <= shape[0] <= 1024 and 4096 <= shape[1] <= (64 << 20)
+                             and shape[1] % 4096 == 0):
+        raise ConfigError(f"{key}: {value!r} is not allowed; use {READ_SHAPE_RANGE}", key=key,
+                          value=value, allowed=READ_SHAPE_RANGE)
+    return shape
+
+
+def _read_shape(key, value):
+    read_shape(key, value)
+    return value.strip()
+
+
 def _devices(key, value):
     if value is None:
         return None
@@ -251,6 +274,9 @@ KEYS: dict[str, Key] = {
                         "group allowed to connect (null: the daemon's own group)"),
     "max_frame_bytes": Key(1 << 20, _frame_bytes, "4KiB..256MiB", "daemon", False,
                            "largest protocol frame accepted or sent", restart=True),
+    "read_shape": Key("32x1MiB", _read_shape, READ_SHAPE_RANGE, "daemon", False,
+                      "the IO engine's disk reads: how many in flight, of how many bytes each (a "
+                      "client's imports still running read one 4 MiB at a time)", restart=True),
     "max_outstanding_requests_per_client": Key(64, _int_range(1, 65536), "1..65536", "daemon", True,
                                                "requests one client may have in flight"),
     "max_leases_per_client": Key(65536, _int_range(1, 1 << 24), "1..16777216", "daemon", True,

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from .. import paths
 from .block_manager import BlockManager
-from .config import FlashConfig
+from .config import FlashConfig, read_shape
 from .imports_ahead import ImportsAhead
-from .loader import Attachments, build_device_tier
+from .attachments import Attachments, build_device_tier
 from .operations import Operations
 from .recovery import DeviceWatch
 from .shards import Shards
@@ -109,8 +109,10 @@ def build_controller(config, *, arena_name: str = "deepseek-flash", status=None,
 
     config = make_config(config)
     arena = HostArena(config.host_cache_bytes, arena_name)
-    engine = IOEngine()
-    log.info("host arena %d bytes (memfd %d), IO engine %s", arena.size, arena.fd, engine.backend)
+    depth, request = read_shape("read_shape", config.read_shape)
+    engine = IOEngine(queue_depth=depth, request_size=request)
+    log.info("host arena %d bytes (memfd %d), IO engine %s, reads %d x %d KiB", arena.size, arena.fd,
+             engine.backend, depth, request >> 10)
     manager = BlockManager(config, arena, engine)
     recovery = attachments = ahead = None
     try:

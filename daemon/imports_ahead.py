@@ -55,12 +55,24 @@ MAX_BYTES = 1 << 30            # bytes read ahead at start, in all
 THREADS = 16
 _CHUNK = 1 << 20
 # Without a manifest (a daemon's first start): every file of the packages a transformers model
-# class's import pulls in, where installed (not torch: the daemon imports it itself, and a client
-# has it imported before it loads). ``DEEPSEEK_FLASH_IMPORT_PACKAGES`` (comma-separated, '' for
-# none) replaces the list. A client importing any module then counts as warm (``ANY_MODULE``).
-FALLBACK_PACKAGES = ("transformers", "sympy", "mpmath", "scipy", "numpy", "accelerate", "huggingface_hub",
-                     "safetensors", "tokenizers", "jinja2", "markupsafe", "networkx", "regex", "yaml",
-                     "filelock", "fsspec", "packaging", "tqdm", "trio", "botocore", "requests", "urllib3")
+# class's import pulls in, where installed -- torch's too: a client has torch imported before it
+# loads, but the model class's import pulls in parts of it that were not (torch._dynamo, torch.fx,
+# torch.distributed, ...), and the optional packages transformers imports when it finds them
+# installed (torchvision, pandas, sklearn, narwhals, ...). ``DEEPSEEK_FLASH_IMPORT_PACKAGES``
+# (comma-separated, '' for none) replaces the list. A client importing any module then counts
+# as warm (``ANY_MODULE``). Left out of the walk: what no import reads -- C/C++ headers and
+# sources, stubs, static libraries, and the directories ``WALK_SKIP_DIRS`` (headers, tests, and
+# the shared libraries under ``lib``/``bin``: torch's own are mapped by the client and the daemon
+# already, the others are loaded when used, not at import).
+FALLBACK_PACKAGES = ("transformers", "torch", "sympy", "mpmath", "scipy", "numpy", "accelerate",
+                     "huggingface_hub", "safetensors", "tokenizers", "jinja2", "markupsafe", "networkx",
+                     "regex", "yaml", "filelock", "fsspec", "packaging", "tqdm", "trio", "botocore",
+                     "requests", "urllib3", "torchvision", "triton", "pandas", "sklearn", "narwhals",
+                     "joblib", "threadpoolctl", "PIL", "rich", "pygments", "dateutil", "pytz",
+                     "typing_extensions", "psutil")
+WALK_SKIP_DIRS = ("include", "lib", "bin", "share", "tests", "test")
+WALK_SKIP_SUFFIXES = (".h", ".hpp", ".cuh", ".c", ".cc", ".cpp", ".cu", ".pyi", ".a", ".td", ".inc",
+                      ".pxd", ".pyx")
 PACKAGES_ENV = "DEEPSEEK_FLASH_IMPORT_PACKAGES"
 ANY_MODULE = "*"
 WORKER = str(Path(__file__).with_name("readahead_worker.py"))
@@ -92,8 +104,9 @@ def package_roots(packages) -> list[str]:
 
 
 def package_files(packages, threads: int = THREADS) -> list[str]:
-    """Every file under the installed directories of ``packages``, sorted."""
-    return walk(package_roots(packages), threads)
+    """The files the start reads of ``packages`` (their installed directories walked as without
+    a manifest), sorted."""
+    return walk(package_roots(packages), threads, WALK_SKIP_DIRS, WALK_SKIP_SUFFIXES)
 
 
 def flatten(grouped: dict) -> list[str]:
@@ -260,7 +273,7 @@ class ImportsAhead:
                 return None
             log.info("no import manifest yet (%s): reading ahead the files of %s", self.path,
                      ", ".join(packages))
-            request = {"roots": roots}
+            request = {"roots": roots, "skip_dirs": WALK_SKIP_DIRS, "skip_suffixes": WALK_SKIP_SUFFIXES}
             modules = [ANY_MODULE]
             what = "the packages' files (no manifest yet)"
         request.update(threads=self.threads, max_file_bytes=MAX_FILE_BYTES, max_bytes=MAX_BYTES)

@@ -130,7 +130,7 @@ class Operations:
         return {**self.manager.unload(model), "freed_device_bytes": freed}
 
     def op_attach(self, cid, args):
-        """A model's memory on a device for this client (see ``daemon.loader.Attachments``)."""
+        """A model's memory on a device for this client (see ``daemon.attachments.Attachments``)."""
         model = _arg("attach", args, "model", str)
         device = args.get("device", "cpu")
         if device != "cpu" and (not isinstance(device, int) or isinstance(device, bool) or device < 0):

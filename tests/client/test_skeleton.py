@@ -140,7 +140,7 @@ def test_a_fresh_process_imports_on_a_thread_while_it_attaches(tmp_path):
 
     store = pack(make_tiny_model(tmp_path / "src", "llama", num_layers=2), tmp_path / "store")
     script = f"""
-import json, sys, threading
+import json, sys, threading, time
 from deepseek_flash.client import Client
 from deepseek_flash.client.model import load_model
 seen = []
@@ -152,8 +152,11 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
             return call(*a, **k)
         return wrapped
     client.open_model, client.attach = spy(client.open_model), spy(client.attach)
+    began = time.perf_counter()
     model = load_model({str(store)!r}, device="cpu", client=client)
+    took = time.perf_counter() - began
     print(json.dumps({{"timings": list(model.flash.timings), "at_open": seen[0], "at_attach": seen[1],
+                      "load_model_s": took,
                       "imports_s": model.flash.imports.seconds, "shallow_s": model.flash.shallow_read_s,
                       "after": [client.stats()[k] for k in ("read_depth", "shallow_read_clients")]}}))
     model.flash.close()
@@ -167,11 +170,13 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
     first, again = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
     assert first["timings"] == ["open_model_ms", "attach_ms", "imports_ms", "skeleton_ms",
                                 "device_memory_ms", "bind_ms", "total_ms"]
-    assert first["at_open"] == first["at_attach"] == ["flash-skeleton-imports"]
+    # The imports start once open_model has answered (not beside its round trip), before the attach.
+    assert first["at_open"] == [] and first["at_attach"] == ["flash-skeleton-imports"]
     assert first["imports_s"] > 0
     # Attached while importing: the controller read shallow until the imports were done (they
-    # ended after the attach here), then went back to full depth.
-    assert 0 < first["shallow_s"] <= first["imports_s"] and first["after"] == [32, 0]
+    # ended after the attach here: the attach's round trip and imports_done's within the call),
+    # then went back to full depth.
+    assert 0 < first["shallow_s"] < first["load_model_s"] and first["after"] == [32, 0]
     assert again["shallow_s"] is None
     assert again["timings"] == ["open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms",
                                 "bind_ms", "total_ms"]
@@ -208,21 +213,11 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
                                                                 "threads": []}
 
 
-def test_local_config_and_imports_begun_from_it(tmp_path):
-    """``local_config``: a readable store directory's config.json, else None; imports begun from
-    it are kept when open_model's config names the same architecture."""
-    import json
+def test_imports_begun_are_kept_for_the_same_architecture():
+    """``start_imports`` with imports begun earlier keeps them when the config names the same
+    architecture, and joins them before starting another's."""
+    from deepseek_flash.client.skeleton import start_imports
 
-    from deepseek_flash.client.skeleton import local_config, start_imports
-
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    assert local_config(tmp_path) == {"model_type": "llama", "hidden_size": 8}
-    assert local_config(str(tmp_path)) == local_config(tmp_path)
-    assert local_config("a-registered-name") is None
-    (tmp_path / "config.json").write_text("{not json")
-    assert local_config(tmp_path) is None
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
-    assert local_config(tmp_path) is None
     assert start_imports(None) is None
     begun = start_imports({"model_type": "no_such_arch_a"})
     assert start_imports({"model_type": "no_such_arch_a"}, begun) is begun

@@ -3,7 +3,16 @@ import json
 import logging
 
 import pytest
-from deepseek_flash.daemon.config import KEYS, TUNABLE, FlashConfig, check_tunable, parse_size
+from deepseek_flash.daemon.config import (
+    KEYS,
+    READ_SHAPE_RANGE,
+    RESTART_ONLY,
+    TUNABLE,
+    FlashConfig,
+    check_tunable,
+    parse_size,
+    read_shape,
+)
 
 from deepseek_flash.errors import ConfigError
 
@@ -37,6 +46,13 @@ def test_defaults_cover_every_design_key():
     ("socket_mode", "rw", "0000..0777 (octal string or integer)"),
     ("max_frame_bytes", 100, "4KiB..256MiB"),
     ("devices", ["gpu0"], "null | [int | \"cuda:N\", ...]"),
+    ("read_shape", "8", READ_SHAPE_RANGE),
+    ("read_shape", "0x4MiB", READ_SHAPE_RANGE),
+    ("read_shape", "1025x1MiB", READ_SHAPE_RANGE),
+    ("read_shape", "8x6000", READ_SHAPE_RANGE),
+    ("read_shape", "8x128MiB", READ_SHAPE_RANGE),
+    ("read_shape", "8xbig", READ_SHAPE_RANGE),
+    ("read_shape", 8, READ_SHAPE_RANGE),
 ])
 def test_invalid_values_name_key_value_allowed(key, value, allowed):
     with pytest.raises(ConfigError) as info:
@@ -45,6 +61,14 @@ def test_invalid_values_name_key_value_allowed(key, value, allowed):
     assert err.code == 500
     assert err.key == key and err.value == value and err.allowed == allowed
     assert key in str(err) and repr(value) in str(err)
+
+
+def test_read_shape_forms():
+    assert FlashConfig().read_shape == "32x1MiB" and read_shape("k", "32x1MiB") == (32, 1 << 20)
+    assert FlashConfig.from_dict({"read_shape": "8x4MiB"}).read_shape == "8x4MiB"
+    assert read_shape("k", "8x4MiB") == (8, 4 << 20) and read_shape("k", "1x64MiB") == (1, 64 << 20)
+    assert read_shape("k", "1024x4KiB") == (1024, 4096)
+    assert "read_shape" in RESTART_ONLY and "read_shape" not in TUNABLE
 
 
 @pytest.mark.parametrize("scheme", ["int8_symmetric", "int4_symmetric"])

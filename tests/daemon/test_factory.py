@@ -5,7 +5,7 @@ import threading
 from deepseek_flash.client import Client
 from deepseek_flash.daemon.config import RESTART_ONLY, FlashConfig
 from deepseek_flash.daemon.factory import Controller, build_controller
-from deepseek_flash.daemon.loader import Attachments
+from deepseek_flash.daemon.attachments import Attachments
 from deepseek_flash.daemon.operations import Operations
 from deepseek_flash.daemon.recovery import DeviceWatch
 
@@ -40,6 +40,19 @@ def test_build_controller_wires_every_part_and_closes_them(tiny_store):
     assert (len(threads_named("flash-recovery")), len(threads_named("flash-io-completion"))) == before
 
 
+def test_read_shape_sets_the_io_engine(tiny_store):
+    c = build_controller({**config_for(tiny_store), "read_shape": "4x8MiB"}, use_udev=False)
+    try:
+        assert (c.engine.queue_depth, c.engine.request_size, tuple(c.engine.shape)) == \
+            (4, 8 << 20, (4, 8 << 20))
+        assert c.manager.reads.full_shape == (4, 8 << 20)
+        cid = c.manager.connect({"name": "t"})
+        stats = c.ops.call(cid, "status", {})["stats"]
+        assert (stats["read_depth"], stats["read_request_bytes"]) == (4, 8 << 20)
+    finally:
+        c.close()
+
+
 def test_embedded_mode_has_the_daemons_parts(tiny_store):
     with Client(embedded=True, config=config_for(tiny_store)) as client:
         controller = client._backend.controller
@@ -52,7 +65,7 @@ def test_embedded_mode_has_the_daemons_parts(tiny_store):
 
 def test_restart_only_keys_are_marked_in_the_key_table():
     assert set(RESTART_ONLY) == {"host_cache_bytes", "devices", "socket_mode", "max_frame_bytes",
-                                 "unified_memory_ratio"}
+                                 "unified_memory_ratio", "read_shape"}
 
 
 def test_the_daemon_serves_before_torch_is_imported(tmp_path):

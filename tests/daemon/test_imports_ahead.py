@@ -313,8 +313,14 @@ def test_without_a_manifest_the_start_reads_the_packages_files(tmp_path, monkeyp
     (site / "flash_pkg_a" / "__init__.py").write_text("a = 1\n")
     (site / "flash_pkg_a" / "sub" / "m.py").write_text("m = 2\n")
     (site / "flash_mod_b.py").write_text("b = 3\n")
+    # What no import reads: headers, stubs, tests, shared libraries under lib/ -- not walked.
+    for skipped in ("include/x.h", "lib/libbig.so", "sub/tests/test_m.py", "core.pyi", "sub/k.cuh"):
+        (site / "flash_pkg_a" / skipped).parent.mkdir(parents=True, exist_ok=True)
+        (site / "flash_pkg_a" / skipped).write_text("skipped at the first start\n")
     monkeypatch.syspath_prepend(str(site))
     assert imports_ahead.fallback_packages({}) == imports_ahead.FALLBACK_PACKAGES
+    # torch's own Python files and the optional packages a model class pulls in are listed.
+    assert {"torch", "torchvision", "pandas", "sklearn", "narwhals"} <= set(imports_ahead.FALLBACK_PACKAGES)
     assert imports_ahead.fallback_packages({imports_ahead.PACKAGES_ENV: " x, ,y "}) == ("x", "y")
     files = [str(site / "flash_mod_b.py"), str(site / "flash_pkg_a" / "__init__.py"),
              str(site / "flash_pkg_a" / "sub" / "m.py")]

@@ -8,7 +8,8 @@ import pytest
 import torch
 from deepseek_flash.daemon.block_manager import BlockManager
 from deepseek_flash.daemon.config import FlashConfig
-from deepseek_flash.daemon.loader import Attachments, Loader
+from deepseek_flash.daemon.attachments import Attachments
+from deepseek_flash.daemon.loader import Loader
 from deepseek_flash.wire import GATE_READY, control_views
 from deepseek_flash.prefetch import ForwardOrder
 
@@ -122,7 +123,7 @@ def test_gpu_copy_serves_as_a_recovery_source(controller, tiny_store):
 
 
 def test_device_tier_registers_its_hooks(controller):
-    from deepseek_flash.daemon.loader import build_device_tier
+    from deepseek_flash.daemon.attachments import build_device_tier
 
     manager, arena = controller
     attachments = build_device_tier(manager, arena, manager.config)
@@ -676,6 +677,59 @@ def test_reads_go_on_beyond_the_host_arena_while_cuda_starts_and_land_on_the_dev
         assert startup.buffers == {} and rig.attachments._startup == {}
     finally:
         _close_rig(rig)
+
+
+def test_the_last_stage_is_left_to_the_load_which_reads_it_into_the_host_arena(wide_store):
+    """Much more to read beyond the arena than the arena holds: the model's last stage is not
+    read beyond it but by the load, into the page-locked host arena once the device is ready (its
+    copy, the one left after the disk's last read, then runs at the link's rate); the device's
+    bytes are still the store's and nothing is read twice."""
+    store = Store.open(wide_store)
+    rig = _startup_rig(wide_store, arena_bytes=1 << 20)
+    try:
+        stages = [s for s in ForwardOrder(rig.info.blocks, rig.info.num_layers).stages if s]
+        pending = rig.attachments.attach(rig.cid, rig.info.name, 0)
+        startup = rig.attachments._startup[rig.info.name]
+        beyond = [b for b in rig.order if b in startup.blocks]
+        last = list(stages[-1])
+        # The stages beyond the arena's, but for the last one.
+        assert beyond == rig.order[len(rig.order) - len(last) - len(beyond):len(rig.order) - len(last)]
+        assert len(beyond) > len(stages[-2]) and not set(last) & set(startup.blocks)
+        for fut in list(startup.done.values()):
+            fut.result(timeout=30)
+        assert_eventually_true(lambda: rig.manager.stats()["loading_blocks"] == 0)
+        total = sum(b.length for b in rig.info.blocks)
+        last_bytes = sum(rig.info.blocks[b].length for b in last)
+        assert rig.manager.stats()["bytes_read_nvme"] == total - last_bytes   # device not ready
+        rig.fabric.opened.set()
+        pending.result(timeout=30)
+        load = next(iter(rig.attachments.loader.loads()))
+        load.finished.result(timeout=30)
+        assert (load.gates == GATE_READY).all() and not load.leases
+        _device_bytes_are_the_store(rig, load, store)
+        assert rig.manager.stats()["bytes_read_nvme"] == total        # nothing read twice
+        # Copied from the buffers beyond the arena: those stages only, not the last one.
+        assert rig.fabric.from_sources == startup.taken == startup.bytes
+        assert startup.buffers == {} and rig.attachments._startup == {}
+    finally:
+        _close_rig(rig)
+
+
+def test_tail_stages_counts_the_last_stages_left_to_the_load():
+    from deepseek_flash.daemon.startup_reads import TAIL_ARENA_SHARE, tail_stages
+
+    def stages(*sizes):
+        return [[SimpleNamespace(length=n)] for n in sizes]
+
+    assert TAIL_ARENA_SHARE == 0.25
+    # The last stages within a quarter of the arena (100), at least the last one.
+    assert tail_stages(stages(300, 300, 60, 30), 400) == 2
+    assert tail_stages(stages(300, 300, 60, 50), 400) == 1       # 110 > 100: only the last
+    assert tail_stages(stages(500, 300, 250), 400) == 1          # larger than the share: still one
+    # Unless what stays beyond the arena is no more than the arena: then nothing is left out.
+    assert tail_stages(stages(300, 100, 30), 400) == 0
+    assert tail_stages(stages(401, 30), 400) == 1
+    assert tail_stages(stages(30), 400) == 0 and tail_stages([], 400) == 0
 
 
 def test_a_failed_read_beyond_the_arena_is_read_again_through_the_host_tier(wide_store):
