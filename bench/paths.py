@@ -21,7 +21,7 @@ Default configuration everywhere except the host cache size (the machine's sizin
   ``skeleton_alone_cold_parallel``: the same with ``--parallel-imports`` packages imported on
   threads beside it -- whether the imports' system calls overlap on the machine;
   ``skeleton_beside_engine``: the same beside a process reading the model's file with the IO
-  engine at each ``--beside-engine`` depth x request size, 32 x 1 MiB being the daemon's); with
+  engine at each ``--beside-engine`` depth x request size, the daemon's ``read_shape``); with
   ``--diagnose`` also again beside ``dd`` reading the model's file (``skeleton_beside_dd``) and
   the cold load again after a fresh daemon start with the class imported
   (``model_class_imported``: the disk -> GPU path alone);
@@ -447,7 +447,8 @@ def main(argv=None) -> int:
     parser.add_argument("--beside-engine", default="32x1MiB,4x4MiB",
                         help="shared_gpu_cold: the skeleton (cache dropped) beside a process reading "
                              "the model's file with the IO engine at DEPTHxREQUEST, for each "
-                             "(32x1MiB: the daemon's engine); '' to skip (~12 s each)")
+                             "(the daemon's read_shape is 8x4MiB, formerly 32x1MiB); '' to skip "
+                             "(~12 s each)")
     parser.add_argument("--parallel-imports", default="",
                         help="shared_gpu_cold: packages imported on threads beside a cold skeleton "
                              "build (skeleton_alone_cold_parallel; e.g. PARALLEL_IMPORTS' list: "

@@ -30,13 +30,13 @@ def test_the_paths_bench_smoke_learns_the_import_files_and_reads_them_ahead_afte
     assert first["packages_read_ahead"]["files"] > 10
     assert any("client 1 imports transformers.models.llama.modeling_llama" in ln
                for ln in first["daemon_log_pin"])
-    assert any("reads at 32 x 1024 KiB (0 clients importing): import files read ahead for *" in ln
+    assert any("reads at 8 x 4096 KiB (0 clients importing): import files read ahead for *" in ln
                for ln in first["daemon_log_pin"])
     # After the restart: the first client's files read ahead at start, then full depth.
     assert again["import_manifest_before"] is True and again["packages_read_ahead"] is None
     ahead = again["imports_read_ahead"]
     assert ahead["modules"] == 1 and ahead["files"] > 100 and ahead["bytes"] > 1 << 20
-    assert any("reads at 32 x 1024 KiB (0 clients importing): import files read ahead for "
+    assert any("reads at 8 x 4096 KiB (0 clients importing): import files read ahead for "
                "transformers.models.llama.modeling_llama" in ln for ln in again["daemon_log_pin"])
     for r in (first, again):
         assert r["request_to_loaded_s"] > 0 and r["phases_ms"]["imports_ms"] > 0

@@ -19,7 +19,7 @@ from deepseek_flash.daemon.config import FlashConfig
 from deepseek_flash.errors import ImportManifestCorrupt, MalformedFrame
 
 MODULE = "transformers.models.llama.modeling_llama"
-FULL = {"read_depth": 32, "read_request_bytes": 1 << 20}
+FULL = {"read_depth": 8, "read_request_bytes": 4 << 20}
 
 
 def _tree(root):
