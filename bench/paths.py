@@ -160,7 +160,7 @@ def _proc_cpu_s(pid: int) -> float | None:
 
 
 def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: str = "cuda:0",
-               drop: bool = True, state: Path | None = None) -> dict:
+               drop: bool = True, state: Path | None = None, config: dict | None = None) -> dict:
     """Start ``deepseek-flashd`` with every default, send the load at once (page cache dropped
     just before), time request -> every layer on the GPU -> first token, and say where the time
     went: the load's phases in this process, this process's CPU, the daemon's own load time (its
@@ -179,7 +179,7 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
            # Learned by an earlier client of a daemon with this state (read ahead at start).
            "import_manifest_before": manifest.exists()}
     t_spawn = time.perf_counter()
-    daemon = start_daemon(runtime, {}, state=state)            # every key at its default
+    daemon = start_daemon(runtime, config or {}, state=state)   # {}: every key at its default
     failure = None
     try:
         t_ready = time.perf_counter()
@@ -278,12 +278,15 @@ PACKAGES_LINE = re.compile(r"read ahead the packages' files \(no manifest yet\):
 
 
 def cold_in_fresh_process(runtime: Path, store_dir, best_raw: float, nbytes: int, device: str,
-                          drop: bool, state: Path) -> dict:
+                          drop: bool, state: Path, alt: dict | None = None) -> dict:
     """``_cold_load`` in a new interpreter that has imported torch (and made its CUDA context),
     not the model's transformers class: the user's fresh process, for every cold load of the run
-    alike (this one may have imported more)."""
+    alike (this one may have imported more). ``alt``: ``{"config": {...}, "env": {...}}``, the
+    daemon started with that flash.json and those environment variables instead of the defaults
+    (``--alt``; a comparison, never the goal's figure)."""
     spec = json.dumps({"runtime": str(runtime), "store": str(store_dir), "best_raw": best_raw,
-                       "nbytes": nbytes, "device": device, "drop": drop, "state": str(state)})
+                       "nbytes": nbytes, "device": device, "drop": drop, "state": str(state),
+                       "alt": alt})
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--cold-client", spec],
                           capture_output=True, text=True, check=False, timeout=600)
     lines = [ln for ln in done.stdout.strip().splitlines() if ln.startswith("{")]
@@ -314,10 +317,12 @@ def _cold_client(spec: str) -> int:
 
     import deepseek_flash.client.model  # noqa: F401
     s = json.loads(spec)
+    alt = s.get("alt") or {}
+    os.environ.update({k: str(v) for k, v in (alt.get("env") or {}).items()})   # the daemon's
     if s["device"] != "cpu":
         _cuda_ready(s["device"])
     out = _cold_load(Path(s["runtime"]), s["store"], s["best_raw"], s["nbytes"], device=s["device"],
-                     drop=s["drop"], state=Path(s["state"]))
+                     drop=s["drop"], state=Path(s["state"]), config=alt.get("config") or {})
     print(json.dumps(out))
     return 0
 
@@ -373,6 +378,12 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
             out["after_restart"] = cold_in_fresh_process(runtimes[0] / "restarted", store_dir, best,
                                                          nbytes, device, not args.smoke, state)
             out["works"] = out["works"] and "error" not in out["after_restart"]
+            save(res, args.output)
+        alt = json.loads(args.alt) if getattr(args, "alt", "") else None
+        if alt is not None:
+            # The same again with another daemon configuration (a comparison in the same run).
+            out["after_restart_alt"] = {"alt": alt, **cold_in_fresh_process(
+                runtimes[0] / "alt", store_dir, best, nbytes, device, not args.smoke, state, alt)}
             save(res, args.output)
         if args.skeleton_alone:
             out["skeleton_alone"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
@@ -461,6 +472,10 @@ def main(argv=None) -> int:
                         help="shared_gpu_cold: the skeleton built alone, warm and cache dropped (~25 s)")
     parser.add_argument("--smoke", action="store_true",
                         help="shared_gpu_cold on the CPU with a tiny model made in --dir (CI)")
+    parser.add_argument("--alt", default="",
+                        help="shared_gpu_cold: one more cold load after a restart with the daemon "
+                             "started with another configuration, JSON {\"config\": {flash.json "
+                             "keys}, \"env\": {variables}} (after_restart_alt; ~25 s)")
     parser.add_argument("--cold-client", help=argparse.SUPPRESS)
     parser.add_argument("--output")
     args = parser.parse_args(argv)

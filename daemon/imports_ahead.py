@@ -303,9 +303,9 @@ class ImportsAhead:
         counts["modules"] = modules
         self.result = counts
         log.info("read ahead %s: %d files (%d bytes), %d stat-ed, %d directories "
-                 "in %.2f s (%d missing, %d too large, %d over the budget)", what,
+                 "in %.2f s (%d missing, %d too large, %d over the budget; %d at a time)", what,
                  counts["files"], counts["bytes"], counts["stat"], counts["dirs"], counts["seconds"],
-                 counts["missing"], counts["skipped_large"], counts["skipped_budget"])
+                 counts["missing"], counts["skipped_large"], counts["skipped_budget"], self.threads)
         if self.on_warm is not None:
             self.on_warm(modules)
         return counts

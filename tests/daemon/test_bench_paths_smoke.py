@@ -63,8 +63,8 @@ def test_the_gpu_branch_runs_its_readers_other_process_and_both_cold_loads_on_cu
     monkeypatch.setattr(bench, "HOG_SCRIPT", "import sys, time; print('held', flush=True); time.sleep(60)")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (7, 9))
 
-    def fake_cold(runtime, store_dir, best, nbytes, device, drop, state):
-        calls.append(("cold", runtime.name, best, nbytes, device, drop, state))
+    def fake_cold(runtime, store_dir, best, nbytes, device, drop, state, alt=None):
+        calls.append(("cold", runtime.name, best, nbytes, device, drop, state) + ((alt,) if alt else ()))
         return {"request_to_loaded_s": 1.0, "vs_best_raw": 0.5}
 
     monkeypatch.setattr(bench, "cold_in_fresh_process", fake_cold)
@@ -72,6 +72,7 @@ def test_the_gpu_branch_runs_its_readers_other_process_and_both_cold_loads_on_cu
     data.write_bytes(b"x" * 4096)
     args = argparse.Namespace(smoke=False, raw_bytes="all", hog="1KiB", restart=True, skeleton_alone=False,
                               parallel_imports="", beside_engine="", diagnose=False,
+                              alt='{"config": {"read_shape": "32x1MiB"}, "env": {"X": "1"}}',
                               output=str(tmp_path / "o.json"))
     res = {}
     bench.shared_gpu_cold_phase(res, args, tmp_path / "store", data, 1000)
@@ -81,7 +82,12 @@ def test_the_gpu_branch_runs_its_readers_other_process_and_both_cold_loads_on_cu
     state = calls[4][6]
     assert calls == ["drop", ("odirect", 4096), "drop", ("dd", 4096, 4 << 20),
                      ("cold", "first", 1.25, 1000, "cuda:0", True, state),
-                     ("cold", "restarted", 1.25, 1000, "cuda:0", True, state)]
+                     ("cold", "restarted", 1.25, 1000, "cuda:0", True, state),
+                     # --alt: once more after a restart, the same state, the other configuration
+                     ("cold", "alt", 1.25, 1000, "cuda:0", True, state,
+                      {"config": {"read_shape": "32x1MiB"}, "env": {"X": "1"}})]
+    assert cold["after_restart_alt"] == {"alt": {"config": {"read_shape": "32x1MiB"}, "env": {"X": "1"}},
+                                         "request_to_loaded_s": 1.0, "vs_best_raw": 0.5}
     assert state.name == "state" and cold["after_restart"] == {"request_to_loaded_s": 1.0, "vs_best_raw": 0.5}
     seen = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: seen.append("sync"))
