@@ -165,6 +165,15 @@ for p in sorted(out.glob("paths-*.json")):
                     ("cold after restart, alt", cold.get("after_restart_alt"))):
         if r:
             print(f"{name}:", json.dumps({k: r.get(k) for k in keys if k in r}))
+            tl = [x for x in r.get("reads_timeline") or [] if isinstance(x[0], (int, float))]
+            # The daemon's disk rate, GB/s a second after the request (bytes_read_nvme sampled).
+            rates, j = [], 0
+            for i, (ts, gb) in enumerate(tl):
+                while j < i and ts - tl[j][0] > 1.0:
+                    j += 1
+                if ts >= 1.0 and ts - tl[j][0] > 0:
+                    rates.append((round(ts, 1), round((gb - tl[j][1]) / (ts - tl[j][0]), 2)))
+            print(f"  reads GB/s by second: {rates[::4]}; {tl[-1][1] if tl else None} GB read by {tl[-1][0] if tl else None} s")
     for k in ("skeleton_alone", "skeleton_alone_cold", "skeleton_beside_engine"):
         if k in cold:
             print(k, json.dumps(cold[k])[:600])

@@ -187,6 +187,7 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
         t_hello = time.perf_counter()
         d_cpu, p_cpu, th_cpu = _proc_cpu_s(daemon.pid), sum(os.times()[:2]), time.thread_time()
         t, t_wall = time.perf_counter(), time.time()
+        reads = _ReadsSampler(str(runtime / "control.sock"), t).start()
         with StackSampler(threading.get_ident()) as sampler:
             m = load_model(store_dir, device=device, client=c)
         returned = time.perf_counter() - t
@@ -194,6 +195,7 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
         m.flash.wait_loaded()
         _sync(device)
         loaded = time.perf_counter() - t
+        out["reads_timeline"] = reads.stop()
         d_cpu = None if d_cpu is None else _proc_cpu_s(daemon.pid) - d_cpu
         p_cpu = sum(os.times()[:2]) - p_cpu
         with torch.no_grad():
@@ -264,6 +266,39 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
                              or "faulted in" in ln or "IO engine" in ln or "import" in ln
                              or "ceiling" in ln or "read-ahead" in ln or "opened model" in ln][:32]
     return out
+
+
+class _ReadsSampler:
+    """The daemon's ``bytes_read_nvme`` every ``interval`` s from ``t0`` on (its own connection):
+    ``[[seconds after the request, GB read], ...]`` -- the disk's rate through the load."""
+
+    def __init__(self, sock: str, t0: float, interval: float = 0.25):
+        self.sock, self.t0, self.interval = sock, t0, interval
+        self.samples: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="bench-reads-sampler")
+
+    def start(self) -> _ReadsSampler:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from deepseek_flash.client import Client
+
+        try:
+            with Client(socket_path=self.sock) as c:
+                while True:
+                    got = c.stats()["bytes_read_nvme"]
+                    self.samples.append([round(time.perf_counter() - self.t0, 2), round(got / 1e9, 3)])
+                    if self._stop.wait(self.interval):
+                        return
+        except Exception as exc:   # noqa: BLE001 -- a diagnostic: recorded, never fails the load
+            self.samples.append(["error", f"{type(exc).__name__}: {exc}"[:200]])
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join(10)
+        return self.samples
 
 
 def _clock(wall: float) -> str:
