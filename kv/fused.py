@@ -3,21 +3,12 @@
 The captured graph of kv/graphs.py runs a top-K layer's choice, page-cache bookkeeping, gather
 and the assembly of the attention's keys and values as ~90 small torch operations, then torch's
 attention over the assembled buffer: at 32K on an 8B shape ~4,300 kernels a step, most of them a
-few us of launch and tail (docs/benchmarks.md, kv). Here the same step is
-
-1. ``_score``: the Quest bound of every page and head (``[q+, q-] . [max, min]``) and each
-   window's softmax mass (the ``"windowed"`` score, per head), one program per (sequence, kv
-   head, window of pages);
-2. ``_choose``: one program: the ``"quest"`` score (log-shares, best head), the windowed sum,
-   both rankings, the hybrid key and its ``k`` smallest (kv/summaries.py ``_choose_hybrid``), the
-   page cache's bookkeeping (kv/pagecache.py ``gather_into``: hits, the least recently chosen
-   victims for the misses, the tables, the counters), and the step's keys and values written into
-   the recent window at its device-held position;
-3. ``_fetch``: the misses' pages from the host (read through the unified address space, as the
-   one gather of kv/span.py) into their slots -- the only bytes that cross PCIe;
-4. ``_attend``: flash decoding over the sinks, the chosen pages in their slots (through the slot
-   of each chosen page) and the recent window, split over the columns;
-5. ``_combine``: the splits' partial softmaxes into the output ``[b, 1, q_heads, d]``.
+few us of launch and tail (docs/benchmarks.md, kv). Here the same step is five kernels
+(kv/fused_kernels.py): score the pages, choose them and keep the page cache's tables, fetch the
+misses from the host into their slots (the only bytes that cross PCIe), flash decoding over the
+sinks, the chosen pages in their slots and the recent window, and the splits combined.
+``FusedStep`` holds their buffers for fixed shapes, launches them and captures them as CUDA
+graphs (over its buffers, and over the step's own tensors where they come at fixed addresses).
 
 Nothing is assembled: the attention reads the pages where the page cache keeps them. The chosen
 pages and the tables are the same as the torch path's (the same ranks, ties broken the same way);
@@ -26,9 +17,8 @@ tests/kv/test_kv_fused.py through ``TRITON_INTERPRET=1`` on the CPU and on CUDA 
 tests/kv/test_kv_gpu.py). On by default (``TieredCache.fused``; ``DEEPSEEK_FLASH_KV_FUSED=0`` turns
 it off): measured faster than the torch path on an H200 (docs/benchmarks.md, kv). The torch path
 stays the fallback (no Triton, the CPU, a spilled chunk, no page cache, another score). With
-``SPLIT`` (``DEEPSEEK_FLASH_KV_FUSED_SPLIT=1``) ``_choose`` runs as three kernels: ``_rank`` (the
-rankings and the hybrid key, many programs), ``_select`` (the ``k`` smallest keys, many programs)
-and ``_book`` (the page cache's bookkeeping and the window write, one program) -- the same values.
+``SPLIT`` (``DEEPSEEK_FLASH_KV_FUSED_SPLIT=1``) the choice runs as three kernels instead of one
+program -- the same values.
 """
 from __future__ import annotations
 
@@ -37,17 +27,14 @@ import os
 
 import torch
 
+from .fused_kernels import triton
+from .fused_kernels import NEVER as _NEVER
+
+if triton is not None:
+    from .fused_kernels import _attend, _book, _choose, _combine, _fetch, _rank, _score, _select
+
 log = logging.getLogger("deepseek_flash.kv.cache")
 
-try:  # Triton is optional: the torch path serves without it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where Triton is absent
-    triton = None
-    tl = None
-
-_NEVER = 1 << 62
-KERNELS = ("_score", "_choose", "_rank", "_select", "_book", "_fetch", "_attend", "_combine")
 SPLIT = [os.environ.get("DEEPSEEK_FLASH_KV_FUSED_SPLIT", "0") == "1"]
 """Whether the choice runs as three kernels (``_rank`` over many programs, ``_select``,
 ``_book``) instead of one program (``_choose``): the same values; a list, so the bench flips it."""
@@ -73,354 +60,6 @@ def default_on() -> bool:
 
 def _p2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
-
-
-if triton is not None:
-
-    # the scalars that change with the context are not specialised on (a page boundary
-    # would otherwise compile a kernel again in the middle of decoding)
-    @triton.jit(do_not_specialize=["NB"])
-    def _score(q_ptr, mm_ptr, bound_ptr, wpart_ptr, n_ptr, scale, mm_sb, mm_sh, NB,
-               H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-               W: tl.constexpr):
-        n = tl.load(n_ptr)  # the page count, on the device: a graph serves as pages are added
-        bh = tl.program_id(0)
-        blk = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        g = tl.arange(0, GP)
-        d = tl.arange(0, D)
-        gm = g < G
-        q = tl.load(q_ptr + (bh * G + g)[:, None] * D + d[None, :], mask=gm[:, None],
-                    other=0.0).to(tl.float32)
-        pp = blk * W + tl.arange(0, W)
-        pm = pp < n
-        base = mm_ptr + b * mm_sb + h * mm_sh + pp[:, None] * (2 * D)
-        kmax = tl.load(base + d[None, :], mask=pm[:, None], other=0.0).to(tl.float32)
-        kmin = tl.load(base + D + d[None, :], mask=pm[:, None], other=0.0).to(tl.float32)
-        qp = tl.maximum(q, 0.0)
-        qn = tl.minimum(q, 0.0)
-        bound = (tl.dot(qp, tl.trans(kmax), input_precision="ieee")
-                 + tl.dot(qn, tl.trans(kmin), input_precision="ieee")) * scale  # [GP, W]
-        tl.store(bound_ptr + (bh * G + g)[:, None] * NB + pp[None, :], bound,
-                 mask=gm[:, None] & pm[None, :])
-        # the windowed score: each query's softmax inside this window of W pages, summed over
-        # this head's queries (the heads are summed by _choose)
-        x = tl.where(pm[None, :], bound, float("-inf"))
-        m = tl.max(x, axis=1)
-        e = tl.exp(x - m[:, None])
-        mass = e / tl.sum(e, axis=1)[:, None]
-        mass = tl.where(gm[:, None], mass, 0.0)
-        tl.store(wpart_ptr + bh * NB + pp, tl.sum(mass, axis=0), mask=pm)
-
-    @triton.jit(do_not_specialize=["k", "C", "NB"])
-    def _choose(bound_ptr, wpart_ptr, fs_ptr, is_ptr, chosen_ptr, slot_out_ptr, src_out_ptr,
-                sop_ptr, sop_w, page_of_slot_ptr, last_used_ptr, step_ptr,
-                table_ptr, table_w, hits_ptr, misses_ptr, last_ptr, win_ptr, winpos_ptr, kin_ptr,
-                vin_ptr, n_ptr, k, B, C, NB, CAP,
-                H: tl.constexpr, HG: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
-                BI: tl.constexpr, CP: tl.constexpr, BC: tl.constexpr, D: tl.constexpr,
-                NEVER: tl.constexpr):
-        # scratch: fs_ptr float32 [2 * NP] (quest, windowed); is_ptr int64 [3 * NP + 2 * CP]
-        # (hybrid key, chosen flag, exclusive count of chosen before, stamps, victim of rank)
-        n = tl.load(n_ptr)
-        p = tl.arange(0, NP)
-        valid = p < n
-        step = tl.load(step_ptr)
-        total_miss = tl.sum(tl.zeros((NP,), tl.int64), axis=0)
-        for b in range(B):
-            # --- the "quest" score: best log-share over heads and queries ----------------------
-            quest = tl.full((NP,), float("-inf"), tl.float32)
-            for r0 in range(0, HG, RB):
-                r = r0 + tl.arange(0, RB)
-                x = tl.load(bound_ptr + (b * HG + r)[:, None] * NB + p[None, :],
-                            mask=(r[:, None] < HG) & valid[None, :], other=float("-inf"))
-                mx = tl.max(x, axis=1)
-                lse = tl.log(tl.sum(tl.exp(x - mx[:, None]), axis=1)) + mx
-                share = tl.where(r[:, None] < HG, x - lse[:, None], float("-inf"))
-                quest = tl.maximum(quest, tl.max(share, axis=0))
-            wsum = tl.zeros((NP,), tl.float32)
-            for h in range(H):
-                wsum += tl.load(wpart_ptr + (b * H + h) * NB + p, mask=valid, other=0.0)
-            tl.store(fs_ptr + p, quest)
-            tl.store(fs_ptr + NP + p, wsum)
-            tl.debug_barrier()
-            # --- ranks (0 = best; ties: the lower page first) and the hybrid key ---------------
-            for i0 in range(0, NP, BI):
-                i = i0 + tl.arange(0, BI)
-                qi = tl.load(fs_ptr + i)
-                wi = tl.load(fs_ptr + NP + i)
-                qj = tl.load(fs_ptr + p)
-                wj = tl.load(fs_ptr + NP + p)
-                before = p[None, :] < i[:, None]
-                vj = valid[None, :]
-                rq = tl.sum((((qj[None, :] > qi[:, None]) | ((qj[None, :] == qi[:, None]) & before))
-                             & vj).to(tl.int32), axis=1).to(tl.int64)
-                rw = tl.sum((((wj[None, :] > wi[:, None]) | ((wj[None, :] == wi[:, None]) & before))
-                             & vj).to(tl.int32), axis=1).to(tl.int64)
-                key = tl.minimum(rq, rw) * (2 * n + 2) + rq
-                key = tl.where(i < n, key, NEVER)
-                tl.store(is_ptr + i, key)
-            tl.debug_barrier()
-            # --- the k smallest keys (all distinct), in page order ----------------------------
-            for i0 in range(0, NP, BI):
-                i = i0 + tl.arange(0, BI)
-                ki = tl.load(is_ptr + i)
-                kj = tl.load(is_ptr + p)
-                below = tl.sum((kj[None, :] < ki[:, None]).to(tl.int32), axis=1)
-                tl.store(is_ptr + NP + i, ((below < k) & (i < n)).to(tl.int64))
-            tl.debug_barrier()
-            sel = tl.load(is_ptr + NP + p)
-            at = tl.cumsum(sel, axis=0) - sel  # the chosen index of a chosen page
-            chosen = sel != 0
-            tl.store(chosen_ptr + b * k + at, p.to(tl.int64), mask=chosen)
-            # --- the page cache: hits, victims (empty, then least recently chosen slots that
-            # hold no page chosen now, the slot's index breaking ties), tables ------------------
-            slot = tl.load(sop_ptr + b * sop_w + p, mask=chosen, other=-1)
-            miss = chosen & (slot < 0)
-            c = tl.arange(0, CP)
-            cm = c < C
-            pg = tl.load(page_of_slot_ptr + b * C + c, mask=cm, other=-1)
-            held = tl.load(is_ptr + NP + tl.maximum(pg, 0), mask=cm & (pg >= 0), other=0)
-            stamp = tl.load(last_used_ptr + b * (C + 1) + c, mask=cm, other=NEVER)
-            stamp = tl.where(held != 0, NEVER, stamp)
-            stamp = tl.where(cm, stamp, NEVER + 1)
-            tl.store(is_ptr + 3 * NP + c, stamp)
-            tl.debug_barrier()
-            for c0 in range(0, CP, BC):
-                ci = c0 + tl.arange(0, BC)
-                si = tl.load(is_ptr + 3 * NP + ci)
-                sj = tl.load(is_ptr + 3 * NP + c)
-                rank = tl.sum(((sj[None, :] < si[:, None])
-                               | ((sj[None, :] == si[:, None]) & (c[None, :] < ci[:, None])))
-                              .to(tl.int32), axis=1)
-                tl.store(is_ptr + 3 * NP + CP + rank, ci.to(tl.int64), mask=ci < C)
-            tl.debug_barrier()
-            m = tl.cumsum(miss.to(tl.int32), axis=0)
-            victim = tl.load(is_ptr + 3 * NP + CP + tl.maximum(m - 1, 0), mask=miss, other=0)
-            new_slot = tl.where(miss, victim, slot)
-            evicted = tl.load(page_of_slot_ptr + b * C + new_slot, mask=chosen, other=-1)
-            tl.store(sop_ptr + b * sop_w + evicted, tl.full((NP,), -1, tl.int64),
-                     mask=chosen & (evicted >= 0))
-            tl.debug_barrier()
-            tl.store(sop_ptr + b * sop_w + p, new_slot, mask=chosen)
-            tl.store(page_of_slot_ptr + b * C + new_slot, p.to(tl.int64), mask=chosen)
-            tl.store(last_used_ptr + b * (C + 1) + new_slot, tl.zeros((NP,), tl.int64) + step,
-                     mask=chosen)
-            row = tl.load(table_ptr + b * table_w + p, mask=miss, other=-1)
-            tl.store(slot_out_ptr + b * k + at, new_slot, mask=chosen)
-            tl.store(src_out_ptr + b * k + at, tl.where(miss, row, -1), mask=chosen)
-            total_miss += tl.sum(miss.to(tl.int64), axis=0)
-            tl.debug_barrier()
-        tl.store(step_ptr, step + 1)
-        tl.store(hits_ptr, tl.load(hits_ptr) + B * k - total_miss)
-        tl.store(misses_ptr, tl.load(misses_ptr) + total_miss)
-        tl.store(last_ptr, total_miss)
-        # --- the step's keys and values into the recent window at its position ----------------
-        pos = tl.load(winpos_ptr)
-        dd = tl.arange(0, D)
-        for j in range(B * H):  # keys [b, h, 1, d] then values, each where it lies
-            tl.store(win_ptr + (j * CAP + pos) * D + dd, tl.load(kin_ptr + j * D + dd))
-            tl.store(win_ptr + ((B * H + j) * CAP + pos) * D + dd, tl.load(vin_ptr + j * D + dd))
-        tl.store(winpos_ptr, pos + 1)
-
-    # _choose split in three (``SPLIT``): the rankings over many programs, then the choice,
-    # then the page cache's bookkeeping in one program -- the same values as _choose's
-    @triton.jit(do_not_specialize=["NB"])
-    def _rank(bound_ptr, wpart_ptr, key_ptr, n_ptr, NB,
-              H: tl.constexpr, HG: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
-              BI: tl.constexpr, NEVER: tl.constexpr):
-        n = tl.load(n_ptr)
-        b = tl.program_id(0)
-        i = tl.program_id(1) * BI + tl.arange(0, BI)
-        p = tl.arange(0, NP)
-        valid = p < n
-        iv = i < n
-        quest = tl.full((NP,), float("-inf"), tl.float32)
-        quest_i = tl.full((BI,), float("-inf"), tl.float32)
-        for r0 in range(0, HG, RB):
-            r = r0 + tl.arange(0, RB)
-            rm = r < HG
-            x = tl.load(bound_ptr + (b * HG + r)[:, None] * NB + p[None, :],
-                        mask=rm[:, None] & valid[None, :], other=float("-inf"))
-            mx = tl.max(x, axis=1)
-            lse = tl.log(tl.sum(tl.exp(x - mx[:, None]), axis=1)) + mx
-            share = tl.where(rm[:, None], x - lse[:, None], float("-inf"))
-            quest = tl.maximum(quest, tl.max(share, axis=0))
-            xi = tl.load(bound_ptr + (b * HG + r)[:, None] * NB + i[None, :],
-                         mask=rm[:, None] & iv[None, :], other=float("-inf"))
-            share_i = tl.where(rm[:, None], xi - lse[:, None], float("-inf"))
-            quest_i = tl.maximum(quest_i, tl.max(share_i, axis=0))
-        wsum = tl.zeros((NP,), tl.float32)
-        wsum_i = tl.zeros((BI,), tl.float32)
-        for h in range(H):
-            wsum += tl.load(wpart_ptr + (b * H + h) * NB + p, mask=valid, other=0.0)
-            wsum_i += tl.load(wpart_ptr + (b * H + h) * NB + i, mask=iv, other=0.0)
-        before = p[None, :] < i[:, None]
-        vj = valid[None, :]
-        rq = tl.sum((((quest[None, :] > quest_i[:, None])
-                      | ((quest[None, :] == quest_i[:, None]) & before)) & vj).to(tl.int32),
-                    axis=1).to(tl.int64)
-        rw = tl.sum((((wsum[None, :] > wsum_i[:, None])
-                      | ((wsum[None, :] == wsum_i[:, None]) & before)) & vj).to(tl.int32),
-                    axis=1).to(tl.int64)
-        key = tl.minimum(rq, rw) * (2 * n + 2) + rq
-        tl.store(key_ptr + b * NP + i, tl.where(iv, key, NEVER))
-
-    @triton.jit(do_not_specialize=["k"])
-    def _select(key_ptr, sel_ptr, n_ptr, k, NP: tl.constexpr, BI: tl.constexpr):
-        n = tl.load(n_ptr)
-        b = tl.program_id(0)
-        i = tl.program_id(1) * BI + tl.arange(0, BI)
-        p = tl.arange(0, NP)
-        ki = tl.load(key_ptr + b * NP + i)
-        kj = tl.load(key_ptr + b * NP + p)
-        below = tl.sum((kj[None, :] < ki[:, None]).to(tl.int32), axis=1)
-        tl.store(sel_ptr + b * NP + i, ((below < k) & (i < n)).to(tl.int64))
-
-    @triton.jit(do_not_specialize=["k", "C"])
-    def _book(sel_ptr, is_ptr, chosen_ptr, slot_out_ptr, src_out_ptr,
-              sop_ptr, sop_w, page_of_slot_ptr, last_used_ptr, step_ptr,
-              table_ptr, table_w, hits_ptr, misses_ptr, last_ptr, win_ptr, winpos_ptr, kin_ptr,
-              vin_ptr, k, B, C, CAP,
-              H: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, BC: tl.constexpr,
-              D: tl.constexpr, NEVER: tl.constexpr):
-        # scratch: is_ptr int64 [2 * CP] (stamps, victim of rank)
-        p = tl.arange(0, NP)
-        step = tl.load(step_ptr)
-        total_miss = tl.sum(tl.zeros((NP,), tl.int64), axis=0)
-        for b in range(B):
-            sel = tl.load(sel_ptr + b * NP + p)
-            at = tl.cumsum(sel, axis=0) - sel
-            chosen = sel != 0
-            tl.store(chosen_ptr + b * k + at, p.to(tl.int64), mask=chosen)
-            slot = tl.load(sop_ptr + b * sop_w + p, mask=chosen, other=-1)
-            miss = chosen & (slot < 0)
-            c = tl.arange(0, CP)
-            cm = c < C
-            pg = tl.load(page_of_slot_ptr + b * C + c, mask=cm, other=-1)
-            held = tl.load(sel_ptr + b * NP + tl.maximum(pg, 0), mask=cm & (pg >= 0), other=0)
-            stamp = tl.load(last_used_ptr + b * (C + 1) + c, mask=cm, other=NEVER)
-            stamp = tl.where(held != 0, NEVER, stamp)
-            stamp = tl.where(cm, stamp, NEVER + 1)
-            tl.store(is_ptr + c, stamp)
-            tl.debug_barrier()
-            for c0 in range(0, CP, BC):
-                ci = c0 + tl.arange(0, BC)
-                si = tl.load(is_ptr + ci)
-                sj = tl.load(is_ptr + c)
-                rank = tl.sum(((sj[None, :] < si[:, None])
-                               | ((sj[None, :] == si[:, None]) & (c[None, :] < ci[:, None])))
-                              .to(tl.int32), axis=1)
-                tl.store(is_ptr + CP + rank, ci.to(tl.int64), mask=ci < C)
-            tl.debug_barrier()
-            m = tl.cumsum(miss.to(tl.int32), axis=0)
-            victim = tl.load(is_ptr + CP + tl.maximum(m - 1, 0), mask=miss, other=0)
-            new_slot = tl.where(miss, victim, slot)
-            evicted = tl.load(page_of_slot_ptr + b * C + new_slot, mask=chosen, other=-1)
-            tl.store(sop_ptr + b * sop_w + evicted, tl.full((NP,), -1, tl.int64),
-                     mask=chosen & (evicted >= 0))
-            tl.debug_barrier()
-            tl.store(sop_ptr + b * sop_w + p, new_slot, mask=chosen)
-            tl.store(page_of_slot_ptr + b * C + new_slot, p.to(tl.int64), mask=chosen)
-            tl.store(last_used_ptr + b * (C + 1) + new_slot, tl.zeros((NP,), tl.int64) + step,
-                     mask=chosen)
-            row = tl.load(table_ptr + b * table_w + p, mask=miss, other=-1)
-            tl.store(slot_out_ptr + b * k + at, new_slot, mask=chosen)
-            tl.store(src_out_ptr + b * k + at, tl.where(miss, row, -1), mask=chosen)
-            total_miss += tl.sum(miss.to(tl.int64), axis=0)
-            tl.debug_barrier()
-        tl.store(step_ptr, step + 1)
-        tl.store(hits_ptr, tl.load(hits_ptr) + B * k - total_miss)
-        tl.store(misses_ptr, tl.load(misses_ptr) + total_miss)
-        tl.store(last_ptr, total_miss)
-        pos = tl.load(winpos_ptr)
-        dd = tl.arange(0, D)
-        for j in range(B * H):  # keys [b, h, 1, d] then values, each where it lies
-            tl.store(win_ptr + (j * CAP + pos) * D + dd, tl.load(kin_ptr + j * D + dd))
-            tl.store(win_ptr + ((B * H + j) * CAP + pos) * D + dd, tl.load(vin_ptr + j * D + dd))
-        tl.store(winpos_ptr, pos + 1)
-
-    @triton.jit(do_not_specialize=["K", "C"])
-    def _fetch(host_ptr, slots_ptr, src_ptr, slot_ptr, K, C, UNIT_W, PAGE_W,
-               CW: tl.constexpr):
-        bj = tl.program_id(0)
-        ch = tl.program_id(1)
-        b = bj // K
-        src = tl.load(src_ptr + bj)
-        slot = tl.load(slot_ptr + bj)
-        off = ch * CW + tl.arange(0, CW)
-        m = (off < PAGE_W) & ((off * 0 + src) >= 0)
-        x = tl.load(host_ptr + src * UNIT_W + off, mask=m)
-        tl.store(slots_ptr + (b * C + slot) * PAGE_W + off, x, mask=m)
-
-    @triton.jit(do_not_specialize=["K", "C", "NBLK", "BPS"])
-    def _attend(q_ptr, sinks_ptr, slots_ptr, win_ptr, winpos_ptr, slot_ptr,
-                acc_ptr, ml_ptr, scale, S, K, C, B, CAP, NBLK, BPS,
-                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                P: tl.constexpr, NSPLIT: tl.constexpr):
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        g = tl.arange(0, GP)
-        d = tl.arange(0, D)
-        t = tl.arange(0, P)
-        gm = g < G
-        q = tl.load(q_ptr + (bh * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
-        length = tl.load(winpos_ptr)
-        m_i = tl.full((GP,), -1.0e30, tl.float32)
-        l_i = tl.zeros((GP,), tl.float32)
-        acc = tl.zeros((GP, D), tl.float32)
-        page_e = 2 * H * P * D
-        for blk in range(split * BPS, tl.minimum(NBLK, (split + 1) * BPS)):
-            w = blk - 1 - K
-            n_valid = tl.where(blk == 0, S, tl.where(blk <= K, P, tl.minimum(P, length - w * P)))
-            if blk == 0:
-                kb = sinks_ptr + (b * H + h) * S * D
-                vb = sinks_ptr + ((B + b) * H + h) * S * D
-            elif blk <= K:
-                s_ = tl.load(slot_ptr + b * K + blk - 1)
-                kb = slots_ptr + (b * C + s_) * page_e + h * P * D
-                vb = kb + H * P * D
-            else:
-                kb = win_ptr + (b * H + h) * CAP * D + w * P * D
-                vb = win_ptr + ((B + b) * H + h) * CAP * D + w * P * D
-            tm = t < n_valid
-            kt = tl.load(kb + t[:, None] * D + d[None, :], mask=tm[:, None], other=0.0)
-            vt = tl.load(vb + t[:, None] * D + d[None, :], mask=tm[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale
-            s = tl.where(tm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt, input_precision="ieee")
-            m_i = m_new
-        row = (bh * NSPLIT + split) * GP + g
-        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc)
-        tl.store(ml_ptr + row * 2, m_i)
-        tl.store(ml_ptr + row * 2 + 1, l_i)
-
-    @triton.jit
-    def _combine(acc_ptr, ml_ptr, out_ptr, G: tl.constexpr, GP: tl.constexpr,
-                 D: tl.constexpr, NSPLIT: tl.constexpr):
-        bh = tl.program_id(0)
-        g = tl.arange(0, GP)
-        d = tl.arange(0, D)
-        m = tl.full((GP,), -1.0e30, tl.float32)
-        for s in range(NSPLIT):
-            m = tl.maximum(m, tl.load(ml_ptr + ((bh * NSPLIT + s) * GP + g) * 2))
-        l_sum = tl.zeros((GP,), tl.float32)
-        acc = tl.zeros((GP, D), tl.float32)
-        for s in range(NSPLIT):
-            row = (bh * NSPLIT + s) * GP + g
-            w = tl.exp(tl.load(ml_ptr + row * 2) - m)
-            l_sum += tl.load(ml_ptr + row * 2 + 1) * w
-            acc += tl.load(acc_ptr + row[:, None] * D + d[None, :]) * w[:, None]
-        out = acc / l_sum[:, None]
-        tl.store(out_ptr + (bh * G + g)[:, None] * D + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
 
 
 def pages_room(n: int) -> int:

@@ -172,8 +172,10 @@ class PageCache:
         host = layer.pages.span()
         if host is None:
             return None
-        key = (id(host), self.slots.data_ptr())
-        if self._span_key != key:
+        # the host view itself (held, compared by identity: a new view built after the old one
+        # was freed may come at the old one's id) and where the slots lie
+        key = (host, self.slots.data_ptr())
+        if self._span_key is None or self._span_key[0] is not host or self._span_key[1] != key[1]:
             self._span = None
             try:
                 self._span = HostSpan(layer.chunks, layer.batch, layer._cache.layout,

@@ -57,15 +57,16 @@ def equals_the_torch_path(batch, steps):
         cache = _cache(model, use_fused)
         runs.append((*greedy(model, ids, None, cache, steps), cache))
     (t1, l1, torch_path), (t2, l2, fused_path) = runs
+    why = _differs(t1, l1, t2, l2, torch_path, fused_path)
     assert fused_path.layers[1]._fused is not None and torch_path.layers[1]._fused is None
     assert fused_path.layers[0]._fused is None  # a dense layer: the torch path
     assert fused_path.layers[1]._fused.split == fused.SPLIT[0]
-    assert torch.equal(t1, t2)
+    assert torch.equal(t1, t2), why
     diff = (l1 - l2).abs().max().item()
-    assert diff <= 1e-5, diff
+    assert diff <= 1e-5, why
     # the same pages chosen every step: the page cache's tables, slots and counts are the same
     for got, want in zip(_tables(fused_path.layers[1]), _tables(torch_path.layers[1])):
-        assert torch.equal(got, want)
+        assert torch.equal(got, want), why
     for key in ("page_cache_hits", "page_cache_misses", "page_cache_step_fetched_bytes"):
         assert fused_path.stats()[key] == torch_path.stats()[key], key
     assert fused_path.stats()["page_cache_misses"] > 0
@@ -76,6 +77,20 @@ def equals_the_torch_path(batch, steps):
         # kernels reading the page count from the device (no new step built, no new graph)
         assert w2._fused.n == w2.n_pages == w1.n_pages == 31
         assert w2.fused_builds == 1
+
+
+def _differs(t1, l1, t2, l2, c1, c2) -> str:
+    """What differs between two greedy runs (for a failing check's message): the first step whose
+    logits differ and by how much, the tokens there, the page-cache counts of both caches."""
+    steps = [i for i in range(min(len(l1), len(l2))) if not torch.equal(l1[i], l2[i])]
+    first = steps[0] if steps else None
+    out = {"steps_differing": steps, "tokens_equal": torch.equal(t1, t2)}
+    if first is not None:
+        out["first_max_abs"] = (l1[first] - l2[first]).abs().max().item()
+        out["first_argmax"] = (l1[first].argmax(-1).tolist(), l2[first].argmax(-1).tolist())
+    for key in ("page_cache_hits", "page_cache_misses"):
+        out[key] = (c1.stats()[key], c2.stats()[key])
+    return json.dumps(out)
 
 
 class _Graph:
@@ -116,7 +131,7 @@ def _graphed_runs(addresses, new_graph=_Graph, steps=4):
             cache.select_graphs = captured
             runs.append((*greedy(model, ids, None, cache, steps), cache))
     (t1, l1, eager), (t2, l2, graphed) = runs
-    assert torch.equal(t1, t2) and torch.equal(l1, l2)
+    assert torch.equal(t1, t2) and torch.equal(l1, l2), _differs(t1, l1, t2, l2, eager, graphed)
     assert graphed.layers[1]._fused.graph is not None and eager.layers[1]._fused.graph is None
     got, want = _tables(graphed.layers[1]), _tables(eager.layers[1])
     for i in (0, 1, 3):  # where each page is, the pages in the slots

@@ -120,6 +120,28 @@ def test_generate_with_the_page_cache_equals_without(batch):
     assert after["page_cache_bytes"] == 0 and after["page_cache_hits"] == cached["page_cache_hits"]
 
 
+def test_a_new_host_chunk_gives_the_page_cache_a_new_view_even_at_a_reused_id(monkeypatch):
+    # a host chunk opened during decoding rebuilds the layer's host view; the page cache's view
+    # (host pages and slots) follows it even where the new view came at the freed one's id
+    # (simulated: every object's id the same), so pages of the new chunk are read from it
+    monkeypatch.setattr(pagecache, "id", lambda obj: 0, raising=False)
+    model = tiny_model(layers=2)
+    ids = torch.randint(1, 256, (1, 300), generator=torch.Generator().manual_seed(3))
+    runs, caches = [], []
+    for multiple in (0, 1.5):
+        cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=16,
+                                      top_k_pages=0.25, dense_layers=1, chunk_pages=2,
+                                      page_cache=multiple)
+        cache.fused = False  # the torch path (the CPU)
+        runs.append(greedy(model, ids, None, cache, 80))  # 80 steps: 5 pages, 2-3 new chunks
+        caches.append(cache)
+    (t1, l1), (t2, l2) = runs
+    layer = caches[1].layers[1]
+    assert len(layer.chunks) > 8  # chunks were opened during the decode
+    assert layer.page_cache._span.pages == sum(c.capacity for c in layer.chunks)
+    assert torch.equal(t1, t2) and torch.equal(l1, l2)
+
+
 def test_page_cache_setting_is_validated():
     for bad in (0.5, -1, True, "1.25", float("nan")):
         with pytest.raises(ConfigError) as e:
