@@ -141,7 +141,6 @@ class FusedStep:
         self.k_in, self.v_in = self.kv_in[0], self.kv_in[1]
         self.bound = torch.empty((b * h * self.g, self.nb), dtype=f32, device=dev)
         self.wpart = torch.empty((b * h, self.nb), dtype=f32, device=dev)
-        self.fs = torch.empty(2 * self.np_, dtype=f32, device=dev)
         self.iscratch = torch.empty(3 * self.np_ + 2 * self.cp, dtype=torch.int64, device=dev)
         self.chosen = torch.zeros((b, k), dtype=torch.int64, device=dev)
         self.slot_out = torch.zeros((b, k), dtype=torch.int64, device=dev)
@@ -165,8 +164,6 @@ class FusedStep:
         self.unit_w, self.page_w = unit // 8, page_words
         self.cw = min(1024, _p2(page_words))
         self.rb = min(_p2(h * self.g), max(1, 8192 // self.np_))
-        self.bi = max(1, min(self.np_, 8192 // self.np_))
-        self.bc = max(1, min(self.cp, 8192 // self.cp))
         self.split = SPLIT[0]
         self.bi_split = max(1, min(self.np_, 16))
         self.keys = torch.empty((b, self.np_), dtype=torch.int64, device=dev)
@@ -212,8 +209,7 @@ class FusedStep:
                 pc.slot_of_page, pc.slot_of_page.shape[1], pc.page_of_slot, pc.last_used,
                 pc.step, self.span.table, self.span.table.shape[1], pc.hits, pc.misses,
                 pc.last_misses, win.kv, win.pos, k_new, v_new, self.k, b, pc.capacity,
-                win.capacity, H=h, NP=self.np_, CP=self.cp, BC=self.bc, D=d, NEVER=_NEVER,
-                num_warps=8)
+                win.capacity, H=h, NP=self.np_, CP=self.cp, D=d, num_warps=8)
         else:
             self._choose_one(b, h, g, d, pc, win, k_new, v_new)
         _fetch[(b * self.k, -(-self.page_w // self.cw))](
@@ -230,14 +226,13 @@ class FusedStep:
 
     def _choose_one(self, b, h, g, d, pc, win, k_new, v_new) -> None:
         _choose[(1,)](
-            self.bound, self.wpart, self.fs, self.iscratch, self.chosen, self.slot_out,
+            self.bound, self.wpart, self.iscratch, self.chosen, self.slot_out,
             self.src_out, pc.slot_of_page, pc.slot_of_page.shape[1], pc.page_of_slot,
             pc.last_used, pc.step, self.span.table, self.span.table.shape[1], pc.hits, pc.misses,
             pc.last_misses,
             win.kv, win.pos, k_new, v_new, self.n_dev, self.k, b, pc.capacity, self.nb,
             win.capacity,
-            H=h, HG=h * g, RB=self.rb, NP=self.np_, BI=self.bi, CP=self.cp, BC=self.bc, D=d,
-            NEVER=_NEVER, num_warps=8)
+            H=h, HG=h * g, RB=self.rb, NP=self.np_, CP=self.cp, D=d, num_warps=8)
 
     _run = run  # the name kv/graphs.py's test emulation replays
 

@@ -5,9 +5,10 @@ them, in this order):
    window's softmax mass (the ``"windowed"`` score, per head), one program per (sequence, kv
    head, window of pages);
 2. ``_choose``: one program: the ``"quest"`` score (log-shares, best head), the windowed sum,
-   both rankings, the hybrid key and its ``k`` smallest (kv/summaries.py ``_choose_hybrid``), the
-   page cache's bookkeeping (kv/pagecache.py ``gather_into``: hits, the least recently chosen
-   victims for the misses, the tables, the counters), and the step's keys and values written into
+   both rankings, the hybrid key and its ``k`` smallest (kv/summaries.py ``_choose_hybrid``; each
+   ranking one sort of packed keys, ``_ranked``), the page cache's bookkeeping (kv/pagecache.py ``gather_into``: hits, the least recently chosen
+   victims for the misses -- one sort of the slots' stamps, ``_victims`` --, the tables, the
+   counters), and the step's keys and values written into
    the recent window at its device-held position -- or, split (kv/fused.py ``SPLIT``), ``_rank``
    (the rankings and the hybrid key, many programs), ``_select`` (the ``k`` smallest keys, many
    programs) and ``_book`` (the page cache's bookkeeping and the window write, one program);
@@ -33,6 +34,28 @@ NEVER = 1 << 62
 KERNELS = ("_score", "_choose", "_rank", "_select", "_book", "_fetch", "_attend", "_combine")
 
 if triton is not None:
+
+    @triton.jit
+    def _ranked(x, p, valid, NP: tl.constexpr):
+        """The pages ``p`` [NP] in the order of their scores ``x`` (float32): the higher score
+        first, equal scores by the lower page, pages not ``valid`` last -- as int64 keys whose
+        remainder by ``NP`` is the page (the position of a valid page is its rank)."""
+        x = tl.where(x == 0.0, 0.0, x)  # -0.0 and 0.0 are one score
+        bits = x.to(tl.int32, bitcast=True)
+        order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)  # increasing with x
+        desc = 2147483647 - order  # in [0, 2^32): the higher x, the smaller
+        desc = tl.where(valid, desc, 4294967296)
+        return tl.sort(desc * NP + p.to(tl.int64))
+
+    @triton.jit
+    def _victims(stamp, held, c, C, CP: tl.constexpr):
+        """Slots ``c`` [CP] in the order they give way: empty (stamp -1), then the least
+        recently chosen, the lower slot first; slots that hold a page chosen now (``held``) and
+        slots past ``C`` last -- as int64 keys whose remainder by ``CP`` is the slot."""
+        s = tl.minimum(stamp, 1 << 40) + 1  # >= 0: empty slots hold -1
+        s = tl.where(held, (1 << 40) + 1, s)
+        s = tl.where(c < C, s, (1 << 40) + 2)
+        return tl.sort(s * CP + c.to(tl.int64))
 
     # the scalars that change with the context are not specialised on (a page boundary
     # would otherwise compile a kernel again in the middle of decoding)
@@ -71,15 +94,15 @@ if triton is not None:
         tl.store(wpart_ptr + bh * NB + pp, tl.sum(mass, axis=0), mask=pm)
 
     @triton.jit(do_not_specialize=["k", "C", "NB"])
-    def _choose(bound_ptr, wpart_ptr, fs_ptr, is_ptr, chosen_ptr, slot_out_ptr, src_out_ptr,
+    def _choose(bound_ptr, wpart_ptr, is_ptr, chosen_ptr, slot_out_ptr, src_out_ptr,
                 sop_ptr, sop_w, page_of_slot_ptr, last_used_ptr, step_ptr,
                 table_ptr, table_w, hits_ptr, misses_ptr, last_ptr, win_ptr, winpos_ptr, kin_ptr,
                 vin_ptr, n_ptr, k, B, C, NB, CAP,
                 H: tl.constexpr, HG: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
-                BI: tl.constexpr, CP: tl.constexpr, BC: tl.constexpr, D: tl.constexpr,
-                NEVER: tl.constexpr):
-        # scratch: fs_ptr float32 [2 * NP] (quest, windowed); is_ptr int64 [3 * NP + 2 * CP]
-        # (hybrid key, chosen flag, exclusive count of chosen before, stamps, victim of rank)
+                CP: tl.constexpr, D: tl.constexpr):
+        # scratch: is_ptr int64 [3 * NP + 2 * CP] (each page's "quest" rank, chosen flag and
+        # windowed rank; the victim of each rank at 3 * NP + CP). Every ranking is one sort
+        # (O(NP log^2 NP) in this one program, not NP^2 comparisons)
         n = tl.load(n_ptr)
         p = tl.arange(0, NP)
         valid = p < n
@@ -99,33 +122,19 @@ if triton is not None:
             wsum = tl.zeros((NP,), tl.float32)
             for h in range(H):
                 wsum += tl.load(wpart_ptr + (b * H + h) * NB + p, mask=valid, other=0.0)
-            tl.store(fs_ptr + p, quest)
-            tl.store(fs_ptr + NP + p, wsum)
+            # --- ranks (0 = best; ties: the lower page first), the hybrid key and its k smallest
+            # (all distinct), each by one sort: a page's rank is its position ----------------
+            srt = _ranked(quest, p, valid, NP)
+            tl.store(is_ptr + srt % NP, p.to(tl.int64))
+            srt = _ranked(wsum, p, valid, NP)
+            tl.store(is_ptr + 2 * NP + srt % NP, p.to(tl.int64))
             tl.debug_barrier()
-            # --- ranks (0 = best; ties: the lower page first) and the hybrid key ---------------
-            for i0 in range(0, NP, BI):
-                i = i0 + tl.arange(0, BI)
-                qi = tl.load(fs_ptr + i)
-                wi = tl.load(fs_ptr + NP + i)
-                qj = tl.load(fs_ptr + p)
-                wj = tl.load(fs_ptr + NP + p)
-                before = p[None, :] < i[:, None]
-                vj = valid[None, :]
-                rq = tl.sum((((qj[None, :] > qi[:, None]) | ((qj[None, :] == qi[:, None]) & before))
-                             & vj).to(tl.int32), axis=1).to(tl.int64)
-                rw = tl.sum((((wj[None, :] > wi[:, None]) | ((wj[None, :] == wi[:, None]) & before))
-                             & vj).to(tl.int32), axis=1).to(tl.int64)
-                key = tl.minimum(rq, rw) * (2 * n + 2) + rq
-                key = tl.where(i < n, key, NEVER)
-                tl.store(is_ptr + i, key)
-            tl.debug_barrier()
-            # --- the k smallest keys (all distinct), in page order ----------------------------
-            for i0 in range(0, NP, BI):
-                i = i0 + tl.arange(0, BI)
-                ki = tl.load(is_ptr + i)
-                kj = tl.load(is_ptr + p)
-                below = tl.sum((kj[None, :] < ki[:, None]).to(tl.int32), axis=1)
-                tl.store(is_ptr + NP + i, ((below < k) & (i < n)).to(tl.int64))
+            rq = tl.load(is_ptr + p)
+            rw = tl.load(is_ptr + 2 * NP + p)
+            key = tl.minimum(rq, rw) * (2 * n + 2) + rq
+            key = tl.where(valid, key, (2 * NP + 3) * NP)  # past any page's key
+            srt = tl.sort(key * NP + p.to(tl.int64))
+            tl.store(is_ptr + NP + srt % NP, (p < k).to(tl.int64))
             tl.debug_barrier()
             sel = tl.load(is_ptr + NP + p)
             at = tl.cumsum(sel, axis=0) - sel  # the chosen index of a chosen page
@@ -139,19 +148,9 @@ if triton is not None:
             cm = c < C
             pg = tl.load(page_of_slot_ptr + b * C + c, mask=cm, other=-1)
             held = tl.load(is_ptr + NP + tl.maximum(pg, 0), mask=cm & (pg >= 0), other=0)
-            stamp = tl.load(last_used_ptr + b * (C + 1) + c, mask=cm, other=NEVER)
-            stamp = tl.where(held != 0, NEVER, stamp)
-            stamp = tl.where(cm, stamp, NEVER + 1)
-            tl.store(is_ptr + 3 * NP + c, stamp)
-            tl.debug_barrier()
-            for c0 in range(0, CP, BC):
-                ci = c0 + tl.arange(0, BC)
-                si = tl.load(is_ptr + 3 * NP + ci)
-                sj = tl.load(is_ptr + 3 * NP + c)
-                rank = tl.sum(((sj[None, :] < si[:, None])
-                               | ((sj[None, :] == si[:, None]) & (c[None, :] < ci[:, None])))
-                              .to(tl.int32), axis=1)
-                tl.store(is_ptr + 3 * NP + CP + rank, ci.to(tl.int64), mask=ci < C)
+            stamp = tl.load(last_used_ptr + b * (C + 1) + c, mask=cm, other=0)
+            srt = _victims(stamp, held != 0, c, C, CP)
+            tl.store(is_ptr + 3 * NP + CP + c, srt % CP, mask=cm)  # the victim of each rank
             tl.debug_barrier()
             m = tl.cumsum(miss.to(tl.int32), axis=0)
             victim = tl.load(is_ptr + 3 * NP + CP + tl.maximum(m - 1, 0), mask=miss, other=0)
@@ -240,9 +239,8 @@ if triton is not None:
               sop_ptr, sop_w, page_of_slot_ptr, last_used_ptr, step_ptr,
               table_ptr, table_w, hits_ptr, misses_ptr, last_ptr, win_ptr, winpos_ptr, kin_ptr,
               vin_ptr, k, B, C, CAP,
-              H: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, BC: tl.constexpr,
-              D: tl.constexpr, NEVER: tl.constexpr):
-        # scratch: is_ptr int64 [2 * CP] (stamps, victim of rank)
+              H: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, D: tl.constexpr):
+        # scratch: is_ptr int64 [2 * CP] (the victim of each rank at CP)
         p = tl.arange(0, NP)
         step = tl.load(step_ptr)
         total_miss = tl.sum(tl.zeros((NP,), tl.int64), axis=0)
@@ -257,19 +255,9 @@ if triton is not None:
             cm = c < C
             pg = tl.load(page_of_slot_ptr + b * C + c, mask=cm, other=-1)
             held = tl.load(sel_ptr + b * NP + tl.maximum(pg, 0), mask=cm & (pg >= 0), other=0)
-            stamp = tl.load(last_used_ptr + b * (C + 1) + c, mask=cm, other=NEVER)
-            stamp = tl.where(held != 0, NEVER, stamp)
-            stamp = tl.where(cm, stamp, NEVER + 1)
-            tl.store(is_ptr + c, stamp)
-            tl.debug_barrier()
-            for c0 in range(0, CP, BC):
-                ci = c0 + tl.arange(0, BC)
-                si = tl.load(is_ptr + ci)
-                sj = tl.load(is_ptr + c)
-                rank = tl.sum(((sj[None, :] < si[:, None])
-                               | ((sj[None, :] == si[:, None]) & (c[None, :] < ci[:, None])))
-                              .to(tl.int32), axis=1)
-                tl.store(is_ptr + CP + rank, ci.to(tl.int64), mask=ci < C)
+            stamp = tl.load(last_used_ptr + b * (C + 1) + c, mask=cm, other=0)
+            srt = _victims(stamp, held != 0, c, C, CP)
+            tl.store(is_ptr + CP + c, srt % CP, mask=cm)  # the victim of each rank
             tl.debug_barrier()
             m = tl.cumsum(miss.to(tl.int32), axis=0)
             victim = tl.load(is_ptr + CP + tl.maximum(m - 1, 0), mask=miss, other=0)

@@ -11,8 +11,11 @@ os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import deepseek_flash.kv.fused as fused  # noqa: E402
+import deepseek_flash.kv.fused_kernels as fused_kernels  # noqa: E402
 import deepseek_flash.kv.graphs as graphs  # noqa: E402
 from deepseek_flash.kv import TieredCache  # noqa: E402
 
@@ -196,6 +199,50 @@ def failing_step_leaves_the_torch_path():
     assert cache.layers[1]._fused_failed and cache.layers[1].page_cache.refused
 
 
+@triton.jit
+def _ranks(x_ptr, out_ptr, n, NP: tl.constexpr):
+    p = tl.arange(0, NP)
+    srt = fused_kernels._ranked(tl.load(x_ptr + p), p, p < n, NP)
+    tl.store(out_ptr + srt % NP, p.to(tl.int64))
+
+
+@triton.jit
+def _victim_order(st_ptr, held_ptr, out_ptr, C, CP: tl.constexpr):
+    c = tl.arange(0, CP)
+    stamp = tl.load(st_ptr + c, mask=c < C, other=0)
+    held = tl.load(held_ptr + c, mask=c < C, other=0) != 0
+    tl.store(out_ptr + c, fused_kernels._victims(stamp, held, c, C, CP) % CP, mask=c < C)
+
+
+def sorted_rankings_equal_the_comparisons():
+    # kv/fused_kernels.py's rankings by one sort (``_ranked``, ``_victims``) against their
+    # definition by comparisons, on scores full of ties (and -0.0 beside 0.0, -inf) and on slot
+    # stamps with ties, empty and held slots, sizes up to 1,024
+    g = torch.Generator().manual_seed(11)
+    for np_ in (16, 256, 1024):
+        for levels in (2, 7, 1000):
+            n = int(torch.randint(1, np_ + 1, (), generator=g))
+            x = torch.randint(0, levels, (np_,), generator=g).float() - levels // 2
+            x[torch.rand(np_, generator=g) < 0.1] = float("-inf")
+            x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, -0.0, 0.0)
+            got = torch.empty(np_, dtype=torch.int64)
+            _ranks[(1,)](x, got, n, NP=np_)
+            p = torch.arange(np_)
+            v = x[:n]  # rank: valid pages with a higher score, or an equal one and a lower page
+            want = ((v[None, :] > v[:, None]) | ((v[None, :] == v[:, None])
+                                                 & (p[None, :n] < p[:n, None]))).sum(1)
+            assert torch.equal(got[:n], want), (np_, levels)
+            cap = int(torch.randint(1, np_ + 1, (), generator=g))
+            stamp = torch.randint(-1, levels, (np_,), generator=g)
+            held = (torch.rand(np_, generator=g) < 0.3).long()
+            out = torch.full((np_,), -1, dtype=torch.int64)
+            _victim_order[(1,)](stamp, held, out, cap, CP=np_)
+            # empty first, then the least recently chosen, the lower slot first; held slots last
+            order = torch.where(held[:cap] != 0, 1 << 41, stamp[:cap])
+            want = torch.sort(order, stable=True).indices
+            assert torch.equal(out[:cap], want), (np_, levels, cap)
+
+
 def split(check):
     """``check`` with the choice as three kernels (kv/fused.py ``SPLIT``)."""
     def run():
@@ -213,6 +260,7 @@ CHECKS = {
     "direct": direct_graph_replays_the_eager_launches,
     "direct_refused": direct_graph_refused_keeps_the_buffers_graph,
     "failure": failing_step_leaves_the_torch_path,
+    "sorts": sorted_rankings_equal_the_comparisons,
 }
 
 if __name__ == "__main__":

@@ -51,6 +51,13 @@ def test_the_fused_graph_over_the_steps_own_tensors(checks, name):
 
 
 @needs_triton
+def test_the_kernels_rankings_by_sorting_equal_their_definition(checks):
+    # a page's rank and the slots' order of eviction, each one sort of packed keys in the
+    # kernels: the same as counting the pages (slots) ahead, ties and all
+    assert checks["sorts"] == "ok", checks["sorts"]
+
+
+@needs_triton
 def test_a_failing_fused_step_leaves_the_layer_on_the_torch_path(checks):
     assert checks["failure"] == "ok", checks["failure"]
 
