@@ -12,7 +12,10 @@
 #                                            PATHS_READ_SHAPES (e.g. 32x1MiB,8x4MiB): first, those
 #                                            read shapes against dd on the store's file (bench/io.py
 #                                            --file; PATHS_SHAPE_BYTES a reading, default 1GiB,
-#                                            PATHS_SHAPE_ROUNDS, default 2: ~1 s a reading)
+#                                            PATHS_SHAPE_ROUNDS, default 2: ~1 s a reading);
+#                                            PATHS_ALT='{"config": {...}, "env": {...}}': last, one
+#                                            more cold load after a restart with that daemon
+#                                            configuration (a comparison; ~25 s)
 #   bash bench/gpu_paths.sh OUTDIR imports [ARCH]  (default qwen2; its store made if missing) the
 #         skeleton's imports in a fresh interpreter, cache dropped: alone, beside the IO engine
 #         reading the store at each PATHS_IMPORTS_ENGINE shape (default 32x1MiB,4x4MiB,1x4MiB) and
@@ -61,7 +64,7 @@ if [ "$part" = cold ]; then
     rc=$?; echo "read shapes: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$logs/shapes-$arch.log"
   fi
   python3 bench/paths.py --arch "$arch" --dir $work --only shared_gpu_cold \
-    --beside-engine "${PATHS_BESIDE_ENGINE-32x1MiB}" ${PATHS_COLD_ARGS:-} \
+    --beside-engine "${PATHS_BESIDE_ENGINE-32x1MiB}" ${PATHS_COLD_ARGS:-} ${PATHS_ALT:+--alt "$PATHS_ALT"} \
     --output "$out/paths-$arch.json" > "$out/cold.log" 2>&1
   rc=$?; echo "cold: rc $rc at $(( $(date +%s) - t0 )) s"; [ $rc = 0 ] || tail -25 "$out/cold.log"
 elif [ "$part" = imports ]; then
@@ -151,16 +154,26 @@ for p in sorted(out.glob("paths-*.json")):
                   f"forward_s {r.get('forward_s')} pin {r.get('streamed_ranges_pin_s')} "
                   f"whole_arena_pin {r.get('whole_arena_pin_s')} err {e.get('error')}")
     cold = d.get("shared_gpu_cold") or {}
-    keys = ("error", "cache_dropped", "import_manifest_before", "imports_read_ahead", "packages_read_ahead",
+    keys = ("alt", "error", "cache_dropped", "import_manifest_before", "imports_read_ahead", "packages_read_ahead",
             "daemon_start_to_hello_s", "request_at", "loaded_at",
             "request_to_loaded_s", "vs_best_raw", "phases_ms", "imports_thread_s", "imports_thread_cpu_s",
             "shallow_read_s", "daemon_load_s", "daemon_load_gbps", "daemon_side_after_request_s",
             "daemon_side_vs_best_raw", "daemon_log_pin")
     if cold:
         print("cold raw:", {k: cold.get(k) for k in ("python_odirect_gbps", "dd_direct_gbps", "best_raw_gbps", "raw_bytes_read")})
-    for name, r in (("cold first-ever", cold), ("cold after restart", cold.get("after_restart"))):
+    for name, r in (("cold first-ever", cold), ("cold after restart", cold.get("after_restart")),
+                    ("cold after restart, alt", cold.get("after_restart_alt"))):
         if r:
             print(f"{name}:", json.dumps({k: r.get(k) for k in keys if k in r}))
+            tl = [x for x in r.get("reads_timeline") or [] if isinstance(x[0], (int, float))]
+            # The daemon's disk rate, GB/s a second after the request (bytes_read_nvme sampled).
+            rates, j = [], 0
+            for i, (ts, gb) in enumerate(tl):
+                while j < i and ts - tl[j][0] > 1.0:
+                    j += 1
+                if ts >= 1.0 and ts - tl[j][0] > 0:
+                    rates.append((round(ts, 1), round((gb - tl[j][1]) / (ts - tl[j][0]), 2)))
+            print(f"  reads GB/s by second: {rates[::4]}; {tl[-1][1] if tl else None} GB read by {tl[-1][0] if tl else None} s")
     for k in ("skeleton_alone", "skeleton_alone_cold", "skeleton_beside_engine"):
         if k in cold:
             print(k, json.dumps(cold[k])[:600])

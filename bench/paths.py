@@ -21,7 +21,7 @@ Default configuration everywhere except the host cache size (the machine's sizin
   ``skeleton_alone_cold_parallel``: the same with ``--parallel-imports`` packages imported on
   threads beside it -- whether the imports' system calls overlap on the machine;
   ``skeleton_beside_engine``: the same beside a process reading the model's file with the IO
-  engine at each ``--beside-engine`` depth x request size, 32 x 1 MiB being the daemon's); with
+  engine at each ``--beside-engine`` depth x request size, the daemon's ``read_shape``); with
   ``--diagnose`` also again beside ``dd`` reading the model's file (``skeleton_beside_dd``) and
   the cold load again after a fresh daemon start with the class imported
   (``model_class_imported``: the disk -> GPU path alone);
@@ -160,7 +160,7 @@ def _proc_cpu_s(pid: int) -> float | None:
 
 
 def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: str = "cuda:0",
-               drop: bool = True, state: Path | None = None) -> dict:
+               drop: bool = True, state: Path | None = None, config: dict | None = None) -> dict:
     """Start ``deepseek-flashd`` with every default, send the load at once (page cache dropped
     just before), time request -> every layer on the GPU -> first token, and say where the time
     went: the load's phases in this process, this process's CPU, the daemon's own load time (its
@@ -179,7 +179,7 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
            # Learned by an earlier client of a daemon with this state (read ahead at start).
            "import_manifest_before": manifest.exists()}
     t_spawn = time.perf_counter()
-    daemon = start_daemon(runtime, {}, state=state)            # every key at its default
+    daemon = start_daemon(runtime, config or {}, state=state)   # {}: every key at its default
     failure = None
     try:
         t_ready = time.perf_counter()
@@ -187,6 +187,7 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
         t_hello = time.perf_counter()
         d_cpu, p_cpu, th_cpu = _proc_cpu_s(daemon.pid), sum(os.times()[:2]), time.thread_time()
         t, t_wall = time.perf_counter(), time.time()
+        reads = _ReadsSampler(str(runtime / "control.sock"), t).start()
         with StackSampler(threading.get_ident()) as sampler:
             m = load_model(store_dir, device=device, client=c)
         returned = time.perf_counter() - t
@@ -194,6 +195,7 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
         m.flash.wait_loaded()
         _sync(device)
         loaded = time.perf_counter() - t
+        out["reads_timeline"] = reads.stop()
         d_cpu = None if d_cpu is None else _proc_cpu_s(daemon.pid) - d_cpu
         p_cpu = sum(os.times()[:2]) - p_cpu
         with torch.no_grad():
@@ -266,6 +268,39 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
     return out
 
 
+class _ReadsSampler:
+    """The daemon's ``bytes_read_nvme`` every ``interval`` s from ``t0`` on (its own connection):
+    ``[[seconds after the request, GB read], ...]`` -- the disk's rate through the load."""
+
+    def __init__(self, sock: str, t0: float, interval: float = 0.25):
+        self.sock, self.t0, self.interval = sock, t0, interval
+        self.samples: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="bench-reads-sampler")
+
+    def start(self) -> _ReadsSampler:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from deepseek_flash.client import Client
+
+        try:
+            with Client(socket_path=self.sock) as c:
+                while True:
+                    got = c.stats()["bytes_read_nvme"]
+                    self.samples.append([round(time.perf_counter() - self.t0, 2), round(got / 1e9, 3)])
+                    if self._stop.wait(self.interval):
+                        return
+        except Exception as exc:   # noqa: BLE001 -- a diagnostic: recorded, never fails the load
+            self.samples.append(["error", f"{type(exc).__name__}: {exc}"[:200]])
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join(10)
+        return self.samples
+
+
 def _clock(wall: float) -> str:
     """``wall`` (time.time()) as the daemon log stamps its lines: ``2026-12-02 07:46:51,127``."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall)) + f",{int(wall % 1 * 1000):03d}"
@@ -278,12 +313,15 @@ PACKAGES_LINE = re.compile(r"read ahead the packages' files \(no manifest yet\):
 
 
 def cold_in_fresh_process(runtime: Path, store_dir, best_raw: float, nbytes: int, device: str,
-                          drop: bool, state: Path) -> dict:
+                          drop: bool, state: Path, alt: dict | None = None) -> dict:
     """``_cold_load`` in a new interpreter that has imported torch (and made its CUDA context),
     not the model's transformers class: the user's fresh process, for every cold load of the run
-    alike (this one may have imported more)."""
+    alike (this one may have imported more). ``alt``: ``{"config": {...}, "env": {...}}``, the
+    daemon started with that flash.json and those environment variables instead of the defaults
+    (``--alt``; a comparison, never the goal's figure)."""
     spec = json.dumps({"runtime": str(runtime), "store": str(store_dir), "best_raw": best_raw,
-                       "nbytes": nbytes, "device": device, "drop": drop, "state": str(state)})
+                       "nbytes": nbytes, "device": device, "drop": drop, "state": str(state),
+                       "alt": alt})
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--cold-client", spec],
                           capture_output=True, text=True, check=False, timeout=600)
     lines = [ln for ln in done.stdout.strip().splitlines() if ln.startswith("{")]
@@ -314,10 +352,12 @@ def _cold_client(spec: str) -> int:
 
     import deepseek_flash.client.model  # noqa: F401
     s = json.loads(spec)
+    alt = s.get("alt") or {}
+    os.environ.update({k: str(v) for k, v in (alt.get("env") or {}).items()})   # the daemon's
     if s["device"] != "cpu":
         _cuda_ready(s["device"])
     out = _cold_load(Path(s["runtime"]), s["store"], s["best_raw"], s["nbytes"], device=s["device"],
-                     drop=s["drop"], state=Path(s["state"]))
+                     drop=s["drop"], state=Path(s["state"]), config=alt.get("config") or {})
     print(json.dumps(out))
     return 0
 
@@ -373,6 +413,12 @@ def shared_gpu_cold_phase(res, args, store_dir, data, nbytes) -> None:
             out["after_restart"] = cold_in_fresh_process(runtimes[0] / "restarted", store_dir, best,
                                                          nbytes, device, not args.smoke, state)
             out["works"] = out["works"] and "error" not in out["after_restart"]
+            save(res, args.output)
+        alt = json.loads(args.alt) if getattr(args, "alt", "") else None
+        if alt is not None:
+            # The same again with another daemon configuration (a comparison in the same run).
+            out["after_restart_alt"] = {"alt": alt, **cold_in_fresh_process(
+                runtimes[0] / "alt", store_dir, best, nbytes, device, not args.smoke, state, alt)}
             save(res, args.output)
         if args.skeleton_alone:
             out["skeleton_alone"] = run_script(SKELETON_ALONE_SCRIPT, store_dir)
@@ -447,7 +493,8 @@ def main(argv=None) -> int:
     parser.add_argument("--beside-engine", default="32x1MiB,4x4MiB",
                         help="shared_gpu_cold: the skeleton (cache dropped) beside a process reading "
                              "the model's file with the IO engine at DEPTHxREQUEST, for each "
-                             "(32x1MiB: the daemon's engine); '' to skip (~12 s each)")
+                             "(the daemon's read_shape is 8x4MiB, formerly 32x1MiB); '' to skip "
+                             "(~12 s each)")
     parser.add_argument("--parallel-imports", default="",
                         help="shared_gpu_cold: packages imported on threads beside a cold skeleton "
                              "build (skeleton_alone_cold_parallel; e.g. PARALLEL_IMPORTS' list: "
@@ -460,6 +507,10 @@ def main(argv=None) -> int:
                         help="shared_gpu_cold: the skeleton built alone, warm and cache dropped (~25 s)")
     parser.add_argument("--smoke", action="store_true",
                         help="shared_gpu_cold on the CPU with a tiny model made in --dir (CI)")
+    parser.add_argument("--alt", default="",
+                        help="shared_gpu_cold: one more cold load after a restart with the daemon "
+                             "started with another configuration, JSON {\"config\": {flash.json "
+                             "keys}, \"env\": {variables}} (after_restart_alt; ~25 s)")
     parser.add_argument("--cold-client", help=argparse.SUPPRESS)
     parser.add_argument("--output")
     args = parser.parse_args(argv)

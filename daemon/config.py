@@ -274,7 +274,7 @@ KEYS: dict[str, Key] = {
                         "group allowed to connect (null: the daemon's own group)"),
     "max_frame_bytes": Key(1 << 20, _frame_bytes, "4KiB..256MiB", "daemon", False,
                            "largest protocol frame accepted or sent", restart=True),
-    "read_shape": Key("32x1MiB", _read_shape, READ_SHAPE_RANGE, "daemon", False,
+    "read_shape": Key("8x4MiB", _read_shape, READ_SHAPE_RANGE, "daemon", False,
                       "the IO engine's disk reads: how many in flight, of how many bytes each (a "
                       "client's imports still running read one 4 MiB at a time)", restart=True),
     "max_outstanding_requests_per_client": Key(64, _int_range(1, 65536), "1..65536", "daemon", True,

@@ -176,7 +176,7 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
     # Attached while importing: the controller read shallow until the imports were done (they
     # ended after the attach here: the attach's round trip and imports_done's within the call),
     # then went back to full depth.
-    assert 0 < first["shallow_s"] < first["load_model_s"] and first["after"] == [32, 0]
+    assert 0 < first["shallow_s"] < first["load_model_s"] and first["after"] == [8, 0]
     assert again["shallow_s"] is None
     assert again["timings"] == ["open_model_ms", "attach_ms", "skeleton_ms", "device_memory_ms",
                                 "bind_ms", "total_ms"]

@@ -30,13 +30,13 @@ def test_the_paths_bench_smoke_learns_the_import_files_and_reads_them_ahead_afte
     assert first["packages_read_ahead"]["files"] > 10
     assert any("client 1 imports transformers.models.llama.modeling_llama" in ln
                for ln in first["daemon_log_pin"])
-    assert any("reads at 32 x 1024 KiB (0 clients importing): import files read ahead for *" in ln
+    assert any("reads at 8 x 4096 KiB (0 clients importing): import files read ahead for *" in ln
                for ln in first["daemon_log_pin"])
     # After the restart: the first client's files read ahead at start, then full depth.
     assert again["import_manifest_before"] is True and again["packages_read_ahead"] is None
     ahead = again["imports_read_ahead"]
     assert ahead["modules"] == 1 and ahead["files"] > 100 and ahead["bytes"] > 1 << 20
-    assert any("reads at 32 x 1024 KiB (0 clients importing): import files read ahead for "
+    assert any("reads at 8 x 4096 KiB (0 clients importing): import files read ahead for "
                "transformers.models.llama.modeling_llama" in ln for ln in again["daemon_log_pin"])
     for r in (first, again):
         assert r["request_to_loaded_s"] > 0 and r["phases_ms"]["imports_ms"] > 0
@@ -63,8 +63,8 @@ def test_the_gpu_branch_runs_its_readers_other_process_and_both_cold_loads_on_cu
     monkeypatch.setattr(bench, "HOG_SCRIPT", "import sys, time; print('held', flush=True); time.sleep(60)")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (7, 9))
 
-    def fake_cold(runtime, store_dir, best, nbytes, device, drop, state):
-        calls.append(("cold", runtime.name, best, nbytes, device, drop, state))
+    def fake_cold(runtime, store_dir, best, nbytes, device, drop, state, alt=None):
+        calls.append(("cold", runtime.name, best, nbytes, device, drop, state) + ((alt,) if alt else ()))
         return {"request_to_loaded_s": 1.0, "vs_best_raw": 0.5}
 
     monkeypatch.setattr(bench, "cold_in_fresh_process", fake_cold)
@@ -72,6 +72,7 @@ def test_the_gpu_branch_runs_its_readers_other_process_and_both_cold_loads_on_cu
     data.write_bytes(b"x" * 4096)
     args = argparse.Namespace(smoke=False, raw_bytes="all", hog="1KiB", restart=True, skeleton_alone=False,
                               parallel_imports="", beside_engine="", diagnose=False,
+                              alt='{"config": {"read_shape": "32x1MiB"}, "env": {"X": "1"}}',
                               output=str(tmp_path / "o.json"))
     res = {}
     bench.shared_gpu_cold_phase(res, args, tmp_path / "store", data, 1000)
@@ -81,7 +82,12 @@ def test_the_gpu_branch_runs_its_readers_other_process_and_both_cold_loads_on_cu
     state = calls[4][6]
     assert calls == ["drop", ("odirect", 4096), "drop", ("dd", 4096, 4 << 20),
                      ("cold", "first", 1.25, 1000, "cuda:0", True, state),
-                     ("cold", "restarted", 1.25, 1000, "cuda:0", True, state)]
+                     ("cold", "restarted", 1.25, 1000, "cuda:0", True, state),
+                     # --alt: once more after a restart, the same state, the other configuration
+                     ("cold", "alt", 1.25, 1000, "cuda:0", True, state,
+                      {"config": {"read_shape": "32x1MiB"}, "env": {"X": "1"}})]
+    assert cold["after_restart_alt"] == {"alt": {"config": {"read_shape": "32x1MiB"}, "env": {"X": "1"}},
+                                         "request_to_loaded_s": 1.0, "vs_best_raw": 0.5}
     assert state.name == "state" and cold["after_restart"] == {"request_to_loaded_s": 1.0, "vs_best_raw": 0.5}
     seen = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: seen.append("sync"))

@@ -64,7 +64,7 @@ def test_invalid_values_name_key_value_allowed(key, value, allowed):
 
 
 def test_read_shape_forms():
-    assert FlashConfig().read_shape == "32x1MiB" and read_shape("k", "32x1MiB") == (32, 1 << 20)
+    assert FlashConfig().read_shape == "8x4MiB" and read_shape("k", "32x1MiB") == (32, 1 << 20)
     assert FlashConfig.from_dict({"read_shape": "8x4MiB"}).read_shape == "8x4MiB"
     assert read_shape("k", "8x4MiB") == (8, 4 << 20) and read_shape("k", "1x64MiB") == (1, 64 << 20)
     assert read_shape("k", "1024x4KiB") == (1024, 4096)

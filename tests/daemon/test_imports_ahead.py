@@ -16,10 +16,10 @@ from deepseek_flash.client import skeleton
 from deepseek_flash.daemon import imports_ahead, readahead_worker, reads
 from deepseek_flash.daemon.block_manager import BlockManager
 from deepseek_flash.daemon.config import FlashConfig
-from deepseek_flash.errors import ImportManifestCorrupt, MalformedFrame
+from deepseek_flash.errors import ConfigError, ImportManifestCorrupt, MalformedFrame
 
 MODULE = "transformers.models.llama.modeling_llama"
-FULL = {"read_depth": 32, "read_request_bytes": 1 << 20}
+FULL = {"read_depth": 8, "read_request_bytes": 4 << 20}
 
 
 def _tree(root):
@@ -303,6 +303,20 @@ def test_the_imports_thread_records_what_its_import_opened(tmp_path, monkeypatch
     report = skeleton.imported_files(opened=imports.opened, before=imports.before)
     assert report[str(pkg)] == ["__init__.py", "data.txt"]
     assert not any("site-packages/torch" in d for d in report)     # imported before: not theirs
+
+
+def test_read_threads_from_the_environment(tmp_path, monkeypatch):
+    env = imports_ahead.THREADS_ENV
+    assert imports_ahead.read_threads({}) == imports_ahead.THREADS == 48
+    assert imports_ahead.read_threads({env: "16"}) == 16 and imports_ahead.read_threads({env: "256"}) == 256
+    for bad in ("0", "257", "many", ""):
+        with pytest.raises(ConfigError) as info:
+            imports_ahead.read_threads({env: bad})
+        assert info.value.key == env and info.value.value == bad and info.value.allowed == "1..256"
+        assert env in str(info.value)
+    monkeypatch.setenv(env, "7")
+    assert imports_ahead.ImportsAhead(tmp_path).threads == 7
+    assert imports_ahead.ImportsAhead(tmp_path, threads=3).threads == 3
 
 
 def test_without_a_manifest_the_start_reads_the_packages_files(tmp_path, monkeypatch, caplog):

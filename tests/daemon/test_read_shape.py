@@ -20,7 +20,7 @@ from deepseek_flash.errors import BudgetTooSmall, MalformedFrame, UnknownModel
 from deepseek_flash.store import Store
 from deepseek_flash.wire import GATE_READY, control_views
 
-FULL = {"read_depth": 32, "read_request_bytes": 1 << 20, "shallow_read_clients": 0}
+FULL = {"read_depth": 8, "read_request_bytes": 4 << 20, "shallow_read_clients": 0}
 SHALLOW = {"read_depth": 1, "read_request_bytes": 4 << 20}
 
 
@@ -66,7 +66,7 @@ def test_an_importing_client_keeps_the_reads_shallow_until_it_says_done(daemon, 
         log = daemon.log()
         assert "reads at 1 x 4096 KiB (1 clients importing): client" in log
         assert "(1 clients importing): client 1: its imports are done after" in log
-        assert "reads at 32 x 1024 KiB (0 clients importing): client 2: it detached after" in log
+        assert "reads at 8 x 4096 KiB (0 clients importing): client 2: it detached after" in log
 
 
 def test_a_client_killed_mid_import_gives_the_depth_back_and_nothing_is_lost(daemon, tiny_store):
