@@ -60,11 +60,13 @@ SMOKE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_s
 
 ATTENTION_VARIANTS = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention")
 # Variants with their own rounding: their own parity and profile (graphs_cuda_gemv / graphs_tinygemm:
-# int4 one-row GEMVs through quant.cuda_gemv on / off, whatever its default; graphs_cuda_gemv_a0:
-# its default shapes with x as the mma's A operand; graphs_silu_apart: silu_mul not inside the
-# down GEMV)
+# int4 one-row GEMVs through quant.cuda_gemv on / off, whatever its default; graphs_cuda_gemv_a0 /
+# graphs_swap: its default shapes with x / two n-tiles as the mma's A operand (cuda_gemv.SWAP);
+# graphs_silu_apart / graphs_silu_fused: silu_mul apart from / inside the down GEMV
+# (cuda_gemv.FUSE_SILU); graphs_swap_silu: both on)
 OWN_ROUNDING = ATTENTION_VARIANTS + ("graphs_cuda_gemv", "graphs_tinygemm", "graphs_cuda_gemv_a0",
-                                     "graphs_silu_apart")
+                                     "graphs_silu_apart", "graphs_swap", "graphs_silu_fused",
+                                     "graphs_swap_silu")
 
 
 def build(arch: str, shape: dict, device, dtype, layers: int | None = None):
@@ -351,7 +353,8 @@ def main(argv=None) -> int:
     known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {}, "graphs_sdpa": {},
              "graphs_triton_attention": {}, "graphs_rope_attention": {},
              "graphs_cuda_gemv": {}, "graphs_tinygemm": {}, "graphs_cuda_gemv_a0": {},
-             "graphs_silu_apart": {},
+             "graphs_silu_apart": {}, "graphs_swap": {}, "graphs_silu_fused": {},
+             "graphs_swap_silu": {},
              "graphs_transformers_attention": {"fused": False, "packed_attention": False},
              "graphs_transformers_norm": {"fused": False, "fused_norm": False}}
     chosen = ["graphs"] + [v for v in args.variants.split(",") if v and v != "graphs"]
@@ -364,8 +367,10 @@ def main(argv=None) -> int:
         fusion.MERGE_QUANTIZED = variant != "graphs_unmerged"
         cuda_gemv.ENABLED = {"graphs_cuda_gemv": True, "graphs_tinygemm": False}.get(variant,
                                                                                   default_gemv)
-        cuda_gemv.SWAP = 0 if variant == "graphs_cuda_gemv_a0" else default_gemv_swap
-        cuda_gemv.FUSE_SILU = variant != "graphs_silu_apart" and default_silu
+        cuda_gemv.SWAP = {"graphs_cuda_gemv_a0": 0, "graphs_swap": 1,
+                          "graphs_swap_silu": 1}.get(variant, default_gemv_swap)
+        cuda_gemv.FUSE_SILU = {"graphs_silu_apart": False, "graphs_silu_fused": True,
+                               "graphs_swap_silu": True}.get(variant, default_silu)
         fusion.ATTENTION = {"graphs_sdpa": "sdpa", "graphs_triton_attention": "triton",
                             "graphs_rope_attention": "rope_triton"}.get(variant, default_attention)
         decoder = enable(model, capacity=capacity, **options)
