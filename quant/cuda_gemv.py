@@ -294,12 +294,12 @@ class Config:
         return (K // 128) * 256 + (K // 128) * 4 + self.W * self.NT * 8 * 4
 
 
-# (NT, U, P) per (N, K) of the 8B llama's decode GEMVs: the H200 sweep's fastest (bench/gemv.py
-# --cuda, 2026-12-02); other shapes take (2, 1, 1). W, the warps splitting K, is a function of K
+# (NT, U, P, G) per (N, K) of the 8B llama's decode GEMVs: the H200 sweep's fastest (bench/gemv.py
+# --cuda, 2026-12-02); other shapes take (2, 1, 1, 0). W, the warps splitting K, is a function of K
 # alone (``warps``): it sets the order of a row's float32 sums, so a merged GEMV's outputs keep the
 # bits of each projection's own call (``linear.merge_tiles``), whatever N.
-PINNED = {(6144, 4096): (2, 1, 1), (4096, 4096): (2, 1, 1), (28672, 4096): (4, 1, 1),
-          (4096, 14336): (2, 1, 1)}
+PINNED = {(6144, 4096): (2, 1, 1, 0), (4096, 4096): (2, 1, 1, 0), (28672, 4096): (4, 1, 1, 0),
+          (4096, 14336): (2, 1, 1, 0)}
 WARPS_BY_K = {4096: 8, 14336: 16}
 # Whether the default shapes put two n-tiles in the mma's A operand (``Config.A``): off until the
 # H200 has run it (the CPU stand-in and NVRTC have).
@@ -318,8 +318,8 @@ def warps(K: int) -> int:
 
 def default_config(N: int, K: int) -> Config:
     """The shape used when none is given: a pure function of ``N x K`` (and ``SWAP``)."""
-    nt, u, p = PINNED.get((N, K), (2, 1, 1))
-    cfg = Config(nt, warps(K), u, p, A=SWAP)
+    nt, u, p, g = PINNED.get((N, K), (2, 1, 1, 0))
+    cfg = Config(nt, warps(K), u, p, A=SWAP, G=g)
     return cfg if cfg.fits(N, K) is None else Config(2, warps(K), 1, 1, A=SWAP)
 
 
