@@ -132,7 +132,7 @@ class TieredLayer(CacheLayerMixin):
         self.batch = b
         cache._fix_layout(b, h, d, key_states.dtype, key_states.device, t)
         if self.dense and cache.prune is None and cache.mirrors_dense():
-            self.mirror = DenseMirror()
+            self.mirror = DenseMirror(front=cache.sink_tokens)
         empty = key_states.new_empty((b, h, 0, d))
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = empty
         self.summaries.init(key_states)
@@ -451,6 +451,11 @@ class TieredLayer(CacheLayerMixin):
             if (self.mirror is not None and self.mirror.tokens == self.paged_tokens
                     and not self.lost_pages):
                 pk, pv = self.mirror.parts()  # on the device already: nothing copied
+                if q_len <= cache.select_max_queries and self.pending is not None:
+                    # sinks, pages, recent and new tokens read as one prefix of the mirror's
+                    # buffer: no concatenation of every page each step (kv/mirror.py)
+                    self._joined = self.mirror.joined(self.sink_k, self.sink_v, self.recent_k,
+                                                      self.recent_v, *self.pending)
             else:
                 pk, pv = cache._take_prefetched(self) or self.pages.fetch_all()
             if q_len <= cache.select_max_queries:
