@@ -60,8 +60,11 @@ SMOKE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_s
 
 ATTENTION_VARIANTS = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention")
 # Variants with their own rounding: their own parity and profile (graphs_cuda_gemv / graphs_tinygemm:
-# int4 one-row GEMVs through quant.cuda_gemv on / off, whatever its default)
-OWN_ROUNDING = ATTENTION_VARIANTS + ("graphs_cuda_gemv", "graphs_tinygemm")
+# int4 one-row GEMVs through quant.cuda_gemv on / off, whatever its default; graphs_cuda_gemv_a0:
+# its default shapes with x as the mma's A operand; graphs_silu_apart: silu_mul not inside the
+# down GEMV)
+OWN_ROUNDING = ATTENTION_VARIANTS + ("graphs_cuda_gemv", "graphs_tinygemm", "graphs_cuda_gemv_a0",
+                                     "graphs_silu_apart")
 
 
 def build(arch: str, shape: dict, device, dtype, layers: int | None = None):
@@ -343,10 +346,12 @@ def main(argv=None) -> int:
     decoder = None
     default_attention = fusion.ATTENTION
     from deepseek_flash.quant import cuda_gemv
-    default_gemv = cuda_gemv.ENABLED
+    default_gemv, default_gemv_swap, default_silu = (cuda_gemv.ENABLED, cuda_gemv.SWAP,
+                                                     cuda_gemv.FUSE_SILU)
     known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {}, "graphs_sdpa": {},
              "graphs_triton_attention": {}, "graphs_rope_attention": {},
-             "graphs_cuda_gemv": {}, "graphs_tinygemm": {},
+             "graphs_cuda_gemv": {}, "graphs_tinygemm": {}, "graphs_cuda_gemv_a0": {},
+             "graphs_silu_apart": {},
              "graphs_transformers_attention": {"fused": False, "packed_attention": False},
              "graphs_transformers_norm": {"fused": False, "fused_norm": False}}
     chosen = ["graphs"] + [v for v in args.variants.split(",") if v and v != "graphs"]
@@ -359,6 +364,8 @@ def main(argv=None) -> int:
         fusion.MERGE_QUANTIZED = variant != "graphs_unmerged"
         cuda_gemv.ENABLED = {"graphs_cuda_gemv": True, "graphs_tinygemm": False}.get(variant,
                                                                                   default_gemv)
+        cuda_gemv.SWAP = 0 if variant == "graphs_cuda_gemv_a0" else default_gemv_swap
+        cuda_gemv.FUSE_SILU = variant != "graphs_silu_apart" and default_silu
         fusion.ATTENTION = {"graphs_sdpa": "sdpa", "graphs_triton_attention": "triton",
                             "graphs_rope_attention": "rope_triton"}.get(variant, default_attention)
         decoder = enable(model, capacity=capacity, **options)
@@ -401,7 +408,8 @@ def main(argv=None) -> int:
         res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
         save(res, args.output)
     fusion.MERGE_QUANTIZED, fusion.ATTENTION = True, default_attention
-    cuda_gemv.ENABLED = default_gemv
+    cuda_gemv.ENABLED, cuda_gemv.SWAP, cuda_gemv.FUSE_SILU = (default_gemv, default_gemv_swap,
+                                                               default_silu)
     if decoder is not None:
         decoder.reset()
     decoder = enable(model, capacity=capacity)

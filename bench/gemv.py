@@ -16,6 +16,7 @@ use these kernels is ``gemv.INT4_MAX_M``: this is where that is decided.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -136,10 +137,16 @@ def tinygemm(x, w, group, s, N, K):
     return torch.ops.aten._weight_int4pack_mm(x, w, group, s)
 
 
-# (NT, W, U, P) of quant.cuda_gemv.Config
-CUDA_SWEEP = [(1, 8, 1, 1), (1, 8, 2, 1), (2, 8, 1, 1), (2, 8, 2, 1), (4, 8, 1, 1), (4, 8, 2, 1),
-              (2, 4, 2, 1), (4, 4, 2, 1), (8, 4, 1, 1), (2, 16, 1, 1), (4, 4, 4, 1), (2, 8, 4, 1),
-              (2, 8, 2, 0), (4, 8, 1, 0), (4, 4, 2, 0)]
+# (NT, W, U, P, A[, G]) of quant.cuda_gemv.Config
+CUDA_SWEEP = [(2, 8, 1, 1, 1), (2, 16, 1, 1, 1), (4, 8, 1, 1, 1), (4, 4, 2, 1, 1), (2, 4, 2, 1, 1),
+              (4, 16, 1, 1, 1), (8, 8, 1, 1, 1), (2, 8, 2, 1, 1), (4, 8, 2, 1, 1),
+              (4, 8, 1, 1, 1, 2), (2, 8, 1, 1, 1, 3), (2, 8, 1, 1, 1, 4), (2, 16, 1, 1, 1, 2),
+              (2, 8, 1, 1, 0), (2, 16, 1, 1, 0), (4, 8, 1, 1, 0)]
+
+
+def sweep_config(t):
+    from deepseek_flash.quant import cuda_gemv
+    return cuda_gemv.Config(*t[:4], A=t[4], G=t[5] if len(t) > 5 else 0)
 
 
 def cuda_rows(row, x, mats, W, N, K, wbytes, bw, budget_s):
@@ -150,7 +157,7 @@ def cuda_rows(row, x, mats, W, N, K, wbytes, bw, budget_s):
     kern = cuda_gemv.Kernels(cuda_gemv.emulated_compile) if SMOKE else cuda_gemv.KERNELS
     words0, sz0 = mats[0][1], mats[0][2]
     cfg = cuda_gemv.default_config(N, K)
-    row["cuda_config"] = [cfg.NT, cfg.W, cfg.U, cfg.P]
+    row["cuda_config"] = [cfg.NT, cfg.W, cfg.U, cfg.P, cfg.A]
     t_start = time.time()
 
     def run(c, key):
@@ -169,27 +176,27 @@ def cuda_rows(row, x, mats, W, N, K, wbytes, bw, budget_s):
         row["cuda_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         return
     sw = []
-    for nt, w, u, p in CUDA_SWEEP:
-        c = cuda_gemv.Config(nt, w, u, p)
+    for t in CUDA_SWEEP:
+        c = sweep_config(t)
         if c == cfg or c.fits(N, K) or time.time() - t_start > budget_s:
             continue
         try:
-            sw.append({"cfg": [nt, w, u, p], **run(c, "sweep")})
+            sw.append({"cfg": list(t), **run(c, "sweep")})
         except Exception as exc:
-            sw.append({"cfg": [nt, w, u, p], "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            sw.append({"cfg": list(t), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
     # the access pattern alone (loads and stores, no arithmetic; wrong results); on the smoke run a
     # launch that does nothing stands in for it
     kern_lo = cuda_gemv.Kernels(lambda *a, **k: lambda **kw: None) if SMOKE else kern
-    for c in (cuda_gemv.Config(cfg.NT, cfg.W, cfg.U, cfg.P, LO=1), cuda_gemv.Config(4, 8, 1, 1, LO=1)):
+    for c in (dataclasses.replace(cfg, LO=1), cuda_gemv.Config(4, 8, 1, 1, LO=1)):
         if c.fits(N, K):
             continue
         try:
             t = time_calls([lambda w=w, s=s: cuda_gemv.matmul(x, w, s, N, K, c, kern_lo)
                             for _, w, s, _ in mats], reps=3)
-            sw.append({"cfg": [c.NT, c.W, c.U, c.P], "LO": 1, "us": round(t * 1e6, 2),
+            sw.append({"cfg": [c.NT, c.W, c.U, c.P, c.A], "LO": 1, "us": round(t * 1e6, 2),
                        "frac": round(wbytes / t / bw, 3)})
         except Exception as exc:
-            sw.append({"cfg": [c.NT, c.W, c.U, c.P], "LO": 1,
+            sw.append({"cfg": [c.NT, c.W, c.U, c.P, c.A], "LO": 1,
                        "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
     row["cuda_sweep"] = sw
 

@@ -28,6 +28,7 @@ kernel against it and torch's int4 kernel.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -35,8 +36,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Whether ``QuantLinear`` runs one-row int4 tile-layout calls through this kernel (``supports``).
-ENABLED = False
+# Whether ``QuantLinear`` runs one-row int4 tile-layout calls through this kernel (``supports``):
+# on by default, measured faster than torch's int4 kernel at every 8B shape (docs/benchmarks.md).
+ENABLED = True
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -48,11 +50,11 @@ __device__ __forceinline__ u32 lop_pair(u32 w) {
     return v;
 }
 
-__device__ __forceinline__ void mma(float* d, u32 a0, u32 a2, u32 b0, u32 b1) {
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ void ld_stream(u32* v, const u32* p) {
@@ -69,9 +71,37 @@ __device__ __forceinline__ u16 to_bf16(float f) {
     return h;
 }
 
+#ifndef SILU
+#define SILU 0
+#endif
+#ifndef SWAP
+#define SWAP 0
+#endif
+
+// silu(g) * u of two bfloat16 pairs, rounded as decode.kernels.silu_mul does: the activation in
+// float32 (ex2.approx and div.full, the instructions Triton emits for it) rounded to bfloat16,
+// times up in float32, rounded to bfloat16.
+__device__ __forceinline__ float act(float g) {
+    float e, q;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+    asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(g), "f"(1.f + e));
+    return q;
+}
+
+__device__ __forceinline__ u32 silu_pair(u32 g, u32 u) {
+    u16 a_lo = to_bf16(act(bf16_lo(g))), a_hi = to_bf16(act(bf16_hi(g)));
+    u16 lo = to_bf16(__uint_as_float((u32)a_lo << 16) * bf16_lo(u));
+    u16 hi = to_bf16(__uint_as_float((u32)a_hi << 16) * bf16_hi(u));
+    return (u32)lo | ((u32)hi << 16);
+}
+
 struct Batch {                 // U chunks x NT n-tiles of one lane: codes and (scale, zero) pairs
     u32 w[U][NT][4];
-    uint2 s[U][NT];
+#if SWAP
+    u32 s[U][NT];              // row g of each n-tile
+#else
+    uint2 s[U][NT];            // rows 2r, 2r + 1 of each n-tile
+#endif
 };
 
 // Issue the loads of chunks c .. c + U - 1 (all before any use).
@@ -84,7 +114,11 @@ __device__ __forceinline__ void load(Batch& b, const u32* __restrict__ words,
         for (int j = 0; j < NT; ++j) {
             const int nt = min(nt0 + j, ntl);
             ld_stream(b.w[u][j], words + ((size_t)(nt * KO + c + u) * 32 + lane) * 4);
+#if SWAP
+            b.s[u][j] = sz[(size_t)(c + u) * N + nt * 8 + (lane >> 2)];
+#else
             b.s[u][j] = *(const uint2*)(sz + ((size_t)(c + u) * N + nt * 8 + 2 * (lane & 3)));
+#endif
         }
     }
 }
@@ -106,14 +140,29 @@ __device__ __forceinline__ void compute(const Batch& b, float (&acc)[NT][2], con
 #ifdef LOADS_ONLY
             // a measurement aid (wrong results): the same loads and stores, no arithmetic
             acc[j][0] += __uint_as_float((b.w[u][j][0] ^ b.w[u][j][1] ^ b.w[u][j][2] ^ b.w[u][j][3]
-                                          ^ b.s[u][j].x ^ a[0]) & 0x3FFFFFFFu);
+                                          ^ *(const u32*)&b.s[u][j] ^ a[0]) & 0x3FFFFFFFu);
+#elif SWAP
+            // n-tiles j, j + 1 as the A operand (rows g, g + 8), x as B (every column): one mma
+            // a 16 x 16 tile; k-tiles 2i and 2i + 1 in two chains
+            if (j & 1) continue;
+            float d[4] = {bias, bias, bias, bias}, e[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 w0 = b.w[u][j][i], w1 = b.w[u][j + 1][i];
+                mma(d, lop_pair(w0), lop_pair(w1), lop_pair(w0 >> 4), lop_pair(w1 >> 4),
+                    a[4 * i], a[4 * i + 1]);
+                mma(e, lop_pair(w0 >> 8), lop_pair(w1 >> 8), lop_pair(w0 >> 12), lop_pair(w1 >> 12),
+                    a[4 * i + 2], a[4 * i + 3]);
+            }
+            acc[j][0] = fmaf(d[0] + e[0], bf16_lo(b.s[u][j]), acc[j][0]);
+            acc[j + 1][0] = fmaf(d[2] + e[2], bf16_lo(b.s[u][j + 1]), acc[j + 1][0]);
 #else
             float d[4] = {bias, bias, 0.f, 0.f};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const u32 w = b.w[u][j][i];
-                mma(d, a[4 * i], a[4 * i + 1], lop_pair(w), lop_pair(w >> 4));
-                mma(d, a[4 * i + 2], a[4 * i + 3], lop_pair(w >> 8), lop_pair(w >> 12));
+                mma(d, a[4 * i], 0u, a[4 * i + 1], 0u, lop_pair(w), lop_pair(w >> 4));
+                mma(d, a[4 * i + 2], 0u, a[4 * i + 3], 0u, lop_pair(w >> 8), lop_pair(w >> 12));
             }
             acc[j][0] = fmaf(d[0], bf16_lo(b.s[u][j].x), acc[j][0]);
             acc[j][1] = fmaf(d[1], bf16_lo(b.s[u][j].y), acc[j][1]);
@@ -139,31 +188,43 @@ int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
     const int r = lane & 3;
     const int cpw = KO / W;                   // chunks a warp (KO % W == 0, cpw % U == 0)
     const int c0 = warp * cpw;
-    const int nt0 = blockIdx.x * NT;
     const int ntl = (N >> 3) - 1;
+    const int nblk = (ntl + NT) / NT;         // blocks of NT n-tiles; a CTA takes blockIdx.x,
+                                              // then every gridDim.x-th (a grid smaller than
+                                              // nblk stages x once for several blocks)
     Batch A, B;
 #if PIPE
-    load(A, words, sz, c0, nt0, ntl, KO, N, lane);
+    load(A, words, sz, c0, blockIdx.x * NT, ntl, KO, N, lane);
 #endif
     // Stage x: 8 columns 8 e .. 8 e + 7 of chunk c are pairs r = 0..3 of half h of k-tile kt.
+    // SILU: x is gate | up ([2K]); what is staged is silu(gate) * up.
     for (int e = tid; e < (K >> 3); e += 32 * W) {
-        const uint4 v = x[e];
+        uint4 v = x[e];
+#if SILU
+        const uint4 u = x[e + (K >> 3)];
+        v.x = silu_pair(v.x, u.x); v.y = silu_pair(v.y, u.y);
+        v.z = silu_pair(v.z, u.z); v.w = silu_pair(v.w, u.w);
+#endif
         const int col = (e << 3) & 127, c = e >> 4;
         const int base = ((c * 4) * 8 + (col >> 4)) * 2 + ((col >> 3) & 1);
         xf[base] = v.x; xf[base + 16] = v.y; xf[base + 32] = v.z; xf[base + 48] = v.w;
     }
+    __syncthreads();
+    // Each chunk's sum, from what was staged: lane l adds words 2l, 2l + 1 of the chunk.
     for (int c = warp; c < KO; c += W) {
-        const uint4 v = x[c * 16 + (lane >> 1)];
-        const u32 p = (lane & 1) ? v.z : v.x, q = (lane & 1) ? v.w : v.y;
+        const u32 p = xf[c * 64 + 2 * lane], q = xf[c * 64 + 2 * lane + 1];
         float s = (bf16_lo(p) + bf16_hi(p)) + (bf16_lo(q) + bf16_hi(q));
         for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (lane == 0) xsum[c] = s;
     }
     __syncthreads();
+    for (int blk = blockIdx.x; blk < nblk; blk += gridDim.x) {
+    const int nt0 = blk * NT;
     float acc[NT][2];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = 0.f;
 #if PIPE
+    if (blk != blockIdx.x) load(A, words, sz, c0, nt0, ntl, KO, N, lane);
     for (int cb = 0; cb < cpw; cb += 2 * U) {
         if (cb + U < cpw) load(B, words, sz, c0 + cb + U, nt0, ntl, KO, N, lane);
         compute(A, acc, xf, xsum, c0 + cb, r);
@@ -176,13 +237,20 @@ int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
         compute(A, acc, xf, xsum, c0 + cb, r);
     }
 #endif
-    if (lane < 4) {
+#if SWAP
+    if (r == 0) {                             // lane 4 g: row g of each n-tile
+#pragma unroll
+        for (int j = 0; j < NT; ++j) part[warp * NT * 8 + j * 8 + (lane >> 2)] = acc[j][0];
+    }
+#else
+    if (lane < 4) {                           // lane r: rows 2 r, 2 r + 1 of each n-tile
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             part[warp * NT * 8 + j * 8 + 2 * r] = acc[j][0];
             part[warp * NT * 8 + j * 8 + 2 * r + 1] = acc[j][1];
         }
     }
+#endif
     __syncthreads();
     if (tid < NT * 8) {
         float s = 0.f;
@@ -190,6 +258,8 @@ int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
         for (int w2 = 0; w2 < W; ++w2) s += part[w2 * NT * 8 + tid];
         const int n = nt0 * 8 + tid;
         if (n < N) y[n] = to_bf16(s);
+    }
+    __syncthreads();                          // part is read before the next block writes it
     }
 }
 """
@@ -205,10 +275,15 @@ class Config:
     U: int = 2
     P: int = 1
     LO: int = 0         # 1: loads and stores only, no arithmetic (wrong results; bench/gemv.py)
+    S: int = 0          # 1: x is gate | up and the kernel multiplies silu(gate) * up (matmul's silu)
+    A: int = 0          # 1: two n-tiles as the mma's A operand, x as B (half the mma of A = x)
+    G: int = 0          # > 0: at most G CTAs an SM, each looping over blocks (x staged once a CTA)
 
     def fits(self, N: int, K: int) -> str | None:
         """None when this shape can run ``N x K``, else why not."""
         KO = K // 128
+        if self.A and self.NT % 2:
+            return f"NT = {self.NT} n-tiles with A = 1 (pairs of n-tiles)"
         if KO % self.W:
             return f"K / 128 = {KO} chunks not a multiple of W = {self.W} warps"
         if (KO // self.W) % self.U:
@@ -219,12 +294,33 @@ class Config:
         return (K // 128) * 256 + (K // 128) * 4 + self.W * self.NT * 8 * 4
 
 
+# (NT, U, P) per (N, K) of the 8B llama's decode GEMVs: the H200 sweep's fastest (bench/gemv.py
+# --cuda, 2026-12-02); other shapes take (2, 1, 1). W, the warps splitting K, is a function of K
+# alone (``warps``): it sets the order of a row's float32 sums, so a merged GEMV's outputs keep the
+# bits of each projection's own call (``linear.merge_tiles``), whatever N.
+PINNED = {(6144, 4096): (2, 1, 1), (4096, 4096): (2, 1, 1), (28672, 4096): (4, 1, 1),
+          (4096, 14336): (2, 1, 1)}
+WARPS_BY_K = {4096: 8, 14336: 16}
+# Whether the default shapes put two n-tiles in the mma's A operand (``Config.A``): off until the
+# H200 has run it (the CPU stand-in and NVRTC have).
+SWAP = 0
+# Whether the fused decode step multiplies silu(gate) * up inside the down GEMV (``silu_down``):
+# off until the H200 has run it.
+FUSE_SILU = False
+
+
+def warps(K: int) -> int:
+    """The warps a CTA splitting K (each a whole number of 128-column chunks)."""
+    if K in WARPS_BY_K:
+        return WARPS_BY_K[K]
+    return next(w for w in (8, 4, 2, 1) if (K // 128) % w == 0)
+
+
 def default_config(N: int, K: int) -> Config:
-    """The shape used when none is given: a pure function of ``N x K`` (the H200 sweep's pick)."""
-    for cfg in (Config(2, 8, 2), Config(2, 8, 1), Config(2, 4, 1), Config(1, 1, 1, 0)):
-        if cfg.fits(N, K) is None:
-            return cfg
-    raise AssertionError((N, K))
+    """The shape used when none is given: a pure function of ``N x K`` (and ``SWAP``)."""
+    nt, u, p = PINNED.get((N, K), (2, 1, 1))
+    cfg = Config(nt, warps(K), u, p, A=SWAP)
+    return cfg if cfg.fits(N, K) is None else Config(2, warps(K), 1, 1, A=SWAP)
 
 
 def supports(x: torch.Tensor, N: int, K: int, group: int) -> str | None:
@@ -253,11 +349,12 @@ class Kernels:
         self._cache: dict = {}
 
     def get(self, cfg: Config):
+        cfg = dataclasses.replace(cfg, G=0)       # the grid is the launch's, not the source's
         k = self._cache.get(cfg)
         if k is None:
             compile = self._compile or torch.cuda._compile_kernel
             opts = [f"-DNT={cfg.NT}", f"-DW={cfg.W}", f"-DU={cfg.U}", f"-DPIPE={cfg.P}",
-                    "-std=c++17"]
+                    f"-DSILU={cfg.S}", f"-DSWAP={cfg.A}", "-std=c++17"]
             k = compile(SOURCE, "int4_gemv_m1", nvcc_options=opts + ["-DLOADS_ONLY"] * cfg.LO)
             self._cache[cfg] = k
         return k
@@ -280,8 +377,8 @@ class Emulated:
     lanes' fragments as the PTX ISA lays them out and multiplied in float64 (float32 sums: the
     tensor cores' order is theirs). What the CPU tests run the launch path and the layout through."""
 
-    def __init__(self, nt: int, w: int, u: int, p: int):
-        self.cfg = Config(nt, w, u, p)
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
         self.calls = []
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
@@ -290,21 +387,27 @@ class Emulated:
         self.calls.append(dict(grid=grid, block=block, shared_mem=shared_mem, N=N, K=K))
         assert block == (32 * cfg.W, 1, 1) and shared_mem == cfg.smem(K)
         KO = K // 128
-        xp = x.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF         # [K/2]
+        xv = x.reshape(-1)
+        if cfg.S:       # silu(gate) * up, rounded as decode.kernels.silu_mul
+            g, u = xv[:K].float(), xv[K:2 * K].float()
+            a = (g / (1.0 + torch.exp2(g * -1.4426950408889634))).to(torch.bfloat16)
+            xv = (a.float() * u).to(torch.bfloat16)
+        xp = xv[:K].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF   # [K/2]
         e = torch.arange(K // 2)
         col, c = (e << 1) & 127, e >> 6
         kt, h, rr = col >> 4, (col >> 3) & 1, (col >> 1) & 3
         xf = torch.empty(KO * 64, dtype=torch.int64)
         xf[((c * 4 + rr) * 8 + kt) * 2 + h] = xp
         lane = torch.arange(32)
-        a_lo, a_hi = _bf16_bits_to_float(xp.view(KO, 32, 2))    # lane: pairs 2 lane, 2 lane + 1
+        a_lo, a_hi = _bf16_bits_to_float(xf.view(KO, 32, 2))    # lane: words 2 lane, 2 lane + 1
         s = (a_lo[..., 0] + a_hi[..., 0]) + (a_lo[..., 1] + a_hi[..., 1])        # [KO, 32]
         for o in (16, 8, 4, 2, 1):
             s = s + s[:, lane ^ o]
         xsum = s[:, 0]
         wd = words.reshape(-1).to(torch.int64) & 0xFFFFFFFF
         szp = sz.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF       # [K/128 * N]
-        nb = grid[0]
+        nb = -(-(N // 8) // cfg.NT)          # every block, whichever CTA of the grid takes it
+        assert 1 <= grid[0] <= nb
         cpw = KO // cfg.W
         g, r = lane // 4, lane % 4
         blk = torch.arange(nb)[:, None, None]
@@ -315,48 +418,71 @@ class Emulated:
             c = warp * cpw + j                                                   # [1, W, 1]
             a = xf[((c * 4 + r[None, None, :]) * 16)[..., None] + torch.arange(16)]   # [1,W,32,16]
             bias = -136.0 * xsum[c]                                              # [1, W, 1]
+            wv, sv = [], []
             for t in range(cfg.NT):
                 nt = torch.clamp(blk * cfg.NT + t, max=N // 8 - 1)               # [nb, 1, 1]
                 base = ((nt * KO + c) * 32 + ln) * 4                             # [nb, W, 32]
-                wv = [wd[base + i] for i in range(4)]
-                sp = c * N + nt * 8 + 2 * r[None, None, :]
-                d = [bias.expand(nb, cfg.W, 32).clone(), bias.expand(nb, cfg.W, 32).clone(),
-                     torch.zeros(nb, cfg.W, 32), torch.zeros(nb, cfg.W, 32)]
+                wv.append([wd[base + i] for i in range(4)])
+                sv.append(c * N + nt * 8 + (g[None, None, :] if cfg.A else 2 * r[None, None, :]))
+            zero = torch.zeros(nb, cfg.W, 32)
+            for t in range(0, cfg.NT, 2 if cfg.A else 1):
+                d = [bias.expand(nb, cfg.W, 32).clone() for _ in range(2 if not cfg.A else 4)]
+                d += [zero.clone() for _ in range(4 - len(d))]
+                e = [zero.clone() for _ in range(4)]
                 for i in range(4):
-                    w = wv[i]
-                    v = [((w >> (4 * q)) & 0x000F000F) | 0x43004300 for q in range(4)]
-                    d = _mma(d, a[..., 4 * i], a[..., 4 * i + 1], v[0], v[1])
-                    d = _mma(d, a[..., 4 * i + 2], a[..., 4 * i + 3], v[2], v[3])
-                s0 = _bf16_bits_to_float(szp[sp])[0]
-                s1 = _bf16_bits_to_float(szp[sp + 1])[0]
-                acc[t, 0] = (d[0].double() * s0.double() + acc[t, 0].double()).float()
-                acc[t, 1] = (d[1].double() * s1.double() + acc[t, 1].double()).float()
-        # lanes 0..3 hold rows 2r, 2r+1 of each n-tile; the warps' sums added in warp order
-        part = acc[:, :, :, :, :4]                                    # [NT, 2, nb, W, 4]
-        tot = part[:, :, :, 0]
+                    v = [[((w[i] >> (4 * q)) & 0x000F000F) | 0x43004300 for q in range(4)]
+                         for w in wv[t:t + 2]]
+                    x0, x1, x2, x3 = (a[..., 4 * i + k] for k in range(4))
+                    if cfg.A:       # n-tiles t, t + 1 as A (rows g, g + 8), x as B
+                        d = _mma(d, (v[0][0], v[1][0], v[0][1], v[1][1]), (x0, x1))
+                        e = _mma(e, (v[0][2], v[1][2], v[0][3], v[1][3]), (x2, x3))
+                    else:
+                        d = _mma(d, (x0, None, x1, None), (v[0][0], v[0][1]))
+                        d = _mma(d, (x2, None, x3, None), (v[0][2], v[0][3]))
+                if cfg.A:
+                    for k, tt in ((0, t), (2, t + 1)):
+                        s0 = _bf16_bits_to_float(szp[sv[tt]])[0]
+                        acc[tt, 0] = ((d[k] + e[k]).double() * s0.double()
+                                      + acc[tt, 0].double()).float()
+                else:
+                    s0 = _bf16_bits_to_float(szp[sv[t]])[0]
+                    s1 = _bf16_bits_to_float(szp[sv[t] + 1])[0]
+                    acc[t, 0] = (d[0].double() * s0.double() + acc[t, 0].double()).float()
+                    acc[t, 1] = (d[1].double() * s1.double() + acc[t, 1].double()).float()
+        # A: lanes 4g hold row g of each n-tile; else lanes 0..3 rows 2r, 2r+1. The warps' sums
+        # are added in warp order.
+        part = acc[:, 0, :, :, ::4] if cfg.A else acc[:, :, :, :, :4]
+        tot = part[..., 0, :]
         for w in range(1, cfg.W):
-            tot = tot + part[:, :, :, w]
-        rows = tot.permute(2, 0, 3, 1).reshape(nb, cfg.NT * 8)       # [nb, NT*8]: t*8 + 2r + h
+            tot = tot + part[..., w, :]
+        if cfg.A:                                                     # [NT, nb, 8]: t*8 + g
+            rows = tot.permute(1, 0, 2).reshape(nb, cfg.NT * 8)
+        else:                                                         # [NT, 2, nb, 4]: t*8+2r+h
+            rows = tot.permute(2, 0, 3, 1).reshape(nb, cfg.NT * 8)
         yv = rows.reshape(-1)[:N].to(torch.bfloat16)
         y.view(-1)[:yv.numel()] = yv
 
 
-def _mma(d, a0, a2, b0, b1):
+def _mma(d, a, b):
     """One ``mma.m16n8k16.row.col.f32.bf16.bf16.f32`` over a warp's fragments (each [..., 32]
-    lanes; ``a1 = a3 = 0``): A row g = lane // 4 holds ``a0`` at columns 2r, 2r+1 and ``a2`` at
-    2r+8, 2r+9 (r = lane % 4); B column g holds ``b0`` at rows 2r, 2r+1 and ``b1`` at 2r+8, 2r+9;
-    C/D: ``d0, d1`` at (g, 2r), (g, 2r+1), ``d2, d3`` at (g+8, 2r), (g+8, 2r+1)."""
-    lead = torch.broadcast_shapes(a0.shape, b0.shape, d[0].shape)[:-1]
+    lanes; None: a zero register), g = lane // 4, r = lane % 4: A registers ``a0..a3`` hold
+    (row g, columns 2r, 2r+1), (g+8, 2r..), (g, 2r+8, 2r+9), (g+8, 2r+8..); B registers ``b0, b1``
+    (rows 2r, 2r+1, column g), (2r+8, 2r+9, g); C/D ``d0..d3`` (g, 2r), (g, 2r+1), (g+8, 2r),
+    (g+8, 2r+1). The products in float64, rounded once to float32 (the tensor cores' float32
+    order is theirs)."""
+    regs = [t for t in (*a, *b, *d) if t is not None]
+    lead = torch.broadcast_shapes(*(t.shape for t in regs))[:-1]
     lane = torch.arange(32)
     g, r = lane // 4, lane % 4
     A = torch.zeros(*lead, 16, 16, dtype=torch.float64)
     B = torch.zeros(*lead, 16, 8, dtype=torch.float64)
     C = torch.zeros(*lead, 16, 8, dtype=torch.float64)
-    for val, col in ((a0, 2 * r), (a2, 2 * r + 8)):
-        lo, hi = _bf16_bits_to_float(val.expand(*lead, 32))
-        A[..., g, col] = lo.double()
-        A[..., g, col + 1] = hi.double()
-    for val, row in ((b0, 2 * r), (b1, 2 * r + 8)):
+    for val, row, col in zip(a, (g, g + 8, g, g + 8), (2 * r, 2 * r, 2 * r + 8, 2 * r + 8)):
+        if val is not None:
+            lo, hi = _bf16_bits_to_float(val.expand(*lead, 32))
+            A[..., row, col] = lo.double()
+            A[..., row, col + 1] = hi.double()
+    for val, row in zip(b, (2 * r, 2 * r + 8)):
         lo, hi = _bf16_bits_to_float(val.expand(*lead, 32))
         B[..., row, g] = lo.double()
         B[..., row + 1, g] = hi.double()
@@ -371,15 +497,21 @@ def emulated_compile(source: str, name: str, nvcc_options=(), **_):
     assert name == "int4_gemv_m1" and source == SOURCE
     opts = dict(o[2:].split("=") for o in nvcc_options if o.startswith("-D") and "=" in o)
     assert "-DLOADS_ONLY" not in nvcc_options, "the stand-in emulates the kernel, not the aid"
-    return Emulated(int(opts["NT"]), int(opts["W"]), int(opts["U"]), int(opts["PIPE"]))
+    return Emulated(Config(int(opts["NT"]), int(opts["W"]), int(opts["U"]), int(opts["PIPE"]),
+                           S=int(opts["SILU"]), A=int(opts["SWAP"])))
 
 
 def matmul(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, K: int,
            cfg: Config | None = None, kernels: Kernels | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """``x [1, K] @ W.T`` -> ``[1, N]`` bfloat16, ``W`` in the tile layout ``words`` with its
-    ``[K/128, N, 2]`` scales ``sz`` (group 128). ``supports`` must have said yes."""
-    cfg = cfg or default_config(N, K)
+    ``[K/128, N, 2]`` scales ``sz`` (group 128). ``supports`` must have said yes. ``silu``: ``x``
+    is ``[1, 2K]``, gate then up, and the product is taken with ``silu(gate) * up`` (rounded as
+    ``decode.kernels.silu_mul`` rounds it) -- that kernel and this one's input in one launch."""
+    cfg = dataclasses.replace(cfg or default_config(N, K), S=int(silu))
+    if x.numel() != (2 * K if silu else K):
+        raise ValueError(f"int4 GEMV input of {x.numel()} values for K = {K}"
+                         + (" (silu: gate and up, 2K)" if silu else ""))
     why = cfg.fits(N, K)
     if why:
         raise ValueError(f"int4 GEMV config {cfg} for {N} x {K}: {why}")
@@ -394,12 +526,25 @@ def matmul(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, K: in
     smem = cfg.smem(K)
     if smem >= 48 * 1024 and getattr(k, "_max_shared_mem_bytes", 0) < smem:
         k.set_shared_memory_config(smem)
-    k(grid=(-(-(N // 8) // cfg.NT), 1, 1), block=(32 * cfg.W, 1, 1),
+    blocks = -(-(N // 8) // cfg.NT)
+    if cfg.G:
+        blocks = min(blocks, cfg.G * _sms(x.device))
+    k(grid=(blocks, 1, 1), block=(32 * cfg.W, 1, 1),
       args=[x, words, sz, y, N, K], shared_mem=smem)
     return y
 
 
 _failed: list = []
+_SMS: dict = {}
+
+
+def _sms(device) -> int:
+    """Streaming multiprocessors of ``device`` (132 on an H200; the CPU stand-in: 1)."""
+    if device.type != "cuda":
+        return 1
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def layer_matmul(x, words, sz, N, K):
@@ -415,3 +560,28 @@ def layer_matmul(x, words, sz, N, K):
         _failed.append(f"{type(exc).__name__}: {exc}")
         log.warning("the CUDA int4 GEMV is not used: %s", _failed[0])
         return None
+
+
+def silu_down(down, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """``down(silu(gate) * up)`` in one launch (``matmul``'s ``silu``) for a ``QuantLinear`` the
+    kernel takes (``ENABLED`` and ``FUSE_SILU``, one row, the tile layout with group 128, no bias) when ``up``
+    follows ``gate`` in memory (the two halves of a merged gate|up GEMV's output); None otherwise
+    (the caller multiplies and calls the layer)."""
+    if (not (ENABLED and FUSE_SILU) or getattr(down, "_tiles_group", 0) != 128
+            or down.bias is not None):
+        return None
+    K, N = down.in_features, down.out_features
+    if (supports(gate, N, K, 128) is not None or up.numel() != K or up.dtype != gate.dtype
+            or not (gate.is_contiguous() and up.is_contiguous())
+            or up.data_ptr() != gate.data_ptr() + K * gate.element_size()):
+        return None
+    gu = gate.as_strided((1, 2 * K), (2 * K, 1))
+    if _failed or down.codes.data_ptr() % 16 or down.scales.data_ptr() % 8:
+        return None
+    try:
+        y = matmul(gu, down.codes, down.scales, N, K, silu=True)
+    except (RuntimeError, OSError) as exc:         # NVRTC missing or refusing
+        _failed.append(f"{type(exc).__name__}: {exc}")
+        log.warning("the CUDA int4 GEMV is not used: %s", _failed[0])
+        return None
+    return y.view(*gate.shape[:-1], N)
