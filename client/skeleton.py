@@ -85,8 +85,9 @@ def skeleton_imported(config_dict: dict) -> bool:
 
 
 # The files opened while an ``Imports`` thread runs (``record_opens``): an audit hook, installed
-# once per process (hooks cannot be removed), that returns at once while nothing records.
-_opens = {"on": 0, "files": set(), "installed": False}
+# once per process (hooks cannot be removed), that returns at once while nothing records. The
+# files are a dict's keys, in the order first opened (the daemon reads them ahead in that order).
+_opens = {"on": 0, "files": {}, "installed": False}
 _NOT_FILES = ("/proc/", "/dev/", "/sys/")
 
 
@@ -94,14 +95,14 @@ def _audit(event, args):
     if event == "open" and _opens["on"]:
         path = args[0] if args else None
         if isinstance(path, str) and path.startswith("/") and not path.startswith(_NOT_FILES):
-            _opens["files"].add(path)
+            _opens["files"].setdefault(path)
 
 
 @contextlib.contextmanager
 def record_opens():
     """The absolute paths of the files this process opens inside the block (any thread: the
-    imports' own reads, such as transformers' scan of its model sources, are not modules), as a
-    set filled in place."""
+    imports' own reads, such as transformers' scan of its model sources, are not modules), as the
+    keys of a dict filled in place, in the order first opened."""
     import sys
 
     with _opens_lock:
@@ -116,7 +117,7 @@ def record_opens():
         with _opens_lock:
             _opens["on"] -= 1
             if not _opens["on"]:
-                _opens["files"] = set()
+                _opens["files"] = {}
 
 
 class Imports:
@@ -137,7 +138,7 @@ class Imports:
         self.module = module
         self.seconds: float | None = None       # the imports' own time, once done
         self.cpu_seconds: float | None = None   # and this thread's CPU time in it
-        self.opened: set[str] = set()           # the files opened meanwhile (``record_opens``)
+        self.opened: dict = {}                  # the files opened meanwhile, in order (``record_opens``)
         # What the process had before (imported modules, mapped files): not theirs to report.
         self.before: tuple[set, set] = (set(), set())
         self._thread = threading.Thread(target=self._run, daemon=True, name="flash-skeleton-imports")
@@ -206,9 +207,11 @@ def mapped_files(maps_path: str = "/proc/self/maps") -> set[str]:
 def imported_files(modules=None, maps_path: str = "/proc/self/maps", opened=(),
                    before=None) -> dict[str, list[str]] | None:
     """The files this process's imports opened, as ``{directory: [name, ...]}`` (what the daemon
-    keeps and reads ahead at its next start, ``daemon.imports_ahead``): each module's source and
-    compiled file, extension modules, the shared libraries mapped into the process, and
-    ``opened`` (``Imports.opened``) -- less what the process had before the imports (``before``:
+    keeps and reads ahead at its next start, ``daemon.imports_ahead``): ``opened``
+    (``Imports.opened``, in the order first opened), then each module's source and compiled file
+    and extension module, then the shared libraries mapped into the process -- directories and
+    names in the order first seen, so the daemon reads the first-needed first -- less what the
+    process had before the imports (``before``:
     ``Imports.before``, the module names and mapped files then: torch and its CUDA libraries
     are loaded before a load starts). No file system call but reading ``maps_path``. None when the
     list would exceed ``MAX_REPORT_BYTES`` even without the sources (it is then not reported)."""
@@ -217,18 +220,21 @@ def imported_files(modules=None, maps_path: str = "/proc/self/maps", opened=(),
 
     had_modules, had_maps = before if before is not None else ((), ())
     had_modules = set(had_modules)
-    files = set(opened)
+    files = dict.fromkeys(opened)      # an ordered set: the order first opened
     for name, mod in list((sys.modules if modules is None else modules).items()):
         if name in had_modules:
             continue
         spec = getattr(mod, "__spec__", None)
         for path in (getattr(spec, "cached", None), getattr(mod, "__file__", None)):
             if isinstance(path, str) and os.path.isabs(path):
-                files.add(path)
-    files |= mapped_files(maps_path) - set(had_maps)
-    for candidate in (files, {f for f in files if not f.endswith(".py")}):
+                files.setdefault(path)
+    had_maps = set(had_maps)
+    for path in sorted(mapped_files(maps_path)):
+        if path not in had_maps:
+            files.setdefault(path)
+    for candidate in (list(files), [f for f in files if not f.endswith(".py")]):
         grouped: dict[str, list[str]] = {}
-        for path in sorted(candidate):
+        for path in candidate:
             directory, name = os.path.split(path)
             grouped.setdefault(directory, []).append(name)
         size = sum(len(d) + 6 + sum(len(n) + 3 for n in names) for d, names in grouped.items())

@@ -19,7 +19,8 @@ So the daemon learns which files those imports open and reads them at start:
 * At start (``start``, thread ``flash-imports-ahead``) the manifest's files are read -- by a
   process of its own (``daemon/readahead_worker.py``, ``python -I -S``: the daemon's own start,
   torch's import and CUDA's context, shares no interpreter lock with them), ``THREADS``
-  at a time, in path order: every directory they sit in listed, every file read whole unless
+  at a time, in the order the client's imports first opened them: every directory they sit in
+  listed, every file read whole unless
   larger than ``MAX_FILE_BYTES`` or already mapped into the daemon (torch's own libraries: the
   pages a client touches are those the daemon touched), ``MAX_BYTES`` in all. Then
   ``on_warm(modules)`` (``ReadPipeline.imports_read_ahead``): a client importing one of those
@@ -130,29 +131,31 @@ def package_files(packages, threads: int = THREADS) -> list[str]:
 
 
 def flatten(grouped: dict) -> list[str]:
-    """``{directory: [name, ...]}`` -> sorted absolute paths; anything else in it is dropped (a
-    relative directory, a name with a slash, a non-string)."""
-    out = set()
+    """``{directory: [name, ...]}`` -> absolute paths, in its order (a client lists them in the
+    order its imports first opened them), each once; anything else in it is dropped (a relative
+    directory, a name with a slash, a non-string)."""
+    out: dict[str, None] = {}
     for directory, names in grouped.items():
         if not isinstance(directory, str) or not os.path.isabs(directory) or not isinstance(names, list):
             continue
         for name in names:
             if isinstance(name, str) and name and "/" not in name and name not in (".", ".."):
-                out.add(os.path.join(directory, name))
-    return sorted(out)
+                out.setdefault(os.path.join(directory, name))
+    return list(out)
 
 
 def group(files) -> dict[str, list[str]]:
-    """Absolute paths -> ``{directory: [name, ...]}`` (the manifest's and the wire's form)."""
+    """Absolute paths -> ``{directory: [name, ...]}`` (the manifest's and the wire's form), the
+    directories and names in the order first seen, each path once."""
     out: dict[str, list[str]] = {}
-    for path in sorted(set(files)):
+    for path in dict.fromkeys(files):
         directory, name = os.path.split(path)
         out.setdefault(directory, []).append(name)
     return out
 
 
 def load_manifest(path: Path) -> dict[str, list[str]]:
-    """The manifest at ``path``: module -> sorted files; {} when there is none yet.
+    """The manifest at ``path``: module -> its files, in the order kept; {} when there is none yet.
     ``ImportManifestCorrupt`` when it cannot be read or is not one."""
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -201,11 +204,13 @@ def own_mapped_files() -> set[str]:
 
 
 def plan(manifest: dict[str, list[str]], mapped=frozenset()):
-    """What the start does for ``manifest``: (directories to list, files to stat, files to read),
-    each sorted. Every file is read whole -- sources too: transformers reads its model sources'
-    text at import (a scan of ``transformers/models``), compiled or not -- except one mapped
-    into the daemon already (``mapped``); nothing is only stat-ed now."""
-    files = sorted({f for fs in manifest.values() for f in fs})
+    """What the start does for ``manifest``: (directories to list, files to stat, files to read);
+    the directories sorted, the files in the manifest's order (each module's in the order its
+    client's imports first opened them: the workers read the first-needed first). Every file is
+    read whole -- sources too: transformers reads its model sources' text at import (a scan of
+    ``transformers/models``), compiled or not -- except one mapped into the daemon already
+    (``mapped``); nothing is only stat-ed now."""
+    files = list(dict.fromkeys(f for fs in manifest.values() for f in fs))
     dirs, read = set(), []
     for path in files:
         directory = os.path.dirname(path)
@@ -314,7 +319,7 @@ class ImportsAhead:
         """A client's imports of ``module`` opened ``files``: kept for the next start. Whether
         the manifest changed (then it was written). Never raises: a failed write is logged."""
         # Only what exists here (an audit "open" is also a failed open): none opened in vain at start.
-        files = sorted(f for f in set(files) if os.path.isfile(f))[:MAX_FILES]
+        files = [f for f in dict.fromkeys(files) if os.path.isfile(f)][:MAX_FILES]
         with self._lock:
             if self.manifest.get(module) == files:
                 return False

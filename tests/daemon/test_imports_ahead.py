@@ -37,14 +37,15 @@ def _tree(root):
 
 def test_the_plan_lists_the_directories_and_reads_every_file_not_mapped_already(tmp_path):
     f = _tree(tmp_path)
-    manifest = {MODULE: sorted(f.values()), "other": [f["pkg/mod.py"], f["pkg/_ext.so"]]}
+    first = [f["pkg/mod.py"], f["pkg/big.so"], f["pkg/__init__.py"], f["pkg/__pycache__/__init__.cpython-312.pyc"]]
+    manifest = {MODULE: first, "other": [f["pkg/__init__.py"], f["pkg/_ext.so"], f["pkg/lonely.py"]]}
     mapped = {f["pkg/big.so"]}
     dirs, stat_only, read = imports_ahead.plan(manifest, mapped)
     assert dirs == [str(tmp_path / "pkg"), str(tmp_path / "pkg/__pycache__")] and stat_only == []
-    # Sources too (transformers reads its model sources' text at import), once each.
-    assert read == [f["pkg/__init__.py"], f["pkg/__pycache__/__init__.cpython-312.pyc"],
-                    f["pkg/__pycache__/mod.cpython-312.pyc"], f["pkg/_ext.so"], f["pkg/lonely.py"],
-                    f["pkg/mod.py"]]
+    # Sources too (transformers reads its model sources' text at import), once each, in the
+    # manifest's order (its client's imports opened them so): the first-needed read first.
+    assert read == [f["pkg/mod.py"], f["pkg/__init__.py"], f["pkg/__pycache__/__init__.cpython-312.pyc"],
+                    f["pkg/_ext.so"], f["pkg/lonely.py"]]
 
 
 def test_read_ahead_reads_exactly_the_planned_files_within_its_limits(tmp_path, monkeypatch):
@@ -115,7 +116,8 @@ def test_learning_keeps_the_latest_list_of_at_most_max_modules(tmp_path, monkeyp
     ahead.learn("b", [p[2]])
     ahead.learn("a", [p[3], p[1]])      # replaced, and now the newest
     ahead.learn("c", [p[4]])            # b, the oldest, goes
-    assert imports_ahead.load_manifest(ahead.path) == {"a": [p[1], p[3]], "c": [p[4]]}
+    # Each list in the order its client gave it (the order its imports first opened the files).
+    assert imports_ahead.load_manifest(ahead.path) == {"a": [p[3], p[1]], "c": [p[4]]}
 
 
 def test_the_read_shape_follows_the_modules_read_ahead(tiny_store):
@@ -165,9 +167,11 @@ def test_imported_files_reports_sources_compiled_files_and_mapped_libraries(tmp_
                     "7f04-7f05 r--p 00000000 00:00 0 [heap]\n")
     modules = {"p": Mod("/s/p/__init__.py", "/s/p/__pycache__/__init__.cpython-312.pyc"),
                "p.e": Mod("/s/p/e.so"), "builtin": object(), "rel": Mod("rel.py")}
-    out = skeleton.imported_files(modules, str(maps), opened={"/t/models/x.py"})
+    out = skeleton.imported_files(modules, str(maps), opened={"/t/models/x.py": None})
     assert out == {"/lib": ["libz.so.1"], "/s/p": ["__init__.py", "e.so"],
                    "/s/p/__pycache__": ["__init__.cpython-312.pyc"], "/t/models": ["x.py"]}
+    # In the order first seen: what was opened, the modules' files, then the mapped libraries.
+    assert list(out) == ["/t/models", "/s/p/__pycache__", "/s/p", "/lib"]
     # Too large with the sources: they go first; too large without them: nothing is reported.
     monkeypatch.setattr(skeleton, "MAX_REPORT_BYTES", 90)
     assert skeleton.imported_files(modules, str(maps)) == {"/lib": ["libz.so.1"], "/s/p": ["e.so"],
@@ -197,7 +201,10 @@ def test_a_daemon_learns_a_clients_files_and_reads_them_ahead_after_a_restart(da
             assert exc.value.fields["argument"] == "files"
             assert c.imports_done(MODULE, imports_ahead.group(f.values())) > 0
             assert_eventually(lambda: manifest.exists(), 10, "the manifest written")
-        assert imports_ahead.load_manifest(manifest) == {MODULE: sorted(f.values())}
+        # Kept in the order the client listed them (directory by directory, as first seen).
+        assert imports_ahead.load_manifest(manifest) == {MODULE: [
+            f[k] for k in ("pkg/__init__.py", "pkg/mod.py", "pkg/lonely.py", "pkg/_ext.so", "pkg/big.so",
+                           "pkg/__pycache__/__init__.cpython-312.pyc", "pkg/__pycache__/mod.cpython-312.pyc")]}
     finally:
         assert d.stop() == 0
     d.start()
@@ -282,10 +289,10 @@ def test_record_opens_sees_the_files_opened_inside_it_on_any_thread(tmp_path):
         t.join()
         open("/proc/self/stat").close()          # not a file to read ahead
     c.read_text()                                 # after: not recorded
-    assert opened == {str(a), str(b)}
+    assert list(opened) == [str(a), str(b)]      # in the order first opened
     with skeleton.record_opens() as again:
         pass
-    assert again == set()
+    assert again == {}
 
 
 def test_the_imports_thread_records_what_its_import_opened(tmp_path, monkeypatch):
