@@ -21,13 +21,14 @@ from deepseek_flash.errors import KVCacheMismatch, KVError
 
 from . import fused as _fused
 from .attention import _ACTIVE
-from .compute import attend_columns, sdpa
+from .compute import attend_columns
 from . import graphs
 from .graphs import LayerGraphs
 from .layout import pack_pages
 from .mirror import DenseMirror
 from .pagecache import PageCache
 from .pages import LayerPages
+from .plan import StepPlan, attend_planned, attention_input
 from .prune.state import LayerPrune
 from .select import resolve_top_k
 from .summaries import PageSummaries
@@ -262,7 +263,7 @@ class TieredLayer(CacheLayerMixin):
         plan = self._plan
         if plan is not None and pad_mask is None:
             if plan.holds(self, cache, query):
-                out = self._attend_planned(plan, query, k_new, v_new, scaling)
+                out = attend_planned(self, plan, query, k_new, v_new, scaling)
                 if out is not None:
                     return out
             self._plan = None
@@ -399,41 +400,6 @@ class TieredLayer(CacheLayerMixin):
         self._commit(k_new, v_new)
         return step.out
 
-    def _attend_planned(self, plan, query, k_new, v_new, scaling):
-        """``attend`` of a decode step that repeats the last one's path (``StepPlan``): the
-        captured graph replayed with the step's query, keys and values, the attention over the
-        prefix it assembled, the commit. Nothing decided again. None: the replay failed (the
-        layer then takes the full path, eagerly)."""
-        cache = self._cache
-        window = self.window
-        try:
-            self._before_step()
-            window.sync_pos()
-            torch._foreach_copy_(plan.inputs, [query, k_new, v_new])
-            try:
-                plan.graph.graph.replay()
-            except RuntimeError as exc:  # as LayerGraphs.select: eager from now on (logged)
-                self.graphs.failed, self.graphs.graph = True, None
-                window.pos_value = None
-                graphs.log.warning("layer %d: the captured top-K graph failed to replay (%s); "
-                                   "the choice and gather run eagerly", self.index, exc)
-                return None
-            window.ahead = plan.t
-            window.pos_value = window.length + plan.t
-            n = plan.before_window + window.length + plan.t
-            out = sdpa(query, plan.keys.narrow(2, 0, n), plan.values.narrow(2, 0, n), None, False,
-                       scaling).transpose(1, 2).contiguous()
-            if plan.fetched:
-                cache.counters["pages_fetched"] += plan.fetched
-        except BaseException:
-            self.pending = None
-            self._plan = None
-            cache._poison(f"layer {self.index} failed during attention")
-            raise
-        self.pending = None
-        self._commit(k_new, v_new)
-        return out
-
     def _past(self, query, q_len, need_cols=True):
         """Keys and values of the committed tokens to attend (lists of parts in slot order) and
         which slots they are: None (every slot 0..length), a bool mask over the slots (pages
@@ -485,7 +451,7 @@ class TieredLayer(CacheLayerMixin):
                 and not self.lost_pages):
             span = span if pc is not None else self.pages.span()
             if span is not None:
-                attention = self._attention_input(query, k)
+                attention = attention_input(self, query, k)
                 got = self.graphs.select(cache, self, span, query, k, pc, attention)
         if got is not None:
             chosen, pk, pv = got
@@ -575,25 +541,6 @@ class TieredLayer(CacheLayerMixin):
             self._write_pages(window.keys[:, :, :n * p], window.values[:, :, :n * p])
             window.drop_front(n * p)
 
-    def _attention_input(self, query, k: int):
-        """The graph path of a decode step: the ``AttentionInput`` its graph fills (the recent
-        window made on first use), or None where the window cannot hold the step's tokens."""
-        from .graphs import AttentionInput
-
-        cache = self._cache
-        k_new, v_new = self.pending
-        t = k_new.shape[2]
-        cap = cache.gpu_tokens + cache.page_tokens + cache.select_max_queries
-        if self.sinks < cache.sink_tokens or self.recent_tokens + t > cap:
-            return None
-        if self.window is None or self.window.capacity != cap:
-            self.window = RecentWindow(self.recent_k, self.recent_v, cap)
-            self._recent_k = self._recent_v = None
-        if self._sinks_kv is None or self._sinks_kv.shape[3] != self.sinks:
-            self._sinks_kv = torch.stack((self.sink_k, self.sink_v))  # final: made once
-        kv = cache._select_out.attention(k_new, self.sinks + k * cache.page_tokens + cap)
-        return AttentionInput(kv, self._sinks_kv, self.window, query, k_new, v_new)
-
     def _write_pages(self, keys, values):
         """Full pages leave the recent window: summaries on the device (when top-K reads them), BICL
         pages to the host (or, pruning, to level 1)."""
@@ -610,44 +557,3 @@ class TieredLayer(CacheLayerMixin):
         self.pages.append(pack_pages(keys, values, p))
         cache._pages_written(self)
 
-
-class StepPlan:
-    """What a graphed top-K decode step of one layer decided (kv/layer.py, ``_past``), kept for
-    the steps that follow while it holds: the same settings, page count, host view, page cache,
-    captured graph, recent window and query shape. Pages written (every ``page_tokens`` steps),
-    a chunk added or spilled, a setting changed or a graph recaptured end it; the next step then
-    takes the full path and makes a new one. The steps it serves skip every decision: an eager
-    decode step is bound by the host, and these are ~20 checks per layer and step."""
-
-    __slots__ = ("settings", "host_span", "page_cache", "pc_span", "pc_slots", "graph", "window",
-                 "minmax", "shape", "dtype", "inputs", "keys", "values", "before_window", "t",
-                 "fetched")
-
-    def __init__(self, layer, cache, query, attention, k, page_cache):
-        self.settings = (cache.top_k_pages, cache.page_cache, cache.select_graphs, cache.score,
-                         cache.window_pages)
-        self.host_span = layer.pages._span
-        self.page_cache = page_cache
-        self.pc_span = page_cache._span if page_cache is not None else None
-        self.pc_slots = page_cache.slots if page_cache is not None else None
-        self.graph = layer.graphs.graph
-        self.window = layer.window
-        self.minmax = layer.summaries.minmax
-        self.shape, self.dtype = query.shape, query.dtype
-        self.inputs = [attention.q_in, attention.k_in, attention.v_in]
-        self.keys, self.values = attention.keys, attention.values
-        self.before_window = attention.sinks + k * cache.page_tokens
-        self.t = attention.steps.shape[0]
-        self.fetched = layer.batch * k if page_cache is None else 0
-
-    def holds(self, layer, cache, query) -> bool:
-        pc = self.page_cache
-        return (query.shape == self.shape and query.dtype == self.dtype
-                and layer.graphs.graph is self.graph and self.graph is not None
-                and layer.window is self.window and layer.pages._span is self.host_span
-                and self.host_span is not None and layer.summaries.minmax is self.minmax
-                and layer.page_cache is pc
-                and (pc is None or (pc._span is self.pc_span and pc.slots is self.pc_slots
-                                    and not pc.refused))
-                and self.settings == (cache.top_k_pages, cache.page_cache, cache.select_graphs,
-                                      cache.score, cache.window_pages))
