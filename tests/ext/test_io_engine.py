@@ -353,14 +353,22 @@ def test_set_shape_bounds_reads_in_flight_and_their_size(any_dir, backend):
         assert st["reads_issued"] == 32
         assert bytes(dest) == data
         dest[:] = 0
-        e.set_shape(16, 1 << 20)
-        assert e.stats()["peak_in_flight"] == 0      # reset by set_shape, nothing in flight
-        before = e.stats()["reads_issued"]
-        assert all(c.ok for c in e.wait(e.submit([_core.ReadRequest(str(path), 0, size, dest, 0)])))
-        st = e.stats()
-        assert st["reads_issued"] - before == 32     # one 32 MiB extent in 1 MiB reads
-        assert 2 <= st["peak_in_flight"] <= 16
-        assert bytes(dest) == data
+        # At depth 16 the reads overlap. The thread pool's workers each take a read when free, so on
+        # a loaded machine one worker can finish a read from the page cache before another wakes:
+        # a try without overlap proves nothing either way, and overlap must show within a few tries.
+        for _ in range(5):
+            e.set_shape(16, 1 << 20)
+            assert e.stats()["peak_in_flight"] == 0      # reset by set_shape, nothing in flight
+            before = e.stats()["reads_issued"]
+            assert all(c.ok for c in e.wait(e.submit([_core.ReadRequest(str(path), 0, size, dest, 0)])))
+            st = e.stats()
+            assert st["reads_issued"] - before == 32     # one 32 MiB extent in 1 MiB reads
+            assert 1 <= st["peak_in_flight"] <= 16
+            assert bytes(dest) == data
+            dest[:] = 0
+            if st["peak_in_flight"] >= 2:
+                break
+        assert st["peak_in_flight"] >= 2
         e.set_shape(1, 8 << 20)
         before = e.stats()["reads_issued"]
         assert all(c.ok for c in e.wait(e.submit([_core.ReadRequest(str(path), 0, size, dest, 0)])))
