@@ -265,7 +265,7 @@ def test_streamed_host_leases_each_layer_once_and_pins_only_its_ranges():
     import threading
     from types import SimpleNamespace
 
-    from deepseek_flash.client.stream import StreamedHost
+    from deepseek_flash.client.streamed_host import StreamedHost
     from deepseek_flash.wire import Plan
 
     blocks = {10: SimpleNamespace(length=5000), 11: SimpleNamespace(length=8192),
