@@ -649,6 +649,28 @@ def _device_bytes_are_the_store(rig, load, store):
         assert bytes(rig.fabric.memory[off:off + block.length]) == store.read_block(block.id), block.id
 
 
+def _load_once_the_device_is_ready(rig, store, startup, pending, left_to_the_load):
+    """The startup reads finish before the device is ready (everything read but the blocks
+    ``left_to_the_load``); then the device opens and the load completes: the device's bytes are
+    the store's, nothing is read twice, and the buffers read beyond the arena are all copied and
+    given back."""
+    for fut in list(startup.done.values()):
+        fut.result(timeout=30)
+    assert_eventually_true(lambda: rig.manager.stats()["loading_blocks"] == 0)
+    total = sum(b.length for b in rig.info.blocks)
+    left_bytes = sum(rig.info.blocks[b].length for b in left_to_the_load)
+    assert rig.manager.stats()["bytes_read_nvme"] == total - left_bytes   # device not ready
+    rig.fabric.opened.set()
+    pending.result(timeout=30)
+    load = next(iter(rig.attachments.loader.loads()))
+    load.finished.result(timeout=30)
+    assert (load.gates == GATE_READY).all() and not load.leases
+    _device_bytes_are_the_store(rig, load, store)
+    assert rig.manager.stats()["bytes_read_nvme"] == total        # nothing read twice
+    assert rig.fabric.from_sources == startup.taken == startup.bytes
+    assert startup.buffers == {} and rig.attachments._startup == {}
+
+
 def test_reads_go_on_beyond_the_host_arena_while_cuda_starts_and_land_on_the_device_exactly(wide_store):
     """A model larger than the free host arena, CUDA still starting: the blocks after the arena's
     read-ahead are read on into memory of their own, so the whole model is read before the device
@@ -661,20 +683,7 @@ def test_reads_go_on_beyond_the_host_arena_while_cuda_starts_and_land_on_the_dev
         startup = rig.attachments._startup[rig.info.name]
         beyond = [b for b in rig.order if b in startup.blocks]
         assert beyond == rig.order[len(rig.order) - len(beyond):] and 0 < len(beyond) < len(rig.order)
-        for fut in list(startup.done.values()):
-            fut.result(timeout=30)
-        assert_eventually_true(lambda: rig.manager.stats()["loading_blocks"] == 0)
-        total = sum(b.length for b in rig.info.blocks)
-        assert rig.manager.stats()["bytes_read_nvme"] == total        # all of it, device not ready
-        rig.fabric.opened.set()
-        pending.result(timeout=30)
-        load = next(iter(rig.attachments.loader.loads()))
-        load.finished.result(timeout=30)
-        assert (load.gates == GATE_READY).all() and not load.leases
-        _device_bytes_are_the_store(rig, load, store)
-        assert rig.manager.stats()["bytes_read_nvme"] == total        # nothing read twice
-        assert rig.fabric.from_sources == startup.taken == startup.bytes
-        assert startup.buffers == {} and rig.attachments._startup == {}
+        _load_once_the_device_is_ready(rig, store, startup, pending, left_to_the_load=())
     finally:
         _close_rig(rig)
 
@@ -695,22 +704,8 @@ def test_the_last_stage_is_left_to_the_load_which_reads_it_into_the_host_arena(w
         # The stages beyond the arena's, but for the last one.
         assert beyond == rig.order[len(rig.order) - len(last) - len(beyond):len(rig.order) - len(last)]
         assert len(beyond) > len(stages[-2]) and not set(last) & set(startup.blocks)
-        for fut in list(startup.done.values()):
-            fut.result(timeout=30)
-        assert_eventually_true(lambda: rig.manager.stats()["loading_blocks"] == 0)
-        total = sum(b.length for b in rig.info.blocks)
-        last_bytes = sum(rig.info.blocks[b].length for b in last)
-        assert rig.manager.stats()["bytes_read_nvme"] == total - last_bytes   # device not ready
-        rig.fabric.opened.set()
-        pending.result(timeout=30)
-        load = next(iter(rig.attachments.loader.loads()))
-        load.finished.result(timeout=30)
-        assert (load.gates == GATE_READY).all() and not load.leases
-        _device_bytes_are_the_store(rig, load, store)
-        assert rig.manager.stats()["bytes_read_nvme"] == total        # nothing read twice
         # Copied from the buffers beyond the arena: those stages only, not the last one.
-        assert rig.fabric.from_sources == startup.taken == startup.bytes
-        assert startup.buffers == {} and rig.attachments._startup == {}
+        _load_once_the_device_is_ready(rig, store, startup, pending, left_to_the_load=last)
     finally:
         _close_rig(rig)
 
