@@ -29,7 +29,8 @@ bf16 head and norms; variant ``graphs_unmerged`` runs q, k, v (gate, up) one GEM
 default merged step (``decode.fused.MERGE_QUANTIZED``). Variants (any model) of the step's attention
 (``decode.fused.ATTENTION``), each with its own parity and profile: ``graphs_sdpa`` (torch's),
 ``graphs_triton_attention`` (``decode.kernels.decode_attention``), ``graphs_rope_attention`` (the
-rotary and cache write inside that kernel).
+rotary and cache write inside that kernel), ``graphs_flash_attention`` (``decode.flash``: no mask
+tensor, the keys a row sees read from the device).
 
     python bench/decode.py [--arch llama] [--batches 1,8] [--output decode.json]
     python bench/decode.py --int4 --variants graphs,graphs_unmerged --skip-eager --skip-peer
@@ -58,7 +59,8 @@ SMOKE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_s
              num_attention_heads=4, num_key_value_heads=2)
 
 
-ATTENTION_VARIANTS = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention")
+ATTENTION_VARIANTS = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention",
+                      "graphs_flash_attention")
 # Variants with their own rounding: their own parity and profile (graphs_cuda_gemv / graphs_tinygemm:
 # int4 one-row GEMVs through quant.cuda_gemv on / off, whatever its default; graphs_cuda_gemv_a0 /
 # graphs_swap: its default shapes with x / two n-tiles as the mma's A operand (cuda_gemv.SWAP);
@@ -351,7 +353,7 @@ def main(argv=None) -> int:
     default_gemv, default_gemv_swap, default_silu = (cuda_gemv.ENABLED, cuda_gemv.SWAP,
                                                      cuda_gemv.FUSE_SILU)
     known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {}, "graphs_sdpa": {},
-             "graphs_triton_attention": {}, "graphs_rope_attention": {},
+             "graphs_triton_attention": {}, "graphs_rope_attention": {}, "graphs_flash_attention": {},
              "graphs_cuda_gemv": {}, "graphs_tinygemm": {}, "graphs_cuda_gemv_a0": {},
              "graphs_silu_apart": {}, "graphs_swap": {}, "graphs_silu_fused": {},
              "graphs_swap_silu": {},
@@ -372,7 +374,8 @@ def main(argv=None) -> int:
         cuda_gemv.FUSE_SILU = {"graphs_silu_apart": False, "graphs_silu_fused": True,
                                "graphs_swap_silu": True}.get(variant, default_silu)
         fusion.ATTENTION = {"graphs_sdpa": "sdpa", "graphs_triton_attention": "triton",
-                            "graphs_rope_attention": "rope_triton"}.get(variant, default_attention)
+                            "graphs_rope_attention": "rope_triton",
+                            "graphs_flash_attention": "flash"}.get(variant, default_attention)
         decoder = enable(model, capacity=capacity, **options)
         for b in batches:
             ids = prompts[b]

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..quant.cuda_gemv import silu_down
-from . import kernels
+from . import flash, kernels
 
 ARCHS = ("llama", "qwen2", "mistral")
 # Merge int4 tile-layout projections (``Merged``); False runs each as its module (bench/decode.py's
@@ -49,8 +49,16 @@ MERGE_QUANTIZED = True
 # The step's attention: "sdpa" (torch's; on the H200 the same int4 step time as ours within noise,
 # faster alone: docs/benchmarks.md), "triton" (``kernels.decode_attention``: split-key Triton kernels on CUDA, sdpa on the CPU) or
 # "rope_triton" (``kernels.rope_attention``: the rotary and cache write inside that kernel, one
-# operation a layer fewer). bench/decode.py's variants graphs_triton_attention / graphs_rope_attention.
+# operation a layer fewer) or "flash" (``flash.decode_attention``: no mask tensor, the keys a row sees
+# read from the device). bench/decode.py's variants graphs_triton_attention / graphs_rope_attention /
+# graphs_flash_attention.
 ATTENTION = "sdpa"
+
+
+def uses_mask() -> bool:
+    """Whether the step's attention reads the mask tensor (``"flash"`` reads ``valid_from`` and
+    the slot instead: the caller need not build one)."""
+    return ATTENTION != "flash"
 
 
 def unsupported(model) -> str | None:
@@ -244,17 +252,24 @@ class FusedForward:
                     float(attn.scaling), kinds[i] if kinds else "full_attention"))
         return self
 
-    def __call__(self, tokens, positions, mask, keys, values, slot, visible: int):
+    def __call__(self, tokens, positions, mask, keys, values, slot, visible: int, valid_from=None,
+                 windows=None):
         """Float32 logits of the next token for each row: ``tokens`` (batch,), ``positions``
-        (batch, 1), ``mask`` as ``step.MaskSpec.build`` gives it, ``keys``/``values`` one cache
-        buffer per layer (batch, kv_heads, capacity, head_dim), ``slot`` the (1,) slot written."""
+        (batch, 1), ``mask`` as ``step.MaskSpec.build`` gives it (None where ``uses_mask`` says
+        no), ``keys``/``values`` one cache buffer per layer (batch, kv_heads, capacity, head_dim),
+        ``slot`` the (1,) slot written; ``valid_from`` (batch,) each row's first real slot and
+        ``windows`` (``MaskSpec.windows``: sliding window by layer kind) for ``"flash"``."""
         inner, ring = self.model.model, self.ring
         if ring is not None:
             ring.begin()
         hidden = inner.embed_tokens(tokens[:, None])
         cos, sin = inner.rotary_emb(hidden, positions)
-        mask = {k: _additive(m, hidden.dtype) for k, m in mask.items()} if isinstance(mask, dict) \
-            else _additive(mask, hidden.dtype)
+        use_flash = ATTENTION == "flash" and valid_from is not None
+        if not use_flash:
+            if mask is None:
+                raise ValueError(f"the fused step's attention {ATTENTION!r} needs the mask")
+            mask = {k: _additive(m, hidden.dtype) for k, m in mask.items()} if isinstance(mask, dict) \
+                else _additive(mask, hidden.dtype)
         residual = hidden
         x = None
         for i, layer in enumerate(self.layers):
@@ -264,7 +279,11 @@ class FusedForward:
             normed = kernels.add_rms_norm(x, residual, layer.in_norm, layer.in_eps)
             q, k, v = layer.qkv(normed)
             layer_mask = mask[layer.kind] if isinstance(mask, dict) else mask
-            if ATTENTION == "rope_triton":
+            if use_flash:
+                query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
+                attn = flash.decode_attention(query, keys[i], values[i], valid_from, slot, visible,
+                                              int((windows or {}).get(layer.kind) or 0), layer.scaling)
+            elif ATTENTION == "rope_triton":
                 attn = kernels.rope_attention(q, k, v, cos, sin, slot, keys[i], values[i], visible,
                                               layer_mask, layer.scaling)
             else:

@@ -44,11 +44,13 @@ def test_fused_step_runs_a_handful_of_operations_per_layer():
     assert sum(modules.values()) == 34 * layers + 33, sorted(modules.items())
 
 
-@pytest.mark.parametrize("attention,ops_per_layer", [("triton", 9), ("rope_triton", 8)])
-def test_our_attention_ops_give_the_same_tokens(monkeypatch, attention, ops_per_layer):
-    """fused.ATTENTION "triton" (kernels.decode_attention) and "rope_triton" (rope_cache +
-    decode_attention as one operation, kernels.rope_attention): the same tokens as sdpa (the CPU
-    runs the same arithmetic), with a sliding window and left padding."""
+@pytest.mark.parametrize("attention,ops_per_layer,step_ops_", [("triton", 9, 33), ("rope_triton", 8, 33),
+                                                               ("flash", 9, 27)])
+def test_our_attention_ops_give_the_same_tokens(monkeypatch, attention, ops_per_layer, step_ops_):
+    """fused.ATTENTION "triton" (kernels.decode_attention), "rope_triton" (rope_cache +
+    decode_attention as one operation, kernels.rope_attention) and "flash" (flash.decode_attention:
+    no mask tensor, so the step builds none): the same tokens as sdpa (the CPU runs the same
+    arithmetic), with a sliding window and left padding."""
     from deepseek_flash.decode import fused
 
     layers = 3
@@ -58,9 +60,10 @@ def test_our_attention_ops_give_the_same_tokens(monkeypatch, attention, ops_per_
     model = _enabled(tiny_model("mistral", num_layers=layers, sliding_window=5))
     assert torch.equal(greedy(model, ids, mask, 12), want)
     ops = step_ops(_enabled(tiny_model("llama", num_layers=layers)))
-    op = "deepseek_flash::rope_attention" if attention == "rope_triton" else "deepseek_flash::decode_attention"
+    op = {"rope_triton": "deepseek_flash::rope_attention", "triton": "deepseek_flash::decode_attention",
+          "flash": "deepseek_flash::flash_decode_attention"}[attention]
     assert ops[op] == layers and "aten::scaled_dot_product_attention" not in ops
-    assert sum(ops.values()) == ops_per_layer * layers + 33
+    assert sum(ops.values()) == ops_per_layer * layers + step_ops_, sorted(ops.items())
 
 
 def _enabled(model, **options):
