@@ -65,10 +65,13 @@ ATTENTION_VARIANTS = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_att
 # int4 one-row GEMVs through quant.cuda_gemv on / off, whatever its default; graphs_cuda_gemv_a0 /
 # graphs_swap: its default shapes with x / two n-tiles as the mma's A operand (cuda_gemv.SWAP);
 # graphs_silu_apart / graphs_silu_fused: silu_mul apart from / inside the down GEMV
-# (cuda_gemv.FUSE_SILU); graphs_swap_silu: both on)
+# (cuda_gemv.FUSE_SILU); graphs_swap_silu: both on; graphs_glu / graphs_glu_apart: silu_mul inside
+# the gate|up GEMV's epilogue on / off (cuda_gemv.FUSE_GLU); graphs_flash_glu: that and
+# graphs_flash_attention's attention)
 OWN_ROUNDING = ATTENTION_VARIANTS + ("graphs_cuda_gemv", "graphs_tinygemm", "graphs_cuda_gemv_a0",
                                      "graphs_silu_apart", "graphs_swap", "graphs_silu_fused",
-                                     "graphs_swap_silu")
+                                     "graphs_swap_silu", "graphs_glu", "graphs_glu_apart",
+                                     "graphs_flash_glu")
 
 
 def build(arch: str, shape: dict, device, dtype, layers: int | None = None):
@@ -350,13 +353,13 @@ def main(argv=None) -> int:
     decoder = None
     default_attention = fusion.ATTENTION
     from deepseek_flash.quant import cuda_gemv
-    default_gemv, default_gemv_swap, default_silu = (cuda_gemv.ENABLED, cuda_gemv.SWAP,
-                                                     cuda_gemv.FUSE_SILU)
+    default_gemv, default_gemv_swap, default_silu, default_glu = (cuda_gemv.ENABLED, cuda_gemv.SWAP,
+                                                                  cuda_gemv.FUSE_SILU, cuda_gemv.FUSE_GLU)
     known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {}, "graphs_sdpa": {},
              "graphs_triton_attention": {}, "graphs_rope_attention": {}, "graphs_flash_attention": {},
              "graphs_cuda_gemv": {}, "graphs_tinygemm": {}, "graphs_cuda_gemv_a0": {},
              "graphs_silu_apart": {}, "graphs_swap": {}, "graphs_silu_fused": {},
-             "graphs_swap_silu": {},
+             "graphs_swap_silu": {}, "graphs_glu": {}, "graphs_glu_apart": {}, "graphs_flash_glu": {},
              "graphs_transformers_attention": {"fused": False, "packed_attention": False},
              "graphs_transformers_norm": {"fused": False, "fused_norm": False}}
     chosen = ["graphs"] + [v for v in args.variants.split(",") if v and v != "graphs"]
@@ -373,9 +376,12 @@ def main(argv=None) -> int:
                           "graphs_swap_silu": 1}.get(variant, default_gemv_swap)
         cuda_gemv.FUSE_SILU = {"graphs_silu_apart": False, "graphs_silu_fused": True,
                                "graphs_swap_silu": True}.get(variant, default_silu)
+        cuda_gemv.FUSE_GLU = {"graphs_glu": True, "graphs_glu_apart": False,
+                              "graphs_flash_glu": True}.get(variant, default_glu)
         fusion.ATTENTION = {"graphs_sdpa": "sdpa", "graphs_triton_attention": "triton",
                             "graphs_rope_attention": "rope_triton",
-                            "graphs_flash_attention": "flash"}.get(variant, default_attention)
+                            "graphs_flash_attention": "flash",
+                            "graphs_flash_glu": "flash"}.get(variant, default_attention)
         decoder = enable(model, capacity=capacity, **options)
         for b in batches:
             ids = prompts[b]
@@ -416,8 +422,8 @@ def main(argv=None) -> int:
         res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
         save(res, args.output)
     fusion.MERGE_QUANTIZED, fusion.ATTENTION = True, default_attention
-    cuda_gemv.ENABLED, cuda_gemv.SWAP, cuda_gemv.FUSE_SILU = (default_gemv, default_gemv_swap,
-                                                               default_silu)
+    cuda_gemv.ENABLED, cuda_gemv.SWAP, cuda_gemv.FUSE_SILU, cuda_gemv.FUSE_GLU = (
+        default_gemv, default_gemv_swap, default_silu, default_glu)
     if decoder is not None:
         decoder.reset()
     decoder = enable(model, capacity=capacity)

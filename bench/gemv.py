@@ -154,8 +154,8 @@ def cuda_rows(row, x, mats, W, N, K, wbytes, bw, budget_s):
     """The CUDA C++ kernel at batch 1 (on the smoke run: its CPU stand-in): the default shape
     (``cuda_us``, ``cuda_frac``, ``cuda_check``), then the ``CUDA_SWEEP`` shapes that fit, each
     checked, while ``budget_s`` lasts (``cuda_sweep``)."""
-    from deepseek_flash.quant import cuda_gemv
-    kern = cuda_gemv.Kernels(cuda_gemv.emulated_compile) if SMOKE else cuda_gemv.KERNELS
+    from deepseek_flash.quant import cuda_gemv, cuda_gemv_emu
+    kern = cuda_gemv.Kernels(cuda_gemv_emu.emulated_compile) if SMOKE else cuda_gemv.KERNELS
     words0, sz0 = mats[0][1], mats[0][2]
     cfg = cuda_gemv.default_config(N, K)
     row["cuda_config"] = [cfg.NT, cfg.W, cfg.U, cfg.P, cfg.A]

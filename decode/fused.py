@@ -9,9 +9,10 @@ against 34 per layer through transformers' modules (rotary alone is 5 small kern
 and per k; dtype casts; residual adds; SiLU then the product). The residual add of each sub-block
 runs inside the next norm (``kernels.add_rms_norm``); rotary, the cache write and the packed
 grouped-query layout are one kernel (``kernels.rope_cache``). Attention over the cache is torch's
-sdpa unless ``ATTENTION`` says otherwise (below). When the CUDA int4 GEMV runs the layers
-(``quant.cuda_gemv.ENABLED``), silu_mul and the down GEMV are one launch (``cuda_gemv.silu_down``:
-the kernel stages ``silu(gate) * up`` as its input, rounded as ``silu_mul`` rounds it).
+sdpa unless ``ATTENTION`` says otherwise (below). Where the CUDA int4 GEMV runs the layers
+(``quant.cuda_gemv.ENABLED``), silu_mul can run inside the gate|up GEMV (``cuda_gemv.glu``,
+``FUSE_GLU``: its epilogue, the same bits) or inside the down GEMV (``cuda_gemv.silu_down``,
+``FUSE_SILU``: the kernel stages ``silu(gate) * up`` as its input, rounded as ``silu_mul`` rounds it).
 
 The q, k, v (and gate, up) weights become one matrix per layer, so one GEMV reads them:
 * a **view** where they already lie side by side in memory (a store block that holds them in that
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..quant.cuda_gemv import silu_down
+from ..quant.cuda_gemv import glu, silu_down
 from . import flash, kernels
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -295,10 +296,14 @@ class FusedForward:
                               layer.scaling)
             x = layer.o_proj(attn.reshape(attn.shape[0], 1, -1))
             normed = kernels.add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
-            gate, up = layer.gate_up(normed)
-            x = silu_down(layer.down, gate, up)
-            if x is None:
-                x = layer.down(kernels.silu_mul(gate, up))
+            act = glu(layer.gate_up.quant, normed) if layer.gate_up.quant is not None else None
+            if act is not None:             # silu(gate) * up straight from the gate|up GEMV
+                x = layer.down(act)
+            else:
+                gate, up = layer.gate_up(normed)
+                x = silu_down(layer.down, gate, up)
+                if x is None:
+                    x = layer.down(kernels.silu_mul(gate, up))
             if streamed:
                 ring.after(i)
         final = self.model.model.norm

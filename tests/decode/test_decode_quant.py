@@ -108,3 +108,26 @@ def test_tiled_int4_projections_merge_into_one_gemv_with_the_same_outputs(tiled,
     assert torch.equal(tokens, want_tokens)
     if device != "cpu":
         assert stats["mode"] == "graphs" and stats["replays"] == alone["replays"] > 0
+
+
+def test_the_step_takes_silu_of_gate_up_from_the_merged_gemv_where_glu_answers(tiled, monkeypatch):
+    """``cuda_gemv.glu`` (the gate|up GEMV with silu_mul in its epilogue; CUDA only) wired into the
+    fused step: where it answers, its output is the down GEMV's input and no silu_mul runs. A
+    stand-in with the unfused arithmetic gives the unfused step's tokens."""
+    from deepseek_flash.decode import fused, kernels
+
+    want, _ = _decoded(tiled, "cpu", True, monkeypatch)
+    calls = []
+
+    def stand_in(gate_up, x):
+        calls.append(gate_up.out_features)
+        gate, up = gate_up(x).split(gate_up.out_features // 2, dim=-1)
+        return kernels._ref_silu_mul(gate, up)
+
+    def no_silu_mul(gate, up):
+        raise AssertionError("silu_mul ran beside glu")
+
+    monkeypatch.setattr(fused, "glu", stand_in)
+    monkeypatch.setattr(kernels, "silu_mul", no_silu_mul)
+    tokens, stats = _decoded(tiled, "cpu", True, monkeypatch)
+    assert torch.equal(tokens, want) and calls and set(calls) == {512}
