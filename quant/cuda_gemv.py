@@ -83,6 +83,25 @@ __device__ __forceinline__ u16 to_bf16(float f) {
 #ifndef GLU
 #define GLU 0
 #endif
+#ifndef RING
+#define RING 0
+#endif
+
+// RING: each warp's codes and scales go through a ring of RING chunk slots in shared memory,
+// filled by cp.async (no registers held while in flight): a warp's first RING chunks are all in
+// flight at once, then one more as each is used.
+__device__ __forceinline__ void cp16(u32* dst, const u32* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp4(u32* dst, const u32* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
+                 :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int n> __device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(n) : "memory");
+}
 
 // silu(g) * u of two bfloat16 pairs, rounded as decode.kernels.silu_mul does: the activation in
 // float32 (ex2.approx and div.full, the instructions Triton emits for it) rounded to bfloat16,
@@ -139,6 +158,30 @@ __device__ __forceinline__ void load(Batch& b, const u32* __restrict__ words,
         }
     }
 }
+
+#if RING
+// The copies of chunk c (one 16-byte piece a lane and n-tile, and the lane's scale of each n-tile,
+// SWAP's row g) into ring slot ``slot`` of this warp: rw [RING][NT][32][4] words, rs [RING][NT][32].
+__device__ __forceinline__ void issue(u32* rw, u32* rs, const u32* __restrict__ words,
+                                      const u32* __restrict__ sz, int c, int slot, int blk, int ntl,
+                                      int KO, int N, int lane) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const int nt = tile(blk, j, ntl);
+        cp16(rw + ((slot * NT + j) * 32 + lane) * 4, words + ((size_t)(nt * KO + c) * 32 + lane) * 4);
+        cp4(rs + (slot * NT + j) * 32 + lane, sz + (size_t)c * N + nt * 8 + (lane >> 2));
+    }
+}
+
+__device__ __forceinline__ void fetch(Batch& b, const u32* rw, const u32* rs, int slot, int lane) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const uint4 v = *(const uint4*)(rw + ((slot * NT + j) * 32 + lane) * 4);
+        b.w[0][j][0] = v.x; b.w[0][j][1] = v.y; b.w[0][j][2] = v.z; b.w[0][j][3] = v.w;
+        b.s[0][j] = rs[(slot * NT + j) * 32 + lane];
+    }
+}
+#endif
 
 __device__ __forceinline__ void compute(const Batch& b, float (&acc)[NT][2], const u32* xf,
                                         const float* xsum, int c, int r) {
@@ -200,8 +243,14 @@ int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
     const int KO = K >> 7;
     u32* xf = smem;                                   // [KO][4 r][8 kt][2 h]
     float* xsum = (float*)(smem + KO * 64);           // [KO]
-    float* part = xsum + KO;                          // [W][NT*8]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#if RING
+    float* part = xsum + ((KO + 3) & ~3);             // [W][NT*8]
+    u32* rw = (u32*)(part + W * NT * 8) + warp * RING * NT * 128;                 // this warp's ring
+    u32* rs = (u32*)(part + W * NT * 8) + W * RING * NT * 128 + warp * RING * NT * 32;
+#else
+    float* part = xsum + KO;                          // [W][NT*8]
+#endif
     const int r = lane & 3;
     const int cpw = KO / W;                   // chunks a warp (KO % W == 0, cpw % U == 0)
     const int c0 = warp * cpw;
@@ -214,7 +263,13 @@ int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
                                               // then every gridDim.x-th (a grid smaller than
                                               // nblk stages x once for several blocks)
     Batch A, B;
-#if PIPE
+#if RING
+#pragma unroll
+    for (int i = 0; i < RING; ++i) {          // the first chunks in flight before x is staged
+        if (i < cpw) issue(rw, rs, words, sz, c0 + i, i, blockIdx.x, ntl, KO, N, lane);
+        cp_commit();
+    }
+#elif PIPE
     load(A, words, sz, c0, blockIdx.x, ntl, KO, N, lane);
 #endif
     // Stage x: 8 columns 8 e .. 8 e + 7 of chunk c are pairs r = 0..3 of half h of k-tile kt.
@@ -243,7 +298,25 @@ int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
     float acc[NT][2];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = 0.f;
-#if PIPE
+#if RING
+    if (blk != blockIdx.x) {
+#pragma unroll
+        for (int i = 0; i < RING; ++i) {
+            if (i < cpw) issue(rw, rs, words, sz, c0 + i, i, blk, ntl, KO, N, lane);
+            cp_commit();
+        }
+    }
+    // one group committed an iteration (empty past the last chunk): chunk i's group is complete
+    // once at most RING - 1 are pending; its slot is refilled after its values are used
+    for (int i = 0; i < cpw; ++i) {
+        cp_wait<RING - 1>();
+        const int slot = i % RING;
+        fetch(A, rw, rs, slot, lane);
+        compute(A, acc, xf, xsum, c0 + i, r);
+        if (i + RING < cpw) issue(rw, rs, words, sz, c0 + i + RING, slot, blk, ntl, KO, N, lane);
+        cp_commit();
+    }
+#elif PIPE
     if (blk != blockIdx.x) load(A, words, sz, c0, blk, ntl, KO, N, lane);
     for (int cb = 0; cb < cpw; cb += 2 * U) {
         if (cb + U < cpw) load(B, words, sz, c0 + cb + U, blk, ntl, KO, N, lane);
@@ -314,12 +387,15 @@ class Config:
     A: int = 0          # 1: two n-tiles as the mma's A operand, x as B (half the mma of A = x)
     G: int = 0          # > 0: at most G CTAs an SM, each looping over blocks (x staged once a CTA)
     GLU: int = 0        # 1: W is gate | up and the output silu(gate) * up (N / 2 values; ``glu``)
+    R: int = 0          # > 0: codes and scales through a ring of R chunks a warp in shared memory (cp.async)
 
     def fits(self, N: int, K: int) -> str | None:
         """None when this shape can run ``N x K``, else why not."""
         KO = K // 128
         if self.A and self.NT % 2:
             return f"NT = {self.NT} n-tiles with A = 1 (pairs of n-tiles)"
+        if self.R and not (self.A and self.U == 1):
+            return f"R = {self.R} (the ring) with A = {self.A}, U = {self.U} (it takes A = 1, U = 1)"
         if self.GLU and (N % 16 or self.NT % (4 if self.A else 2)):
             return (f"GLU over N = {N} rows with NT = {self.NT} (gate and up halves of whole n-tiles, "
                     f"NT / 2 of each a block{', in pairs' if self.A else ''})")
@@ -330,7 +406,9 @@ class Config:
         return None
 
     def smem(self, K: int) -> int:
-        return (K // 128) * 256 + (K // 128) * 4 + self.W * self.NT * 8 * 4
+        KO = K // 128
+        ring = (-KO % 4) * 4 + self.W * self.R * self.NT * (512 + 128) if self.R else 0
+        return KO * 256 + KO * 4 + self.W * self.NT * 8 * 4 + ring
 
 
 # (NT, U, P, G) per (N, K) of the 8B llama's decode GEMVs: the H200 sweep's fastest (bench/gemv.py
@@ -353,6 +431,11 @@ FUSE_SILU = False
 FUSE_GLU = False
 
 
+# Chunk slots a warp of the default shapes streams through shared memory (``Config.R``; 0: off,
+# the codes go through registers). bench/decode.py's variant graphs_ring measures 4.
+RING = 0
+
+
 def warps(K: int) -> int:
     """The warps a CTA splitting K (each a whole number of 128-column chunks)."""
     if K in WARPS_BY_K:
@@ -363,8 +446,8 @@ def warps(K: int) -> int:
 def default_config(N: int, K: int) -> Config:
     """The shape used when none is given: a pure function of ``N x K`` (and ``SWAP``)."""
     nt, u, p, g = PINNED.get((N, K), (2, 1, 1, 0))
-    cfg = Config(nt, warps(K), u, p, A=SWAP, G=g)
-    return cfg if cfg.fits(N, K) is None else Config(2, warps(K), 1, 1, A=SWAP)
+    cfg = Config(nt, warps(K), u, p, A=SWAP, G=g, R=RING if SWAP and u == 1 else 0)
+    return cfg if cfg.fits(N, K) is None else Config(2, warps(K), 1, 1, A=SWAP, R=RING if SWAP else 0)
 
 
 def glu_config(N: int, K: int) -> Config:
@@ -405,7 +488,7 @@ class Kernels:
         if k is None:
             compile = self._compile or torch.cuda._compile_kernel
             opts = [f"-DNT={cfg.NT}", f"-DW={cfg.W}", f"-DU={cfg.U}", f"-DPIPE={cfg.P}",
-                    f"-DSILU={cfg.S}", f"-DSWAP={cfg.A}", f"-DGLU={cfg.GLU}", "-std=c++17"]
+                    f"-DSILU={cfg.S}", f"-DSWAP={cfg.A}", f"-DGLU={cfg.GLU}", f"-DRING={cfg.R}", "-std=c++17"]
             k = compile(SOURCE, "int4_gemv_m1", nvcc_options=opts + ["-DLOADS_ONLY"] * cfg.LO)
             self._cache[cfg] = k
         return k

@@ -154,4 +154,5 @@ def emulated_compile(source: str, name: str, nvcc_options=(), **_):
     opts = dict(o[2:].split("=") for o in nvcc_options if o.startswith("-D") and "=" in o)
     assert "-DLOADS_ONLY" not in nvcc_options, "the stand-in emulates the kernel, not the aid"
     return Emulated(Config(int(opts["NT"]), int(opts["W"]), int(opts["U"]), int(opts["PIPE"]),
-                           S=int(opts["SILU"]), A=int(opts["SWAP"]), GLU=int(opts["GLU"])))
+                           S=int(opts["SILU"]), A=int(opts["SWAP"]), GLU=int(opts["GLU"]),
+                           R=int(opts["RING"])))

@@ -59,7 +59,9 @@ def _check(y, x, W):
                                      (64, 1024, (2, 8, 1, 1, 0, 0, 1)),
                                      (40, 1024, (2, 4, 2, 0, 0, 0, 1)),
                                      (24, 512, (4, 2, 2, 1, 0, 0, 1)),
-                                     (72, 2048, None)])
+                                     (72, 2048, None),
+                                     (64, 1024, (2, 8, 1, 1, 0, 0, 1, 0, 0, 1)),
+                                     (40, 1024, (4, 2, 1, 1, 0, 0, 1, 0, 0, 3))])
 def test_emulated_kernel_is_the_reference_arithmetic(N, K, cfg):
     """Every output of the stand-in is ``mma_reference``'s (``_near``; N not a multiple of a
     CTA's rows included: the last CTA re-reads a valid n-tile and stores nothing past N), and is
@@ -75,7 +77,8 @@ def test_emulated_kernel_is_the_reference_arithmetic(N, K, cfg):
     c = c or cuda_gemv.default_config(N, K)
     (call,) = kern.get(c).calls
     assert call["grid"] == (-(-(N // 8) // c.NT), 1, 1) and call["block"] == (32 * c.W, 1, 1)
-    assert call["shared_mem"] == (K // 128) * 260 + c.W * c.NT * 32
+    ring = (-(K // 128) % 4) * 4 + c.W * c.R * c.NT * 640 if c.R else 0
+    assert call["shared_mem"] == (K // 128) * 260 + c.W * c.NT * 32 + ring
     # G: at most G CTAs an SM (the CPU counts one SM), the blocks looped over; the same kernel
     g = dataclasses.replace(c, G=2)
     assert torch.equal(cuda_gemv.matmul(x, words, sz, N, K, g, kern), y)
@@ -325,18 +328,20 @@ def test_source_compiles_with_nvrtc_for_sm_90():
 
     kern = cuda_gemv.Kernels(compile)
     extra = [cuda_gemv.Config(2, 8, 2, 1, LO=1), cuda_gemv.Config(2, 8, 2, 1, S=1, A=1),
-             cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1), cuda_gemv.Config(2, 8, 1, 1, GLU=1)]
+             cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1), cuda_gemv.Config(2, 8, 1, 1, GLU=1),
+             cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1, R=4)]
     for c in [bench.sweep_config(t) for t in bench.CUDA_SWEEP] + extra:
         ptx = kern.get(c)
         assert ".entry int4_gemv_m1" in ptx
         assert ("mma.sync.aligned.m16n8k16" in ptx) == (not c.LO)
         assert ("ex2.approx.f32" in ptx) == bool(c.S or c.GLU)
-        assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
+        assert ("ld.global.nc.L1::no_allocate.v4.u32" in ptx) == (not c.R)
+        assert ("cp.async.cg.shared.global" in ptx) == bool(c.R)
     # compiled once per source (G, the grid, is the launch's)
     sources = {dataclasses.replace(bench.sweep_config(t), G=0) for t in bench.CUDA_SWEEP}
-    assert len(seen) == len(sources) + 4 and "-DLOADS_ONLY" in seen[-4] and "-DGLU=1" in seen[-1]
+    assert len(seen) == len(sources) + 5 and "-DLOADS_ONLY" in seen[-5] and "-DGLU=1" in seen[-2]
     kern.get(bench.sweep_config(bench.CUDA_SWEEP[0]))
-    assert len(seen) == len(sources) + 4
+    assert len(seen) == len(sources) + 5
 
 
 def test_gemv_bench_cuda_rows_run_on_the_cpu(tmp_path):
@@ -375,6 +380,9 @@ def test_cuda_kernel_matches_the_reference_and_tinygemm():
             y = cuda_gemv.matmul(x, words, sz, N, K, c)
             assert _check(y, x, W) <= 1, (N, K, c)
             assert torch.equal(y, cuda_gemv.matmul(x, words, sz, N, K, c)), (N, K, c)
+            if c is not None and c.R:       # the ring moves the same words: the same bits
+                plain = dataclasses.replace(c, R=0)
+                assert torch.equal(y, cuda_gemv.matmul(x, words, sz, N, K, plain)), (N, K, c)
             rel = (y.float() - tiny.float()).abs().max() / tiny.float().abs().max()
             assert rel < 1e-2, (N, K, c, rel)
 
