@@ -68,11 +68,14 @@ ATTENTION_VARIANTS = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_att
 # (cuda_gemv.FUSE_SILU); graphs_swap_silu: both on; graphs_glu / graphs_glu_apart: silu_mul inside
 # the gate|up GEMV's epilogue on / off (cuda_gemv.FUSE_GLU); graphs_flash_glu: that and
 # graphs_flash_attention's attention; graphs_ring: the default GEMV shapes streaming their codes
-# through a ring of 4 chunks a warp in shared memory (cuda_gemv.RING); graphs_flash_glu_ring: all three)
+# through a ring of 4 chunks a warp in shared memory (cuda_gemv.RING); graphs_flash_glu_ring: all three;
+# graphs_flash_glu_norm: flash + glu and the residual add + norm inside the q|k|v and gate|up GEMVs
+# (cuda_gemv.FUSE_NORM); graphs_all: those and the ring)
 OWN_ROUNDING = ATTENTION_VARIANTS + ("graphs_cuda_gemv", "graphs_tinygemm", "graphs_cuda_gemv_a0",
                                      "graphs_silu_apart", "graphs_swap", "graphs_silu_fused",
                                      "graphs_swap_silu", "graphs_glu", "graphs_glu_apart",
-                                     "graphs_flash_glu", "graphs_ring", "graphs_flash_glu_ring")
+                                     "graphs_flash_glu", "graphs_ring", "graphs_flash_glu_ring",
+                                     "graphs_flash_glu_norm", "graphs_all")
 
 
 def build(arch: str, shape: dict, device, dtype, layers: int | None = None):
@@ -356,13 +359,13 @@ def main(argv=None) -> int:
     from deepseek_flash.quant import cuda_gemv
     default_gemv, default_gemv_swap, default_silu, default_glu = (cuda_gemv.ENABLED, cuda_gemv.SWAP,
                                                                   cuda_gemv.FUSE_SILU, cuda_gemv.FUSE_GLU)
-    default_ring = cuda_gemv.RING
+    default_ring, default_norm = cuda_gemv.RING, cuda_gemv.FUSE_NORM
     known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {}, "graphs_sdpa": {},
              "graphs_triton_attention": {}, "graphs_rope_attention": {}, "graphs_flash_attention": {},
              "graphs_cuda_gemv": {}, "graphs_tinygemm": {}, "graphs_cuda_gemv_a0": {},
              "graphs_silu_apart": {}, "graphs_swap": {}, "graphs_silu_fused": {},
              "graphs_swap_silu": {}, "graphs_glu": {}, "graphs_glu_apart": {}, "graphs_flash_glu": {},
-             "graphs_ring": {}, "graphs_flash_glu_ring": {},
+             "graphs_ring": {}, "graphs_flash_glu_ring": {}, "graphs_flash_glu_norm": {}, "graphs_all": {},
              "graphs_transformers_attention": {"fused": False, "packed_attention": False},
              "graphs_transformers_norm": {"fused": False, "fused_norm": False}}
     chosen = ["graphs"] + [v for v in args.variants.split(",") if v and v != "graphs"]
@@ -380,13 +383,16 @@ def main(argv=None) -> int:
         cuda_gemv.FUSE_SILU = {"graphs_silu_apart": False, "graphs_silu_fused": True,
                                "graphs_swap_silu": True}.get(variant, default_silu)
         cuda_gemv.FUSE_GLU = {"graphs_glu": True, "graphs_glu_apart": False, "graphs_flash_glu": True,
-                              "graphs_flash_glu_ring": True}.get(variant, default_glu)
-        cuda_gemv.RING = {"graphs_ring": 4, "graphs_flash_glu_ring": 4}.get(variant, default_ring)
+                              "graphs_flash_glu_ring": True, "graphs_flash_glu_norm": True,
+                              "graphs_all": True}.get(variant, default_glu)
+        cuda_gemv.RING = {"graphs_ring": 4, "graphs_flash_glu_ring": 4, "graphs_all": 4}.get(variant, default_ring)
+        cuda_gemv.FUSE_NORM = {"graphs_flash_glu_norm": True, "graphs_all": True}.get(variant, default_norm)
         fusion.ATTENTION = {"graphs_sdpa": "sdpa", "graphs_triton_attention": "triton",
                             "graphs_rope_attention": "rope_triton",
                             "graphs_flash_attention": "flash",
                             "graphs_flash_glu": "flash",
-                            "graphs_flash_glu_ring": "flash"}.get(variant, default_attention)
+                            "graphs_flash_glu_ring": "flash", "graphs_flash_glu_norm": "flash",
+                            "graphs_all": "flash"}.get(variant, default_attention)
         decoder = enable(model, capacity=capacity, **options)
         for b in batches:
             ids = prompts[b]
@@ -429,7 +435,7 @@ def main(argv=None) -> int:
     fusion.MERGE_QUANTIZED, fusion.ATTENTION = True, default_attention
     cuda_gemv.ENABLED, cuda_gemv.SWAP, cuda_gemv.FUSE_SILU, cuda_gemv.FUSE_GLU = (
         default_gemv, default_gemv_swap, default_silu, default_glu)
-    cuda_gemv.RING = default_ring
+    cuda_gemv.RING, cuda_gemv.FUSE_NORM = default_ring, default_norm
     if decoder is not None:
         decoder.reset()
     decoder = enable(model, capacity=capacity)

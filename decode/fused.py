@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..quant.cuda_gemv import glu, silu_down
+from ..quant import cuda_gemv
+from ..quant.cuda_gemv import glu, norm_gemv, silu_down
 from . import flash, kernels
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -277,8 +278,13 @@ class FusedForward:
             streamed = ring is not None and i in ring.index
             if streamed:
                 ring.before(i)
-            normed = kernels.add_rms_norm(x, residual, layer.in_norm, layer.in_eps)
-            q, k, v = layer.qkv(normed)
+            got = _norm_gemv(layer.qkv, x, residual, layer.in_norm, layer.in_eps)
+            if got is not None:             # the residual add and norm inside the GEMV
+                qkv, residual = got
+                q, k, v = qkv.split(layer.qkv.sizes, dim=-1)
+            else:
+                normed = kernels.add_rms_norm(x, residual, layer.in_norm, layer.in_eps)
+                q, k, v = layer.qkv(normed)
             layer_mask = mask[layer.kind] if isinstance(mask, dict) else mask
             if use_flash:
                 query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
@@ -295,12 +301,20 @@ class FusedForward:
                 attn = attend(query, keys[i][:, :, :visible], values[i][:, :, :visible], layer_mask,
                               layer.scaling)
             x = layer.o_proj(attn.reshape(attn.shape[0], 1, -1))
-            normed = kernels.add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
-            act = glu(layer.gate_up.quant, normed) if layer.gate_up.quant is not None else None
+            fuse_glu = cuda_gemv.FUSE_GLU
+            got = _norm_gemv(layer.gate_up, x, residual, layer.post_norm, layer.post_eps, fuse_glu)
+            if got is not None:
+                out, residual = got
+                act = out if fuse_glu else None
+                gate_up = None if fuse_glu else out.split(layer.gate_up.sizes, dim=-1)
+            else:
+                normed = kernels.add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
+                act = glu(layer.gate_up.quant, normed) if layer.gate_up.quant is not None else None
+                gate_up = None if act is not None else layer.gate_up(normed)
             if act is not None:             # silu(gate) * up straight from the gate|up GEMV
                 x = layer.down(act)
             else:
-                gate, up = layer.gate_up(normed)
+                gate, up = gate_up
                 x = silu_down(layer.down, gate, up)
                 if x is None:
                     x = layer.down(kernels.silu_mul(gate, up))
@@ -312,6 +326,14 @@ class FusedForward:
         if ring is not None:
             ring.end()
         return logits
+
+
+def _norm_gemv(group, x, residual, weight, eps, fuse_glu=False):
+    """``cuda_gemv.norm_gemv`` over a merged int4 group (None where it cannot: the caller runs
+    ``add_rms_norm`` then the group; the first layer's norm has no sub-block output)."""
+    if x is None or group.quant is None:
+        return None
+    return norm_gemv(group.quant, x, residual, weight, eps, fuse_glu)
 
 
 def _additive(mask, dtype):

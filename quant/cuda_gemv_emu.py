@@ -29,11 +29,17 @@ class Emulated:
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         cfg = self.cfg
-        x, words, sz, y, N, K = args
+        x, words, sz, y, N, K, res, nw, res_out, eps = args
         self.calls.append(dict(grid=grid, block=block, shared_mem=shared_mem, N=N, K=K))
         assert block == (32 * cfg.W, 1, 1) and shared_mem == cfg.smem(K)
         KO = K // 128
         xv = x.reshape(-1)
+        if cfg.NORM:    # add_rms_norm's rounding points (its float32 sum in torch's order)
+            h = (res.reshape(-1).float() + xv.float()).to(torch.bfloat16)
+            res_out.view(-1).copy_(h)
+            var = (h.float() * h.float()).sum() / K
+            normed = (h.float() * (1.0 / torch.sqrt(var + eps))).to(torch.bfloat16)
+            xv = (nw.reshape(-1).float() * normed.float()).to(torch.bfloat16)
         if cfg.S:       # silu(gate) * up, rounded as decode.kernels.silu_mul
             g, u = xv[:K].float(), xv[K:2 * K].float()
             a = (g / (1.0 + torch.exp2(g * -1.4426950408889634))).to(torch.bfloat16)
@@ -155,4 +161,4 @@ def emulated_compile(source: str, name: str, nvcc_options=(), **_):
     assert "-DLOADS_ONLY" not in nvcc_options, "the stand-in emulates the kernel, not the aid"
     return Emulated(Config(int(opts["NT"]), int(opts["W"]), int(opts["U"]), int(opts["PIPE"]),
                            S=int(opts["SILU"]), A=int(opts["SWAP"]), GLU=int(opts["GLU"]),
-                           R=int(opts["RING"])))
+                           R=int(opts["RING"]), NORM=int(opts["NORM"])))

@@ -227,6 +227,43 @@ def test_glu_takes_a_merged_gate_up_layer_or_says_none(monkeypatch):
     assert cuda_gemv.glu(_tile_layer(40, 512), x) is None                       # halves not whole n-tiles
 
 
+@pytest.mark.parametrize("glu", [False, True])
+def test_norm_input_is_add_rms_norm_then_the_product(monkeypatch, glu):
+    """``matmul(..., norm=...)`` (the stand-in): the residual plus x written as ``add_rms_norm``
+    rounds it, and the product taken with its norm (within the allowance of the reference on the
+    reference norm); ``norm_gemv`` off by default, on a layer: ``(y, new residual)``."""
+    from deepseek_flash.decode import kernels
+    N, K = 96, 512
+    x, words, sz, W = _case(N, K, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    res = torch.randn(1, K, generator=gen).to(BF16)
+    nw = (torch.rand(K, generator=gen) + 0.5).to(BF16)
+    want_res = res.clone()
+    xin = kernels._ref_add_rms_norm(x, want_res, nw, 1e-5)
+    kern = cuda_gemv.Kernels(cuda_gemv_emu.emulated_compile)
+    res_out = torch.empty_like(res)
+    y = cuda_gemv.matmul(x, words, sz, N, K, None, kern, glu=glu, norm=(res, nw, 1e-5, res_out))
+    assert torch.equal(res_out, want_res)
+    plain = cuda_gemv.matmul(xin, words, sz, N, K, None, kern, glu=glu)
+    assert (y.float() - plain.float()).abs().max() <= plain.float().abs().max() * 2 ** -6
+    if not glu:
+        assert _check(y, xin, W) <= 1.5
+    with pytest.raises(ValueError, match="norm operands"):
+        cuda_gemv.matmul(x, words, sz, N, K, None, kern, norm=(res[:, :K // 2], nw, 1e-5, res_out))
+    lin = _tile_layer(N, K, seed=13)
+    monkeypatch.setattr(cuda_gemv, "_failed", [])
+    assert cuda_gemv.norm_gemv(lin, x, res, nw, 1e-5) is None                   # off by default
+    monkeypatch.setattr(cuda_gemv, "FUSE_NORM", True)
+    assert cuda_gemv.norm_gemv(lin, x, res, nw, 1e-5) is None                   # the CPU
+    monkeypatch.setattr(cuda_gemv, "supports", lambda x, N, K, group: None)
+    monkeypatch.setattr(cuda_gemv, "KERNELS", kern)
+    got, new_res = cuda_gemv.norm_gemv(lin, x.view(1, 1, K), res, nw, 1e-5, glu=glu)
+    assert got.shape == (1, 1, N // 2 if glu else N) and torch.equal(new_res, want_res)
+    assert torch.equal(got.view(1, -1), cuda_gemv.matmul(x, lin.codes, lin.scales, N, K, None, kern, glu=glu,
+                                                         norm=(res, nw, 1e-5, torch.empty_like(res))))
+    assert cuda_gemv.norm_gemv(lin, x, res.float(), nw, 1e-5) is None           # not bfloat16
+
+
 def test_glu_refuses_shapes_without_whole_halves():
     assert "GLU over N = 40 rows" in cuda_gemv.Config(2, 4, 1, GLU=1).fits(40, 512)
     assert "in pairs" in cuda_gemv.Config(2, 4, 1, A=1, GLU=1).fits(64, 512)
@@ -329,19 +366,20 @@ def test_source_compiles_with_nvrtc_for_sm_90():
     kern = cuda_gemv.Kernels(compile)
     extra = [cuda_gemv.Config(2, 8, 2, 1, LO=1), cuda_gemv.Config(2, 8, 2, 1, S=1, A=1),
              cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1), cuda_gemv.Config(2, 8, 1, 1, GLU=1),
-             cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1, R=4)]
+             cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1, R=4), cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1, NORM=1)]
     for c in [bench.sweep_config(t) for t in bench.CUDA_SWEEP] + extra:
         ptx = kern.get(c)
         assert ".entry int4_gemv_m1" in ptx
         assert ("mma.sync.aligned.m16n8k16" in ptx) == (not c.LO)
         assert ("ex2.approx.f32" in ptx) == bool(c.S or c.GLU)
+        assert ("sqrt.approx.f32" in ptx) == bool(c.NORM)
         assert ("ld.global.nc.L1::no_allocate.v4.u32" in ptx) == (not c.R)
         assert ("cp.async.cg.shared.global" in ptx) == bool(c.R)
     # compiled once per source (G, the grid, is the launch's)
     sources = {dataclasses.replace(bench.sweep_config(t), G=0) for t in bench.CUDA_SWEEP}
-    assert len(seen) == len(sources) + 5 and "-DLOADS_ONLY" in seen[-5] and "-DGLU=1" in seen[-2]
+    assert len(seen) == len(sources) + 6 and "-DLOADS_ONLY" in seen[-6] and "-DNORM=1" in seen[-1]
     kern.get(bench.sweep_config(bench.CUDA_SWEEP[0]))
-    assert len(seen) == len(sources) + 5
+    assert len(seen) == len(sources) + 6
 
 
 def test_gemv_bench_cuda_rows_run_on_the_cpu(tmp_path):
@@ -438,3 +476,30 @@ def test_cuda_glu_matches_the_plain_kernel_then_silu_mul():
     assert (y != ref).float().mean().item() <= 0.01
     assert ((y.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-6).all()
     assert torch.equal(y, cuda_gemv.matmul(x, words, sz, N, K, glu=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("glu", [False, True])
+def test_cuda_norm_matches_add_rms_norm_then_the_kernel(glu):
+    """On the device, the 8B q|k|v (gate|up with ``glu``) shape: the new residual bit for bit
+    ``add_rms_norm``'s (Triton's, checked on), the outputs within a bfloat16 step or two of its
+    norm then the plain kernel (the norm's float32 sum in another order), the same bits twice."""
+    from deepseek_flash.decode import kernels
+    assert kernels.check_triton("cuda:0", BF16, dict(hidden=4096, heads=32, kv_heads=8, head_dim=128,
+                                                     intermediate=14336)) is None
+    N, K = (28672, 4096) if glu else (6144, 4096)
+    x, words, sz, _ = _case(N, K, "cuda", seed=14)
+    gen = torch.Generator().manual_seed(15)
+    res = torch.randn(1, K, generator=gen).to("cuda", BF16)
+    nw = (torch.rand(K, generator=gen) + 0.5).to("cuda", BF16)
+    want_res = res.clone()
+    xin = kernels.add_rms_norm(x, want_res, nw, 1e-5)
+    ref = cuda_gemv.matmul(xin, words, sz, N, K, glu=glu)
+    res_out = torch.empty_like(res)
+    y = cuda_gemv.matmul(x, words, sz, N, K, glu=glu, norm=(res, nw, 1e-5, res_out))
+    assert torch.equal(res_out, want_res)
+    assert (y.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2 ** -6
+    assert (y != ref).float().mean().item() <= 0.05
+    again = torch.empty_like(res)
+    assert torch.equal(y, cuda_gemv.matmul(x, words, sz, N, K, glu=glu, norm=(res, nw, 1e-5, again)))
