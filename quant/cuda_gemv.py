@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cuda_launch
 from .cuda_gemv_src import SOURCE   # the kernel's CUDA C++ text
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class Config:
     GLU: int = 0        # 1: W is gate | up and the output silu(gate) * up (N / 2 values; ``glu``)
     R: int = 0          # > 0: codes and scales through a ring of R chunks a warp in shared memory (cp.async)
     NORM: int = 0       # 1: x is a sub-block's output; the residual add and RMSNorm staged (``norm``)
+    PDL: int = 0        # 1: launched with programmatic dependent launch (``cuda_launch``)
 
     def fits(self, N: int, K: int) -> str | None:
         """None when this shape can run ``N x K``, else why not."""
@@ -113,6 +115,9 @@ FUSE_NORM = False
 # Chunk slots a warp of the default shapes streams through shared memory (``Config.R``; 0: off,
 # the codes go through registers). bench/decode.py's variant graphs_ring measures 4.
 RING = 0
+# Whether the default shapes are launched with programmatic dependent launch (``Config.PDL``: a
+# GEMV's first loads overlap the end of the kernel before it). bench/decode.py's variant graphs_pdl.
+PDL = 0
 
 
 def warps(K: int) -> int:
@@ -125,8 +130,9 @@ def warps(K: int) -> int:
 def default_config(N: int, K: int) -> Config:
     """The shape used when none is given: a pure function of ``N x K`` (and ``SWAP``)."""
     nt, u, p, g = PINNED.get((N, K), (2, 1, 1, 0))
-    cfg = Config(nt, warps(K), u, p, A=SWAP, G=g, R=RING if SWAP and u == 1 else 0)
-    return cfg if cfg.fits(N, K) is None else Config(2, warps(K), 1, 1, A=SWAP, R=RING if SWAP else 0)
+    cfg = Config(nt, warps(K), u, p, A=SWAP, G=g, R=RING if SWAP and u == 1 else 0, PDL=PDL)
+    return cfg if cfg.fits(N, K) is None else Config(2, warps(K), 1, 1, A=SWAP, R=RING if SWAP else 0,
+                                                      PDL=PDL)
 
 
 def glu_config(N: int, K: int) -> Config:
@@ -167,7 +173,7 @@ class Kernels:
         if k is None:
             compile = self._compile or torch.cuda._compile_kernel
             opts = [f"-DNT={cfg.NT}", f"-DW={cfg.W}", f"-DU={cfg.U}", f"-DPIPE={cfg.P}",
-                    f"-DSILU={cfg.S}", f"-DSWAP={cfg.A}", f"-DGLU={cfg.GLU}", f"-DRING={cfg.R}", f"-DNORM={cfg.NORM}", "-std=c++17"]
+                    f"-DSILU={cfg.S}", f"-DSWAP={cfg.A}", f"-DGLU={cfg.GLU}", f"-DRING={cfg.R}", f"-DNORM={cfg.NORM}", f"-DPDL={cfg.PDL}", "-std=c++17"]
             k = compile(SOURCE, "int4_gemv_m1", nvcc_options=opts + ["-DLOADS_ONLY"] * cfg.LO)
             self._cache[cfg] = k
         return k
@@ -216,8 +222,11 @@ def matmul(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, K: in
     if norm is not None and not all(t.numel() == K and t.is_contiguous() and t.data_ptr() % 16 == 0
                                     for t in (res, nw, res_out)):
         raise ValueError(f"int4 GEMV norm operands must be {K} contiguous 16-byte aligned values")
-    k(grid=(blocks, 1, 1), block=(32 * cfg.W, 1, 1),
-      args=[x, words, sz, y, N, K, res, nw, res_out, float(eps)], shared_mem=smem)
+    args = [x, words, sz, y, N, K, res, nw, res_out, float(eps)]
+    if cfg.PDL and hasattr(k, "func"):       # a compiled kernel (the CPU stand-in has no CUfunction)
+        cuda_launch.launch(k, (blocks, 1, 1), (32 * cfg.W, 1, 1), args, smem)
+    else:
+        k(grid=(blocks, 1, 1), block=(32 * cfg.W, 1, 1), args=args, shared_mem=smem)
     return y
 
 

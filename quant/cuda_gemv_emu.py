@@ -161,4 +161,4 @@ def emulated_compile(source: str, name: str, nvcc_options=(), **_):
     assert "-DLOADS_ONLY" not in nvcc_options, "the stand-in emulates the kernel, not the aid"
     return Emulated(Config(int(opts["NT"]), int(opts["W"]), int(opts["U"]), int(opts["PIPE"]),
                            S=int(opts["SILU"]), A=int(opts["SWAP"]), GLU=int(opts["GLU"]),
-                           R=int(opts["RING"]), NORM=int(opts["NORM"])))
+                           R=int(opts["RING"]), NORM=int(opts["NORM"]), PDL=int(opts["PDL"])))

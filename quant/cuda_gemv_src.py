@@ -48,6 +48,9 @@ __device__ __forceinline__ u16 to_bf16(float f) {
 #ifndef NORM
 #define NORM 0
 #endif
+#ifndef PDL
+#define PDL 0
+#endif
 
 // RING: each warp's codes and scales go through a ring of RING chunk slots in shared memory,
 // filled by cp.async (no registers held while in flight): a warp's first RING chunks are all in
@@ -248,6 +251,13 @@ int4_gemv_m1(const uint4* __restrict__ x, const u32* __restrict__ words,
     }
 #elif PIPE
     load(A, words, sz, c0, blockIdx.x, ntl, KO, N, lane);
+#endif
+#if PDL
+    // launched with programmatic dependent launch (quant.cuda_launch): the next kernel may start
+    // once every CTA got here; the codes' first loads are out, the input is read after the
+    // kernel before this one has finished
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     // Stage x: 8 columns 8 e .. 8 e + 7 of chunk c are pairs r = 0..3 of half h of k-tile kt.
     // SILU: x is gate | up ([2K]); what is staged is silu(gate) * up.

@@ -366,20 +366,22 @@ def test_source_compiles_with_nvrtc_for_sm_90():
     kern = cuda_gemv.Kernels(compile)
     extra = [cuda_gemv.Config(2, 8, 2, 1, LO=1), cuda_gemv.Config(2, 8, 2, 1, S=1, A=1),
              cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1), cuda_gemv.Config(2, 8, 1, 1, GLU=1),
-             cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1, R=4), cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1, NORM=1)]
+             cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1, R=4), cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1, NORM=1),
+             cuda_gemv.Config(4, 8, 1, 1, A=1, GLU=1, NORM=1, R=4, PDL=1)]
     for c in [bench.sweep_config(t) for t in bench.CUDA_SWEEP] + extra:
         ptx = kern.get(c)
         assert ".entry int4_gemv_m1" in ptx
         assert ("mma.sync.aligned.m16n8k16" in ptx) == (not c.LO)
         assert ("ex2.approx.f32" in ptx) == bool(c.S or c.GLU)
         assert ("sqrt.approx.f32" in ptx) == bool(c.NORM)
+        assert ("griddepcontrol.wait" in ptx) == bool(c.PDL)
         assert ("ld.global.nc.L1::no_allocate.v4.u32" in ptx) == (not c.R)
         assert ("cp.async.cg.shared.global" in ptx) == bool(c.R)
     # compiled once per source (G, the grid, is the launch's)
     sources = {dataclasses.replace(bench.sweep_config(t), G=0) for t in bench.CUDA_SWEEP}
-    assert len(seen) == len(sources) + 6 and "-DLOADS_ONLY" in seen[-6] and "-DNORM=1" in seen[-1]
+    assert len(seen) == len(sources) + 7 and "-DLOADS_ONLY" in seen[-7] and "-DPDL=1" in seen[-1]
     kern.get(bench.sweep_config(bench.CUDA_SWEEP[0]))
-    assert len(seen) == len(sources) + 6
+    assert len(seen) == len(sources) + 7
 
 
 def test_gemv_bench_cuda_rows_run_on_the_cpu(tmp_path):
@@ -503,3 +505,36 @@ def test_cuda_norm_matches_add_rms_norm_then_the_kernel(glu):
     assert (y != ref).float().mean().item() <= 0.05
     again = torch.empty_like(res)
     assert torch.equal(y, cuda_gemv.matmul(x, words, sz, N, K, glu=glu, norm=(res, nw, 1e-5, again)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_pdl_chain_in_a_graph_gives_the_plain_bits():
+    """Programmatic dependent launch (``Config.PDL``, ``cuda_launch``): three GEMVs, each reading
+    the one before's output (with a ring, and a norm), eagerly and captured in a graph, give the
+    bits of the plain launches."""
+    N, K = 4096, 4096
+    x, words, sz, _ = _case(N, K, "cuda", seed=16)
+    res = torch.randn(1, K, device="cuda").to(BF16)
+    nw = torch.rand(K, device="cuda").to(BF16) + 0.5
+
+    def chain(pdl, out):
+        c = dataclasses.replace(cuda_gemv.default_config(N, K), PDL=pdl)
+        r = dataclasses.replace(c, R=4)
+        a = cuda_gemv.matmul(x, words, sz, N, K, c)
+        b = cuda_gemv.matmul(a, words, sz, N, K, r)
+        new_res = torch.empty_like(res)
+        out.copy_(cuda_gemv.matmul(b, words, sz, N, K, c, norm=(res, nw, 1e-5, new_res)))
+
+    want, got = torch.empty(1, N, dtype=BF16, device="cuda"), torch.empty(1, N, dtype=BF16, device="cuda")
+    chain(0, want)
+    chain(1, got)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain(1, got)
+    got.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
