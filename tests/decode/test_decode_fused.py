@@ -33,14 +33,17 @@ def test_fused_step_runs_a_handful_of_operations_per_layer():
     assert fused["aten::linear"] == 4 * layers + 1           # q|k|v, o, gate|up, down; head
     from deepseek_flash.decode import fused as fusion
     attention = {"sdpa": "aten::scaled_dot_product_attention", "triton": "deepseek_flash::decode_attention",
-                 "rope_triton": "deepseek_flash::rope_attention"}[fusion.ATTENTION]
+                 "rope_triton": "deepseek_flash::rope_attention",
+                 "flash": "deepseek_flash::flash_decode_attention"}[fusion.ATTENTION]
     assert fused[attention] == layers
     per_layer = 8 if fusion.ATTENTION == "rope_triton" else 9
     assert fused["deepseek_flash::rope_cache"] == (0 if fusion.ATTENTION == "rope_triton" else layers)
     assert "aten::index_copy_" not in fused or fused["aten::index_copy_"] == 2   # the step's output
     assert modules["aten::linear"] == 7 * layers + 1
-    # Beside the layers, the step's own work: masks, positions, rotary tables, token choice.
-    assert sum(fused.values()) == per_layer * layers + 33, sorted(fused.items())
+    # Beside the layers, the step's own work: masks (none where the attention reads no mask),
+    # positions, rotary tables, token choice.
+    around = 33 if fusion.uses_mask() else 27
+    assert sum(fused.values()) == per_layer * layers + around, sorted(fused.items())
     assert sum(modules.values()) == 34 * layers + 33, sorted(modules.items())
 
 
