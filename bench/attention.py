@@ -20,9 +20,11 @@ from pathlib import Path
 import torch
 
 SWEEP = [(None, 64, 4), (64, 64, 8), (128, 64, 4), (256, 64, 8), (32, 32, 4)]
-# decode.flash: (keys a program, keys a loop step, warps); None: its defaults
-FLASH_SWEEP = [(None, None, None), (16, 16, 4), (32, 32, 4), (64, 16, 4), (64, 32, 4), (32, 16, 2),
-               (64, 64, 8), (128, 32, 4)]
+# decode.flash: (keys a program, keys a loop step, warps, split kernel); None: its defaults
+FLASH_SWEEP = [(None, None, None, None), (16, 16, 4, "sum"), (16, 16, 2, "sum"), (16, 16, 1, "sum"),
+               (32, 32, 4, "sum"), (32, 16, 2, "sum"), (64, 16, 4, "sum"), (8, 8, 1, "sum"),
+               (16, 16, 4, "dot"), (32, 32, 4, "dot"), (64, 64, 4, "dot"), (128, 64, 4, "dot"),
+               (64, 32, 4, "dot"), (256, 64, 4, "dot"), (32, 16, 4, "dot"), (128, 128, 8, "dot")]
 
 
 def timed(fn, smoke: bool, calls: int = 64) -> float:
@@ -113,11 +115,12 @@ def main(argv=None) -> int:
             valid_from = torch.arange(b, device=dev) * 3
             slot = torch.tensor([length - length // 4 - 1], device=dev)
             row["flash"] = []
-            for chunk, block, warps in flash_sweep:
-                shape = {"chunk": chunk or flash.CHUNK, "block": block or flash.BLOCK, "warps": warps or flash.WARPS}
+            for chunk, block, warps, kern in flash_sweep:
+                shape = {"chunk": chunk or flash.CHUNK, "block": block or flash.BLOCK, "warps": warps or flash.WARPS,
+                         "kernel": kern or flash.KERNEL}
                 try:
                     call = lambda: flash._tri_decode_attention(q, cache_k, cache_v, valid_from, slot, length,  # noqa: E731
-                                                               0, scale, chunk, block, warps)
+                                                               0, scale, chunk, block, warps, kern)
                     diff = (call().float() - ref.float()).abs().max().item()
                     row["flash"].append({**shape, "us": round(timed(call, args.smoke) * 1e6, 2), "max_diff": diff})
                 except Exception as exc:   # noqa: BLE001 -- a shape the compiler refuses: recorded
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
         fl = [o for o in row["flash"] if "us" in o]
         best = min(fl, key=lambda o: o["us"]) if fl else None
         print(f"  flash: default {fl and row['flash'][0].get('us')} us | best "
-              f"{best and (best['chunk'], best['block'], best['warps'], best['us'])} | max diff "
+              f"{best and (best['chunk'], best['block'], best['warps'], best['kernel'], best['us'])} | max diff "
               f"{max((o['max_diff'] for o in fl), default=None)} | errors {sum('error' in o for o in row['flash'])}")
     return 0
 

@@ -376,7 +376,7 @@ class GraphDecoder:
         build = lambda: self.masks.build(lambda w: decode_allowed(st.slot, visible, st.valid_from,  # noqa: E731
                                                                  st.key_slots, w))
         fused = self.fused is not None
-        mask = build() if not fused or fusion.uses_mask() else None
+        mask = build() if not fused or self.fused.uses_mask() else None
         logits = self._fused_logits(st, positions, mask, visible) if fused else None
         if logits is None:
             mask = build() if mask is None else mask

@@ -30,6 +30,10 @@ CHUNK = 32           # keys a program (multiple of BLOCK)
 BLOCK = 16           # keys a loop step of a program
 WARPS = 4
 COMBINE_BLOCK = 16   # programs' partial sums a combine step loads at once
+# The split kernel: "sum" (broadcast products in float32) or "dot" (``tl.dot`` on the tensor cores:
+# q . k in bfloat16 products with float32 sums -- exact products --, p . v in tf32; float32 models
+# in IEEE float32), the group's rows padded to 16.
+KERNEL = "sum"
 
 
 def _ref_decode_attention(query, k_cache, v_cache, valid_from, slot, visible: int, window: int,
@@ -90,10 +94,62 @@ if triton is not None:
         tl.store(ml_ptr + (part * 2 + 1) * G_PAD + g, l_i)
 
     @triton.jit
+    def _flash_split_dot_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, part_ptr, ml_ptr,
+                                L, KVH, SPLITS, WINDOW, q_sb, q_sh, q_sg, k_sb, k_sh, k_sl, v_sb, v_sh,
+                                v_sl, scale, G: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                                BLOCK: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+        # _flash_split_kernel's work on tl.dot: q (G_PAD >= 16 rows, the group's G) times the
+        # BLOCK keys, then the probabilities times the values.
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // KVH
+        h = bh % KVH
+        slot = tl.load(slot_ptr)
+        lo = tl.load(valid_ptr + b)
+        if WINDOW > 0:
+            lo = tl.maximum(lo, slot - WINDOW + 1)
+        hi = tl.minimum(slot, L - 1)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :], mask=g[:, None] < G,
+                    other=0.0)
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for off in range(0, CHUNK, BLOCK):
+            keys = split * CHUNK + off + tl.arange(0, BLOCK)
+            live = (keys >= lo) & (keys <= hi)
+            k = tl.load(k_ptr + b * k_sb + h * k_sh + keys[:, None] * k_sl + d[None, :],
+                        mask=live[:, None], other=0.0)
+            v = tl.load(v_ptr + b * v_sb + h * v_sh + keys[:, None] * v_sl + d[None, :],
+                        mask=live[:, None], other=0.0)
+            if IEEE:
+                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale                           # [G_PAD, BLOCK]
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="tf32")
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        part = bh * SPLITS + split
+        tl.store(part_ptr + (part * G_PAD + g[:, None]) * D + d[None, :], acc)
+        tl.store(ml_ptr + (part * 2) * G_PAD + g, m_i)
+        tl.store(ml_ptr + (part * 2 + 1) * G_PAD + g, l_i)
+
+    @triton.jit
     def _flash_combine_kernel(part_ptr, ml_ptr, out_ptr, KVH, SPLITS, out_sb, out_sh, out_sg,
                               G: tl.constexpr, G_PAD: tl.constexpr, S_BLOCK: tl.constexpr,
-                              D: tl.constexpr):
-        # One (row, head): S_BLOCK programs' partial sums a step, each step's loads all at once.
+                              D: tl.constexpr, ONE: tl.constexpr):
+        # One (row, head): S_BLOCK programs' partial sums a step, each step's loads all at once
+        # (ONE: all of them in one step, the largest of their maxima taken from what is loaded).
         bh = tl.program_id(0)
         b = bh // KVH
         h = bh % KVH
@@ -101,12 +157,13 @@ if triton is not None:
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         top = tl.full([G_PAD], float("-inf"), tl.float32)
-        for s0 in range(0, SPLITS, S_BLOCK):
-            live = (s0 + s) < SPLITS
-            m = tl.load(ml_ptr + ((bh * SPLITS + s0 + s[:, None]) * 2) * G_PAD + g[None, :],
-                        mask=live[:, None], other=float("-inf"))
-            top = tl.maximum(top, tl.max(m, axis=0))
-        top = tl.where(top == float("-inf"), 0.0, top)
+        if not ONE:
+            for s0 in range(0, SPLITS, S_BLOCK):
+                live = (s0 + s) < SPLITS
+                m = tl.load(ml_ptr + ((bh * SPLITS + s0 + s[:, None]) * 2) * G_PAD + g[None, :],
+                            mask=live[:, None], other=float("-inf"))
+                top = tl.maximum(top, tl.max(m, axis=0))
+            top = tl.where(top == float("-inf"), 0.0, top)
         total = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
         for s0 in range(0, SPLITS, S_BLOCK):
@@ -118,6 +175,9 @@ if triton is not None:
                            other=0.0)
             o = tl.load(part_ptr + (part[:, None, None] * G_PAD + g[None, :, None]) * D + d[None, None, :],
                         mask=live[:, None, None], other=0.0)
+            if ONE:
+                top = tl.max(m, axis=0)
+                top = tl.where(top == float("-inf"), 0.0, top)
             w = tl.exp(m - top[None, :])                                          # [S_BLOCK, G_PAD]
             total += tl.sum(w * lsum, axis=0)
             acc += tl.sum(w[:, :, None] * o, axis=0)
@@ -128,23 +188,29 @@ if triton is not None:
 
 def _tri_decode_attention(query, k_cache, v_cache, valid_from, slot, visible: int, window: int,
                           scale: float, chunk: int | None = None, block: int | None = None,
-                          warps: int | None = None):
-    chunk, block, warps = chunk or CHUNK, block or BLOCK, warps or WARPS
+                          warps: int | None = None, kernel: str | None = None):
+    chunk, block, warps, kernel = chunk or CHUNK, block or BLOCK, warps or WARPS, kernel or KERNEL
     b, kv_heads, group, d = query.shape
-    g_pad = triton.next_power_of_2(group)
+    dot = kernel == "dot"
+    g_pad = max(16, triton.next_power_of_2(group)) if dot else triton.next_power_of_2(group)
     splits = triton.cdiv(visible, chunk)
     parts = torch.empty((b * kv_heads * splits, g_pad, d), dtype=torch.float32, device=query.device)
     ml = torch.empty((b * kv_heads * splits, 2, g_pad), dtype=torch.float32, device=query.device)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    _flash_split_kernel[(b * kv_heads, splits)](
-        query, k_cache, v_cache, valid_from, slot, parts, ml, visible, kv_heads, splits, window,
-        query.stride(0), query.stride(1), query.stride(2), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale,
-        G=group, G_PAD=g_pad, CHUNK=chunk, BLOCK=block, D=d, num_warps=warps)
+    args = (query, k_cache, v_cache, valid_from, slot, parts, ml, visible, kv_heads, splits, window,
+            query.stride(0), query.stride(1), query.stride(2), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale)
+    if dot:
+        _flash_split_dot_kernel[(b * kv_heads, splits)](*args, G=group, G_PAD=g_pad, CHUNK=chunk,
+                                                        BLOCK=block, D=d, IEEE=query.dtype == torch.float32,
+                                                        num_warps=warps)
+    else:
+        _flash_split_kernel[(b * kv_heads, splits)](*args, G=group, G_PAD=g_pad, CHUNK=chunk, BLOCK=block,
+                                                    D=d, num_warps=warps)
     _flash_combine_kernel[(b * kv_heads,)](
         parts, ml, out, kv_heads, splits, out.stride(0), out.stride(1), out.stride(2),
         G=group, G_PAD=g_pad, S_BLOCK=min(COMBINE_BLOCK, triton.next_power_of_2(splits)), D=d,
-        num_warps=4)
+        ONE=splits <= COMBINE_BLOCK, num_warps=4)
     return out
 
 

@@ -48,19 +48,28 @@ ARCHS = ("llama", "qwen2", "mistral")
 # Merge int4 tile-layout projections (``Merged``); False runs each as its module (bench/decode.py's
 # ``graphs_unmerged`` variant measures the two in one run).
 MERGE_QUANTIZED = True
-# The step's attention: "sdpa" (torch's; on the H200 the same int4 step time as ours within noise,
-# faster alone: docs/benchmarks.md), "triton" (``kernels.decode_attention``: split-key Triton kernels on CUDA, sdpa on the CPU) or
-# "rope_triton" (``kernels.rope_attention``: the rotary and cache write inside that kernel, one
-# operation a layer fewer) or "flash" (``flash.decode_attention``: no mask tensor, the keys a row sees
-# read from the device). bench/decode.py's variants graphs_triton_attention / graphs_rope_attention /
-# graphs_flash_attention.
-ATTENTION = "sdpa"
+# The step's attention: "auto" (the default: "flash" for a resident model, "sdpa" for a streamed
+# one, whose step waits on its copies), "sdpa" (torch's, over the float mask the step builds),
+# "flash" (``flash.decode_attention``: no mask tensor, the keys a row sees read from the device;
+# on the H200 the int4 step 5.3 % faster than with sdpa: docs/benchmarks.md), "triton"
+# (``kernels.decode_attention``: split-key Triton kernels over the mask) or "rope_triton"
+# (``kernels.rope_attention``: the rotary and cache write inside that kernel, one operation a layer
+# fewer). bench/decode.py's variants graphs_sdpa / graphs_flash_attention / graphs_triton_attention /
+# graphs_rope_attention.
+ATTENTION = "auto"
 
 
-def uses_mask() -> bool:
+def attention(streamed: bool = False) -> str:
+    """The attention ``ATTENTION`` names for a resident (``streamed`` False) or streamed model."""
+    if ATTENTION == "auto":
+        return "sdpa" if streamed else "flash"
+    return ATTENTION
+
+
+def uses_mask(streamed: bool = False) -> bool:
     """Whether the step's attention reads the mask tensor (``"flash"`` reads ``valid_from`` and
     the slot instead: the caller need not build one)."""
-    return ATTENTION != "flash"
+    return attention(streamed) != "flash"
 
 
 def unsupported(model) -> str | None:
@@ -230,6 +239,9 @@ class FusedForward:
     layers: list = field(default_factory=list)
     stats: MergeStats = field(default_factory=MergeStats)
 
+    def uses_mask(self) -> bool:
+        return uses_mask(self.ring is not None)
+
     @classmethod
     def build(cls, model, ring=None) -> FusedForward:
         """``ring``: the ``client.stream.StaticRing`` of a streamed model (its layers' weights are
@@ -266,10 +278,11 @@ class FusedForward:
             ring.begin()
         hidden = inner.embed_tokens(tokens[:, None])
         cos, sin = inner.rotary_emb(hidden, positions)
-        use_flash = ATTENTION == "flash" and valid_from is not None
+        kind = attention(ring is not None)
+        use_flash = kind == "flash" and valid_from is not None
         if not use_flash:
             if mask is None:
-                raise ValueError(f"the fused step's attention {ATTENTION!r} needs the mask")
+                raise ValueError(f"the fused step's attention {kind!r} needs the mask")
             mask = {k: _additive(m, hidden.dtype) for k, m in mask.items()} if isinstance(mask, dict) \
                 else _additive(mask, hidden.dtype)
         residual = hidden
@@ -290,12 +303,12 @@ class FusedForward:
                 query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
                 attn = flash.decode_attention(query, keys[i], values[i], valid_from, slot, visible,
                                               int((windows or {}).get(layer.kind) or 0), layer.scaling)
-            elif ATTENTION == "rope_triton":
+            elif kind == "rope_triton":
                 attn = kernels.rope_attention(q, k, v, cos, sin, slot, keys[i], values[i], visible,
                                               layer_mask, layer.scaling)
             else:
                 query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
-                attend = (kernels.decode_attention if ATTENTION == "triton" else
+                attend = (kernels.decode_attention if kind == "triton" else
                           lambda q_, k_, v_, m_, s_: torch.nn.functional.scaled_dot_product_attention(
                               q_, k_, v_, attn_mask=m_, scale=s_))
                 attn = attend(query, keys[i][:, :, :visible], values[i][:, :, :visible], layer_mask,

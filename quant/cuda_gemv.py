@@ -104,8 +104,10 @@ SWAP = 1
 FUSE_SILU = False
 # Whether the fused decode step takes silu(gate) * up straight from the merged gate|up GEMV
 # (``glu``: the block's gate and up rows in one CTA, silu_mul in its epilogue -- one launch and the
-# gate|up output's round trip less a layer, the same bits as the GEMV then ``silu_mul``).
-FUSE_GLU = False
+# gate|up output's round trip less a layer; the rows' bits as the GEMV's, the activation's rounding
+# within a last place of ``silu_mul``'s): on, the int4 step 1.3 % faster on the H200 (405.8 vs
+# 400.6 tok/s, 2026-12-02).
+FUSE_GLU = True
 # Whether the fused decode step runs the residual add + RMSNorm before q|k|v and gate|up inside
 # those GEMVs (``norm_gemv``: every CTA stages the norm of the residual plus the sub-block's
 # output, one writes the new residual) instead of ``decode.kernels.add_rms_norm`` apart.

@@ -53,14 +53,17 @@ def test_flash_kernels_compile_for_the_h200():
                                "k_sl", "v_sb", "v_sh", "v_sl")}
     for dtype, group, d in (("bf16", 4, 128), ("bf16", 7, 128), ("fp32", 2, 16)):
         g_pad = triton.next_power_of_2(group)
-        compile_(flash._flash_split_kernel,
-                 {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "valid_ptr": "*i64",
-                  "slot_ptr": "*i64", "part_ptr": "*fp32", "ml_ptr": "*fp32", **ints, "scale": "fp32"},
+        split = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "valid_ptr": "*i64",
+                 "slot_ptr": "*i64", "part_ptr": "*fp32", "ml_ptr": "*fp32", **ints, "scale": "fp32"}
+        compile_(flash._flash_split_kernel, split,
                  {"G": group, "G_PAD": g_pad, "CHUNK": flash.CHUNK, "BLOCK": flash.BLOCK, "D": d})
-        compile_(flash._flash_combine_kernel,
-                 {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": f"*{dtype}",
-                  **{n: "i32" for n in ("KVH", "SPLITS", "out_sb", "out_sh", "out_sg")}},
-                 {"G": group, "G_PAD": g_pad, "S_BLOCK": flash.COMBINE_BLOCK, "D": d})
+        compile_(flash._flash_split_dot_kernel, split,
+                 {"G": group, "G_PAD": max(16, g_pad), "CHUNK": 64, "BLOCK": 64, "D": d, "IEEE": dtype == "fp32"})
+        for one in (True, False):
+            compile_(flash._flash_combine_kernel,
+                     {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": f"*{dtype}",
+                      **{n: "i32" for n in ("KVH", "SPLITS", "out_sb", "out_sh", "out_sg")}},
+                     {"G": group, "G_PAD": g_pad, "S_BLOCK": flash.COMBINE_BLOCK, "D": d, "ONE": one})
 
 
 @pytest.mark.gpu
@@ -81,8 +84,10 @@ def test_flash_kernel_on_cuda_at_the_8b_heads_and_inside_one_graph(batch):
     for slot, window in ((130, 0), (300, 0), (511, 0), (400, 100)):
         s = torch.tensor([slot], device=dev)
         want = flash._ref_decode_attention(q, k_cache, v_cache, valid_from, s, 512, window, scale)
-        got = flash._tri_decode_attention(q, k_cache, v_cache, valid_from, s, 512, window, scale)
-        assert (got.float() - want.float()).abs().max().item() <= 2 ** -6, (slot, window)
+        for kernel, chunk, block in (("sum", None, None), ("dot", 64, 64), ("dot", 256, 64)):
+            got = flash._tri_decode_attention(q, k_cache, v_cache, valid_from, s, 512, window, scale, chunk,
+                                              block, None, kernel)
+            assert (got.float() - want.float()).abs().max().item() <= 2 ** -6, (slot, window, kernel)
     slot = torch.tensor([200], device=dev)
     out = torch.empty_like(q)
     call = lambda: out.copy_(flash._tri_decode_attention(q, k_cache, v_cache, valid_from, slot, 512, 0, scale))  # noqa: E731

@@ -34,10 +34,10 @@ def test_fused_step_runs_a_handful_of_operations_per_layer():
     from deepseek_flash.decode import fused as fusion
     attention = {"sdpa": "aten::scaled_dot_product_attention", "triton": "deepseek_flash::decode_attention",
                  "rope_triton": "deepseek_flash::rope_attention",
-                 "flash": "deepseek_flash::flash_decode_attention"}[fusion.ATTENTION]
+                 "flash": "deepseek_flash::flash_decode_attention"}[fusion.attention()]
     assert fused[attention] == layers
-    per_layer = 8 if fusion.ATTENTION == "rope_triton" else 9
-    assert fused["deepseek_flash::rope_cache"] == (0 if fusion.ATTENTION == "rope_triton" else layers)
+    per_layer = 8 if fusion.attention() == "rope_triton" else 9
+    assert fused["deepseek_flash::rope_cache"] == (0 if fusion.attention() == "rope_triton" else layers)
     assert "aten::index_copy_" not in fused or fused["aten::index_copy_"] == 2   # the step's output
     assert modules["aten::linear"] == 7 * layers + 1
     # Beside the layers, the step's own work: masks (none where the attention reads no mask),
@@ -161,3 +161,13 @@ def test_a_fused_step_that_raises_falls_back_to_the_modules_with_the_reason(monk
     stats = decoder.stats()
     assert stats["step"] == "modules" and "no kernel image" in stats["fused_reason"]
     assert stats["eager_steps"] == 11
+
+
+def test_auto_attention_is_flash_for_a_resident_model_and_sdpa_for_a_streamed_one(monkeypatch):
+    from deepseek_flash.decode import fused
+
+    assert fused.ATTENTION == "auto"
+    assert (fused.attention(), fused.attention(streamed=True)) == ("flash", "sdpa")
+    assert (fused.uses_mask(), fused.uses_mask(streamed=True)) == (False, True)
+    monkeypatch.setattr(fused, "ATTENTION", "sdpa")
+    assert (fused.attention(), fused.uses_mask()) == ("sdpa", True)

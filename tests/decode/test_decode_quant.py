@@ -146,7 +146,8 @@ def test_the_step_takes_the_residual_add_and_norm_into_the_gemv_where_norm_gemv_
     def stand_in(layer, x, residual, weight, eps, glu=False):
         calls.append(layer.out_features)
         new = residual.clone()
-        return layer(kernels._ref_add_rms_norm(x, new, weight, eps)), new
+        y = layer(kernels._ref_add_rms_norm(x, new, weight, eps))
+        return (kernels._ref_silu_mul(*y.split(layer.out_features // 2, dim=-1)) if glu else y), new
 
     real = kernels.add_rms_norm
 

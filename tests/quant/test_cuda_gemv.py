@@ -209,13 +209,15 @@ def test_glu_output_is_the_plain_rows_then_silu_mul(N, K, cfg):
 
 
 def test_glu_takes_a_merged_gate_up_layer_or_says_none(monkeypatch):
-    """``glu(layer, x)``: off by default; on, a one-row call on a tile-layout layer with group 128
+    """``glu(layer, x)``: on by default; a one-row call on a tile-layout layer with group 128
     runs ``matmul(..., glu=True)`` on its codes and scales; a layer it cannot take: None."""
     lin = _tile_layer(96, 512, seed=4)
     x = torch.randn(1, 1, 512, generator=torch.Generator().manual_seed(6)).to(BF16)
     kern = cuda_gemv.Kernels(cuda_gemv_emu.emulated_compile)
     monkeypatch.setattr(cuda_gemv, "_failed", [])
-    assert cuda_gemv.FUSE_GLU is False and cuda_gemv.glu(lin, x) is None        # off by default
+    assert cuda_gemv.FUSE_GLU is True                                            # on by default
+    monkeypatch.setattr(cuda_gemv, "FUSE_GLU", False)
+    assert cuda_gemv.glu(lin, x) is None                                        # off
     monkeypatch.setattr(cuda_gemv, "FUSE_GLU", True)
     assert cuda_gemv.glu(lin, x) is None                                        # the CPU: supports says no
     monkeypatch.setattr(cuda_gemv, "supports", lambda x, N, K, group: None)
