@@ -58,14 +58,36 @@ def timed(fn, smoke: bool, calls: int = 64) -> float:
     return sorted(ts)[2]
 
 
+def best_flash(res: dict, batch: int = 1) -> str:
+    """The decode.flash shape with the least total time over ``batch``'s lengths in a result of this
+    bench, as bench/decode.py's FLASH_TUNED takes it ("chunk,block,warps,kernel")."""
+    totals: dict = {}
+    rows = [r for r in res["rows"] if r["batch"] == batch]
+    for row in rows:
+        for o in row.get("flash", []):
+            if "us" in o:
+                key = (o["chunk"], o["block"], o["warps"], o["kernel"])
+                totals.setdefault(key, []).append(o["us"])
+    complete = {k: sum(v) for k, v in totals.items() if len(v) == len(rows)}
+    if not complete:
+        raise ValueError(f"no decode.flash shape timed at every length of batch {batch}")
+    return ",".join(map(str, min(complete, key=complete.get)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", required=True)
+    ap.add_argument("--best-of", action="store_true",
+                    help="print the fastest decode.flash shape (summed over the lengths) of the first of --batches "
+                         "in the result in --output (bench/decode.py's FLASH_TUNED)")
     ap.add_argument("--lengths", default="256,512,1024,4096")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--budget-s", type=float, default=25.0, help="no new case after this many seconds")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    if args.best_of:
+        print(best_flash(json.loads(Path(args.output).read_text()), int(args.batches.split(",")[0])))
+        return 0
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from deepseek_flash.decode import flash, kernels

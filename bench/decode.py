@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -70,13 +71,16 @@ ATTENTION_VARIANTS = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_att
 # graphs_flash_attention's attention; graphs_ring: the default GEMV shapes streaming their codes
 # through a ring of 4 chunks a warp in shared memory (cuda_gemv.RING); graphs_flash_glu_ring: all three;
 # graphs_flash_glu_norm: flash + glu and the residual add + norm inside the q|k|v and gate|up GEMVs
-# (cuda_gemv.FUSE_NORM); graphs_all: those and the ring; graphs_pdl: graphs_all with every int4 GEMV
-# launched with programmatic dependent launch (cuda_gemv.PDL))
+# (cuda_gemv.FUSE_NORM); graphs_all: those and the ring; graphs_pdl: the default with every int4 GEMV
+# launched with programmatic dependent launch (cuda_gemv.PDL); graphs_g4: the gate|up GEMV in the
+# sweep's fastest shape (one gate and one up n-tile a block, 4 CTAs an SM looping over blocks);
+# graphs_flash_tuned: decode.flash in the shape FLASH_TUNED="chunk,block,warps,kernel" names)
 OWN_ROUNDING = ATTENTION_VARIANTS + ("graphs_cuda_gemv", "graphs_tinygemm", "graphs_cuda_gemv_a0",
                                      "graphs_silu_apart", "graphs_swap", "graphs_silu_fused",
                                      "graphs_swap_silu", "graphs_glu", "graphs_glu_apart",
                                      "graphs_flash_glu", "graphs_ring", "graphs_flash_glu_ring",
-                                     "graphs_flash_glu_norm", "graphs_all", "graphs_pdl")
+                                     "graphs_flash_glu_norm", "graphs_all", "graphs_pdl", "graphs_g4",
+                                     "graphs_flash_tuned")
 
 
 def build(arch: str, shape: dict, device, dtype, layers: int | None = None):
@@ -361,13 +365,20 @@ def main(argv=None) -> int:
     default_gemv, default_gemv_swap, default_silu, default_glu = (cuda_gemv.ENABLED, cuda_gemv.SWAP,
                                                                   cuda_gemv.FUSE_SILU, cuda_gemv.FUSE_GLU)
     default_ring, default_norm, default_pdl = cuda_gemv.RING, cuda_gemv.FUSE_NORM, cuda_gemv.PDL
+    from deepseek_flash.decode import flash
+    default_gate_up = cuda_gemv.PINNED[(28672, 4096)]
+    default_flash = (flash.CHUNK, flash.BLOCK, flash.WARPS, flash.KERNEL)
+    tuned_flash = default_flash
+    if os.environ.get("FLASH_TUNED"):      # "chunk,block,warps,kernel", e.g. bench/attention.py's best
+        c, b_, w, k = os.environ["FLASH_TUNED"].split(",")
+        tuned_flash = (int(c), int(b_), int(w), k)
     known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {}, "graphs_sdpa": {},
              "graphs_triton_attention": {}, "graphs_rope_attention": {}, "graphs_flash_attention": {},
              "graphs_cuda_gemv": {}, "graphs_tinygemm": {}, "graphs_cuda_gemv_a0": {},
              "graphs_silu_apart": {}, "graphs_swap": {}, "graphs_silu_fused": {},
              "graphs_swap_silu": {}, "graphs_glu": {}, "graphs_glu_apart": {}, "graphs_flash_glu": {},
              "graphs_ring": {}, "graphs_flash_glu_ring": {}, "graphs_flash_glu_norm": {}, "graphs_all": {},
-             "graphs_pdl": {},
+             "graphs_pdl": {}, "graphs_g4": {}, "graphs_flash_tuned": {},
              "graphs_transformers_attention": {"fused": False, "packed_attention": False},
              "graphs_transformers_norm": {"fused": False, "fused_norm": False}}
     chosen = ["graphs"] + [v for v in args.variants.split(",") if v and v != "graphs"]
@@ -386,18 +397,19 @@ def main(argv=None) -> int:
                                "graphs_swap_silu": True}.get(variant, default_silu)
         cuda_gemv.FUSE_GLU = {"graphs_glu": True, "graphs_glu_apart": False, "graphs_flash_glu": True,
                               "graphs_flash_glu_ring": True, "graphs_flash_glu_norm": True,
-                              "graphs_all": True, "graphs_pdl": True}.get(variant, default_glu)
-        cuda_gemv.RING = {"graphs_ring": 4, "graphs_flash_glu_ring": 4, "graphs_all": 4,
-                          "graphs_pdl": 4}.get(variant, default_ring)
-        cuda_gemv.FUSE_NORM = {"graphs_flash_glu_norm": True, "graphs_all": True,
-                               "graphs_pdl": True}.get(variant, default_norm)
+                              "graphs_all": True}.get(variant, default_glu)
+        cuda_gemv.RING = {"graphs_ring": 4, "graphs_flash_glu_ring": 4, "graphs_all": 4}.get(variant, default_ring)
+        cuda_gemv.FUSE_NORM = {"graphs_flash_glu_norm": True, "graphs_all": True}.get(variant, default_norm)
+        cuda_gemv.PINNED[(28672, 4096)] = (2, 1, 1, 4) if variant == "graphs_g4" else default_gate_up
+        flash.CHUNK, flash.BLOCK, flash.WARPS, flash.KERNEL = (
+            tuned_flash if variant == "graphs_flash_tuned" else default_flash)
         cuda_gemv.PDL = {"graphs_pdl": 1}.get(variant, default_pdl)
         fusion.ATTENTION = {"graphs_sdpa": "sdpa", "graphs_triton_attention": "triton",
                             "graphs_rope_attention": "rope_triton",
                             "graphs_flash_attention": "flash",
                             "graphs_flash_glu": "flash",
                             "graphs_flash_glu_ring": "flash", "graphs_flash_glu_norm": "flash",
-                            "graphs_all": "flash", "graphs_pdl": "flash"}.get(variant, default_attention)
+                            "graphs_all": "flash", "graphs_flash_tuned": "flash"}.get(variant, default_attention)
         decoder = enable(model, capacity=capacity, **options)
         for b in batches:
             ids = prompts[b]
@@ -441,6 +453,8 @@ def main(argv=None) -> int:
     cuda_gemv.ENABLED, cuda_gemv.SWAP, cuda_gemv.FUSE_SILU, cuda_gemv.FUSE_GLU = (
         default_gemv, default_gemv_swap, default_silu, default_glu)
     cuda_gemv.RING, cuda_gemv.FUSE_NORM, cuda_gemv.PDL = default_ring, default_norm, default_pdl
+    cuda_gemv.PINNED[(28672, 4096)] = default_gate_up
+    flash.CHUNK, flash.BLOCK, flash.WARPS, flash.KERNEL = default_flash
     if decoder is not None:
         decoder.reset()
     decoder = enable(model, capacity=capacity)

@@ -51,7 +51,7 @@ print(f"copy {r.get('copy_bandwidth_gbps')} GB/s, {r.get('weight_bytes_per_step'
 own = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention", "graphs_flash_attention", "graphs_cuda_gemv", "graphs_tinygemm",
        "graphs_cuda_gemv_a0", "graphs_silu_apart", "graphs_swap", "graphs_silu_fused", "graphs_swap_silu",
        "graphs_glu", "graphs_glu_apart", "graphs_flash_glu", "graphs_ring", "graphs_flash_glu_ring",
-       "graphs_flash_glu_norm", "graphs_all", "graphs_pdl")
+       "graphs_flash_glu_norm", "graphs_all", "graphs_pdl", "graphs_g4", "graphs_flash_tuned")
 for v in ("graphs", "graphs_unmerged") + own:
     for b, e in r.get(v, {}).items():
         m = e.get("merged") or {}

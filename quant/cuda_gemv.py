@@ -73,9 +73,9 @@ class Config:
             return "NORM with S (the input is either a norm's or silu's)"
         if self.R and not (self.A and self.U == 1):
             return f"R = {self.R} (the ring) with A = {self.A}, U = {self.U} (it takes A = 1, U = 1)"
-        if self.GLU and (N % 16 or self.NT % (4 if self.A else 2)):
+        if self.GLU and (N % 16 or self.NT % 2):
             return (f"GLU over N = {N} rows with NT = {self.NT} (gate and up halves of whole n-tiles, "
-                    f"NT / 2 of each a block{', in pairs' if self.A else ''})")
+                    f"NT / 2 of each a block)")
         if KO % self.W:
             return f"K / 128 = {KO} chunks not a multiple of W = {self.W} warps"
         if (KO // self.W) % self.U:

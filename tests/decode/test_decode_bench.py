@@ -83,3 +83,8 @@ def test_attention_bench_smoke_checks_every_case_against_sdpa(tmp_path):
     assert [(o["chunk"], o["block"], o["warps"], o["kernel"]) for o in row["flash"]] == [
         (32, 16, 4, "sum"), (16, 16, 4, "sum")]
     assert all(o["max_diff"] < 1e-5 for o in row["flash"])
+    best = subprocess.run([sys.executable, str(BENCH.parent / "attention.py"), "--best-of", "--batches", "2",
+                           "--output", str(out)],
+                          capture_output=True, text=True, timeout=60, cwd=BENCH.parent)
+    fastest = min(row["flash"], key=lambda o: o["us"])
+    assert best.stdout.strip() == f"{fastest['chunk']},{fastest['block']},{fastest['warps']},{fastest['kernel']}"

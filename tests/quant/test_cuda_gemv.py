@@ -185,6 +185,7 @@ def test_layer_takes_the_kernel_for_one_row_and_falls_back_when_it_cannot_compil
 
 
 @pytest.mark.parametrize("N,K,cfg", [(64, 1024, (4, 8, 1, 1, 0, 0, 1)), (48, 512, (2, 4, 1, 1)),
+                                     (64, 1024, (2, 8, 1, 1, 0, 0, 1)), (80, 512, (2, 4, 1, 1, 0, 0, 1, 2)),
                                      (80, 512, (4, 2, 2, 1, 0, 0, 1)), (96, 1024, None)])
 def test_glu_output_is_the_plain_rows_then_silu_mul(N, K, cfg):
     """``matmul(..., glu=True)`` on gate | up rows: each output is silu(gate row) * (up row) of the
@@ -204,7 +205,8 @@ def test_glu_output_is_the_plain_rows_then_silu_mul(N, K, cfg):
     assert (y.float() - near).abs().le(near.abs() * 2 ** -7 + 1e-6).all()     # silu_mul's own exp
     g = dataclasses.replace(c or cuda_gemv.glu_config(N, K), GLU=1)
     (call,) = kern.get(g).calls
-    assert call["grid"] == (-(-(N // 16) // (g.NT // 2)), 1, 1)
+    blocks = -(-(N // 16) // (g.NT // 2))
+    assert call["grid"] == (min(blocks, g.G) if g.G else blocks, 1, 1)     # the CPU counts one SM
     assert cuda_gemv.glu_config(N, K).GLU == 1
 
 
@@ -268,8 +270,8 @@ def test_norm_input_is_add_rms_norm_then_the_product(monkeypatch, glu):
 
 def test_glu_refuses_shapes_without_whole_halves():
     assert "GLU over N = 40 rows" in cuda_gemv.Config(2, 4, 1, GLU=1).fits(40, 512)
-    assert "in pairs" in cuda_gemv.Config(2, 4, 1, A=1, GLU=1).fits(64, 512)
-    assert cuda_gemv.Config(4, 4, 1, A=1, GLU=1).fits(64, 512) is None
+    assert "GLU over N = 64 rows with NT = 1" in cuda_gemv.Config(1, 4, 1, GLU=1).fits(64, 512)
+    assert cuda_gemv.Config(2, 4, 1, A=1, GLU=1).fits(64, 512) is None     # one gate and one up n-tile
     assert cuda_gemv.glu_config(28672, 4096) == cuda_gemv.Config(4, 8, 1, 1, A=cuda_gemv.SWAP, GLU=1)
     x, words, sz, _ = _case(40, 512)
     with pytest.raises(ValueError, match="GLU over N = 40"):
@@ -475,6 +477,8 @@ def test_cuda_glu_matches_the_plain_kernel_then_silu_mul():
     x, words, sz, _ = _case(N, K, "cuda", seed=9)
     y = cuda_gemv.matmul(x, words, sz, N, K, glu=True)
     plain = cuda_gemv.matmul(x, words, sz, N, K)
+    g4 = dataclasses.replace(cuda_gemv.glu_config(N, K), NT=2, G=4)    # one gate, one up n-tile a block
+    assert torch.equal(cuda_gemv.matmul(x, words, sz, N, K, g4, glu=True), y)
     ref = kernels._ref_silu_mul(plain[:, :N // 2], plain[:, N // 2:])
     assert y.shape == (1, N // 2)
     assert (y != ref).float().mean().item() <= 0.01
