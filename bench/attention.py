@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--budget-s", type=float, default=25.0, help="no new case after this many seconds")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--flash-only", action="store_true", help="sdpa and decode.flash, not decode_attention's sweep")
     args = ap.parse_args(argv)
     if args.best_of:
         print(best_flash(json.loads(Path(args.output).read_text()), int(args.batches.split(",")[0])))
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     heads, kv_heads, d = (8, 2, 32) if args.smoke else (32, 8, 128)
     lengths = [130] if args.smoke else [int(v) for v in args.lengths.split(",")]
-    sweep = SWEEP[:2] if args.smoke else SWEEP
+    sweep = [] if args.flash_only else SWEEP[:2] if args.smoke else SWEEP
     flash_sweep = FLASH_SWEEP[:2] if args.smoke else FLASH_SWEEP
     res = {"benchmark": "attention", "device": "cpu" if args.smoke else torch.cuda.get_device_name(),
            "heads": heads, "kv_heads": kv_heads, "head_dim": d, "default_chunk": kernels.ATTENTION_CHUNK,

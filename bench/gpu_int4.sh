@@ -33,7 +33,7 @@ if has bf16; then
 fi
 if has attn; then
   timeout "${ATTN_TIMEOUT:-20}" $py bench/attention.py $smoke --budget-s "${ATTN_BUDGET:-12}" --batches "${ATTN_BATCHES:-1,8}" \
-    --lengths "${ATTN_LENGTHS:-256,512,4096}" --output "$out/attention.json" > "$out/attention.log" 2>&1
+    --lengths "${ATTN_LENGTHS:-256,512,4096}" ${ATTN_FLAGS:-} --output "$out/attention.json" > "$out/attention.log" 2>&1
   rc=$?; lap "attention rc=$rc"; [ $rc -eq 0 ] || status=1; tail -6 "$out/attention.log"
 fi
 if has tests; then
