@@ -725,9 +725,10 @@ def main(argv=None) -> int:
                     help="contexts --profile profiles (default 32768)")
     ap.add_argument("--eager", action="store_true",
                     help="also time top-K without its captured CUDA graphs (topk25_eager_tok_s)")
-    ap.add_argument("--page-cache", type=float, default=None,
-                    help="the top-K cache's page_cache multiple (default: the library's); the "
-                         "goals' figures are then taken with it (topk25_page_cache)")
+    ap.add_argument("--page-cache", type=lambda v: v if v == "auto" else float(v), default=None,
+                    help="the top-K cache's page_cache: 'auto' or a multiple (default: the "
+                         "library's, 'auto'); the goals' figures are taken with it "
+                         "(topk25_page_cache)")
     ap.add_argument("--page-cache-multiples", type=float, nargs="*", default=[],
                     help="also time top-K with these page_cache multiples (topk25_pc<m>_*)")
     ap.add_argument("--no-fused", dest="fused", action="store_false",
