@@ -59,10 +59,12 @@ ALIGN = 4096
 
 DEVICE_SHARE = 0.25
 """The page caches of one ``TieredCache`` together take at most this share of the device memory
-torch could still allocate when its first slots are made (``device_budget``): the multiple sizes
-a layer's slots from its top-K, the device bounds them all (at 128K on an 8B shape 1.5 x k is
-~6 GB, more than a 16 GiB GPU has to spare). A layer whose top-K does not fit its share runs
-without slots (logged once per cache)."""
+torch could still allocate when its first slots are made (``device_budget``): ``"auto"`` or the
+multiple sizes a layer's slots, the device bounds them all (at 128K on an 8B shape every page is
+~16 GB and even 1.5 x k ~6 GB, more than a 16 GiB GPU has to spare). Why a quarter: the slots are
+a cache, fixed once made; three quarters of what was free stay for activations, the next cache of
+a serving process and other processes. A layer whose top-K does not fit its share runs without
+slots (logged once per cache)."""
 
 _NEVER = 1 << 62  # a stamp larger than any step: slots holding a page chosen now are not victims
 
