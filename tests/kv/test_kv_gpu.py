@@ -131,6 +131,43 @@ def test_topk_page_cache_on_cuda_equals_every_page_fetched(caplog):
     assert every["page_cache_misses"] <= cached["page_cache_misses"]
 
 
+def test_topk_dense_layers_copied_ahead_equal_their_pages_copied_when_due():
+    # a top-K step copies its dense layers' pages for the next step on the copy stream while
+    # its top-K layers compute (kv/cache.py, next_to_prefetch): the same tokens and logits as
+    # copying them when each dense layer is due, and the copies made ahead are the ones used
+    model = tiny_model(layers=4).cuda()
+    ids, mask = _prompt(1)
+    runs, used = [], []
+    for ahead in (True, False):
+        cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
+                                      top_k_pages=0.25, dense_layers=2, dense_on_device=False)
+        took = []
+
+        def take(layer, take=cache._take_prefetched):
+            got = take(layer)
+            took.append((layer.index, got is not None))
+            return got
+
+        cache._take_prefetched = take
+        if not ahead:
+            cache._prefetch_next = lambda layer: None
+        runs.append(greedy(model, ids, mask, cache, 40))
+        used.append(took)
+        cache.close()
+    (t1, l1), (t2, l2) = runs
+    assert torch.equal(t1, t2) and torch.equal(l1, l2)
+    # 39 decode steps after the prefill, the two dense layers each: every copy made ahead used
+    # but the first step's layer 0 (nothing was ahead of it yet)
+    assert len(used[0]) == len(used[1]) == 2 * 39
+    assert [i for i, hit in used[0] if not hit] == [0] and not any(h for _, h in used[1])
+
+
+def _fused_tables(layer):
+    pc = layer.page_cache
+    b = pc.page_of_slot.shape[0]
+    return [pc.slot_of_page, pc.page_of_slot, pc.slots.view(b, pc.capacity, -1)[pc.page_of_slot >= 0]]
+
+
 @pytest.mark.parametrize("batch,dtype", [(2, torch.float32), (1, torch.bfloat16)])
 def test_topk_fused_step_on_cuda(caplog, batch, dtype):
     # kv/fused.py's five Triton kernels (their misses read from page-locked host memory through
