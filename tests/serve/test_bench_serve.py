@@ -95,13 +95,19 @@ def test_the_l0_stream_has_a_client_process_of_its_own(monkeypatch):
         [(0, arrivals[0]), (3, arrivals[3])],
         [(2, arrivals[2]), (5, arrivals[5])]]
     assert bench.split_arrivals(arrivals, 1)[1] == [(i, arrivals[i]) for i in (0, 2, 3, 5)]
+    sys.modules.pop("serve", None)
+
+
+def test_each_requests_ttft_is_split_into_stages_from_the_responses_timing(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import serve_stats as stats
+
     # Stages from the response's timing: sent at 10.000 s, the handler at 10.002 s, first read 12 ms.
     rec = {"sent_at": 10.0, "ttft": 0.012, "timing": {"received_at": 10.002, "queued_ms": 0.5, "admitted_ms": 1.5,
                                                      "first_token_ms": 6.5, "first_write_ms": 9.0}}
-    assert bench.stages(rec) == pytest.approx({"to_server": 2.0, "parse": 0.5, "queue": 1.0, "compute": 5.0,
+    assert stats.stages(rec) == pytest.approx({"to_server": 2.0, "parse": 0.5, "queue": 1.0, "compute": 5.0,
                                                "hand_off": 2.5, "to_client": 1.0})
-    assert bench.stages(dict(rec, timing=dict(rec["timing"], first_write_ms=None))) is None
-    sys.modules.pop("serve", None)
+    assert stats.stages(dict(rec, timing=dict(rec["timing"], first_write_ms=None))) is None
 
 
 def test_the_collectors_pauses_are_recorded_and_put_in_the_slow_requests_they_overlap(monkeypatch):
@@ -109,10 +115,9 @@ def test_the_collectors_pauses_are_recorded_and_put_in_the_slow_requests_they_ov
     import time
 
     monkeypatch.syspath_prepend(str(BENCH))
-    sys.modules.pop("serve", None)
-    import serve as bench
+    import serve_stats as stats
 
-    pauses = bench.GcPauses().start()
+    pauses = stats.GcPauses().start()
     gc.disable()                                      # no automatic collection in between
     try:
         began = time.perf_counter()
@@ -128,7 +133,6 @@ def test_the_collectors_pauses_are_recorded_and_put_in_the_slow_requests_they_ov
     # A request sent at t=10 s whose first token came 20 ms later: a 15 ms pause from 9.995 s and
     # a 3 ms one at 10.010 s overlap it, one at 10.5 s does not.
     rec = {"class": "L0", "ttft": 0.020, "sent_at": 10.0, "server_ttft_ms": 18.0, "queue_ms": 0.5, "timing": None}
-    worst = bench.worst_l0([rec], [], pauses=[(9.995, 2, 15.0), (10.010, 0, 3.0), (10.5, 0, 1.0)])
+    worst = stats.worst_l0([rec], [], pauses=[(9.995, 2, 15.0), (10.010, 0, 3.0), (10.5, 0, 1.0)])
     assert worst[0]["gc_ms"] == 18.0
     assert worst[0]["gc"] == [{"at_ms": -5.0, "generation": 2, "ms": 15.0}, {"at_ms": 10.0, "generation": 0, "ms": 3.0}]
-    sys.modules.pop("serve", None)
