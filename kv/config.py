@@ -13,7 +13,7 @@ CONFIG_KEYS = {"kv_gpu_tokens": "gpu_tokens", "kv_sink_tokens": "sink_tokens",
 """The configuration keys (daemon/config.py) and the ``for_model`` arguments they set."""
 
 DEFAULTS = dict(gpu_tokens=512, sink_tokens=4, page_tokens="auto", top_k_pages=None,
-                host_bytes=None, spill_dir=None, prune_threshold=None, page_cache=1.5)
+                host_bytes=None, spill_dir=None, prune_threshold=None, page_cache="auto")
 
 
 def explicit_args(given: dict) -> dict:
@@ -32,7 +32,7 @@ def flash_kv_settings(model) -> dict:
 
 def validate(*, gpu_tokens, sink_tokens, page_tokens, top_k_pages, host_bytes, spill_dir,
               dense_layers, score, window_pages, error_recovery_mode, prefill_chunk,
-              page_cache=1.5) -> None:
+              page_cache="auto") -> None:
     from deepseek_flash.errors import ConfigError
 
     def bad(key, value, allowed):
@@ -69,8 +69,9 @@ def validate(*, gpu_tokens, sink_tokens, page_tokens, top_k_pages, host_bytes, s
         bad("error_recovery_mode", error_recovery_mode, "'strict' or 'graceful'")
     if not is_int(prefill_chunk) or prefill_chunk < 1:
         bad("prefill_chunk", prefill_chunk, "an integer >= 1")
-    if page_cache is not None and (isinstance(page_cache, bool) or not isinstance(
-            page_cache, (int, float)) or not (page_cache == 0 or page_cache >= 1.0)
+    if page_cache is not None and page_cache != "auto" and (
+            isinstance(page_cache, bool) or not isinstance(page_cache, (int, float))
+            or not (page_cache == 0 or page_cache >= 1.0)
             or page_cache != page_cache or page_cache == float("inf")):
-        bad("page_cache", page_cache, "null or 0 (off), or a multiple >= 1.0 of the top-K page "
-            "count")
+        bad("page_cache", page_cache, "'auto' (every page, within the device budget), null or 0 "
+            "(off), or a multiple >= 1.0 of the top-K page count")
