@@ -40,6 +40,10 @@ dynamic ``DynamicCache`` decode at a 256-token context (``dynamic_floor_tok_s``)
 apart from long-context attention; it is taken again before each later context
 (``dynamic_floor_before_tok_s``): a process that slowed down shows there.
 
+``--page-cache`` sets the top-K cache's ``page_cache`` (default: the library's, 1.5; ``auto``:
+every page; recorded as ``topk25_page_cache``). The measuring itself is in bench/kv_steps.py, the top-K
+variants, pairs, peer and profiles in bench/kv_modes.py.
+
 ``--smoke`` runs a tiny shape on the CPU (what the test suite runs). ``--lean``: per context the
 DynamicCache and top-K figures alone (with the pairs); ``--host-profile``: Python's profiler over
 ten decode steps of each mode (``kv.hostprof-<mode>-<context>.txt``), and a profiler table of two
@@ -50,395 +54,18 @@ of the offload peer's steps (``kv.offload-<context>.txt``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import gc
 import json
 import platform
 import sys
 import time
 from pathlib import Path
 
-SHAPES = {
-    "llama": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
-                  vocab_size=128256, num_attention_heads=32, num_key_value_heads=8,
-                  rope_theta=500000.0),
-    "qwen2": dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
-                  vocab_size=152064, num_attention_heads=28, num_key_value_heads=4,
-                  rope_theta=1000000.0),
-    "mistral": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
-                    vocab_size=32768, num_attention_heads=32, num_key_value_heads=8,
-                    rope_theta=1000000.0, sliding_window=None),
-}
-SMOKE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, vocab_size=256,
-             num_attention_heads=4, num_key_value_heads=2)
-
-
-def build(arch: str, smoke: bool, max_pos: int, device: str):
-    import torch
-    import transformers
-
-    shape = dict(SMOKE if smoke else SHAPES[arch])
-    if arch == "mistral":
-        shape["sliding_window"] = None
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig}[arch]
-    cfg = cls(max_position_embeddings=max_pos, tie_word_embeddings=False, **shape)
-    dtype = torch.float32 if smoke else torch.bfloat16
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    with torch.no_grad():  # small finite weights: random init can overflow bf16 over 32 layers
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.02)
-    return model.eval()
-
-
-def sync(device):
-    import torch
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def cache_kwargs(model, cache) -> dict:
-    """The cache under the keyword the installed transformers takes (``past_key_values`` up to
-    the rename, ``cache`` after): a cache under the other keyword would be ignored and the model
-    would run with a fresh cache of its own."""
-    from deepseek_flash.kv import cache_kwargs as kwargs_for
-    return kwargs_for(model, cache)
-
-
-def prefill(model, ids, cache, device):
-    import torch
-    sync(device)
-    t = time.perf_counter()
-    with torch.no_grad():
-        logits = model(ids, **cache_kwargs(model, cache), logits_to_keep=1).logits[:, -1]
-    tok = logits.argmax(-1, keepdim=True)
-    sync(device)
-    return tok, time.perf_counter() - t
-
-
-def decode(model, cache, tok, steps, device, warmup=4, repeats=2):
-    """Decode tok/s: ``warmup`` untimed steps, then the best of ``repeats`` timed windows of
-    ``steps`` steps (the same for every mode, so no mode is timed cold). Also the share of a
-    window the host spent queueing the steps: near 1.0 the host (Python, launches) is the bound,
-    well below it the device is."""
-    import torch
-    with torch.no_grad():
-        for _ in range(warmup):
-            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
-        sync(device)
-        best = None
-        for _ in range(repeats):
-            t = time.perf_counter()
-            for _ in range(steps):
-                tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
-            queued = time.perf_counter() - t
-            sync(device)
-            total = time.perf_counter() - t
-            if best is None or total < best[0]:
-                best = (total, queued)
-    return tok, steps / best[0], round(best[1] / best[0], 3)
-
-
-def host_ms(model, cache, tok, device, tries: int = 3):
-    """The host's time to issue one decode step with the device idle before it (a sync first),
-    ms, best of ``tries``: what the step costs the host alone, where a window's time is the
-    slower of host and device (its launches block only once the device's queue is full)."""
-    import torch
-    best = None
-    with torch.no_grad():
-        for _ in range(tries):
-            sync(device)
-            t = time.perf_counter()
-            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
-            took = time.perf_counter() - t
-            best = took if best is None else min(best, took)
-    sync(device)
-    return tok, round(best * 1e3, 2)
-
-
-def host_profile(model, cache, tok, device, path: Path, steps: int = 10):
-    """Python's profiler (cProfile) over ``steps`` decode steps, the device synchronised after
-    each: where the host's time of a step goes, function by function (by own time, then by
-    cumulative time), written to ``path``. -> the last token."""
-    import cProfile
-    import io
-    import pstats
-
-    import torch
-    prof = cProfile.Profile()
-    with torch.no_grad():
-        for _ in range(steps):
-            sync(device)
-            prof.enable()
-            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
-            prof.disable()
-    sync(device)
-    text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text)
-    text.write(f"{steps} steps, the device synchronised after each\n")
-    stats.sort_stats("tottime").print_stats(45)
-    stats.sort_stats("cumtime").print_stats(60)
-    path.write_text(text.getvalue())
-    return tok
-
-
-def profile_steps(model, cache, tok, device, path: Path, steps: int = 2) -> dict:
-    """A torch profiler over ``steps`` decode steps: kernels and device time per step (what the
-    device does) against the wall time per step (what the step costs); the table goes to
-    ``path``."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if device.startswith("cuda"):
-        activities.append(ProfilerActivity.CUDA)
-    with torch.no_grad(), profile(activities=activities) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
-        sync(device)
-        wall = time.perf_counter() - t
-    events = prof.key_averages()
-    kernels = device_us = 0.0
-    for e in events:
-        on_device = str(getattr(e, "device_type", "")).endswith("CUDA")
-        if on_device or (not e.key.startswith("aten::") and "::" not in e.key
-                         and getattr(e, "self_device_time_total", 0.0) > 0
-                         and getattr(e, "cpu_time_total", 0.0) == 0):
-            kernels += e.count  # a kernel or a copy on the device
-            device_us += getattr(e, "self_device_time_total", 0.0)
-    ops = sum(e.count for e in events if e.key.startswith("aten::"))
-    table = None
-    keys = (("self_device_time_total", "self_cuda_time_total") if len(activities) > 1 else ())
-    for key in (*keys, "self_cpu_time_total"):
-        try:
-            table = events.table(sort_by=key, row_limit=40)
-            break
-        except Exception:  # a sort key this torch does not know
-            continue
-    table = table if table is not None else events.table(row_limit=40)
-    if keys:  # and where the host's time goes (launches, graph replays, dispatch)
-        try:
-            table += ("\n\nby host time:\n"
-                      + events.table(sort_by="self_cpu_time_total", row_limit=40))
-        except Exception:
-            pass
-    path.write_text(table + "\n")
-    host = {e.key: e for e in events if e.key in ("cudaGraphLaunch", "cudaLaunchKernel")}
-    launches = {f"{name}_per_step": host[name].count / steps for name in host}
-    launches.update({f"{name}_us_per_call": round(host[name].self_cpu_time_total
-                                                  / max(1, host[name].count), 2)
-                     for name in host})
-    return {**launches, "wall_ms_per_step": round(wall * 1e3 / steps, 2),
-            "device_ms_per_step": round(device_us / 1e3 / steps, 2),
-            "kernels_per_step": kernels / steps, "aten_ops_per_step": ops / steps,
-            "table": path.name}
-
-
-def floor_tok_s(model, args, device, T=256) -> float:
-    """``DynamicCache`` decode tok/s at a short context, cuDNN left out: the eager step's cost apart from
-    attention over a long context (the host-bound floor every mode here runs on)."""
-    import torch
-    from transformers import DynamicCache
-
-    model.set_attn_implementation("sdpa")
-    ids = torch.randint(1, model.config.vocab_size, (1, T),
-                        generator=torch.Generator().manual_seed(1)).to(device)
-    with backends():
-        dc = DynamicCache(config=model.config)
-        tok, _ = prefill(model, ids, dc, device)
-        _, tok_s, _ = decode(model, dc, tok, args.decode, device, args.warmup, args.repeats)
-    del dc
-    free(device)
-    return round(tok_s, 3)
-
-
-def dynamic_kv_bytes(cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers
-               for t in (layer.keys, layer.values) if t is not None)
-
-
-def h2d_rate(device, nbytes) -> float:
-    """Pinned host->device copy rate, GB/s (best of 3)."""
-    import torch
-    if not device.startswith("cuda"):
-        return 0.0
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    best = 0.0
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
-    del src, dst
-    return round(best, 2)
-
-
-def free(device):
-    import torch
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
-def backends():
-    """Attention without cuDNN's kernel, as the tiered cache runs it (deepseek_flash/cuda.py)."""
-    from deepseek_flash.cuda import sdpa_backends
-    return sdpa_backends(None)
-
-
-def dynamic_variants():
-    """``DynamicCache``'s two runs, (name, context manager): as a default user gets it (torch
-    picks the attention kernel: cuDNN's where present, which plans every new key length), and
-    with cuDNN left out, as our paths run (deepseek_flash.cuda.SDPA_BACKENDS). The stronger one
-    (``stronger_dynamic``) is the baseline goals use; bench/kv_prune.py's Show runs the same."""
-    return (("dynamic", contextlib.nullcontext), ("dynamic_nocudnn", backends))
-
-
-def stronger_dynamic(tok_s: dict) -> str:
-    """The name of the faster of ``dynamic_variants`` given their tok/s by name."""
-    return max(tok_s, key=tok_s.get)
-
-
-def checkpoint(args, r) -> None:
-    """The context's figures so far next to ``--output`` (``<output>.partial.json``): a run cut
-    short by a time limit keeps what it measured."""
-    if getattr(args, "output", None) and getattr(args, "record", True):
-        Path(args.output).with_suffix(".partial.json").write_text(json.dumps(r, indent=1) + "\n")
-
-
-def split_timing(model, cache, tok, steps, device, args, r):
-    """The fused step with its choice as one program or as three kernels (kv/fused.py
-    ``SPLIT``), whichever is not the default: ``topk25_fused_split_*`` / ``topk25_fused_one_*``."""
-    from deepseek_flash.kv import fused as kv_fused
-
-    default = kv_fused.SPLIT[0]
-    name = "topk25_fused_one" if default else "topk25_fused_split"
-
-    def rebuild():
-        for layer in cache.layers:
-            layer._fused, layer._fused_holds = None, False
-
-    kv_fused.SPLIT[0] = not default
-    rebuild()
-    try:
-        before = cache.stats()
-        tok, r[f"{name}_tok_s"], _ = decode(model, cache, tok, steps, device, args.warmup,
-                                            args.repeats)
-        s = cache.stats()
-        hits = s["page_cache_hits"] - before["page_cache_hits"]
-        misses = s["page_cache_misses"] - before["page_cache_misses"]
-        r[f"{name}_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
-        r[f"{name}_layers"] = sum(layer._fused is not None and layer._fused.split != default
-                                  for layer in cache.layers)
-    finally:
-        kv_fused.SPLIT[0] = default
-        rebuild()
-    return tok
-
-
-def fused_layers(cache, r) -> None:
-    """Layers the fused step served (kv/fused.py) and layers it failed on (then torch's)."""
-    r["fused_layers"] = sum(layer._fused is not None for layer in cache.layers)
-    r["fused_failed_layers"] = sum(layer._fused_failed for layer in cache.layers)
-    # layers whose fused step replays its graph over the step's own tensors (no copy, kv/fused.py
-    # ``go``): the step's tensors came at the addresses of the step before
-    r["fused_direct_layers"] = sum(layer._fused is not None and layer._fused.direct is not None
-                                   for layer in cache.layers)
-    r["fused_builds"] = sum(layer.fused_builds for layer in cache.layers)  # all layers, so far
-
-
-def fused_timing(model, cache, tok, steps, device, args, r):
-    """Top-K decode through the other path than the cache's default (kv/fused.py's Triton
-    step when the default is the torch path, and the other way round): ``topk25_fused_*`` or
-    ``topk25_torch_*`` -- tok/s, hit rate, host ms, layers served."""
-    from deepseek_flash.kv import fused as kv_fused
-
-    default = cache.fused
-    name = "topk25_torch" if default else "topk25_fused"
-    cache.fused = not default
-    before = cache.stats()
-    tok, r[f"{name}_tok_s"], r[f"{name}_host_share"] = decode(model, cache, tok, steps, device,
-                                                              args.warmup, args.repeats)
-    s = cache.stats()
-    hits = s["page_cache_hits"] - before["page_cache_hits"]
-    misses = s["page_cache_misses"] - before["page_cache_misses"]
-    r[f"{name}_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
-    tok, r[f"{name}_host_ms"] = host_ms(model, cache, tok, device)
-    if not default:
-        fused_layers(cache, r)
-    r["fused_default"] = default
-    r["fused_available"] = kv_fused.available(cache.layers[-1].device)
-    cache.fused = default
-    return tok
-
-
-def paired_timing(model, ids, cache, tok, steps, device, args, r):
-    """Top-K (``cache``, the defaults) and ``DynamicCache`` without cuDNN (a second cache of the
-    same prompt) timed in alternating windows, ``--pairs`` of each: both eager steps are bound by
-    the host, whose speed drifts within a run (the 256-token floor and a later top-K window
-    differ by up to 2x), so a ratio of windows taken side by side is the fair one.
-    ``topk25_paired_ratio``: the median of the pairs' ratios (top-K / DynamicCache);
-    ``*_paired_tok_s``: each side's median."""
-    import statistics
-
-    from transformers import DynamicCache
-
-    from deepseek_flash.kv.attention import NAME
-
-    with backends():
-        model.set_attn_implementation("sdpa")
-        dc = DynamicCache(config=model.config)
-        dtok, _ = prefill(model, ids, dc, device)
-    tiered, dynamic = [], []
-    for _ in range(args.pairs):
-        with backends():
-            model.set_attn_implementation("sdpa")
-            dtok, tok_s, _ = decode(model, dc, dtok, steps, device, args.warmup, 1)
-        dynamic.append(tok_s)
-        model.set_attn_implementation(NAME)
-        tok, tok_s, _ = decode(model, cache, tok, steps, device, args.warmup, 1)
-        tiered.append(tok_s)
-    del dc
-    free(device)
-    r["topk25_paired_tok_s"] = round(statistics.median(tiered), 4)
-    r["dynamic_nocudnn_paired_tok_s"] = round(statistics.median(dynamic), 4)
-    r["topk25_paired_ratio"] = round(statistics.median(t / d for t, d in zip(tiered, dynamic)), 4)
-    r["topk25_paired_windows"] = [tiered, dynamic]
-    return tok
-
-
-def peer_figures(model, off, tok, device, args, T, h2d, r) -> None:
-    """What ``DynamicCache(offloading=True)`` moves and where its step goes: each step every
-    layer's whole keys and values go to the device (``prefetch``) and back to the host
-    (``offload``), so both directions carry the full KV a token (``offload_h2d_bytes_per_token``,
-    the same D2H); its bound is the H2D rate of this run over those bytes; with
-    ``--host-profile`` a profiler table of two of its steps (``kv.offload-<T>.txt``: copies,
-    kernels, host calls) and Python's profiler over ten (``kv.hostprof-offload-<T>.txt``)."""
-    moved = dynamic_kv_bytes(off)
-    r["offload_h2d_bytes_per_token"] = r["offload_d2h_bytes_per_token"] = moved
-    if h2d:
-        r["offload_bound_tok_s"] = round(h2d * 1e9 / moved, 3)
-        r["offload_vs_bound"] = round(r["offload_tok_s"] / r["offload_bound_tok_s"], 3)
-        if "lossless_bound_tok_s" in r:
-            # the most lossless could show against the peer as measured: its own PCIe bound
-            r["lossless_bound_vs_offload"] = round(r["lossless_bound_tok_s"]
-                                                   / r["offload_tok_s"], 3)
-    if args.host_profile and args.output:
-        try:
-            out = Path(args.output)
-            tok = host_profile(model, off, tok, device,
-                               out.with_name(f"kv.hostprof-offload-{T}.txt"))
-            r["offload_profile"] = profile_steps(model, off, tok, device,
-                                                 out.with_name(f"kv.offload-{T}.txt"))
-        except Exception as exc:  # a figure lost, not the run
-            r["offload_profile_error"] = repr(exc)
+from kv_modes import (fused_layers, fused_timing, paired_timing, peer_figures, profile_context,
+                      split_timing, topk_options)
+from kv_steps import (SHAPES, backends, build, checkpoint, decode, dynamic_kv_bytes,
+                      dynamic_variants, floor_tok_s, free, h2d_rate, host_ms, host_profile,
+                      prefill, stronger_dynamic)
 
 
 def run_context(model, T, args, device, h2d, record=True):
@@ -480,7 +107,7 @@ def run_context(model, T, args, device, h2d, record=True):
     r["ttft_dynamic_best_s"] = min(r["ttft_dynamic_s"], r["ttft_dynamic_nocudnn_s"])
 
     base = torch.cuda.memory_allocated() if cuda else 0
-    cache = TieredCache.for_model(model, top_k_pages=0.25)
+    cache = TieredCache.for_model(model, top_k_pages=0.25, **topk_options(args))
     # the first tiered cache of this context in the process: its host pages are new page-locked
     # memory (torch keeps it for the next cache: ttft_tiered_s, measured again below)
     tok, r["ttft_tiered_first_s"] = prefill(model, ids, cache, device)
@@ -499,6 +126,7 @@ def run_context(model, T, args, device, h2d, record=True):
     misses = s["page_cache_misses"] - before["page_cache_misses"]
     r["topk25_page_cache_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
     r["topk25_page_cache_bytes"] = s["page_cache_bytes"]
+    r["topk25_page_cache"] = cache.page_cache
     r["topk25_last_step_fetched_bytes"] = s["page_cache_step_fetched_bytes"]
     # what a top-K step must move over PCIe (the chosen pages of the top-K layers, every page of
     # the dense ones) and the rate that allows at the host->GPU rate of this run: the most top-K
@@ -595,7 +223,7 @@ def run_context(model, T, args, device, h2d, record=True):
     free(device)
     # time to first token again with a new cache: the page-locked memory of the first one is
     # reused (as by every cache after the first in a serving process)
-    cache = TieredCache.for_model(model, top_k_pages=0.25)
+    cache = TieredCache.for_model(model, top_k_pages=0.25, **topk_options(args))
     _, r["ttft_tiered_s"] = prefill(model, ids, cache, device)
     cache.close()
     del cache
@@ -633,63 +261,6 @@ def finish(r: dict) -> dict:
     return r
 
 
-def past_page_write(model, cache, tok):
-    """Decode steps until a page has just been written and the step after it has run (where
-    the top-K layers recapture their graphs, every ``page_tokens`` steps): the profiled steps
-    that follow are ordinary ones."""
-    import torch
-
-    last = cache.layers[-1]
-    with torch.no_grad():
-        for _ in range(cache.page_tokens + 1):
-            before = last.n_pages
-            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
-            if last.n_pages != before:
-                return model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
-    return tok
-
-
-def profile_context(model, T, args, device) -> dict:
-    """Profiler tables of 2 decode steps of DynamicCache (cuDNN left out), top-K 25 % and
-    lossless at context ``T``, in a pass of their own after every timed figure (a profiler
-    leaves the process slower to dispatch for a while: nothing timed comes after it), the tiered
-    ones away from a page write (no graph recapture among them)."""
-    import torch
-    from transformers import DynamicCache
-
-    from deepseek_flash.kv import TieredCache
-
-    ids = torch.randint(1, model.config.vocab_size, (1, T),
-                        generator=torch.Generator().manual_seed(T)).to(device)
-    path = Path(args.output)
-    out = {}
-    model.set_attn_implementation("sdpa")
-    with backends():
-        dc = DynamicCache(config=model.config)
-        tok, _ = prefill(model, ids, dc, device)
-        tok, _, _ = decode(model, dc, tok, 1, device, 2, 1)
-        out["dynamic_nocudnn_profile"] = profile_steps(
-            model, dc, tok, device, path.with_suffix(f".dynamic_nocudnn-{T}.txt"))
-    del dc
-    free(device)
-    cache = TieredCache.for_model(model, top_k_pages=0.25)
-    tok, _ = prefill(model, ids, cache, device)
-    tok = past_page_write(model, cache, tok)
-    default = cache.fused
-    other = "topk25_torch" if default else "topk25_fused"  # kv/fused.py's step, or not
-    modes = [("topk25", 0.25, default), ("lossless", None, default)]
-    if args.fused:
-        modes.insert(1, (other, 0.25, not default))
-    for mode, top_k, use_fused in modes:
-        cache.top_k_pages, cache.fused = top_k, use_fused
-        tok, _, _ = decode(model, cache, tok, 1, device, 2, 1)
-        out[f"{mode}_profile"] = profile_steps(model, cache, tok, device,
-                                               path.with_suffix(f".{mode}-{T}.txt"))
-    cache.fused = default
-    cache.close()
-    del cache
-    free(device)
-    return out
 
 
 def main(argv=None) -> int:
@@ -718,6 +289,10 @@ def main(argv=None) -> int:
                     help="contexts --profile profiles (default 32768)")
     ap.add_argument("--eager", action="store_true",
                     help="also time top-K without its captured CUDA graphs (topk25_eager_tok_s)")
+    ap.add_argument("--page-cache", type=lambda v: v if v == "auto" else float(v), default=None,
+                    help="the top-K cache's page_cache: a multiple or 'auto' (default: the "
+                         "library's, 1.5); the goals' figures are taken with it "
+                         "(topk25_page_cache)")
     ap.add_argument("--page-cache-multiples", type=float, nargs="*", default=[],
                     help="also time top-K with these page_cache multiples (topk25_pc<m>_*)")
     ap.add_argument("--no-fused", dest="fused", action="store_false",

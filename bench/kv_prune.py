@@ -257,7 +257,10 @@ def plot(result: dict, path: Path) -> None:
 
 # --- the H200 run -------------------------------------------------------------------------------
 def _bench_kv():
-    spec = importlib.util.spec_from_file_location("bench_kv", Path(__file__).parent / "kv.py")
+    """bench/kv.py's measuring (bench/kv_steps.py): the model, prefill, sync, the DynamicCache
+    variants."""
+    spec = importlib.util.spec_from_file_location("bench_kv_steps",
+                                                  Path(__file__).parent / "kv_steps.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -37,6 +37,17 @@ RELEASING_OPS = frozenset({"release", "detach", "close_model", "report_stream", 
                            "kv_free", "imports_done"})
 
 
+def _once(fn):
+    """``fn`` that runs on its first call only."""
+    done = []
+
+    def call():
+        if not done:
+            done.append(True)
+            fn()
+    return call
+
+
 class _SocketBackend:
     """One connection to the daemon, re-established after a daemon restart."""
 
@@ -121,7 +132,10 @@ class _SocketBackend:
             f"answers: systemctl status deepseek-flash)", socket=str(self.path), waited_for=waited_for,
             timeout=timeout)
 
-    def call(self, op: str, args: dict, retry: bool = True):
+    def call(self, op: str, args: dict, retry: bool = True, sent=None):
+        """``op``'s result. ``sent``: called once, right after the request first went out."""
+        if sent is not None:
+            sent = _once(sent)
         with self._lock:
             if self.sock is None:
                 if op in RELEASING_OPS:
@@ -129,9 +143,9 @@ class _SocketBackend:
                 if self.closed:
                     raise ProtocolError(f"{op}: this client is closed")
                 self._reconnect()
-                return self._roundtrip(op, args)
+                return self._roundtrip(op, args, sent)
             try:
-                return self._roundtrip(op, args)
+                return self._roundtrip(op, args, sent)
             except (ConnectionError, BrokenPipeError, OSError, ShuttingDown) as exc:
                 # ShuttingDown: the daemon is draining; its successor will take the socket.
                 if isinstance(exc, TimeoutError) or self._in_reconnect:
@@ -146,11 +160,13 @@ class _SocketBackend:
                 self._reconnect()
                 if not retry:
                     return None
-                return self._roundtrip(op, args)
+                return self._roundtrip(op, args, sent)
 
-    def _roundtrip(self, op, args):
+    def _roundtrip(self, op, args, sent=None):
         req_id = next(self._ids)
         self.sock.sendall(protocol.request(req_id, op, args, self.max_frame))
+        if sent is not None:
+            sent()
         while True:
             reply = self.reader.read()
             if reply.get("id") == req_id:
@@ -313,7 +329,7 @@ class Client:
     # --- device tier (used by load_model) ---------------------------------------------------------
     def attach(self, model, device, weight_budget: int | None = None, priority: int = 0,
                blocks: list[int] | None = None, part: int = 0, importing: bool = False,
-               imports_module: str | None = None) -> dict:
+               imports_module: str | None = None, sent=None) -> dict:
         """The model's memory on ``device`` ("cpu" or a CUDA index) for this client: plan,
         control page (gates, block offsets), GPU arena and events, streaming slots. A load this
         attach starts reads with ``priority`` (higher goes to the disk first). ``blocks``/``part``:
@@ -322,7 +338,10 @@ class Client:
         shallow, as ``dd`` does, until ``imports_done`` -- thousands of small file reads would
         otherwise wait behind every read the load keeps queued on the disk; ``imports_module``,
         the module it imports: a daemon that read that module's files ahead at start (its
-        learned manifest) reads at full depth at once."""
+        learned manifest) reads at full depth at once. ``sent``: called once the request is on
+        its way (a daemon's socket: right after it was written; in-process: right before), while
+        this call waits for the answer -- e.g. to start work on another thread that, started
+        earlier, would hold the interpreter lock while this thread tries to send."""
         # Only a client in another process needs CUDA IPC handles; sharing memory with oneself
         # would pin it in torch's IPC bookkeeping for good.
         args = {"model": _name(model), "device": device, "ipc": self.mode == "daemon"}
@@ -337,6 +356,8 @@ class Client:
             args["importing"] = True
             if imports_module is not None:
                 args["imports_module"] = str(imports_module)
+        if sent is not None:
+            return self._backend.call("attach", args, sent=sent)
         return self._backend.call("attach", args)
 
     def imports_done(self, module: str | None = None, files: dict | None = None) -> float | None:

@@ -32,7 +32,10 @@ class EmbeddedController:
         self.client_id = self.manager.connect({"name": "embedded"})
         self.generation = 0
 
-    def call(self, op: str, args: dict, retry: bool = True):
+    def call(self, op: str, args: dict, retry: bool = True, sent=None):
+        """``op``'s result; ``sent`` (see ``Client.attach``) is called first."""
+        if sent is not None:
+            sent()
         result = self.ops.call(self.client_id, op, args)
         if isinstance(result, Future):
             result = result.result()

@@ -25,7 +25,14 @@ from ..sizes import parse_size
 from ..store.views import block_tensors
 from ..wire import (DEFAULT_STREAM_UNIT, GATE_FAILED, GATE_PENDING, GATE_READY, SLOT_ALIGNMENT, Plan,
                     control_views)
-from .skeleton import bind_parameters, build_skeleton, decoder_parts, imported_files, start_imports
+from .skeleton import (
+    bind_parameters,
+    build_skeleton,
+    decoder_parts,
+    imported_files,
+    imports_module,
+    start_imports,
+)
 from .placement import block_sizes, resolve
 from .stream import StreamGroup, start_reports, start_streaming
 
@@ -283,13 +290,10 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
             info = client.shard(name_or_path, tp[1], tp[2], flash_context)
         else:
             info = client.open_model(name_or_path, flash_context)
-        # A fresh process: the skeleton's imports (seconds) start now, on a thread of their own,
-        # and run while the attach's round trip and the load's first reads are under way. Not
-        # before open_model: an import thread holds the interpreter lock most of the time, and
-        # this thread's round trip took 0.2-0.7 s beside it (from the open's answer to the
-        # attach reaching the daemon) against a few ms alone -- time the load's reads wait for.
-        imports = start_imports(info.config)
         if device_map is not None:
+            # A fresh process: the skeleton's imports (seconds) start now, on a thread of their
+            # own, while the parts' attaches and loads are under way.
+            imports = start_imports(info.config)
             _, reason = resolve_decode_mode(decode, None, split=True)
             if reason is not None:
                 log.info("%s", reason)
@@ -313,20 +317,29 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
         handle.timings = timings
         # Attach first: a cold load starts reading and copying while the skeleton is built.
         handle.priority = priority
-        # Still importing: the controller reads shallow until this process says its imports are
-        # done (they are system-call bound; a deep read queue on the same disk slows them).
-        importing = imports is not None and not imports.done
+        # A fresh process: the skeleton's imports (seconds) start on a thread of their own once
+        # the attach request is out, and run while the daemon answers it and the load's first
+        # reads are under way. Not before: an import thread holds the interpreter lock most of
+        # the time, and this thread's send waited 0.2-0.7 s for it -- time the load's reads
+        # wait for. Meanwhile the controller reads shallow until this process says its imports
+        # are done (they are system-call bound; a deep read queue on the same disk slows them).
+        module = imports_module(info.config)
+
+        def start():
+            nonlocal imports
+            imports = start_imports(info.config)
+
         handle.desc = client.attach(info.name, target, weight_budget=budget, priority=priority,
-                                    importing=importing,
-                                    imports_module=imports.module if importing else None)
+                                    importing=module is not None, imports_module=module,
+                                    sent=None if module is None else start)
         lap("attach_ms")
         handle.imports = imports
-        if imports is not None:
+        if module is not None:
             try:
-                imports.wait()
+                if imports is not None:
+                    imports.wait()
             finally:
-                if importing:
-                    handle.shallow_read_s = _imports_done(client, imports)
+                handle.shallow_read_s = _imports_done(client, imports)
             lap("imports_ms")
         model = build_skeleton(info.config)
         if dev.type != "cpu":
@@ -368,9 +381,10 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
 
 def _imports_done(client, imports) -> float | None:
     """Tell the controller this process's imports are done; a daemon is also told which files
-    they opened (it reads them ahead at its next start). The seconds it read shallow."""
+    they opened (it reads them ahead at its next start; None: none were started, e.g. the
+    module was imported meanwhile). The seconds it read shallow."""
     files = None
-    if getattr(client, "mode", None) == "daemon":
+    if imports is not None and getattr(client, "mode", None) == "daemon":
         try:
             files = imported_files(opened=imports.opened, before=imports.before)
         except Exception as exc:  # noqa: BLE001 -- the report is an optimisation only

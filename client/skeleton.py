@@ -149,10 +149,14 @@ class Imports:
         import sys
         import time
 
+        from .metadata import few_stats
+
         started, cpu = time.perf_counter(), time.thread_time()
         self.before = (set(sys.modules), mapped_files())
         try:
-            with record_opens() as opened:
+            # few_stats: transformers' package-metadata scan at import, without a stat per
+            # installed file (client.metadata).
+            with record_opens() as opened, few_stats():
                 importlib.import_module(self.module)
             self.opened = opened
         except Exception as exc:  # noqa: BLE001 -- the caller's import raises it again
@@ -166,6 +170,14 @@ class Imports:
 
     def wait(self) -> None:
         self._thread.join()
+
+
+def imports_module(config_dict: dict | None) -> str | None:
+    """The module ``start_imports`` would import for this config: None when there is no config
+    or it is imported already."""
+    if config_dict is None or skeleton_imported(config_dict):
+        return None
+    return _modeling_module(config_dict)
 
 
 def start_imports(config_dict: dict | None, started: Imports | None = None) -> Imports | None:

@@ -185,10 +185,13 @@ def _kv_prune_threshold(key, value):
 
 
 def _kv_page_cache(key, value):
+    if value == "auto":
+        return value
     if value is None or (type(value) in (int, float) and (value == 0 or 1 <= value < float("inf"))):
         return 0.0 if not value else float(value)
-    raise ConfigError(f"{key}: {value!r} is not allowed; use null or 0 (off) or a multiple >= 1 of "
-                      f"the top-K page count", key=key, value=value, allowed="null | 0 | number >= 1")
+    raise ConfigError(f"{key}: {value!r} is not allowed; use 'auto' (every page, within the "
+                      f"device budget), null or 0 (off) or a multiple >= 1 of the top-K page "
+                      f"count", key=key, value=value, allowed="\"auto\" | null | 0 | number >= 1")
 
 
 def _optional_size(key, value):
@@ -295,10 +298,11 @@ KEYS: dict[str, Key] = {
                           "tokens per KV page (auto: 32 up to a 4,096-token prompt, else 64)"),
     "kv_top_k_pages": Key(None, _kv_top_k, "null | int >= 1 | 0 < fraction <= 1", "model", False,
                           "pages attended per layer and step (null: every page, lossless)"),
-    "kv_page_cache": Key(1.5, _kv_page_cache, "null | 0 | number >= 1", "model", False,
-                         "top-K: device slots for the chosen pages of each top-K layer, as a "
-                         "multiple of its top-K page count (0: off, every chosen page fetched "
-                         "every step)"),
+    "kv_page_cache": Key(1.5, _kv_page_cache, "\"auto\" | null | 0 | number >= 1", "model",
+                         False, "top-K: device slots for the chosen pages of each top-K layer: a "
+                         "multiple of its top-K page count, or every page (auto), within 25 % "
+                         "of the device memory free when made (0: off, every chosen page "
+                         "fetched every step)"),
     "kv_host_bytes": Key(None, _optional_size, "null | size (int or \"8GiB\")", "model", False,
                          "host-tier budget of a TieredCache; pages past it spill to kv_spill_dir"),
     "kv_spill_dir": Key(None, _optional_dir, "null | directory", "model", False,

@@ -221,12 +221,14 @@ class Fabric:
             self.bytes_h2d += copied
             self.device_h2d[arena.device] = self.device_h2d.get(arena.device, 0) + copied
 
-    def prepare(self) -> threading.Thread | None:
+    def prepare(self, on_cuda=None) -> threading.Thread | None:
         """At start, on a background thread: the CUDA context and arena (a ceiling, nothing
         allocated) of every served device, then the host arena page-locked -- seconds for a large
         host cache, done before the first client asks instead of in its request. A load that comes
         meanwhile starts its disk reads at once and copies from pageable memory until the pinning
-        is done. Where no NVIDIA driver is present nothing is imported or started."""
+        is done. Where no NVIDIA driver is present nothing is imported or started. ``on_cuda()``:
+        called on that thread once the arenas are made (torch and CUDA's libraries loaded: the
+        daemon learns what its start imported, ``ImportsAhead.learn_own``); its errors are logged."""
         if not nvidia_driver_present():
             return None
         if getattr(self.host_arena, "populate", None) is not None:
@@ -240,6 +242,7 @@ class Fabric:
 
         def run():
             try:
+                started = time.monotonic()
                 if not self.available:
                     if self.devices:
                         log.warning("devices %s configured but CUDA is not available", self.devices)
@@ -254,6 +257,13 @@ class Fabric:
                         # One device that does not exist must not keep the others from being
                         # prepared; a client asking for it gets the same error, typed.
                         log.error("preparing cuda:%s: %s", device, exc)
+                log.info("CUDA started (torch imported, context and arenas made) in %.2f s",
+                         time.monotonic() - started)
+                if on_cuda is not None:
+                    try:
+                        on_cuda()
+                    except Exception:   # noqa: BLE001 -- learning is an optimisation only
+                        log.exception("after CUDA's start")
                 if not self._closing.is_set():
                     self.pin_host()
             except Exception:   # noqa: BLE001 -- a failed preparation only costs the first client time

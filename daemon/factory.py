@@ -18,6 +18,7 @@ Arguments that differ between the two callers, and why:
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,7 +122,10 @@ def build_controller(config, *, arena_name: str = "deepseek-flash", status=None,
             ahead = ImportsAhead(paths.state_dir(), on_warm=manager.imports_read_ahead).start()
         recovery = DeviceWatch(manager, monitor=udev_monitor, use_udev=use_udev)
         attachments = build_device_tier(manager, arena, config)
-        attachments.fabric.prepare()
+        # Once CUDA is up, the daemon's own imports (torch's modules) join the files read ahead
+        # at its next start: after a restart they are as warm as the first start's package walk.
+        attachments.fabric.prepare(on_cuda=None if ahead is None else lambda: threading.Thread(
+            target=ahead.learn_own, daemon=True, name="flash-imports-learn").start())
     except BaseException:
         for part in (ahead, recovery, attachments, manager, engine):
             if part is not None:

@@ -16,6 +16,10 @@ So the daemon learns which files those imports open and reads them at start:
   them in ``import-files.json`` under the state directory, one list per module (the latest
   client's; at most ``MAX_MODULES`` modules, ``MAX_FILES`` files each); it writes only when a list
   changed.
+* The daemon's own start: once its CUDA is up (torch imported), ``learn_own`` keeps the files
+  its modules were loaded from as the entry ``OWN``, read first at the next start -- after a
+  restart its torch import, beside the load's deep reads, finds them cached as the first start's
+  package walk left them. ``OWN`` is no client's module: it never makes a client warm.
 * At start (``start``, thread ``flash-imports-ahead``) the manifest's files are read -- by a
   process of its own (``daemon/readahead_worker.py``, ``python -I -S``: the daemon's own start,
   torch's import and CUDA's context, shares no interpreter lock with them), ``THREADS``
@@ -80,6 +84,8 @@ WALK_SKIP_SUFFIXES = (".h", ".hpp", ".cuh", ".c", ".cc", ".cpp", ".cu", ".pyi", 
                       ".pxd", ".pyx")
 PACKAGES_ENV = "DEEPSEEK_FLASH_IMPORT_PACKAGES"
 ANY_MODULE = "*"
+# The manifest's entry for the daemon's own start (``learn_own``): read first at the next start.
+OWN = "<deepseek-flashd>"
 WORKER = str(Path(__file__).with_name("readahead_worker.py"))
 
 
@@ -203,14 +209,31 @@ def own_mapped_files() -> set[str]:
         return set()
 
 
+def own_module_files(modules=None) -> list[str]:
+    """The files this process's imported modules were loaded from, in the order imported: the
+    compiled file where there is one (what the import reads), else the module's file (an
+    extension module, a source without a cache); no file system call (a compiled file named here
+    may not exist: ``learn`` keeps only those that do)."""
+    import sys
+
+    out: dict[str, None] = {}
+    for mod in list((sys.modules if modules is None else modules).values()):
+        path = getattr(getattr(mod, "__spec__", None), "cached", None) or getattr(mod, "__file__", None)
+        if isinstance(path, str) and os.path.isabs(path):
+            out.setdefault(path)
+    return list(out)
+
+
 def plan(manifest: dict[str, list[str]], mapped=frozenset()):
     """What the start does for ``manifest``: (directories to list, files to stat, files to read);
-    the directories sorted, the files in the manifest's order (each module's in the order its
+    the directories sorted, the files in the manifest's order -- the daemon's own start's
+    (``OWN``) first: its torch import begins at once -- (each module's in the order its
     client's imports first opened them: the workers read the first-needed first). Every file is
     read whole -- sources too: transformers reads its model sources' text at import (a scan of
     ``transformers/models``), compiled or not -- except one mapped into the daemon already
     (``mapped``); nothing is only stat-ed now."""
-    files = list(dict.fromkeys(f for fs in manifest.values() for f in fs))
+    order = ([OWN] if OWN in manifest else []) + [m for m in manifest if m != OWN]
+    files = list(dict.fromkeys(f for m in order for f in manifest[m]))
     dirs, read = set(), []
     for path in files:
         directory = os.path.dirname(path)
@@ -285,22 +308,25 @@ class ImportsAhead:
             self.manifest = {**manifest, **self.manifest}
             manifest = dict(self.manifest)
         started = time.monotonic()
-        if manifest:
+        modules = sorted(m for m in manifest if m != OWN)
+        if modules:
             dirs, stat_only, read = plan(manifest, own_mapped_files())
             request = {"dirs": dirs, "stat": stat_only, "read": read}
-            modules = sorted(manifest)
-            what = f"the imports of {len(manifest)} modules"
+            what = f"the imports of {len(modules)} modules"
         else:
+            # No client's list yet (the daemon's own, if any, is read first).
+            own = plan({OWN: manifest[OWN]}, own_mapped_files())[2] if OWN in manifest else []
             packages = fallback_packages()
             roots = package_roots(packages)
-            if not roots:
+            if not roots and not own:
                 log.info("no import manifest yet (%s) and no package to read: nothing read ahead; the "
                          "first client's imports keep the reads shallow and teach it", self.path)
                 return None
             log.info("no import manifest yet (%s): reading ahead the files of %s", self.path,
                      ", ".join(packages))
-            request = {"roots": roots, "skip_dirs": WALK_SKIP_DIRS, "skip_suffixes": WALK_SKIP_SUFFIXES}
-            modules = [ANY_MODULE]
+            request = {"roots": roots, "skip_dirs": WALK_SKIP_DIRS, "skip_suffixes": WALK_SKIP_SUFFIXES,
+                       "read": own}
+            modules = [ANY_MODULE] if roots else []
             what = "the packages' files (no manifest yet)"
         request.update(threads=self.threads, max_file_bytes=MAX_FILE_BYTES, max_bytes=MAX_BYTES)
         counts = run_worker(request)
@@ -326,7 +352,7 @@ class ImportsAhead:
             self.manifest.pop(module, None)
             self.manifest[module] = files
             while len(self.manifest) > MAX_MODULES:
-                self.manifest.pop(next(iter(self.manifest)))
+                self.manifest.pop(next(m for m in self.manifest if m != OWN))
             snapshot = dict(self.manifest)
             try:
                 save_manifest(self.path, snapshot)
@@ -335,6 +361,13 @@ class ImportsAhead:
                 return False
         log.info("import manifest: %d files of %s's imports kept for the next start", len(files), module)
         return True
+
+    def learn_own(self) -> bool:
+        """The modules this daemon has imported (torch's, once CUDA is up: ``Fabric.prepare``'s
+        ``on_cuda``) kept as ``OWN``, read first at the next start: after a restart its torch
+        import finds its files cached, as the first start's package walk left them. Whether the
+        manifest changed."""
+        return self.learn(OWN, own_module_files())
 
     def close(self, timeout: float = 5.0) -> None:
         if self._thread is not None:

@@ -28,7 +28,7 @@ from .layout import PageLayout, auto_page_tokens
 from .hostmem import ArenaMemory, OwnMemory
 from .report import Reporter, client_of
 from .pages import CHUNK_BYTES, FIRST_CHUNK_PAGES, Chunk
-from .pagecache import DEVICE_SHARE, PAGE_CACHE_DEFAULT, device_budget, slot_bytes
+from .pagecache import AUTO, DEVICE_SHARE, PAGE_CACHE_DEFAULT, device_budget, slot_bytes
 from .prune.state import PRUNE_GPU_TOKENS, offset_values, prune_settings
 from .spill import SpillStore
 
@@ -56,7 +56,7 @@ class TieredCache(Cache):
                  prune_scorer="attention", prune_offsets=None, prune_tokenizer=None,
                  prune_compensation: bool = True, prune_every: int = 8, prune_window: int = 32,
                  prune_device_tokens: int | None = 512, dense_on_device: bool | None = None,
-                 page_cache: float | None = PAGE_CACHE_DEFAULT):
+                 page_cache: float | str | None = PAGE_CACHE_DEFAULT):
         if report_interval is not None and (isinstance(report_interval, bool) or not isinstance(
                 report_interval, (int, float)) or report_interval < 0):
             from deepseek_flash.errors import ConfigError
@@ -84,9 +84,11 @@ class TieredCache(Cache):
         self.dense_layers = dense_layers
         # the dense layers' pages on the device as well (kv/mirror.py): None = on a CUDA device
         self.dense_on_device = dense_on_device
-        # top-K: each top-K layer keeps its chosen pages on the device (kv/pagecache.py), this
-        # multiple of its k in slots; 0 / None: off. Pruning's recall has its own levels.
-        self.page_cache = float(page_cache or 0) if prune_threshold is None else 0.0
+        # top-K: each top-K layer keeps its chosen pages on the device (kv/pagecache.py): slots
+        # for every page ("auto") or this multiple of its k; 0 / None: off. Pruning's recall has
+        # its own levels.
+        self.page_cache = (0.0 if prune_threshold is not None else
+                           AUTO if page_cache == AUTO else float(page_cache or 0))
         self.score = score
         self.window_pages = window_pages
         self.select_max_queries = select_max_queries
@@ -131,7 +133,7 @@ class TieredCache(Cache):
                   page_tokens: int | str = "auto", top_k_pages: int | float | None = None,
                   host_bytes: int | None = None, spill_dir=None,
                   prune_threshold: float | None = None, prune_scorer="attention",
-                  prune_offsets=None, page_cache: float | None = PAGE_CACHE_DEFAULT,
+                  prune_offsets=None, page_cache: float | str | None = PAGE_CACHE_DEFAULT,
                   **options) -> "TieredCache":
         """Install the tiered attention function on ``model`` and return a new cache for one
         generation: ``model.generate(ids, cache=cache)``. Options: ``dense_layers``
@@ -139,7 +141,9 @@ class TieredCache(Cache):
         ("strict" | "graceful"), ``prefill_chunk`` (4096 queries), ``dense_on_device`` (None: on
         a CUDA device the dense layers keep their pages on the device as well, kv/mirror.py).
         ``page_cache`` (1.5): with ``top_k_pages``, each top-K layer keeps the pages it chose in
-        the last steps on the device, in slots for this multiple of its top-K page count (only
+        the last steps on the device, in slots for this multiple (>= 1.0) of its top-K page count,
+        or for every page of the layer ("auto": more GPU memory than a DynamicCache, where the
+        GPU has room), within 25 % of the device memory free when the first slots are made (only
         the newly chosen pages are fetched; the least recently chosen leave first;
         kv/pagecache.py); 0 or None: off (every chosen page fetched every step).
 

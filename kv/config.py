@@ -69,8 +69,9 @@ def validate(*, gpu_tokens, sink_tokens, page_tokens, top_k_pages, host_bytes, s
         bad("error_recovery_mode", error_recovery_mode, "'strict' or 'graceful'")
     if not is_int(prefill_chunk) or prefill_chunk < 1:
         bad("prefill_chunk", prefill_chunk, "an integer >= 1")
-    if page_cache is not None and (isinstance(page_cache, bool) or not isinstance(
-            page_cache, (int, float)) or not (page_cache == 0 or page_cache >= 1.0)
+    if page_cache is not None and page_cache != "auto" and (
+            isinstance(page_cache, bool) or not isinstance(page_cache, (int, float))
+            or not (page_cache == 0 or page_cache >= 1.0)
             or page_cache != page_cache or page_cache == float("inf")):
-        bad("page_cache", page_cache, "null or 0 (off), or a multiple >= 1.0 of the top-K page "
-            "count")
+        bad("page_cache", page_cache, "'auto' (every page, within the device budget), null or 0 "
+            "(off), or a multiple >= 1.0 of the top-K page count")

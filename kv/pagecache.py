@@ -22,9 +22,16 @@ All of it is fixed-shape tensor work on the device, no host sync: on CUDA it is 
 layer's captured choice-and-gather graph (kv/graphs.py). Hits and misses are counted on the
 device and read by ``cache.stats()``.
 
-Capacity: ``page_cache`` (a multiple of the layer's top-K page count, default 1.5) times ``k``,
-rounded up to ``GROW_SLOTS``; it grows (slots kept) when ``multiple * k`` outgrows it (a
-fractional ``top_k_pages`` grows with the context).
+Capacity: ``page_cache``. A number (the default 1.5): that multiple of the layer's top-K page
+count, rounded up to ``GROW_SLOTS``, within the layer's share of the device budget
+(``device_budget``). ``"auto"`` (an option, for a GPU with room): every page of the layer -- a
+chosen page crosses PCIe once, when it is first chosen, and stays -- with an eighth more as room to
+grow (``capacity_for``), within the same budget; where the budget holds fewer than every page, as
+many slots as the share holds (the least recently chosen pages give way). It holds more of the GPU
+than a ``DynamicCache`` would (every page, on top of the tiered cache's own ~10 %), so it is not
+the default: the tiered cache's point is that only the pages a query needs are on the GPU. Either
+grows (slots kept) as the layer's pages or its top-K outgrow it (a fractional ``top_k_pages`` grows
+with the context).
 """
 from __future__ import annotations
 
@@ -35,8 +42,14 @@ import torch
 
 log = logging.getLogger("deepseek_flash.kv.cache")
 
+AUTO = "auto"
+"""``page_cache="auto"``: slots for every page of the layer, within the device budget (an option:
+top-K's speed with no page crossing twice, at more GPU memory than a full ``DynamicCache``)."""
+
 PAGE_CACHE_DEFAULT = 1.5
-"""Default capacity of a top-K layer's page cache, as a multiple of its top-K page count."""
+"""Default capacity of a top-K layer's page cache, as a multiple of its top-K page count: the GPU
+holds the chosen pages and half as many again (at top-K 25 % on an 8B shape ~35 % of the full KV,
+~45 % with the tiered cache's own), so the GPU KV stays bounded by the choice, not the context."""
 
 GROW_SLOTS = 16
 """Capacities are multiples of this many page slots."""
@@ -46,17 +59,30 @@ ALIGN = 4096
 
 DEVICE_SHARE = 0.25
 """The page caches of one ``TieredCache`` together take at most this share of the device memory
-torch could still allocate when its first slots are made (``device_budget``): the multiple sizes
-a layer's slots from its top-K, the device bounds them all (at 128K on an 8B shape 1.5 x k is
-~6 GB, more than a 16 GiB GPU has to spare). A layer whose top-K does not fit its share runs
-without slots (logged once per cache)."""
+torch could still allocate when its first slots are made (``device_budget``): ``"auto"`` or the
+multiple sizes a layer's slots, the device bounds them all (at 128K on an 8B shape every page is
+~16 GB and even 1.5 x k ~6 GB, more than a 16 GiB GPU has to spare). Why a quarter: the slots are
+a cache, fixed once made; three quarters of what was free stay for activations, the next cache of
+a serving process and other processes. A layer whose top-K does not fit its share runs without
+slots (logged once per cache)."""
 
 _NEVER = 1 << 62  # a stamp larger than any step: slots holding a page chosen now are not victims
 
 
-def capacity_for(k: int, multiple: float) -> int:
-    """Slots for a top-K of ``k`` pages: ``multiple * k`` rounded up to ``GROW_SLOTS``."""
-    return -(-max(k, math.ceil(multiple * k)) // GROW_SLOTS) * GROW_SLOTS
+def wanted(k: int, multiple, n: int) -> int:
+    """The slots a layer of ``n`` pages and a top-K of ``k`` wants now: every page (``AUTO``)
+    or ``multiple * k``; at least ``k``."""
+    return max(k, n if multiple == AUTO else math.ceil(multiple * k))
+
+
+def capacity_for(k: int, multiple, n: int = 0) -> int:
+    """Slots to make for a top-K of ``k`` pages out of ``n``: ``wanted``, with an eighth of the
+    pages more for ``AUTO`` (at least ``GROW_SLOTS``: the layer grows page by page while decoding
+    and a growth moves the slots), rounded up to ``GROW_SLOTS``."""
+    want = wanted(k, multiple, n)
+    if multiple == AUTO:
+        want = max(k, n + max(GROW_SLOTS, n // 8))
+    return -(-want // GROW_SLOTS) * GROW_SLOTS
 
 
 def device_budget(device: torch.device) -> int | None:
@@ -92,7 +118,7 @@ def _aligned(shape, dtype, device) -> torch.Tensor:
 class PageCache:
     """One top-K layer's page slots on the device and their tables."""
 
-    def __init__(self, multiple: float):
+    def __init__(self, multiple):
         self.multiple = multiple
         self.capacity = 0
         self.slots: torch.Tensor | None = None  # [b * capacity, *page shape], row b * C + slot
@@ -129,8 +155,8 @@ class PageCache:
             self.hits = torch.zeros(1, dtype=torch.int64, device=dev)
             self.misses = torch.zeros(1, dtype=torch.int64, device=dev)
             self.last_misses = torch.zeros(1, dtype=torch.int64, device=dev)  # the last step's
-        if self.capacity < math.ceil(self.multiple * k):
-            cap = capacity_for(k, self.multiple)
+        if self.capacity < wanted(k, self.multiple, n):
+            cap = capacity_for(k, self.multiple, n)
             if self.limit is not None and cap > self.limit:
                 if self.limit < k:
                     layer._cache._page_cache_refused(layer, k, self.limit)

@@ -136,3 +136,47 @@ def test_unknown_operation_is_typed_in_embedded_mode(tiny_store):
         c.call("nope")
     assert err.value.code == 304 and err.value.fields["op"] == "nope"
     c.close()
+
+
+def test_attach_calls_sent_once_the_request_is_out(client, daemon_factory, tiny_store):
+    """``attach(sent=...)``: over the socket, called once, after the request was written (the
+    controller handles it while the callback runs: another client sees its leases); in-process,
+    once, right before the controller handles it."""
+    info = client.open_model("tiny")
+    seen = []
+
+    def sent():
+        if client.mode == "daemon":
+            with Client(client._backend.path, embedded=False) as other:
+                assert_eventually(lambda: other.stats()["active_leases"] > 0, timeout=30)
+        seen.append(client.mode)
+
+    desc = client.attach(info.name, "cpu", sent=sent)
+    assert seen == [client.mode]
+    assert desc["control_offset"] is not None
+    assert client.stats()["active_leases"] > 0
+
+
+def test_sent_runs_once_across_a_reconnect(monkeypatch):
+    """The socket backend retries a call after a lost connection: ``sent`` still runs once."""
+    from deepseek_flash.client import _SocketBackend
+
+    import threading
+
+    backend = object.__new__(_SocketBackend)
+    backend.sock, backend.path, backend._in_reconnect = object(), "test.sock", False
+    backend._lock = threading.RLock()
+    tries = []
+
+    def roundtrip(op, args, sent=None):
+        sent()
+        tries.append(op)
+        if len(tries) == 1:
+            raise ConnectionResetError("lost after the request went out")
+        return {"ok": True}
+
+    monkeypatch.setattr(backend, "_roundtrip", roundtrip)
+    monkeypatch.setattr(backend, "_reconnect", lambda: None)
+    calls = []
+    assert backend.call("attach", {}, sent=lambda: calls.append(1)) == {"ok": True}
+    assert tries == ["attach", "attach"] and calls == [1]

@@ -127,10 +127,11 @@ def test_start_imports_is_none_once_the_module_is_imported_and_errors_surface_in
 
 def test_a_fresh_process_imports_on_a_thread_while_it_attaches(tmp_path):
     """In a process that has not imported the model's transformers module, load_model starts the
-    skeleton's imports on a thread from the store's config.json, before its open_model round
-    trip: they are under way while the open and the attach run (``imports_ms`` is what is left of
-    them after it), and the attach asks for shallow reads until they are done; a second load in
-    the same process imports nothing."""
+    skeleton's imports on a thread from the store's config.json once its attach request is on
+    its way (in-process: right before the controller handles it; not beside the open's or the
+    attach's sending): they are under way while the attach runs (``imports_ms`` is what is left
+    of them after it), and the attach asks for shallow reads until they are done; a second load
+    in the same process imports nothing."""
     import json
     import subprocess
     import sys
@@ -152,10 +153,19 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
             return call(*a, **k)
         return wrapped
     client.open_model, client.attach = spy(client.open_model), spy(client.attach)
+    ops = client._backend.ops
+    handled = ops.call
+    def op_spy(cid, op, args):
+        if op == "attach":
+            seen.append(sorted(t.name for t in threading.enumerate()
+                               if t.name == "flash-skeleton-imports"))
+        return handled(cid, op, args)
+    ops.call = op_spy
     began = time.perf_counter()
     model = load_model({str(store)!r}, device="cpu", client=client)
     took = time.perf_counter() - began
     print(json.dumps({{"timings": list(model.flash.timings), "at_open": seen[0], "at_attach": seen[1],
+                      "at_handled": seen[2],
                       "load_model_s": took,
                       "imports_s": model.flash.imports.seconds, "shallow_s": model.flash.shallow_read_s,
                       "after": [client.stats()[k] for k in ("read_depth", "shallow_read_clients")]}}))
@@ -170,8 +180,10 @@ with Client(embedded=True, config={{"host_cache_bytes": "16MiB"}}) as client:
     first, again = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
     assert first["timings"] == ["open_model_ms", "attach_ms", "imports_ms", "skeleton_ms",
                                 "device_memory_ms", "bind_ms", "total_ms"]
-    # The imports start once open_model has answered (not beside its round trip), before the attach.
-    assert first["at_open"] == [] and first["at_attach"] == ["flash-skeleton-imports"]
+    # The imports start once the attach request is out (not beside the open's or the attach's
+    # sending), before the controller handles it.
+    assert first["at_open"] == [] and first["at_attach"] == []
+    assert first["at_handled"] == ["flash-skeleton-imports"]
     assert first["imports_s"] > 0
     # Attached while importing: the controller read shallow until the imports were done (they
     # ended after the attach here: the attach's round trip and imports_done's within the call),

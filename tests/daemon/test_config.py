@@ -188,6 +188,8 @@ def test_config_is_immutable():
     ("kv_prune_threshold", 1.5, "null | 0 <= number <= 1"),
     ("kv_prune_threshold", "0.15", "null | 0 <= number <= 1"),
     ("kv_prune_threshold", True, "null | 0 <= number <= 1"),
+    ("kv_page_cache", 0.5, "\"auto\" | null | 0 | number >= 1"),
+    ("kv_page_cache", "all", "\"auto\" | null | 0 | number >= 1"),
 ])
 def test_kv_keys_invalid(key, value, allowed):
     with pytest.raises(ConfigError) as info:
@@ -202,6 +204,10 @@ def test_kv_keys_defaults_and_per_open():
     opened = cfg.override({"kv_top_k_pages": 0.25, "kv_host_bytes": "1GiB", "kv_page_tokens": 64},
                           scope="model")
     assert (opened.kv_top_k_pages, opened.kv_host_bytes, opened.kv_page_tokens) == (0.25, 1 << 30, 64)
+    assert cfg.kv_prune_threshold is None
+    assert cfg.kv_page_cache == 1.5
+    assert cfg.override({"kv_page_cache": 2}, scope="model").kv_page_cache == 2.0
+    assert cfg.override({"kv_page_cache": "auto"}, scope="model").kv_page_cache == "auto"
     assert cfg.kv_prune_threshold is None
     assert cfg.override({"kv_prune_threshold": 0.15}, scope="model").kv_prune_threshold == 0.15
     with pytest.raises(ConfigError):

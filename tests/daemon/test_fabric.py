@@ -282,3 +282,34 @@ def test_prepare_faults_the_host_arena_in_beside_cuda_start_and_keeps_its_bytes(
     assert fabric._populate_thread is None
     assert bytes(memoryview(host)[4096:4100]) == b"keep"
     assert any(f"host arena of {8 << 20} bytes faulted in" in r.getMessage() for r in caplog.records)
+
+
+def test_prepare_calls_on_cuda_once_the_arenas_are_made_then_pins(monkeypatch, caplog):
+    """``prepare(on_cuda=...)``: called on the prepare thread after every device's arena, before
+    the host arena is page-locked; an error in it is logged and the pinning still runs."""
+    import logging
+
+    monkeypatch.setattr(fabric_module, "nvidia_driver_present", lambda: True)
+    for failing in (False, True):
+        fabric = Fabric(host_arena=None, unified_memory_ratio=0.5, devices=[0, 1])
+        fabric._available = True
+        events = []
+
+        def arena(device):
+            events.append(f"arena {device}")
+            fabric.arenas[device] = cpu_arena(device)
+            return fabric.arenas[device]
+
+        def on_cuda():
+            events.append("on_cuda")
+            if failing:
+                raise RuntimeError("learning failed")
+
+        monkeypatch.setattr(fabric, "arena", arena)
+        monkeypatch.setattr(fabric, "pin_host", lambda wait=True: events.append("pin") or False)
+        with caplog.at_level(logging.INFO, logger="deepseek_flash.fabric"):
+            fabric.prepare(on_cuda=on_cuda).join(10)
+        assert events == ["arena 0", "arena 1", "on_cuda", "pin"]
+        assert "CUDA started (torch imported, context and arenas made) in" in caplog.text
+        assert ("after CUDA's start" in caplog.text) is failing
+        fabric.close()

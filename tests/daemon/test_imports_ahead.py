@@ -5,6 +5,7 @@ breaks a start or a load."""
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -383,3 +384,64 @@ def test_the_reads_run_in_a_process_of_their_own_or_here_when_it_fails(tmp_path,
     with caplog.at_level(logging.WARNING, logger="deepseek_flash.imports_ahead"):
         assert imports_ahead.run_worker(request) == {**expected, "in_process": True}
     assert "the read-ahead process failed (exit 2" in caplog.text
+
+
+def test_own_module_files_are_the_compiled_or_module_files_in_import_order(tmp_path):
+    import types
+    from importlib.machinery import ModuleSpec
+
+    def module(name, origin=None, cached=None):
+        m = types.ModuleType(name)
+        m.__spec__ = ModuleSpec(name, None, origin=origin)
+        m.__spec__.cached = cached
+        if origin is not None:
+            m.__file__ = origin
+        return m
+
+    mods = {"src": module("src", "/s/src.py", "/s/__pycache__/src.cpython-312.pyc"),
+            "ext": module("ext", "/s/_ext.so"),                 # an extension: no compiled file
+            "builtin": module("builtin"),                      # no file at all
+            "rel": module("rel", "rel.py"),                    # not an absolute path: left out
+            "again": module("again", "/s/src.py", "/s/__pycache__/src.cpython-312.pyc")}
+    assert imports_ahead.own_module_files(mods) == ["/s/__pycache__/src.cpython-312.pyc", "/s/_ext.so"]
+    # This process's own, in the order imported: the interpreter's start before this module.
+    own = imports_ahead.own_module_files()
+    assert own.index(sys.modules["encodings"].__spec__.cached) < own.index(imports_ahead.__spec__.cached)
+
+
+def test_the_daemons_own_imports_are_learned_kept_and_read_first(tmp_path, monkeypatch):
+    """``learn_own`` keeps the daemon's own modules' files (``OWN``); they never count as a client's
+    module, are never evicted for one, and the next start reads them before every client's."""
+    f = _tree(tmp_path)
+    monkeypatch.setattr(imports_ahead, "MAX_MODULES", 2)
+    monkeypatch.setattr(imports_ahead, "own_module_files", lambda: [f["pkg/_ext.so"], f["pkg/lonely.py"]])
+    ahead = imports_ahead.ImportsAhead(tmp_path / "state")
+    assert ahead.learn_own()
+    ahead.learn(MODULE, [f["pkg/mod.py"], f["pkg/lonely.py"]])
+    ahead.learn("other", [f["pkg/__init__.py"]])                 # the oldest client's goes, not OWN
+    assert list(imports_ahead.load_manifest(ahead.path)) == [imports_ahead.OWN, "other"]
+    ahead.learn(MODULE, [f["pkg/mod.py"], f["pkg/lonely.py"]])
+    assert list(imports_ahead.load_manifest(ahead.path)) == [imports_ahead.OWN, MODULE]
+    requests, warmed = [], []
+    monkeypatch.setattr(imports_ahead, "run_worker", lambda r: requests.append(r) or {
+        "files": 0, "bytes": 0, "stat": 0, "dirs": 0, "missing": 0, "skipped_large": 0, "skipped_budget": 0})
+    restarted = imports_ahead.ImportsAhead(tmp_path / "state", on_warm=warmed.append)
+    restarted.run()
+    assert requests[0]["read"] == [f["pkg/_ext.so"], f["pkg/lonely.py"], f["pkg/mod.py"]]
+    assert warmed == [[MODULE]]
+
+
+def test_with_only_the_daemons_own_list_the_start_reads_it_then_walks_the_packages(tmp_path, monkeypatch):
+    """A daemon restarted before any client reported (only ``OWN`` kept): its own files first, then
+    the fallback packages' walk as at a first start; any importing client then counts as warm."""
+    f = _tree(tmp_path)
+    monkeypatch.setattr(imports_ahead, "own_module_files", lambda: [f["pkg/_ext.so"]])
+    imports_ahead.ImportsAhead(tmp_path / "state").learn_own()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(imports_ahead.PACKAGES_ENV, "pkg")
+    warmed = []
+    counts = imports_ahead.ImportsAhead(tmp_path / "state", on_warm=warmed.append).run()
+    assert warmed == [[imports_ahead.ANY_MODULE]]
+    # _ext.so read from the list, then the walk's 7 files (the walk re-reads it: 8 reads in all).
+    assert counts["walked"] == 7 and counts["files"] == 8
+    assert counts["bytes"] == 5000 + sum(os.path.getsize(p) for p in f.values())

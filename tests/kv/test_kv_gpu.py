@@ -96,13 +96,15 @@ def test_topk_captured_graphs_equal_the_eager_steps(caplog, batch, dtype):
 def test_topk_page_cache_on_cuda_equals_every_page_fetched(caplog):
     # the page cache's one gather reads hits from device slots and misses from page-locked host
     # memory through one view (kv/span.py, extra=): the same tokens and logits as fetching every
-    # chosen page, captured graphs on, batch 2, across page boundaries (slots grown, recaptured)
+    # chosen page, captured graphs on, batch 2, across page boundaries (slots grown, recaptured);
+    # a multiple of k, and every page ("auto", an option: within the device budget, which this
+    # small model fits)
     import logging
 
     model = tiny_model(layers=3).cuda()
     ids, mask = _prompt(2)
     runs, stats = [], []
-    for multiple in (0, 1.25):
+    for multiple in (0, 1.25, "auto"):
         cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
                                       top_k_pages=0.25, dense_layers=1, page_cache=multiple)
         cache.fused = False  # the torch path's one gather over host pages and slots
@@ -112,15 +114,21 @@ def test_topk_page_cache_on_cuda_equals_every_page_fetched(caplog):
         if multiple:
             assert all(layer.page_cache._span is not None for layer in cache.layers[1:])
             assert all(layer.page_cache.slots.is_cuda for layer in cache.layers[1:])
+        if multiple == "auto":  # a slot for every page: each crossed once at most
+            assert all(layer.page_cache.capacity >= layer.n_pages for layer in cache.layers[1:])
         stats.append(cache.stats())
         cache.close()
     assert "not captured" not in caplog.text and "failed to replay" not in caplog.text
-    (t1, l1), (t2, l2) = runs
+    (t1, l1), (t2, l2), (t3, l3) = runs
     assert torch.equal(t1, t2) and torch.equal(l1, l2)
-    plain, cached = stats
+    assert torch.equal(t1, t3) and torch.equal(l1, l3)
+    plain, cached, every = stats
     assert plain["page_cache_hits"] == 0 and cached["page_cache_hits"] > 0
-    topk_pages = cached["page_cache_hits"] + cached["page_cache_misses"]
-    assert cached["pages_fetched"] == plain["pages_fetched"] - topk_pages + cached["page_cache_misses"]
+    for s in (cached, every):
+        topk_pages = s["page_cache_hits"] + s["page_cache_misses"]
+        assert s["pages_fetched"] == plain["pages_fetched"] - topk_pages + s["page_cache_misses"]
+    # every page kept: no page fetched twice, so no more misses than with 1.25 x k slots
+    assert every["page_cache_misses"] <= cached["page_cache_misses"]
 
 
 def test_topk_dense_layers_copied_ahead_equal_their_pages_copied_when_due():

@@ -88,6 +88,55 @@ def test_page_cache_keeps_recent_choices_and_fetches_only_new_pages(monkeypatch)
     assert plain_cache.stats()["page_cache_hits"] == 0
 
 
+def test_auto_page_cache_holds_every_page_so_each_crosses_once(monkeypatch):
+    # "auto" (an option): slots for every page of the layer (an eighth more to grow), so a
+    # chosen page is fetched the first time it is chosen and never again: over STEPS the misses
+    # are the distinct pages chosen (0..4), where 1.5 x k (the default) fetched 12; the same bytes
+    # attended
+    monkeypatch.setattr(pagecache, "GROW_SLOTS", 1)
+    torch.manual_seed(0)
+    b, n_tokens = 2, 2 + 8 * P + P
+    keys = torch.randn(b, H, n_tokens, D) * 0.1
+    values = torch.randn(b, H, n_tokens, D)
+    for page in range(8):
+        keys[:, :, 2 + page * P:2 + (page + 1) * P, page] = 3.0
+    outs = {}
+    for setting in (0, "auto"):
+        cache, layer = _layer_cache(page_cache=setting)
+        _step(layer, torch.zeros(b, 2 * H, n_tokens, D), keys, values)
+        gen = torch.Generator().manual_seed(1)
+        fetched, got = [], []
+        for pages in STEPS:
+            q = torch.zeros(b, 2 * H, 1, D)
+            q[..., list(pages)] = 4.0
+            before = cache.stats()["pages_fetched"]
+            got.append(_step(layer, q, torch.randn(b, H, 1, D, generator=gen) * 0.1,
+                             torch.randn(b, H, 1, D, generator=gen)))
+            fetched.append(cache.stats()["pages_fetched"] - before)
+        outs[setting] = (got, fetched, cache, layer)
+    (plain, _, _, _), (auto, fetched, cache, layer) = outs[0], outs["auto"]
+    assert cache.page_cache == pagecache.AUTO and pagecache.PAGE_CACHE_DEFAULT == 1.5
+    for a, c in zip(plain, auto):
+        assert torch.equal(a, c)
+    # new pages per step: (0,1) (2) () (3,4) () -- per sequence
+    assert fetched == [b * 2, b * 1, 0, b * 2, 0]
+    s = cache.stats()
+    assert s["page_cache_misses"] == b * 5 and s["page_cache_hits"] == b * 10 - b * 5
+    pc = layer.page_cache
+    assert pc.capacity == pagecache.capacity_for(2, "auto", 8) == 8 + 1  # 8 pages + max(1, 8 // 8)
+    assert torch.equal(pc.slot_of_page[:, :8],
+                       torch.tensor([0, 1, 2, 3, 4, -1, -1, -1]).expand(b, 8))
+
+
+def test_capacity_for_auto_and_multiples():
+    g = pagecache.GROW_SLOTS
+    assert pagecache.capacity_for(128, "auto", 512) == 512 + 64  # an eighth more, on 16 slots
+    assert pagecache.capacity_for(128, "auto", 100) == -(-(100 + g) // g) * g
+    assert pagecache.capacity_for(128, 1.5, 512) == 192  # the multiple ignores the page count
+    assert pagecache.capacity_for(130, "auto", 120) == 144  # at least k (a top-K of every page)
+    assert pagecache.wanted(128, "auto", 512) == 512 and pagecache.wanted(128, 1.5, 512) == 192
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_generate_with_the_page_cache_equals_without(batch):
     model = tiny_model(layers=3)
@@ -143,12 +192,12 @@ def test_a_new_host_chunk_gives_the_page_cache_a_new_view_even_at_a_reused_id(mo
 
 
 def test_page_cache_setting_is_validated():
-    for bad in (0.5, -1, True, "1.25", float("nan")):
+    for bad in (0.5, -1, True, "1.25", float("nan"), "Auto", "all"):
         with pytest.raises(ConfigError) as e:
             TieredCache(1, kv_heads=H, head_dim=D, top_k_pages=2, page_cache=bad)
-        assert e.value.key == "page_cache"
-    for ok in (None, 0, 1, 2.5):
-        TieredCache(1, kv_heads=H, head_dim=D, top_k_pages=2, page_cache=ok)
+        assert e.value.key == "page_cache" and "'auto'" in str(e.value)
+    for ok, kept in ((None, 0.0), (0, 0.0), (1, 1.0), (2.5, 2.5), ("auto", "auto")):
+        assert TieredCache(1, kv_heads=H, head_dim=D, top_k_pages=2, page_cache=ok).page_cache == kept
 
 
 def test_spilled_pages_or_a_refused_view_leave_the_layer_without_slots(tmp_path, monkeypatch,
@@ -186,8 +235,9 @@ def test_spilled_pages_or_a_refused_view_leave_the_layer_without_slots(tmp_path,
     assert s["page_cache_bytes"] == 0 and s["page_cache_hits"] == s["page_cache_misses"] == 0
 
 
+@pytest.mark.parametrize("setting, unbounded", [(4.0, 32), ("auto", 48)])
 def test_the_device_budget_bounds_the_slots_and_turns_off_a_cache_that_cannot_hold_k(
-        monkeypatch, caplog):
+        monkeypatch, caplog, setting, unbounded):
     # kv/pagecache.py, device_budget: every top-K layer's share of DEVICE_SHARE of the device
     # memory free when the first slots are made bounds its slots below page_cache x k; a share
     # smaller than k slots leaves the page cache off (logged once); the tokens never change
@@ -203,7 +253,7 @@ def test_the_device_budget_bounds_the_slots_and_turns_off_a_cache_that_cannot_ho
         import deepseek_flash.kv.cache as kvcache
         monkeypatch.setattr(kvcache, "device_budget", budget)
         cache = TieredCache.for_model(model, gpu_tokens=64, sink_tokens=4, page_tokens=32,
-                                      top_k_pages=0.25, dense_layers=1, page_cache=4.0)
+                                      top_k_pages=0.25, dense_layers=1, page_cache=setting)
         layer_of = [cache.layers[1]]
         with caplog.at_level("INFO", logger="deepseek_flash.kv.cache"):
             runs.append(greedy(model, ids, mask, cache, 40))
@@ -212,9 +262,10 @@ def test_the_device_budget_bounds_the_slots_and_turns_off_a_cache_that_cannot_ho
     (t0, l0), (t1, l1), (t2, l2) = runs
     assert torch.equal(t0, t1) and torch.equal(l0, l1) and torch.equal(t0, t2) and torch.equal(l0, l2)
     free, capped, off = caches
-    for layer in free.layers[1:]:  # 4 x k (k = 7 of 27 pages), rounded up to 16
-        k = -(-layer.n_pages // 4)
-        assert k == 7 and layer.page_cache.limit is None and layer.page_cache.capacity == 32
+    for layer in free.layers[1:]:  # 4 x k (k = 7 of 27 pages) or every page and an eighth
+        k = -(-layer.n_pages // 4)  # more (at least 16), rounded up to 16
+        assert k == 7 and layer.page_cache.limit is None
+        assert layer.page_cache.capacity == unbounded
     for layer in capped.layers[1:]:  # 20 slots allowed: 16, the multiple of 16 below (>= k)
         assert layer.page_cache.limit == 20 and layer.page_cache.capacity == 16
     assert all(layer.page_cache.refused for layer in off.layers[1:])
