@@ -28,9 +28,9 @@ from . import kernels
 
 triton, tl = kernels.triton, getattr(kernels, "tl", None)
 
-# The split kernel's shape: the fastest of bench/attention.py's sweep on the H200 at 256 and 512 keys
-# (2026-12-02: 7.44 / 9.75 us against sdpa's 10.07 / 15.02, the "sum" kernel's 32-key programs 9.48
-# / 10.12): one program for 256 keys, 64 a loop step.
+# The split kernel's shape: the least time summed over 256 and 512 keys in bench/attention.py's sweep
+# on the H200 (2026-12-02, batch 1: 8.06 / 9.75 us against sdpa's 10.07 / 15.02 and the "sum"
+# kernel's 32-key programs' 9.48 / 10.12): one program for 256 keys, 64 a loop step.
 CHUNK = 256          # keys a program (multiple of BLOCK)
 BLOCK = 64           # keys a loop step of a program
 WARPS = 4
