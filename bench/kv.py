@@ -40,8 +40,8 @@ dynamic ``DynamicCache`` decode at a 256-token context (``dynamic_floor_tok_s``)
 apart from long-context attention; it is taken again before each later context
 (``dynamic_floor_before_tok_s``): a process that slowed down shows there.
 
-``--page-cache`` sets the top-K cache's ``page_cache`` (default: the library's, ``"auto"``;
-recorded as ``topk25_page_cache``). The measuring itself is in bench/kv_steps.py, the top-K
+``--page-cache`` sets the top-K cache's ``page_cache`` (default: the library's, 1.5; ``auto``:
+every page; recorded as ``topk25_page_cache``). The measuring itself is in bench/kv_steps.py, the top-K
 variants, pairs, peer and profiles in bench/kv_modes.py.
 
 ``--smoke`` runs a tiny shape on the CPU (what the test suite runs). ``--lean``: per context the
@@ -290,8 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true",
                     help="also time top-K without its captured CUDA graphs (topk25_eager_tok_s)")
     ap.add_argument("--page-cache", type=lambda v: v if v == "auto" else float(v), default=None,
-                    help="the top-K cache's page_cache: 'auto' or a multiple (default: the "
-                         "library's, 'auto'); the goals' figures are taken with it "
+                    help="the top-K cache's page_cache: a multiple or 'auto' (default: the "
+                         "library's, 1.5); the goals' figures are taken with it "
                          "(topk25_page_cache)")
     ap.add_argument("--page-cache-multiples", type=float, nargs="*", default=[],
                     help="also time top-K with these page_cache multiples (topk25_pc<m>_*)")

@@ -14,8 +14,8 @@ holds the model, the one size a user sets for their machine). In one run:
 * prefill of ``--context`` tokens in forwards of ``--prefill-chunk`` tokens (each streams the
   weights once; what ``generate(..., prefill_chunk_size=...)`` does), time to first token;
 * decode tok/s with top-K 25 % of the pages (``top_k_pages=0.25``; without the top-K page cache,
-  ``page_cache=0``: on by default, its slots -- every page of every top-K layer, ~16 GB at 128K on
-  this shape, at least the chosen ones, ~4 GB -- do not fit the budget), then lossless (every page),
+  ``page_cache=0``: on by default, its slots -- 1.5x the chosen pages of every top-K layer, ~6 GB
+  at 128K on this shape -- do not fit the budget), then lossless (every page),
   on the same cache, each against the PCIe bound of its bytes: weights streamed per token (the
   runtime's counter) plus KV pages fetched per token, over the pinned host->GPU rate measured in
   this run;

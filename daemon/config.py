@@ -298,9 +298,9 @@ KEYS: dict[str, Key] = {
                           "tokens per KV page (auto: 32 up to a 4,096-token prompt, else 64)"),
     "kv_top_k_pages": Key(None, _kv_top_k, "null | int >= 1 | 0 < fraction <= 1", "model", False,
                           "pages attended per layer and step (null: every page, lossless)"),
-    "kv_page_cache": Key("auto", _kv_page_cache, "\"auto\" | null | 0 | number >= 1", "model",
-                         False, "top-K: device slots for the chosen pages of each top-K layer: "
-                         "every page (auto) or a multiple of its top-K page count, within 25 % "
+    "kv_page_cache": Key(1.5, _kv_page_cache, "\"auto\" | null | 0 | number >= 1", "model",
+                         False, "top-K: device slots for the chosen pages of each top-K layer: a "
+                         "multiple of its top-K page count, or every page (auto), within 25 % "
                          "of the device memory free when made (0: off, every chosen page "
                          "fetched every step)"),
     "kv_host_bytes": Key(None, _optional_size, "null | size (int or \"8GiB\")", "model", False,

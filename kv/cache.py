@@ -140,12 +140,12 @@ class TieredCache(Cache):
         (2), ``score`` ("hybrid" | "quest" | "windowed" | "mass" | "mass_max"), ``window_pages`` (64), ``error_recovery_mode``
         ("strict" | "graceful"), ``prefill_chunk`` (4096 queries), ``dense_on_device`` (None: on
         a CUDA device the dense layers keep their pages on the device as well, kv/mirror.py).
-        ``page_cache`` ("auto"): with ``top_k_pages``, each top-K layer keeps the pages it chose
-        on the device, in slots for every page of the layer ("auto") or for a multiple (a number
-        >= 1.0) of its top-K page count, within 25 % of the device memory free when the first
-        slots are made (only the newly chosen pages are fetched; where the slots run out the least
-        recently chosen leave first; kv/pagecache.py); 0 or None: off (every chosen page fetched
-        every step).
+        ``page_cache`` (1.5): with ``top_k_pages``, each top-K layer keeps the pages it chose in
+        the last steps on the device, in slots for this multiple (>= 1.0) of its top-K page count,
+        or for every page of the layer ("auto": more GPU memory than a DynamicCache, where the
+        GPU has room), within 25 % of the device memory free when the first slots are made (only
+        the newly chosen pages are fetched; the least recently chosen leave first;
+        kv/pagecache.py); 0 or None: off (every chosen page fetched every step).
 
         Importance pruning (off by default; docs/kv.md): ``prune_threshold`` (the seed's 0.15),
         ``prune_scorer`` ("attention" | "mlp" | a scorer file | a callable), ``prune_offsets``

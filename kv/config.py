@@ -13,7 +13,7 @@ CONFIG_KEYS = {"kv_gpu_tokens": "gpu_tokens", "kv_sink_tokens": "sink_tokens",
 """The configuration keys (daemon/config.py) and the ``for_model`` arguments they set."""
 
 DEFAULTS = dict(gpu_tokens=512, sink_tokens=4, page_tokens="auto", top_k_pages=None,
-                host_bytes=None, spill_dir=None, prune_threshold=None, page_cache="auto")
+                host_bytes=None, spill_dir=None, prune_threshold=None, page_cache=1.5)
 
 
 def explicit_args(given: dict) -> dict:
@@ -32,7 +32,7 @@ def flash_kv_settings(model) -> dict:
 
 def validate(*, gpu_tokens, sink_tokens, page_tokens, top_k_pages, host_bytes, spill_dir,
               dense_layers, score, window_pages, error_recovery_mode, prefill_chunk,
-              page_cache="auto") -> None:
+              page_cache=1.5) -> None:
     from deepseek_flash.errors import ConfigError
 
     def bad(key, value, allowed):

@@ -22,13 +22,16 @@ All of it is fixed-shape tensor work on the device, no host sync: on CUDA it is 
 layer's captured choice-and-gather graph (kv/graphs.py). Hits and misses are counted on the
 device and read by ``cache.stats()``.
 
-Capacity: ``page_cache``. ``"auto"`` (the default): every page of the layer -- a chosen page
-crosses PCIe once, when it is first chosen, and stays -- with an eighth more as room to grow
-(``capacity_for``), within the layer's share of the device budget (``device_budget``); where the
-budget holds fewer than every page, as many slots as the share holds (the least recently chosen
-pages give way). A number: that multiple of the layer's top-K page count, rounded up to
-``GROW_SLOTS``, within the same budget. Either grows (slots kept) as the layer's pages or its
-top-K outgrow it (a fractional ``top_k_pages`` grows with the context).
+Capacity: ``page_cache``. A number (the default 1.5): that multiple of the layer's top-K page
+count, rounded up to ``GROW_SLOTS``, within the layer's share of the device budget
+(``device_budget``). ``"auto"`` (an option, for a GPU with room): every page of the layer -- a
+chosen page crosses PCIe once, when it is first chosen, and stays -- with an eighth more as room to
+grow (``capacity_for``), within the same budget; where the budget holds fewer than every page, as
+many slots as the share holds (the least recently chosen pages give way). It holds more of the GPU
+than a ``DynamicCache`` would (every page, on top of the tiered cache's own ~10 %), so it is not
+the default: the tiered cache's point is that only the pages a query needs are on the GPU. Either
+grows (slots kept) as the layer's pages or its top-K outgrow it (a fractional ``top_k_pages`` grows
+with the context).
 """
 from __future__ import annotations
 
@@ -40,16 +43,13 @@ import torch
 log = logging.getLogger("deepseek_flash.kv.cache")
 
 AUTO = "auto"
-"""``page_cache="auto"``: slots for every page of the layer, within the device budget."""
+"""``page_cache="auto"``: slots for every page of the layer, within the device budget (an option:
+top-K's speed with no page crossing twice, at more GPU memory than a full ``DynamicCache``)."""
 
-PAGE_CACHE_DEFAULT = AUTO
-"""Default capacity of a top-K layer's page cache: ``"auto"``. Why every page: the slots are a
-cache of pages the host keeps anyway, made of device memory nothing else had taken when the first
-slots were made (``DEVICE_SHARE`` of it at most); a page kept costs no PCIe on any later step that
-chooses it, where a page given way crosses again. On an H200 at 32K the 1.5x multiple (the default
-before) left 41 % of the chosen pages crossing every step on the bench's random-weight model
-(docs/benchmarks.md, kv). Where the device has less to spare (the 16 GiB headline), the budget
-bounds it as before."""
+PAGE_CACHE_DEFAULT = 1.5
+"""Default capacity of a top-K layer's page cache, as a multiple of its top-K page count: the GPU
+holds the chosen pages and half as many again (at top-K 25 % on an 8B shape ~35 % of the full KV,
+~45 % with the tiered cache's own), so the GPU KV stays bounded by the choice, not the context."""
 
 GROW_SLOTS = 16
 """Capacities are multiples of this many page slots."""

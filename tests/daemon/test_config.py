@@ -205,7 +205,7 @@ def test_kv_keys_defaults_and_per_open():
                           scope="model")
     assert (opened.kv_top_k_pages, opened.kv_host_bytes, opened.kv_page_tokens) == (0.25, 1 << 30, 64)
     assert cfg.kv_prune_threshold is None
-    assert cfg.kv_page_cache == "auto"
+    assert cfg.kv_page_cache == 1.5
     assert cfg.override({"kv_page_cache": 2}, scope="model").kv_page_cache == 2.0
     assert cfg.override({"kv_page_cache": "auto"}, scope="model").kv_page_cache == "auto"
     assert cfg.kv_prune_threshold is None

@@ -97,7 +97,7 @@ def test_topk_page_cache_on_cuda_equals_every_page_fetched(caplog):
     # the page cache's one gather reads hits from device slots and misses from page-locked host
     # memory through one view (kv/span.py, extra=): the same tokens and logits as fetching every
     # chosen page, captured graphs on, batch 2, across page boundaries (slots grown, recaptured);
-    # a multiple of k, and every page ("auto", the default: within the device budget, which this
+    # a multiple of k, and every page ("auto", an option: within the device budget, which this
     # small model fits)
     import logging
 

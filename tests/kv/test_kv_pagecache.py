@@ -89,9 +89,10 @@ def test_page_cache_keeps_recent_choices_and_fetches_only_new_pages(monkeypatch)
 
 
 def test_auto_page_cache_holds_every_page_so_each_crosses_once(monkeypatch):
-    # the default ("auto"): slots for every page of the layer (an eighth more to grow), so a
+    # "auto" (an option): slots for every page of the layer (an eighth more to grow), so a
     # chosen page is fetched the first time it is chosen and never again: over STEPS the misses
-    # are the distinct pages chosen (0..4), where 1.5 x k fetched 12; the same bytes attended
+    # are the distinct pages chosen (0..4), where 1.5 x k (the default) fetched 12; the same bytes
+    # attended
     monkeypatch.setattr(pagecache, "GROW_SLOTS", 1)
     torch.manual_seed(0)
     b, n_tokens = 2, 2 + 8 * P + P
@@ -100,9 +101,8 @@ def test_auto_page_cache_holds_every_page_so_each_crosses_once(monkeypatch):
     for page in range(8):
         keys[:, :, 2 + page * P:2 + (page + 1) * P, page] = 3.0
     outs = {}
-    for setting in (0, None):  # off, then the default
-        opts = {} if setting is None else {"page_cache": setting}
-        cache, layer = _layer_cache(**opts)
+    for setting in (0, "auto"):
+        cache, layer = _layer_cache(page_cache=setting)
         _step(layer, torch.zeros(b, 2 * H, n_tokens, D), keys, values)
         gen = torch.Generator().manual_seed(1)
         fetched, got = [], []
@@ -114,8 +114,8 @@ def test_auto_page_cache_holds_every_page_so_each_crosses_once(monkeypatch):
                              torch.randn(b, H, 1, D, generator=gen)))
             fetched.append(cache.stats()["pages_fetched"] - before)
         outs[setting] = (got, fetched, cache, layer)
-    (plain, _, _, _), (auto, fetched, cache, layer) = outs[0], outs[None]
-    assert cache.page_cache == pagecache.AUTO == pagecache.PAGE_CACHE_DEFAULT
+    (plain, _, _, _), (auto, fetched, cache, layer) = outs[0], outs["auto"]
+    assert cache.page_cache == pagecache.AUTO and pagecache.PAGE_CACHE_DEFAULT == 1.5
     for a, c in zip(plain, auto):
         assert torch.equal(a, c)
     # new pages per step: (0,1) (2) () (3,4) () -- per sequence
