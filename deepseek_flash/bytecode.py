@@ -145,13 +145,20 @@ def usable(cache) -> bool:
     return stat.S_ISDIR(st.st_mode) and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
+def _holds(cache: str, sources) -> bool:
+    """Whether ``cache`` has the compiled file of the first of ``sources``."""
+    first = next((s for s in sources if s.endswith(".py")), None)
+    return first is not None and os.path.isfile(cache_path(cache, first))
+
+
 _prefix = {"count": 0, "saved": None}
 
 
 def prefix_while(cache, probe_sources):
     """A context manager: inside it (any thread) ``sys.pycache_prefix`` is ``cache`` where that is
-    ``usable``, no prefix was set already and this installation lacks the compiled files of
-    ``probe_sources`` (``needed``); the prefix is taken away again once the last block ends."""
+    ``usable``, no prefix was set already, this installation lacks the compiled files of
+    ``probe_sources`` (``needed``) and ``cache`` holds the first one's (an empty cache would only
+    hide the standard library's own); the prefix is taken away again once the last block ends."""
     import contextlib
     import threading
 
@@ -162,7 +169,7 @@ def prefix_while(cache, probe_sources):
         with lock:
             if _prefix["count"] == 0:
                 if (cache is not None and sys.pycache_prefix is None and usable(cache)
-                        and needed(probe_sources)):
+                        and needed(probe_sources) and _holds(cache, probe_sources)):
                     _prefix["saved"] = cache
                     sys.pycache_prefix = cache
             _prefix["count"] += 1

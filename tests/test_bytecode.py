@@ -74,6 +74,9 @@ def test_the_prefix_is_set_only_inside_where_usable_and_needed(tmp_path, monkeyp
     os.chmod(cache, 0o755)
     pkg = _package(tmp_path / "site")
     probes = [str(pkg / "__init__.py")]
+    with bytecode.prefix_while(str(cache), probes) as used:       # nothing compiled there yet
+        assert used is None and sys.pycache_prefix is None
+    bytecode.compile_into(str(cache), probes)
     with bytecode.prefix_while(str(cache), probes) as used:
         assert used == str(cache) and sys.pycache_prefix == str(cache)
         with bytecode.prefix_while(str(cache), probes):            # another thread's, nested
