@@ -264,7 +264,8 @@ def _cold_load(runtime: Path, store_dir, best_raw: float, nbytes: int, device: s
                              if "page-locked" in ln or "segment" in ln or " done: " in ln
                              or "reads at " in ln or "beyond the host arena" in ln
                              or "faulted in" in ln or "IO engine" in ln or "import" in ln
-                             or "ceiling" in ln or "read-ahead" in ln or "opened model" in ln][:32]
+                             or "ceiling" in ln or "read-ahead" in ln or "opened model" in ln
+                             or "compiled" in ln][:40]
     return out
 
 
