@@ -29,7 +29,8 @@ bf16 head and norms; variant ``graphs_unmerged`` runs q, k, v (gate, up) one GEM
 default merged step (``decode.fused.MERGE_QUANTIZED``). Variants (any model) of the step's attention
 (``decode.fused.ATTENTION``), each with its own parity and profile: ``graphs_sdpa`` (torch's),
 ``graphs_triton_attention`` (``decode.kernels.decode_attention``), ``graphs_rope_attention`` (the
-rotary and cache write inside that kernel).
+rotary and cache write inside that kernel), ``graphs_flash_attention`` (``decode.flash``: no mask
+tensor, the keys a row sees read from the device).
 
     python bench/decode.py [--arch llama] [--batches 1,8] [--output decode.json]
     python bench/decode.py --int4 --variants graphs,graphs_unmerged --skip-eager --skip-peer
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -58,15 +60,27 @@ SMOKE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_s
              num_attention_heads=4, num_key_value_heads=2)
 
 
-ATTENTION_VARIANTS = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention")
+ATTENTION_VARIANTS = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention",
+                      "graphs_flash_attention")
 # Variants with their own rounding: their own parity and profile (graphs_cuda_gemv / graphs_tinygemm:
 # int4 one-row GEMVs through quant.cuda_gemv on / off, whatever its default; graphs_cuda_gemv_a0 /
 # graphs_swap: its default shapes with x / two n-tiles as the mma's A operand (cuda_gemv.SWAP);
 # graphs_silu_apart / graphs_silu_fused: silu_mul apart from / inside the down GEMV
-# (cuda_gemv.FUSE_SILU); graphs_swap_silu: both on)
+# (cuda_gemv.FUSE_SILU); graphs_swap_silu: both on; graphs_glu / graphs_glu_apart: silu_mul inside
+# the gate|up GEMV's epilogue on / off (cuda_gemv.FUSE_GLU); graphs_flash_glu: that and
+# graphs_flash_attention's attention; graphs_ring: the default GEMV shapes streaming their codes
+# through a ring of 4 chunks a warp in shared memory (cuda_gemv.RING); graphs_flash_glu_ring: all three;
+# graphs_flash_glu_norm: flash + glu and the residual add + norm inside the q|k|v and gate|up GEMVs
+# (cuda_gemv.FUSE_NORM); graphs_all: those and the ring; graphs_pdl: the default with every int4 GEMV
+# launched with programmatic dependent launch (cuda_gemv.PDL); graphs_g4: the gate|up GEMV in the
+# sweep's fastest shape (one gate and one up n-tile a block, 4 CTAs an SM looping over blocks);
+# graphs_flash_tuned: decode.flash in the shape FLASH_TUNED="chunk,block,warps,kernel" names)
 OWN_ROUNDING = ATTENTION_VARIANTS + ("graphs_cuda_gemv", "graphs_tinygemm", "graphs_cuda_gemv_a0",
                                      "graphs_silu_apart", "graphs_swap", "graphs_silu_fused",
-                                     "graphs_swap_silu")
+                                     "graphs_swap_silu", "graphs_glu", "graphs_glu_apart",
+                                     "graphs_flash_glu", "graphs_ring", "graphs_flash_glu_ring",
+                                     "graphs_flash_glu_norm", "graphs_all", "graphs_pdl", "graphs_g4",
+                                     "graphs_flash_tuned")
 
 
 def build(arch: str, shape: dict, device, dtype, layers: int | None = None):
@@ -348,13 +362,23 @@ def main(argv=None) -> int:
     decoder = None
     default_attention = fusion.ATTENTION
     from deepseek_flash.quant import cuda_gemv
-    default_gemv, default_gemv_swap, default_silu = (cuda_gemv.ENABLED, cuda_gemv.SWAP,
-                                                     cuda_gemv.FUSE_SILU)
+    default_gemv, default_gemv_swap, default_silu, default_glu = (cuda_gemv.ENABLED, cuda_gemv.SWAP,
+                                                                  cuda_gemv.FUSE_SILU, cuda_gemv.FUSE_GLU)
+    default_ring, default_norm, default_pdl = cuda_gemv.RING, cuda_gemv.FUSE_NORM, cuda_gemv.PDL
+    from deepseek_flash.decode import flash
+    default_gate_up = cuda_gemv.PINNED[(28672, 4096)]
+    default_flash = (flash.CHUNK, flash.BLOCK, flash.WARPS, flash.KERNEL)
+    tuned_flash = default_flash
+    if os.environ.get("FLASH_TUNED"):      # "chunk,block,warps,kernel", e.g. bench/attention.py's best
+        c, b_, w, k = os.environ["FLASH_TUNED"].split(",")
+        tuned_flash = (int(c), int(b_), int(w), k)
     known = {"graphs": {}, "graphs_modules": {"fused": False}, "graphs_unmerged": {}, "graphs_sdpa": {},
-             "graphs_triton_attention": {}, "graphs_rope_attention": {},
+             "graphs_triton_attention": {}, "graphs_rope_attention": {}, "graphs_flash_attention": {},
              "graphs_cuda_gemv": {}, "graphs_tinygemm": {}, "graphs_cuda_gemv_a0": {},
              "graphs_silu_apart": {}, "graphs_swap": {}, "graphs_silu_fused": {},
-             "graphs_swap_silu": {},
+             "graphs_swap_silu": {}, "graphs_glu": {}, "graphs_glu_apart": {}, "graphs_flash_glu": {},
+             "graphs_ring": {}, "graphs_flash_glu_ring": {}, "graphs_flash_glu_norm": {}, "graphs_all": {},
+             "graphs_pdl": {}, "graphs_g4": {}, "graphs_flash_tuned": {},
              "graphs_transformers_attention": {"fused": False, "packed_attention": False},
              "graphs_transformers_norm": {"fused": False, "fused_norm": False}}
     chosen = ["graphs"] + [v for v in args.variants.split(",") if v and v != "graphs"]
@@ -371,8 +395,21 @@ def main(argv=None) -> int:
                           "graphs_swap_silu": 1}.get(variant, default_gemv_swap)
         cuda_gemv.FUSE_SILU = {"graphs_silu_apart": False, "graphs_silu_fused": True,
                                "graphs_swap_silu": True}.get(variant, default_silu)
+        cuda_gemv.FUSE_GLU = {"graphs_glu": True, "graphs_glu_apart": False, "graphs_flash_glu": True,
+                              "graphs_flash_glu_ring": True, "graphs_flash_glu_norm": True,
+                              "graphs_all": True}.get(variant, default_glu)
+        cuda_gemv.RING = {"graphs_ring": 4, "graphs_flash_glu_ring": 4, "graphs_all": 4}.get(variant, default_ring)
+        cuda_gemv.FUSE_NORM = {"graphs_flash_glu_norm": True, "graphs_all": True}.get(variant, default_norm)
+        cuda_gemv.PINNED[(28672, 4096)] = (2, 1, 1, 4) if variant == "graphs_g4" else default_gate_up
+        flash.CHUNK, flash.BLOCK, flash.WARPS, flash.KERNEL = (
+            tuned_flash if variant == "graphs_flash_tuned" else default_flash)
+        cuda_gemv.PDL = {"graphs_pdl": 1}.get(variant, default_pdl)
         fusion.ATTENTION = {"graphs_sdpa": "sdpa", "graphs_triton_attention": "triton",
-                            "graphs_rope_attention": "rope_triton"}.get(variant, default_attention)
+                            "graphs_rope_attention": "rope_triton",
+                            "graphs_flash_attention": "flash",
+                            "graphs_flash_glu": "flash",
+                            "graphs_flash_glu_ring": "flash", "graphs_flash_glu_norm": "flash",
+                            "graphs_all": "flash", "graphs_flash_tuned": "flash"}.get(variant, default_attention)
         decoder = enable(model, capacity=capacity, **options)
         for b in batches:
             ids = prompts[b]
@@ -413,8 +450,11 @@ def main(argv=None) -> int:
         res["ops_per_step"] = guarded(count_step_ops, args.arch, shape, args.layers)
         save(res, args.output)
     fusion.MERGE_QUANTIZED, fusion.ATTENTION = True, default_attention
-    cuda_gemv.ENABLED, cuda_gemv.SWAP, cuda_gemv.FUSE_SILU = (default_gemv, default_gemv_swap,
-                                                               default_silu)
+    cuda_gemv.ENABLED, cuda_gemv.SWAP, cuda_gemv.FUSE_SILU, cuda_gemv.FUSE_GLU = (
+        default_gemv, default_gemv_swap, default_silu, default_glu)
+    cuda_gemv.RING, cuda_gemv.FUSE_NORM, cuda_gemv.PDL = default_ring, default_norm, default_pdl
+    cuda_gemv.PINNED[(28672, 4096)] = default_gate_up
+    flash.CHUNK, flash.BLOCK, flash.WARPS, flash.KERNEL = default_flash
     if decoder is not None:
         decoder.reset()
     decoder = enable(model, capacity=capacity)

@@ -137,8 +137,11 @@ def tinygemm(x, w, group, s, N, K):
     return torch.ops.aten._weight_int4pack_mm(x, w, group, s)
 
 
-# (NT, W, U, P, A[, G]) of quant.cuda_gemv.Config
-CUDA_SWEEP = [(2, 8, 1, 1, 1), (2, 16, 1, 1, 1), (4, 8, 1, 1, 1), (4, 4, 2, 1, 1), (2, 4, 2, 1, 1),
+# (NT, W, U, P, A[, G[, R]]) of quant.cuda_gemv.Config; the ring (R) shapes first
+CUDA_SWEEP = [(2, 8, 1, 1, 1, 0, 4), (2, 8, 1, 1, 1, 0, 2), (4, 8, 1, 1, 1, 0, 4), (4, 8, 1, 1, 1, 0, 2),
+              (2, 16, 1, 1, 1, 0, 4), (2, 16, 1, 1, 1, 0, 2), (2, 4, 1, 1, 1, 0, 8), (4, 4, 1, 1, 1, 0, 4),
+              (8, 8, 1, 1, 1, 0, 2), (2, 16, 1, 1, 1, 0, 7),
+              (2, 8, 1, 1, 1), (2, 16, 1, 1, 1), (4, 8, 1, 1, 1), (4, 4, 2, 1, 1), (2, 4, 2, 1, 1),
               (4, 16, 1, 1, 1), (8, 8, 1, 1, 1), (2, 8, 2, 1, 1), (4, 8, 2, 1, 1),
               (4, 8, 1, 1, 1, 2), (2, 8, 1, 1, 1, 3), (2, 8, 1, 1, 1, 4), (2, 16, 1, 1, 1, 2),
               (2, 8, 4, 1, 1), (2, 16, 2, 1, 1), (2, 8, 4, 1, 0),
@@ -147,15 +150,15 @@ CUDA_SWEEP = [(2, 8, 1, 1, 1), (2, 16, 1, 1, 1), (4, 8, 1, 1, 1), (4, 4, 2, 1, 1
 
 def sweep_config(t):
     from deepseek_flash.quant import cuda_gemv
-    return cuda_gemv.Config(*t[:4], A=t[4], G=t[5] if len(t) > 5 else 0)
+    return cuda_gemv.Config(*t[:4], A=t[4], G=t[5] if len(t) > 5 else 0, R=t[6] if len(t) > 6 else 0)
 
 
 def cuda_rows(row, x, mats, W, N, K, wbytes, bw, budget_s):
     """The CUDA C++ kernel at batch 1 (on the smoke run: its CPU stand-in): the default shape
     (``cuda_us``, ``cuda_frac``, ``cuda_check``), then the ``CUDA_SWEEP`` shapes that fit, each
     checked, while ``budget_s`` lasts (``cuda_sweep``)."""
-    from deepseek_flash.quant import cuda_gemv
-    kern = cuda_gemv.Kernels(cuda_gemv.emulated_compile) if SMOKE else cuda_gemv.KERNELS
+    from deepseek_flash.quant import cuda_gemv, cuda_gemv_emu
+    kern = cuda_gemv.Kernels(cuda_gemv_emu.emulated_compile) if SMOKE else cuda_gemv.KERNELS
     words0, sz0 = mats[0][1], mats[0][2]
     cfg = cuda_gemv.default_config(N, K)
     row["cuda_config"] = [cfg.NT, cfg.W, cfg.U, cfg.P, cfg.A]

@@ -33,7 +33,7 @@ if has bf16; then
 fi
 if has attn; then
   timeout "${ATTN_TIMEOUT:-20}" $py bench/attention.py $smoke --budget-s "${ATTN_BUDGET:-12}" --batches "${ATTN_BATCHES:-1,8}" \
-    --lengths "${ATTN_LENGTHS:-256,512,4096}" --output "$out/attention.json" > "$out/attention.log" 2>&1
+    --lengths "${ATTN_LENGTHS:-256,512,4096}" ${ATTN_FLAGS:-} --output "$out/attention.json" > "$out/attention.log" 2>&1
   rc=$?; lap "attention rc=$rc"; [ $rc -eq 0 ] || status=1; tail -6 "$out/attention.log"
 fi
 if has tests; then
@@ -48,8 +48,10 @@ r = json.load(open(sys.argv[1]))
 print("==", sys.argv[1].rsplit("/", 1)[-1])
 print(f"copy {r.get('copy_bandwidth_gbps')} GB/s, {r.get('weight_bytes_per_step', 0) / 1e9:.3f} GB a step, "
       f"bound {r.get('hbm_bound_tok_s_per_seq')} tok/s")
-own = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention", "graphs_cuda_gemv", "graphs_tinygemm",
-       "graphs_cuda_gemv_a0", "graphs_silu_apart", "graphs_swap", "graphs_silu_fused", "graphs_swap_silu")
+own = ("graphs_sdpa", "graphs_triton_attention", "graphs_rope_attention", "graphs_flash_attention", "graphs_cuda_gemv", "graphs_tinygemm",
+       "graphs_cuda_gemv_a0", "graphs_silu_apart", "graphs_swap", "graphs_silu_fused", "graphs_swap_silu",
+       "graphs_glu", "graphs_glu_apart", "graphs_flash_glu", "graphs_ring", "graphs_flash_glu_ring",
+       "graphs_flash_glu_norm", "graphs_all", "graphs_pdl", "graphs_g4", "graphs_flash_tuned")
 for v in ("graphs", "graphs_unmerged") + own:
     for b, e in r.get(v, {}).items():
         m = e.get("merged") or {}

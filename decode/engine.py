@@ -373,9 +373,13 @@ class GraphDecoder:
         cursor.index = st.slot
         cursor.visible = visible
         positions = (st.slot - st.valid_from).clamp(min=0)[:, None]
-        mask = self.masks.build(lambda w: decode_allowed(st.slot, visible, st.valid_from, st.key_slots, w))
-        logits = self._fused_logits(st, positions, mask, visible) if self.fused is not None else None
+        build = lambda: self.masks.build(lambda w: decode_allowed(st.slot, visible, st.valid_from,  # noqa: E731
+                                                                 st.key_slots, w))
+        fused = self.fused is not None
+        mask = build() if not fused or self.fused.uses_mask() else None
+        logits = self._fused_logits(st, positions, mask, visible) if fused else None
         if logits is None:
+            mask = build() if mask is None else mask
             logits = forward_last(self.model, self.cache_kw, st.tokens[:, None], positions, mask,
                                   self._caches[st.batch], self.swaps)
         if st.logits is not None:
@@ -400,9 +404,11 @@ class GraphDecoder:
             rows = self._kv_rows[st.batch] = ([k[:st.batch] for k in self.store.keys],
                                               [v[:st.batch] for v in self.store.values])
         if self._fused_ran:
-            return self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
+            return self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible,
+                              st.valid_from, self.masks.windows)
         try:
-            logits = self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible)
+            logits = self.fused(st.tokens, positions, mask, rows[0], rows[1], st.slot, visible,
+                                st.valid_from, self.masks.windows)
         except _oom_error(self.torch):
             raise                  # memory, not the kernels: generate() falls back for this call
         except Exception as exc:   # noqa: BLE001 -- any failure: the modules' step, with the reason

@@ -9,9 +9,10 @@ against 34 per layer through transformers' modules (rotary alone is 5 small kern
 and per k; dtype casts; residual adds; SiLU then the product). The residual add of each sub-block
 runs inside the next norm (``kernels.add_rms_norm``); rotary, the cache write and the packed
 grouped-query layout are one kernel (``kernels.rope_cache``). Attention over the cache is torch's
-sdpa unless ``ATTENTION`` says otherwise (below). When the CUDA int4 GEMV runs the layers
-(``quant.cuda_gemv.ENABLED``), silu_mul and the down GEMV are one launch (``cuda_gemv.silu_down``:
-the kernel stages ``silu(gate) * up`` as its input, rounded as ``silu_mul`` rounds it).
+sdpa unless ``ATTENTION`` says otherwise (below). Where the CUDA int4 GEMV runs the layers
+(``quant.cuda_gemv.ENABLED``), silu_mul can run inside the gate|up GEMV (``cuda_gemv.glu``,
+``FUSE_GLU``: its epilogue, the same bits) or inside the down GEMV (``cuda_gemv.silu_down``,
+``FUSE_SILU``: the kernel stages ``silu(gate) * up`` as its input, rounded as ``silu_mul`` rounds it).
 
 The q, k, v (and gate, up) weights become one matrix per layer, so one GEMV reads them:
 * a **view** where they already lie side by side in memory (a store block that holds them in that
@@ -39,18 +40,36 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..quant.cuda_gemv import silu_down
-from . import kernels
+from ..quant import cuda_gemv
+from ..quant.cuda_gemv import glu, norm_gemv, silu_down
+from . import flash, kernels
 
 ARCHS = ("llama", "qwen2", "mistral")
 # Merge int4 tile-layout projections (``Merged``); False runs each as its module (bench/decode.py's
 # ``graphs_unmerged`` variant measures the two in one run).
 MERGE_QUANTIZED = True
-# The step's attention: "sdpa" (torch's; on the H200 the same int4 step time as ours within noise,
-# faster alone: docs/benchmarks.md), "triton" (``kernels.decode_attention``: split-key Triton kernels on CUDA, sdpa on the CPU) or
-# "rope_triton" (``kernels.rope_attention``: the rotary and cache write inside that kernel, one
-# operation a layer fewer). bench/decode.py's variants graphs_triton_attention / graphs_rope_attention.
-ATTENTION = "sdpa"
+# The step's attention: "auto" (the default: "flash" for a resident model, "sdpa" for a streamed
+# one, whose step waits on its copies), "sdpa" (torch's, over the float mask the step builds),
+# "flash" (``flash.decode_attention``: no mask tensor, the keys a row sees read from the device;
+# on the H200 the int4 step 5.3 % faster than with sdpa: docs/benchmarks.md), "triton"
+# (``kernels.decode_attention``: split-key Triton kernels over the mask) or "rope_triton"
+# (``kernels.rope_attention``: the rotary and cache write inside that kernel, one operation a layer
+# fewer). bench/decode.py's variants graphs_sdpa / graphs_flash_attention / graphs_triton_attention /
+# graphs_rope_attention.
+ATTENTION = "auto"
+
+
+def attention(streamed: bool = False) -> str:
+    """The attention ``ATTENTION`` names for a resident (``streamed`` False) or streamed model."""
+    if ATTENTION == "auto":
+        return "sdpa" if streamed else "flash"
+    return ATTENTION
+
+
+def uses_mask(streamed: bool = False) -> bool:
+    """Whether the step's attention reads the mask tensor (``"flash"`` reads ``valid_from`` and
+    the slot instead: the caller need not build one)."""
+    return attention(streamed) != "flash"
 
 
 def unsupported(model) -> str | None:
@@ -220,6 +239,9 @@ class FusedForward:
     layers: list = field(default_factory=list)
     stats: MergeStats = field(default_factory=MergeStats)
 
+    def uses_mask(self) -> bool:
+        return uses_mask(self.ring is not None)
+
     @classmethod
     def build(cls, model, ring=None) -> FusedForward:
         """``ring``: the ``client.stream.StaticRing`` of a streamed model (its layers' weights are
@@ -244,42 +266,71 @@ class FusedForward:
                     float(attn.scaling), kinds[i] if kinds else "full_attention"))
         return self
 
-    def __call__(self, tokens, positions, mask, keys, values, slot, visible: int):
+    def __call__(self, tokens, positions, mask, keys, values, slot, visible: int, valid_from=None,
+                 windows=None):
         """Float32 logits of the next token for each row: ``tokens`` (batch,), ``positions``
-        (batch, 1), ``mask`` as ``step.MaskSpec.build`` gives it, ``keys``/``values`` one cache
-        buffer per layer (batch, kv_heads, capacity, head_dim), ``slot`` the (1,) slot written."""
+        (batch, 1), ``mask`` as ``step.MaskSpec.build`` gives it (None where ``uses_mask`` says
+        no), ``keys``/``values`` one cache buffer per layer (batch, kv_heads, capacity, head_dim),
+        ``slot`` the (1,) slot written; ``valid_from`` (batch,) each row's first real slot and
+        ``windows`` (``MaskSpec.windows``: sliding window by layer kind) for ``"flash"``."""
         inner, ring = self.model.model, self.ring
         if ring is not None:
             ring.begin()
         hidden = inner.embed_tokens(tokens[:, None])
         cos, sin = inner.rotary_emb(hidden, positions)
-        mask = {k: _additive(m, hidden.dtype) for k, m in mask.items()} if isinstance(mask, dict) \
-            else _additive(mask, hidden.dtype)
+        kind = attention(ring is not None)
+        use_flash = kind == "flash" and valid_from is not None
+        if not use_flash:
+            if mask is None:
+                raise ValueError(f"the fused step's attention {kind!r} needs the mask")
+            mask = {k: _additive(m, hidden.dtype) for k, m in mask.items()} if isinstance(mask, dict) \
+                else _additive(mask, hidden.dtype)
         residual = hidden
         x = None
         for i, layer in enumerate(self.layers):
             streamed = ring is not None and i in ring.index
             if streamed:
                 ring.before(i)
-            normed = kernels.add_rms_norm(x, residual, layer.in_norm, layer.in_eps)
-            q, k, v = layer.qkv(normed)
+            got = _norm_gemv(layer.qkv, x, residual, layer.in_norm, layer.in_eps)
+            if got is not None:             # the residual add and norm inside the GEMV
+                qkv, residual = got
+                q, k, v = qkv.split(layer.qkv.sizes, dim=-1)
+            else:
+                normed = kernels.add_rms_norm(x, residual, layer.in_norm, layer.in_eps)
+                q, k, v = layer.qkv(normed)
             layer_mask = mask[layer.kind] if isinstance(mask, dict) else mask
-            if ATTENTION == "rope_triton":
+            if use_flash:
+                query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
+                attn = flash.decode_attention(query, keys[i], values[i], valid_from, slot, visible,
+                                              int((windows or {}).get(layer.kind) or 0), layer.scaling)
+            elif kind == "rope_triton":
                 attn = kernels.rope_attention(q, k, v, cos, sin, slot, keys[i], values[i], visible,
                                               layer_mask, layer.scaling)
             else:
                 query = kernels.rope_cache(q, k, v, cos, sin, slot, keys[i], values[i])
-                attend = (kernels.decode_attention if ATTENTION == "triton" else
+                attend = (kernels.decode_attention if kind == "triton" else
                           lambda q_, k_, v_, m_, s_: torch.nn.functional.scaled_dot_product_attention(
                               q_, k_, v_, attn_mask=m_, scale=s_))
                 attn = attend(query, keys[i][:, :, :visible], values[i][:, :, :visible], layer_mask,
                               layer.scaling)
             x = layer.o_proj(attn.reshape(attn.shape[0], 1, -1))
-            normed = kernels.add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
-            gate, up = layer.gate_up(normed)
-            x = silu_down(layer.down, gate, up)
-            if x is None:
-                x = layer.down(kernels.silu_mul(gate, up))
+            fuse_glu = cuda_gemv.FUSE_GLU
+            got = _norm_gemv(layer.gate_up, x, residual, layer.post_norm, layer.post_eps, fuse_glu)
+            if got is not None:
+                out, residual = got
+                act = out if fuse_glu else None
+                gate_up = None if fuse_glu else out.split(layer.gate_up.sizes, dim=-1)
+            else:
+                normed = kernels.add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
+                act = glu(layer.gate_up.quant, normed) if layer.gate_up.quant is not None else None
+                gate_up = None if act is not None else layer.gate_up(normed)
+            if act is not None:             # silu(gate) * up straight from the gate|up GEMV
+                x = layer.down(act)
+            else:
+                gate, up = gate_up
+                x = silu_down(layer.down, gate, up)
+                if x is None:
+                    x = layer.down(kernels.silu_mul(gate, up))
             if streamed:
                 ring.after(i)
         final = self.model.model.norm
@@ -288,6 +339,14 @@ class FusedForward:
         if ring is not None:
             ring.end()
         return logits
+
+
+def _norm_gemv(group, x, residual, weight, eps, fuse_glu=False):
+    """``cuda_gemv.norm_gemv`` over a merged int4 group (None where it cannot: the caller runs
+    ``add_rms_norm`` then the group; the first layer's norm has no sub-block output)."""
+    if x is None or group.quant is None:
+        return None
+    return norm_gemv(group.quant, x, residual, weight, eps, fuse_glu)
 
 
 def _additive(mask, dtype):

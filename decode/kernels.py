@@ -484,6 +484,10 @@ def _self_check(device, dtype, hidden: int = 320, heads: int = 8, kv_heads: int 
         if not (_close(want, got, dtype) and _close(caches[0], caches[2], dtype)
                 and torch.equal(caches[1], caches[3])):
             return "rope_attention disagrees with the reference"
+    from . import flash      # the step's maskless attention (its own module)
+    reason = flash.self_check(device, dtype, heads, kv_heads, head_dim)
+    if reason is not None:
+        return reason
     # Greedy choice over 5000 values (three blocks): ties (the first wins), a row of one value,
     # a NaN (it wins, as in torch).
     logits = torch.randn(4, 5000, generator=gen).to(device=device, dtype=torch.float32)

@@ -33,22 +33,27 @@ def test_fused_step_runs_a_handful_of_operations_per_layer():
     assert fused["aten::linear"] == 4 * layers + 1           # q|k|v, o, gate|up, down; head
     from deepseek_flash.decode import fused as fusion
     attention = {"sdpa": "aten::scaled_dot_product_attention", "triton": "deepseek_flash::decode_attention",
-                 "rope_triton": "deepseek_flash::rope_attention"}[fusion.ATTENTION]
+                 "rope_triton": "deepseek_flash::rope_attention",
+                 "flash": "deepseek_flash::flash_decode_attention"}[fusion.attention()]
     assert fused[attention] == layers
-    per_layer = 8 if fusion.ATTENTION == "rope_triton" else 9
-    assert fused["deepseek_flash::rope_cache"] == (0 if fusion.ATTENTION == "rope_triton" else layers)
+    per_layer = 8 if fusion.attention() == "rope_triton" else 9
+    assert fused["deepseek_flash::rope_cache"] == (0 if fusion.attention() == "rope_triton" else layers)
     assert "aten::index_copy_" not in fused or fused["aten::index_copy_"] == 2   # the step's output
     assert modules["aten::linear"] == 7 * layers + 1
-    # Beside the layers, the step's own work: masks, positions, rotary tables, token choice.
-    assert sum(fused.values()) == per_layer * layers + 33, sorted(fused.items())
+    # Beside the layers, the step's own work: masks (none where the attention reads no mask),
+    # positions, rotary tables, token choice.
+    around = 33 if fusion.uses_mask() else 27
+    assert sum(fused.values()) == per_layer * layers + around, sorted(fused.items())
     assert sum(modules.values()) == 34 * layers + 33, sorted(modules.items())
 
 
-@pytest.mark.parametrize("attention,ops_per_layer", [("triton", 9), ("rope_triton", 8)])
-def test_our_attention_ops_give_the_same_tokens(monkeypatch, attention, ops_per_layer):
-    """fused.ATTENTION "triton" (kernels.decode_attention) and "rope_triton" (rope_cache +
-    decode_attention as one operation, kernels.rope_attention): the same tokens as sdpa (the CPU
-    runs the same arithmetic), with a sliding window and left padding."""
+@pytest.mark.parametrize("attention,ops_per_layer,step_ops_", [("triton", 9, 33), ("rope_triton", 8, 33),
+                                                               ("flash", 9, 27)])
+def test_our_attention_ops_give_the_same_tokens(monkeypatch, attention, ops_per_layer, step_ops_):
+    """fused.ATTENTION "triton" (kernels.decode_attention), "rope_triton" (rope_cache +
+    decode_attention as one operation, kernels.rope_attention) and "flash" (flash.decode_attention:
+    no mask tensor, so the step builds none): the same tokens as sdpa (the CPU runs the same
+    arithmetic), with a sliding window and left padding."""
     from deepseek_flash.decode import fused
 
     layers = 3
@@ -58,9 +63,10 @@ def test_our_attention_ops_give_the_same_tokens(monkeypatch, attention, ops_per_
     model = _enabled(tiny_model("mistral", num_layers=layers, sliding_window=5))
     assert torch.equal(greedy(model, ids, mask, 12), want)
     ops = step_ops(_enabled(tiny_model("llama", num_layers=layers)))
-    op = "deepseek_flash::rope_attention" if attention == "rope_triton" else "deepseek_flash::decode_attention"
+    op = {"rope_triton": "deepseek_flash::rope_attention", "triton": "deepseek_flash::decode_attention",
+          "flash": "deepseek_flash::flash_decode_attention"}[attention]
     assert ops[op] == layers and "aten::scaled_dot_product_attention" not in ops
-    assert sum(ops.values()) == ops_per_layer * layers + 33
+    assert sum(ops.values()) == ops_per_layer * layers + step_ops_, sorted(ops.items())
 
 
 def _enabled(model, **options):
@@ -155,3 +161,13 @@ def test_a_fused_step_that_raises_falls_back_to_the_modules_with_the_reason(monk
     stats = decoder.stats()
     assert stats["step"] == "modules" and "no kernel image" in stats["fused_reason"]
     assert stats["eager_steps"] == 11
+
+
+def test_auto_attention_is_flash_for_a_resident_model_and_sdpa_for_a_streamed_one(monkeypatch):
+    from deepseek_flash.decode import fused
+
+    assert fused.ATTENTION == "auto"
+    assert (fused.attention(), fused.attention(streamed=True)) == ("flash", "sdpa")
+    assert (fused.uses_mask(), fused.uses_mask(streamed=True)) == (False, True)
+    monkeypatch.setattr(fused, "ATTENTION", "sdpa")
+    assert (fused.attention(), fused.uses_mask()) == ("sdpa", True)

@@ -108,3 +108,57 @@ def test_tiled_int4_projections_merge_into_one_gemv_with_the_same_outputs(tiled,
     assert torch.equal(tokens, want_tokens)
     if device != "cpu":
         assert stats["mode"] == "graphs" and stats["replays"] == alone["replays"] > 0
+
+
+def test_the_step_takes_silu_of_gate_up_from_the_merged_gemv_where_glu_answers(tiled, monkeypatch):
+    """``cuda_gemv.glu`` (the gate|up GEMV with silu_mul in its epilogue; CUDA only) wired into the
+    fused step: where it answers, its output is the down GEMV's input and no silu_mul runs. A
+    stand-in with the unfused arithmetic gives the unfused step's tokens."""
+    from deepseek_flash.decode import fused, kernels
+
+    want, _ = _decoded(tiled, "cpu", True, monkeypatch)
+    calls = []
+
+    def stand_in(gate_up, x):
+        calls.append(gate_up.out_features)
+        gate, up = gate_up(x).split(gate_up.out_features // 2, dim=-1)
+        return kernels._ref_silu_mul(gate, up)
+
+    def no_silu_mul(gate, up):
+        raise AssertionError("silu_mul ran beside glu")
+
+    monkeypatch.setattr(fused, "glu", stand_in)
+    monkeypatch.setattr(kernels, "silu_mul", no_silu_mul)
+    tokens, stats = _decoded(tiled, "cpu", True, monkeypatch)
+    assert torch.equal(tokens, want) and calls and set(calls) == {512}
+
+
+def test_the_step_takes_the_residual_add_and_norm_into_the_gemv_where_norm_gemv_answers(tiled, monkeypatch):
+    """``cuda_gemv.norm_gemv`` (the residual add + RMSNorm staged inside the q|k|v and gate|up
+    GEMVs; CUDA only) wired into the fused step: where it answers, no add_rms_norm runs before that
+    GEMV (only the first layer's, with no sub-block output yet, and the final norm), and the new
+    residual it returns carries on. A stand-in with the unfused arithmetic gives the same tokens."""
+    from deepseek_flash.decode import fused, kernels
+
+    want, _ = _decoded(tiled, "cpu", True, monkeypatch)
+    calls, norms = [], []
+
+    def stand_in(layer, x, residual, weight, eps, glu=False):
+        calls.append(layer.out_features)
+        new = residual.clone()
+        y = layer(kernels._ref_add_rms_norm(x, new, weight, eps))
+        return (kernels._ref_silu_mul(*y.split(layer.out_features // 2, dim=-1)) if glu else y), new
+
+    real = kernels.add_rms_norm
+
+    def counted(x, residual, weight, eps):
+        norms.append(x is None)
+        return real(x, residual, weight, eps)
+
+    monkeypatch.setattr(fused, "norm_gemv", stand_in)
+    monkeypatch.setattr(kernels, "add_rms_norm", counted)
+    tokens, _ = _decoded(tiled, "cpu", True, monkeypatch)
+    assert torch.equal(tokens, want)
+    steps = len(norms) // 2
+    assert set(calls) == {256, 512} and calls.count(512) == calls.count(256) + steps
+    assert norms.count(True) == steps and len(norms) == 2 * steps   # layer 0's in-norm and the final one
