@@ -6,7 +6,8 @@
 #                                            starts, in a fresh client process: the daemon's first
 #                                            ever, then after its restart (the import files learned
 #                                            from the first read ahead at start) (~150 s on a fresh
-#                                            machine; PATHS_COLD_ARGS e.g. --skeleton-alone, --no-restart;
+#                                            machine; PATHS_COLD_ARGS e.g. --skeleton-alone, --no-restart,
+#                                            --restarts 2 (one more sample after a restart, ~25 s);
 #                                            the imports beside the IO engine at PATHS_BESIDE_ENGINE,
 #                                            default 32x1MiB, '' to skip: ~12 s each);
 #                                            PATHS_READ_SHAPES (e.g. 32x1MiB,8x4MiB): first, those
@@ -161,7 +162,8 @@ for p in sorted(out.glob("paths-*.json")):
             "daemon_side_vs_best_raw", "daemon_log_pin")
     if cold:
         print("cold raw:", {k: cold.get(k) for k in ("python_odirect_gbps", "dd_direct_gbps", "best_raw_gbps", "raw_bytes_read")})
-    for name, r in (("cold first-ever", cold), ("cold after restart", cold.get("after_restart")),
+    more = [(f"cold after restart {i}", r) for i, r in enumerate(cold.get("after_restart_more") or [], 2)]
+    for name, r in (("cold first-ever", cold), ("cold after restart", cold.get("after_restart")), *more,
                     ("cold after restart, alt", cold.get("after_restart_alt"))):
         if r:
             print(f"{name}:", json.dumps({k: r.get(k) for k in keys if k in r}))

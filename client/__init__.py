@@ -360,6 +360,12 @@ class Client:
             return self._backend.call("attach", args, sent=sent)
         return self._backend.call("attach", args)
 
+    @property
+    def bytecode_cache(self) -> str | None:
+        """The daemon's compiled-module cache (its hello; ``deepseek_flash.bytecode``), None in
+        embedded mode or where the daemon keeps none."""
+        return (getattr(self._backend, "hello", None) or {}).get("bytecode_cache")
+
     def imports_done(self, module: str | None = None, files: dict | None = None) -> float | None:
         """This process's imports are done (after ``attach(..., importing=True)``): the controller
         reads at full depth again. The seconds it read shallow for this client (None: it did not).

@@ -327,7 +327,7 @@ def load_model(name_or_path, device=None, weight_budget=None, embedded=None, fla
 
         def start():
             nonlocal imports
-            imports = start_imports(info.config)
+            imports = start_imports(info.config, bytecode_cache=getattr(client, "bytecode_cache", None))
 
         handle.desc = client.attach(info.name, target, weight_budget=budget, priority=priority,
                                     importing=module is not None, imports_module=module,

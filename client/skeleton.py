@@ -134,8 +134,12 @@ class Imports:
     An error is not raised here: the caller's own import then raises it.
     """
 
-    def __init__(self, module: str):
+    def __init__(self, module: str, bytecode_cache: str | None = None):
         self.module = module
+        # The daemon's compiled-module cache (its hello), read where this installation has no
+        # compiled files (deepseek_flash.bytecode); whether it was (``prefix``), once done.
+        self.bytecode_cache = bytecode_cache
+        self.prefix: str | None = None
         self.seconds: float | None = None       # the imports' own time, once done
         self.cpu_seconds: float | None = None   # and this thread's CPU time in it
         self.opened: dict = {}                  # the files opened meanwhile, in order (``record_opens``)
@@ -146,17 +150,24 @@ class Imports:
 
     def _run(self) -> None:
         import importlib
+        import importlib.util
         import sys
         import time
 
+        from .. import bytecode
         from .metadata import few_stats
 
         started, cpu = time.perf_counter(), time.thread_time()
         self.before = (set(sys.modules), mapped_files())
         try:
+            spec = importlib.util.find_spec(self.module.split(".")[0])
+            probes = [spec.origin] if spec is not None and spec.origin else []
             # few_stats: transformers' package-metadata scan at import, without a stat per
-            # installed file (client.metadata).
-            with record_opens() as opened, few_stats():
+            # installed file (client.metadata); prefix_while: compiled modules from the daemon's
+            # cache where this installation has none (not compiled again in every process).
+            with record_opens() as opened, few_stats(), \
+                    bytecode.prefix_while(self.bytecode_cache, probes) as prefix:
+                self.prefix = prefix
                 importlib.import_module(self.module)
             self.opened = opened
         except Exception as exc:  # noqa: BLE001 -- the caller's import raises it again
@@ -180,7 +191,8 @@ def imports_module(config_dict: dict | None) -> str | None:
     return _modeling_module(config_dict)
 
 
-def start_imports(config_dict: dict | None, started: Imports | None = None) -> Imports | None:
+def start_imports(config_dict: dict | None, started: Imports | None = None,
+                  bytecode_cache: str | None = None) -> Imports | None:
     """Start importing the architecture's ``transformers`` module (see ``Imports``); None when
     it is imported already or ``config_dict`` is None. ``started``: imports begun earlier (for
     another config), kept when they are this config's; otherwise joined first (two threads must not import the package tree at once)."""
@@ -192,7 +204,7 @@ def start_imports(config_dict: dict | None, started: Imports | None = None) -> I
         started.wait()
     if skeleton_imported(config_dict):
         return None
-    return Imports(_modeling_module(config_dict))
+    return Imports(_modeling_module(config_dict), bytecode_cache)
 
 
 # What imports_done may carry at most (the daemon's frames are 1 MiB by default).

@@ -119,7 +119,11 @@ def build_controller(config, *, arena_name: str = "deepseek-flash", status=None,
     try:
         if imports_ahead:
             # First: the disk is idle until a client asks, and its imports want these files.
-            ahead = ImportsAhead(paths.state_dir(), on_warm=manager.imports_read_ahead).start()
+            ahead = ImportsAhead(paths.state_dir(), on_warm=manager.imports_read_ahead)
+            # Before torch's import (the prepare thread): an installation without compiled
+            # files reads them from the daemon's cache (deepseek_flash.bytecode).
+            ahead.use_bytecode_cache()
+            ahead.start()
         recovery = DeviceWatch(manager, monitor=udev_monitor, use_udev=use_udev)
         attachments = build_device_tier(manager, arena, config)
         # Once CUDA is up, the daemon's own imports (torch's modules) join the files read ahead

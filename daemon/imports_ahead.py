@@ -46,6 +46,7 @@ import threading
 import time
 from pathlib import Path
 
+from .. import bytecode
 from ..errors import ConfigError, ImportManifestCorrupt
 from .readahead_worker import read_ahead, serve, walk  # noqa: F401 -- read_ahead: the API here too
 
@@ -210,28 +211,29 @@ def own_mapped_files() -> set[str]:
 
 
 def own_module_files(modules=None) -> list[str]:
-    """The files this process's imported modules were loaded from, in the order imported: the
-    compiled file where there is one (what the import reads), else the module's file (an
-    extension module, a source without a cache); no file system call (a compiled file named here
-    may not exist: ``learn`` keeps only those that do)."""
+    """The files this process's imported modules were loaded from, in the order imported: each
+    module's compiled file and its own file (source or extension module: an installation without
+    compiled files reads the source); no file system call (a compiled file named here may not
+    exist: ``learn`` keeps only those that do)."""
     import sys
 
     out: dict[str, None] = {}
     for mod in list((sys.modules if modules is None else modules).values()):
-        path = getattr(getattr(mod, "__spec__", None), "cached", None) or getattr(mod, "__file__", None)
-        if isinstance(path, str) and os.path.isabs(path):
-            out.setdefault(path)
+        for path in (getattr(getattr(mod, "__spec__", None), "cached", None), getattr(mod, "__file__", None)):
+            if isinstance(path, str) and os.path.isabs(path):
+                out.setdefault(path)
     return list(out)
 
 
-def plan(manifest: dict[str, list[str]], mapped=frozenset()):
+def plan(manifest: dict[str, list[str]], mapped=frozenset(), cache: str | None = None):
     """What the start does for ``manifest``: (directories to list, files to stat, files to read);
     the directories sorted, the files in the manifest's order -- the daemon's own start's
     (``OWN``) first: its torch import begins at once -- (each module's in the order its
     client's imports first opened them: the workers read the first-needed first). Every file is
     read whole -- sources too: transformers reads its model sources' text at import (a scan of
     ``transformers/models``), compiled or not -- except one mapped into the daemon already
-    (``mapped``); nothing is only stat-ed now."""
+    (``mapped``); nothing is only stat-ed now. ``cache``: the compiled-module cache
+    (``deepseek_flash.bytecode``): each source's compiled file there is read right before it."""
     order = ([OWN] if OWN in manifest else []) + [m for m in manifest if m != OWN]
     files = list(dict.fromkeys(f for m in order for f in manifest[m]))
     dirs, read = set(), []
@@ -240,9 +242,11 @@ def plan(manifest: dict[str, list[str]], mapped=frozenset()):
         dirs.add(directory)
         if os.path.basename(directory) == "__pycache__":
             dirs.add(os.path.dirname(directory))
+        if cache is not None and path.endswith(".py"):
+            read.append(bytecode.cache_path(cache, path))
         if path not in mapped:
             read.append(path)
-    return sorted(dirs), [], read
+    return sorted(dirs), [], list(dict.fromkeys(read))
 
 
 def run_worker(request: dict, timeout: float = 300.0) -> dict:
@@ -278,6 +282,9 @@ class ImportsAhead:
         self.threads = read_threads() if threads is None else threads
         self.manifest: dict[str, list[str]] = {}
         self.result: dict | None = None     # the start's counts, once done
+        # The compiled-module cache (``deepseek_flash.bytecode``) where the installation ships
+        # none: ``use_bytecode_cache``.
+        self.bytecode_dir: str | None = None
         self.done = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -310,12 +317,12 @@ class ImportsAhead:
         started = time.monotonic()
         modules = sorted(m for m in manifest if m != OWN)
         if modules:
-            dirs, stat_only, read = plan(manifest, own_mapped_files())
+            dirs, stat_only, read = plan(manifest, own_mapped_files(), self.bytecode_dir)
             request = {"dirs": dirs, "stat": stat_only, "read": read}
             what = f"the imports of {len(modules)} modules"
         else:
             # No client's list yet (the daemon's own, if any, is read first).
-            own = plan({OWN: manifest[OWN]}, own_mapped_files())[2] if OWN in manifest else []
+            own = plan({OWN: manifest[OWN]}, own_mapped_files(), self.bytecode_dir)[2] if OWN in manifest else []
             packages = fallback_packages()
             roots = package_roots(packages)
             if not roots and not own:
@@ -342,10 +349,17 @@ class ImportsAhead:
         return counts
 
     def learn(self, module: str, files: list[str]) -> bool:
-        """A client's imports of ``module`` opened ``files``: kept for the next start. Whether
-        the manifest changed (then it was written). Never raises: a failed write is logged."""
+        """A client's imports of ``module`` opened ``files``: kept for the next start (and, with a
+        compiled-module cache, their sources compiled there). Whether the manifest changed (then
+        it was written). Never raises: a failed write is logged."""
         # Only what exists here (an audit "open" is also a failed open): none opened in vain at start.
         files = [f for f in dict.fromkeys(files) if os.path.isfile(f)][:MAX_FILES]
+        changed = self._keep(module, files)
+        if self.bytecode_dir is not None:
+            self.compile(files)
+        return changed
+
+    def _keep(self, module: str, files: list[str]) -> bool:
         with self._lock:
             if self.manifest.get(module) == files:
                 return False
@@ -361,6 +375,36 @@ class ImportsAhead:
                 return False
         log.info("import manifest: %d files of %s's imports kept for the next start", len(files), module)
         return True
+
+    def use_bytecode_cache(self, probes=None) -> str | None:
+        """Where this installation lacks the compiled files of torch and transformers (``probes``:
+        their ``__init__.py``): this daemon reads its modules' compiled files from the cache in its
+        state directory from now on (its own imports, torch's first), keeps the compiled files of
+        what its start and its clients import there (``learn``), and tells its clients (the hello
+        reply); the cache's path, None where not needed."""
+        if probes is None:
+            probes = [os.path.join(root, "__init__.py") for root in package_roots(("torch", "transformers"))]
+        if not bytecode.needed(probes):
+            return None
+        cache = str(self.path.parent / bytecode.CACHE_NAME)
+        try:
+            bytecode.use_for_this_process(cache)
+        except OSError as exc:
+            log.warning("no compiled-module cache at %s: %s", cache, exc)
+            return None
+        self.bytecode_dir = cache
+        log.info("this installation has no compiled files for %s: compiled modules kept and read in %s",
+                 ", ".join(probes), cache)
+        return cache
+
+    def compile(self, files) -> dict:
+        """The sources among ``files`` compiled into the cache where missing or stale (a process
+        of its own); counts (logged)."""
+        started = time.monotonic()
+        counts = bytecode.compile_into(self.bytecode_dir, files)
+        if counts.get("stale") or counts.get("error"):
+            log.info("compiled-module cache: %s in %.2f s", counts, time.monotonic() - started)
+        return counts
 
     def learn_own(self) -> bool:
         """The modules this daemon has imported (torch's, once CUDA is up: ``Fabric.prepare``'s

@@ -305,9 +305,12 @@ class Server:
                                                "name": name if isinstance(name, str) else None})
         if isinstance(name, str):
             conn.name = f"{name} (pid {conn.pid})"
-        frame = reply_ok(req_id, {"protocol": PROTOCOL_VERSION, "version": __version__,
-                                  "client_id": conn.client_id, "pid": os.getpid(),
-                                  "arena_size": self.arena.size, "max_frame_bytes": self.max_frame})
+        hello = {"protocol": PROTOCOL_VERSION, "version": __version__, "client_id": conn.client_id,
+                 "pid": os.getpid(), "arena_size": self.arena.size, "max_frame_bytes": self.max_frame}
+        cache = getattr(getattr(self.ops, "imports_ahead", None), "bytecode_dir", None)
+        if cache is not None:
+            hello["bytecode_cache"] = cache     # compiled modules a client may read (deepseek_flash.bytecode)
+        frame = reply_ok(req_id, hello)
         if conn.wbuf:
             self._flush(conn)
         if conn.wbuf:

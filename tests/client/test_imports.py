@@ -15,7 +15,7 @@ PACKAGES = {"deepseek_flash.client": ROOT / "client", "deepseek_flash": ROOT / "
 # either side's internals.
 SHARED = ("deepseek_flash.wire", "deepseek_flash.protocol", "deepseek_flash.prefetch",
           "deepseek_flash.cuda", "deepseek_flash.fsutil", "deepseek_flash.sizes",
-          "deepseek_flash.errors", "deepseek_flash.paths")
+          "deepseek_flash.errors", "deepseek_flash.paths", "deepseek_flash.bytecode")
 # The one entrance into deepseek_flash.daemon a client module may use: embedded mode builds its
 # controller like the daemon does.
 ALLOWED_DAEMON_IMPORTS = {

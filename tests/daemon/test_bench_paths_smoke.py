@@ -70,7 +70,8 @@ def test_the_gpu_branch_runs_its_readers_other_process_and_both_cold_loads_on_cu
     monkeypatch.setattr(bench, "cold_in_fresh_process", fake_cold)
     data = tmp_path / "data.bin"
     data.write_bytes(b"x" * 4096)
-    args = argparse.Namespace(smoke=False, raw_bytes="all", hog="1KiB", restart=True, skeleton_alone=False,
+    args = argparse.Namespace(smoke=False, raw_bytes="all", hog="1KiB", restart=True, restarts=2,
+                              skeleton_alone=False,
                               parallel_imports="", beside_engine="", diagnose=False,
                               alt='{"config": {"read_shape": "32x1MiB"}, "env": {"X": "1"}}',
                               output=str(tmp_path / "o.json"))
@@ -82,13 +83,16 @@ def test_the_gpu_branch_runs_its_readers_other_process_and_both_cold_loads_on_cu
     state = calls[4][6]
     assert calls == ["drop", ("odirect", 4096), "drop", ("dd", 4096, 4 << 20),
                      ("cold", "first", 1.25, 1000, "cuda:0", True, state),
-                     ("cold", "restarted", 1.25, 1000, "cuda:0", True, state),
+                     ("cold", "restarted0", 1.25, 1000, "cuda:0", True, state),
+                     # --restarts 2: one more sample after a restart, the same state
+                     ("cold", "restarted1", 1.25, 1000, "cuda:0", True, state),
                      # --alt: once more after a restart, the same state, the other configuration
                      ("cold", "alt", 1.25, 1000, "cuda:0", True, state,
                       {"config": {"read_shape": "32x1MiB"}, "env": {"X": "1"}})]
     assert cold["after_restart_alt"] == {"alt": {"config": {"read_shape": "32x1MiB"}, "env": {"X": "1"}},
                                          "request_to_loaded_s": 1.0, "vs_best_raw": 0.5}
     assert state.name == "state" and cold["after_restart"] == {"request_to_loaded_s": 1.0, "vs_best_raw": 0.5}
+    assert cold["after_restart_more"] == [{"request_to_loaded_s": 1.0, "vs_best_raw": 0.5}]
     seen = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: seen.append("sync"))
     monkeypatch.setattr(torch.cuda, "init", lambda: seen.append("init"))

@@ -386,7 +386,7 @@ def test_the_reads_run_in_a_process_of_their_own_or_here_when_it_fails(tmp_path,
     assert "the read-ahead process failed (exit 2" in caplog.text
 
 
-def test_own_module_files_are_the_compiled_or_module_files_in_import_order(tmp_path):
+def test_own_module_files_are_the_compiled_and_module_files_in_import_order(tmp_path):
     import types
     from importlib.machinery import ModuleSpec
 
@@ -403,7 +403,10 @@ def test_own_module_files_are_the_compiled_or_module_files_in_import_order(tmp_p
             "builtin": module("builtin"),                      # no file at all
             "rel": module("rel", "rel.py"),                    # not an absolute path: left out
             "again": module("again", "/s/src.py", "/s/__pycache__/src.cpython-312.pyc")}
-    assert imports_ahead.own_module_files(mods) == ["/s/__pycache__/src.cpython-312.pyc", "/s/_ext.so"]
+    # Each module's compiled file and its own (an installation without compiled files reads the
+    # source), once, in the order imported.
+    assert imports_ahead.own_module_files(mods) == ["/s/__pycache__/src.cpython-312.pyc", "/s/src.py",
+                                                    "/s/_ext.so"]
     # This process's own, in the order imported: the interpreter's start before this module.
     own = imports_ahead.own_module_files()
     assert own.index(sys.modules["encodings"].__spec__.cached) < own.index(imports_ahead.__spec__.cached)
@@ -445,3 +448,14 @@ def test_with_only_the_daemons_own_list_the_start_reads_it_then_walks_the_packag
     # _ext.so read from the list, then the walk's 7 files (the walk re-reads it: 8 reads in all).
     assert counts["walked"] == 7 and counts["files"] == 8
     assert counts["bytes"] == 5000 + sum(os.path.getsize(p) for p in f.values())
+
+
+def test_with_a_compiled_module_cache_each_sources_compiled_file_is_read_before_it(tmp_path):
+    from deepseek_flash import bytecode
+
+    f = _tree(tmp_path)
+    cache = str(tmp_path / "cache")
+    _, _, read = imports_ahead.plan({MODULE: [f["pkg/mod.py"], f["pkg/_ext.so"]],
+                                     imports_ahead.OWN: [f["pkg/lonely.py"]]}, cache=cache)
+    assert read == [bytecode.cache_path(cache, f["pkg/lonely.py"]), f["pkg/lonely.py"],
+                    bytecode.cache_path(cache, f["pkg/mod.py"]), f["pkg/mod.py"], f["pkg/_ext.so"]]
