@@ -10,15 +10,17 @@ serves every position of its window; ``visible`` (a Python int, fixed per graph)
 
 On CUDA (Triton), flash decoding in two kernels: each program takes ``CHUNK`` keys of one (row,
 key/value head) -- the keys it may see loaded, the rest never read -- and keeps the softmax of its
-group of query rows over them in float32 (broadcast products, no ``tl.dot``: the group is 4 rows at
-the 8B shape, where ``tl.dot`` pads to 16); a second kernel combines every program of a (row, head)
-with all their partial sums loaded at once (one memory round trip, where ``kernels.decode_attention``
-looped over them). Against torch's sdpa with the float mask the step built (memory-efficient
+group of query rows over them (``KERNEL``: ``tl.dot`` on the tensor cores, the group's rows padded to
+16, float32 sums; or broadcast products in float32); a second kernel combines every program of a
+(row, head) with all their partial sums loaded at once (one memory round trip, where
+``kernels.decode_attention`` looped over them). Against torch's sdpa with the float mask the step built (memory-efficient
 kernel + a mask kernel, 15 us a layer on the H200): docs/benchmarks.md. On the CPU (and where Triton
 is off) the reference: the boolean mask built as the step builds it, as an additive bias, then sdpa --
 the same operations, so the same bits, as the step with ``fused.ATTENTION = "sdpa"``.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -26,14 +28,17 @@ from . import kernels
 
 triton, tl = kernels.triton, getattr(kernels, "tl", None)
 
-CHUNK = 32           # keys a program (multiple of BLOCK)
-BLOCK = 16           # keys a loop step of a program
+# The split kernel's shape: the least time summed over 256 and 512 keys in bench/attention.py's sweep
+# on the H200 (2026-12-02, batch 1: 8.06 / 9.75 us against sdpa's 10.07 / 15.02 and the "sum"
+# kernel's 32-key programs' 9.48 / 10.12): one program for 256 keys, 64 a loop step.
+CHUNK = 256          # keys a program (multiple of BLOCK)
+BLOCK = 64           # keys a loop step of a program
 WARPS = 4
 COMBINE_BLOCK = 16   # programs' partial sums a combine step loads at once
-# The split kernel: "sum" (broadcast products in float32) or "dot" (``tl.dot`` on the tensor cores:
-# q . k in bfloat16 products with float32 sums -- exact products --, p . v in tf32; float32 models
-# in IEEE float32), the group's rows padded to 16.
-KERNEL = "sum"
+# The split kernel: "dot" (``tl.dot`` on the tensor cores: q . k in bfloat16 products with float32
+# sums -- exact products --, p . v in tf32; float32 models in IEEE float32; the group's rows padded
+# to 16) or "sum" (broadcast products in float32, no padding).
+KERNEL = "dot"
 
 
 def _ref_decode_attention(query, k_cache, v_cache, valid_from, slot, visible: int, window: int,
@@ -237,12 +242,19 @@ def self_check(device, dtype, heads: int = 8, kv_heads: int = 2, head_dim: int =
     query = rnd(b, kv_heads, heads // kv_heads, d)
     k_cache, v_cache = rnd(b, kv_heads, visible + 10, d), rnd(b, kv_heads, visible + 10, d)
     valid_from = torch.tensor([0, 3, 70], device=device)
+    # Triton's interpreter has no bfloat16 matmul (numpy has no bfloat16): there the tl.dot kernel's
+    # masks, chunks and combine are checked on float32 copies; its bfloat16 tensor-core dots only run
+    # on a GPU (this check on the device, before the first step, and the GPU tests).
+    if KERNEL == "dot" and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        query, k_cache, v_cache = query.float(), k_cache.float(), v_cache.float()
     for slot, window in ((140, 0), (140, 50), (visible - 1, 0)):
         slot_t = torch.tensor([slot], device=device)
-        want = _ref_decode_attention(query, k_cache, v_cache, valid_from, slot_t, visible, window, d ** -0.5)
-        got = _tri_decode_attention(query, k_cache, v_cache, valid_from, slot_t, visible, window, d ** -0.5)
-        if not kernels._close(want, got, dtype):
-            return f"flash decode_attention disagrees with the reference (slot {slot}, window {window})"
+        for chunk, block in ((None, None), (64, 32)):        # one program a row, then several
+            want = _ref_decode_attention(query, k_cache, v_cache, valid_from, slot_t, visible, window, d ** -0.5)
+            got = _tri_decode_attention(query, k_cache, v_cache, valid_from, slot_t, visible, window, d ** -0.5,
+                                        chunk, block)
+            if not kernels._close(want, got, dtype):
+                return f"flash decode_attention disagrees with the reference (slot {slot}, window {window})"
     return None
 
 

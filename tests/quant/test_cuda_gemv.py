@@ -93,7 +93,7 @@ def test_configs_fit_the_8b_shapes_and_say_why_not():
     assert cuda_gemv.Config(2, 4, 4).fits(64, 1024) == "2 chunks a warp not a multiple of U = 4"
     assert cuda_gemv.Config(1, 4, 1, A=1).fits(64, 1024) == "NT = 1 n-tiles with A = 1 (pairs of n-tiles)"
     a = cuda_gemv.SWAP
-    assert cuda_gemv.default_config(28672, 4096) == cuda_gemv.Config(4, 8, 1, 1, A=a)
+    assert cuda_gemv.default_config(28672, 4096) == cuda_gemv.Config(2, 8, 1, 1, A=a, G=4)
     assert cuda_gemv.default_config(64, 512) == cuda_gemv.Config(2, 4, 1, 1, A=a)
     # the K split depends on K alone: a merged GEMV sums each row as its projection's own call
     assert {cuda_gemv.default_config(n, 4096).W for n in (1024, 4096, 6144, 14336, 28672)} == {8}
@@ -272,7 +272,7 @@ def test_glu_refuses_shapes_without_whole_halves():
     assert "GLU over N = 40 rows" in cuda_gemv.Config(2, 4, 1, GLU=1).fits(40, 512)
     assert "GLU over N = 64 rows with NT = 1" in cuda_gemv.Config(1, 4, 1, GLU=1).fits(64, 512)
     assert cuda_gemv.Config(2, 4, 1, A=1, GLU=1).fits(64, 512) is None     # one gate and one up n-tile
-    assert cuda_gemv.glu_config(28672, 4096) == cuda_gemv.Config(4, 8, 1, 1, A=cuda_gemv.SWAP, GLU=1)
+    assert cuda_gemv.glu_config(28672, 4096) == cuda_gemv.Config(2, 8, 1, 1, A=cuda_gemv.SWAP, G=4, GLU=1)
     x, words, sz, _ = _case(40, 512)
     with pytest.raises(ValueError, match="GLU over N = 40"):
         cuda_gemv.matmul(x, words, sz, 40, 512, None, cuda_gemv.Kernels(cuda_gemv_emu.emulated_compile),
