@@ -64,8 +64,8 @@ from pathlib import Path
 from kv_modes import (fused_layers, fused_timing, paired_timing, peer_figures, profile_context,
                       split_timing, topk_options)
 from kv_steps import (SHAPES, backends, build, checkpoint, decode, dynamic_kv_bytes,
-                      dynamic_variants, floor_tok_s, free, h2d_rate, host_ms, host_profile,
-                      prefill, stronger_dynamic)
+                      dynamic_variants, floor_tok_s, free, h2d_rate, hit_rate, host_ms,
+                      host_profile, prefill, stronger_dynamic)
 
 
 def run_context(model, T, args, device, h2d, record=True):
@@ -122,9 +122,7 @@ def run_context(model, T, args, device, h2d, record=True):
     # pages that crossed to the device per token: with the page cache (the default with
     # top_k_pages, kv/pagecache.py) the chosen pages that were not in its device slots
     r["topk25_pages_per_token"] = (s["pages_fetched"] - before["pages_fetched"]) / n_steps
-    hits = s["page_cache_hits"] - before["page_cache_hits"]
-    misses = s["page_cache_misses"] - before["page_cache_misses"]
-    r["topk25_page_cache_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
+    r["topk25_page_cache_hit_rate"] = hit_rate(before, s)
     r["topk25_page_cache_bytes"] = s["page_cache_bytes"]
     r["topk25_page_cache"] = cache.page_cache
     r["topk25_last_step_fetched_bytes"] = s["page_cache_step_fetched_bytes"]
@@ -190,9 +188,7 @@ def run_context(model, T, args, device, h2d, record=True):
         tok, r[f"{name}_tok_s"], _ = decode(model, cache, tok, steps, device, args.warmup,
                                             args.repeats)
         s = cache.stats()
-        hits = s["page_cache_hits"] - before["page_cache_hits"]
-        misses = s["page_cache_misses"] - before["page_cache_misses"]
-        r[f"{name}_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
+        r[f"{name}_hit_rate"] = hit_rate(before, s)
         r[f"{name}_gpu_kv_ratio"] = round(s["gpu_bytes"] / r["dynamic_kv_bytes"], 4)
     if args.page_cache_multiples:
         cache.page_cache = 0

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kv_steps import (backends, cache_kwargs, decode, dynamic_kv_bytes, free, host_ms,
-                      host_profile, prefill, profile_steps)
+from kv_steps import (backends, cache_kwargs, decode, dynamic_kv_bytes, free, hit_rate,
+                      host_ms, host_profile, prefill, profile_steps)
 
 
 def split_timing(model, cache, tok, steps, device, args, r):
@@ -29,9 +29,7 @@ def split_timing(model, cache, tok, steps, device, args, r):
         tok, r[f"{name}_tok_s"], _ = decode(model, cache, tok, steps, device, args.warmup,
                                             args.repeats)
         s = cache.stats()
-        hits = s["page_cache_hits"] - before["page_cache_hits"]
-        misses = s["page_cache_misses"] - before["page_cache_misses"]
-        r[f"{name}_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
+        r[f"{name}_hit_rate"] = hit_rate(before, s)
         r[f"{name}_layers"] = sum(layer._fused is not None and layer._fused.split != default
                                   for layer in cache.layers)
     finally:
@@ -64,9 +62,7 @@ def fused_timing(model, cache, tok, steps, device, args, r):
     tok, r[f"{name}_tok_s"], r[f"{name}_host_share"] = decode(model, cache, tok, steps, device,
                                                               args.warmup, args.repeats)
     s = cache.stats()
-    hits = s["page_cache_hits"] - before["page_cache_hits"]
-    misses = s["page_cache_misses"] - before["page_cache_misses"]
-    r[f"{name}_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
+    r[f"{name}_hit_rate"] = hit_rate(before, s)
     tok, r[f"{name}_host_ms"] = host_ms(model, cache, tok, device)
     if not default:
         fused_layers(cache, r)

@@ -94,6 +94,14 @@ def decode(model, cache, tok, steps, device, warmup=4, repeats=2):
     return tok, steps / best[0], round(best[1] / best[0], 3)
 
 
+def hit_rate(before: dict, after: dict) -> float | None:
+    """The page cache's hit rate between two ``cache.stats()`` (None where no top-K page was
+    chosen in between)."""
+    hits = after["page_cache_hits"] - before["page_cache_hits"]
+    misses = after["page_cache_misses"] - before["page_cache_misses"]
+    return round(hits / (hits + misses), 4) if hits + misses else None
+
+
 def host_ms(model, cache, tok, device, tries: int = 3):
     """The host's time to issue one decode step with the device idle before it (a sync first),
     ms, best of ``tries``: what the step costs the host alone, where a window's time is the
